@@ -1,0 +1,23 @@
+"""ckpt: asynchronous, sharded, verified checkpoints for PyTorch training.
+
+    import ckpt
+    ckptr = ckpt.Checkpointer("runs/exp1", keep_last=3)
+    ckptr.load("latest", state)        # in place; None on a new run
+    h = ckptr.save(step, state)        # returns after the snapshot; writing goes on behind
+    ckptr.close()                      # waits for in-flight saves, raises if one failed
+"""
+
+from ._version import __version__
+from .checkpointer import Checkpointer, SaveHandle
+from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                     DistributedSaveError, IncompatibleFormatError, NotACheckpointError, ReshardError,
+                     StateMismatchError, StepExistsError, StorageError, UnsupportedValueError)
+from .state import RNGState
+from .writer import SaveMetrics
+
+__all__ = [
+    "__version__", "Checkpointer", "SaveHandle", "SaveMetrics", "RNGState",
+    "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
+    "DistributedSaveError", "IncompatibleFormatError", "NotACheckpointError", "ReshardError",
+    "StateMismatchError", "StepExistsError", "StorageError", "UnsupportedValueError",
+]

@@ -1,0 +1,68 @@
+"""The one exception family of ckpt.
+
+Every error a user can get from ckpt is a :class:`CheckpointError`. Subclasses say what kind of
+problem it is, and each message says what was wrong and what to do about it. Where another error
+caused ours (an ``OSError`` from the disk, a backend error from fsspec), it is kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by ckpt."""
+
+
+class ConfigError(CheckpointError, ValueError):
+    """An argument or option is invalid; raised before any I/O happens."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """The state holds an object that ckpt cannot store without pickle."""
+
+
+class CheckpointNotFoundError(CheckpointError, LookupError):
+    """The requested step (or any committed step) does not exist."""
+
+
+class NotACheckpointError(CheckpointError):
+    """The path exists but does not hold a ckpt checkpoint."""
+
+
+class StepExistsError(CheckpointError):
+    """A save was asked for a step that is already committed; committed steps are never overwritten."""
+
+
+class IncompatibleFormatError(CheckpointError):
+    """The checkpoint uses a format (or codec) this version of ckpt cannot read."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """An object of the checkpoint failed its checks (hash, size, header or JSON).
+
+    ``object`` names the storage object; ``chunk`` is the chunk hash when a chunk is at fault.
+    """
+
+    def __init__(self, message: str, *, object: str | None = None, chunk: str | None = None):
+        super().__init__(message)
+        self.object = object
+        self.chunk = chunk
+
+
+class StateMismatchError(CheckpointError):
+    """The checkpoint does not fit the state it is loaded into (keys, shapes or dtypes)."""
+
+
+class StorageError(CheckpointError):
+    """The storage backend failed; the original error is kept as ``__cause__``."""
+
+
+class DistributedSaveError(CheckpointError):
+    """A save failed on one or more ranks; ``ranks`` lists them."""
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+
+class ReshardError(CheckpointError):
+    """State saved per rank cannot be mapped onto the requested world size."""

@@ -1,0 +1,249 @@
+"""The manifest: a typed, plain JSON description of one step (and of one rank's part of it).
+
+A manifest is untrusted input when read back: :func:`parse` checks every field it relies on
+(types, hash syntax, dtype names, sizes that add up) and raises
+:class:`~ckpt.errors.CorruptCheckpointError` naming the object otherwise. Readers dispatch on
+``format_version``; a newer version is refused with :class:`~ckpt.errors.IncompatibleFormatError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._version import __version__
+from .codec import CODEC_VERSIONS, is_chunk_hash
+from .errors import CorruptCheckpointError, IncompatibleFormatError, NotACheckpointError
+from .state import DTYPES
+
+FORMAT = "ckpt"
+FORMAT_VERSION = 1
+MAX_CHUNK_BYTES = 1 << 34  # 16 GiB: a sanity bound on what a manifest may claim for one chunk
+
+
+def step_dir(step: int) -> str:
+    return f"steps/{step:012d}"
+
+
+def manifest_key(step: int) -> str:
+    return f"{step_dir(step)}/MANIFEST.json"
+
+
+def rank_key(step: int, rank: int) -> str:
+    return f"{step_dir(step)}/rank-{rank:05d}.json"
+
+
+def chunk_key(h: str) -> str:
+    return f"chunks/{h[:2]}/{h}"
+
+
+@dataclass
+class ChunkInfo:
+    """One stored chunk: raw size, stored size (header included) and codec descriptor (``zstd/1``)."""
+
+    size: int
+    stored: int
+    codec: str
+
+
+@dataclass
+class Segment:
+    """``length`` bytes at ``offset`` of chunk ``chunk``, in order, make up a shard's bytes."""
+
+    chunk: str
+    offset: int
+    length: int
+
+
+@dataclass
+class Shard:
+    """The part of a tensor one rank saved: an N-d box (offsets, lengths) of the global tensor,
+    stored row-major as a sequence of segments."""
+
+    rank: int
+    offsets: list[int]
+    lengths: list[int]
+    segments: list[Segment]
+
+
+@dataclass
+class TensorEntry:
+    key: str
+    dtype: str
+    shape: list[int]
+    shards: list[Shard]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass
+class Manifest:
+    step: int
+    kind: str  # "step" (the commit point) or "rank" (one rank's report)
+    structure: dict
+    tensors: list[TensorEntry]
+    chunks: dict[str, ChunkInfo]
+    world_size: int = 1
+    rank: int | None = None
+    created: float = field(default_factory=time.time)
+    writer: str = f"ckpt {__version__}"
+    stats: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "writer": self.writer,
+            "kind": self.kind,
+            "step": self.step,
+            "world_size": self.world_size,
+            "created": self.created,
+            "stats": self.stats,
+            "structure": self.structure,
+            "tensors": [
+                {"key": t.key, "dtype": t.dtype, "shape": t.shape, "shards": [
+                    {"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths,
+                     "segments": [[g.chunk, g.offset, g.length] for g in s.segments]}
+                    for s in t.shards]}
+                for t in self.tensors
+            ],
+            "chunks": {h: [c.size, c.stored, c.codec] for h, c in self.chunks.items()},
+        }
+        if self.rank is not None:
+            doc["rank"] = self.rank
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(c.stored for c in self.chunks.values())
+
+    def tensor(self, key: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.key == key:
+                return t
+        raise KeyError(key)
+
+
+def _check(cond: bool, name: str, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"manifest {name} is invalid: {what}", object=name)
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return type(v) is int and v >= lo
+
+
+def parse(data: bytes, *, name: str) -> Manifest:
+    """Parse and validate a manifest read from storage object ``name``."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(
+            f"manifest {name} is not valid JSON ({e}); the step is damaged: load another step "
+            "(or pass fallback=True to load('latest'))", object=name) from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise NotACheckpointError(f"{name} is not a ckpt manifest (no \"format\": \"ckpt\" field)")
+    version = doc.get("format_version")
+    _check(_is_int(version, 1), name, "format_version must be a positive integer")
+    if version > FORMAT_VERSION:
+        raise IncompatibleFormatError(
+            f"{name} was written by {doc.get('writer', 'a newer ckpt')} in format v{version}; this ckpt "
+            f"({__version__}) reads up to v{FORMAT_VERSION}. Upgrade: pip install -U ckpt")
+    return _PARSERS[version](doc, name)
+
+
+def _parse_v1(doc: dict, name: str) -> Manifest:
+    _check(doc.get("kind") in ("step", "rank"), name, "kind must be 'step' or 'rank'")
+    _check(_is_int(doc.get("step")), name, "step must be a non-negative integer")
+    _check(_is_int(doc.get("world_size"), 1), name, "world_size must be a positive integer")
+    _check(isinstance(doc.get("structure"), dict), name, "structure must be an object")
+    raw_chunks = doc.get("chunks")
+    _check(isinstance(raw_chunks, dict), name, "chunks must be an object")
+    chunks: dict[str, ChunkInfo] = {}
+    for h, c in raw_chunks.items():
+        _check(is_chunk_hash(h), name, f"chunk name {h[:40]!r} is not a 32-digit hex hash")
+        _check(isinstance(c, list) and len(c) == 3 and _is_int(c[0]) and _is_int(c[1]) and isinstance(c[2], str),
+               name, f"chunk {h} entry must be [size, stored, codec]")
+        _check(c[0] <= MAX_CHUNK_BYTES and c[1] <= MAX_CHUNK_BYTES + 4096, name, f"chunk {h} claims an absurd size")
+        codec, _, cver = c[2].partition("/")
+        if codec not in CODEC_VERSIONS or not cver.isdigit() or int(cver) > CODEC_VERSIONS[codec]:
+            raise IncompatibleFormatError(
+                f"{name}: chunk {h} uses codec {c[2]!r}, which this ckpt ({__version__}) cannot decode; upgrade ckpt")
+        chunks[h] = ChunkInfo(c[0], c[1], c[2])
+    tensors: list[TensorEntry] = []
+    seen: set[str] = set()
+    _check(isinstance(doc.get("tensors"), list), name, "tensors must be a list")
+    for t in doc["tensors"]:
+        _check(isinstance(t, dict) and isinstance(t.get("key"), str), name, "tensor entry without a key")
+        key = t["key"]
+        _check(key not in seen, name, f"tensor {key!r} is listed twice")
+        seen.add(key)
+        _check(t.get("dtype") in DTYPES, name, f"tensor {key!r} has unknown dtype {t.get('dtype')!r}")
+        shape = t.get("shape")
+        _check(isinstance(shape, list) and all(_is_int(d) for d in shape), name, f"tensor {key!r} has a bad shape")
+        itemsize = DTYPES[t["dtype"]].itemsize
+        shards = []
+        _check(isinstance(t.get("shards"), list), name, f"tensor {key!r} has no shard list")
+        for s in t["shards"]:
+            _check(isinstance(s, dict), name, f"tensor {key!r}: shard must be an object")
+            offs, lens = s.get("offsets"), s.get("lengths")
+            _check(isinstance(offs, list) and isinstance(lens, list) and len(offs) == len(shape) == len(lens)
+                   and all(_is_int(o) for o in offs) and all(_is_int(n) for n in lens)
+                   and all(o + n <= d for o, n, d in zip(offs, lens, shape)),
+                   name, f"tensor {key!r}: shard box {offs}+{lens} does not fit shape {shape}")
+            _check(_is_int(s.get("rank")), name, f"tensor {key!r}: shard rank must be a non-negative integer")
+            segs = []
+            total = 0
+            for g in s.get("segments", []):
+                _check(isinstance(g, list) and len(g) == 3 and isinstance(g[0], str) and _is_int(g[1]) and _is_int(g[2]),
+                       name, f"tensor {key!r}: segment must be [chunk, offset, length]")
+                _check(g[0] in chunks, name, f"tensor {key!r} names chunk {g[0][:40]!r} missing from the chunk table")
+                _check(g[1] + g[2] <= chunks[g[0]].size, name, f"tensor {key!r}: segment runs past the end of chunk {g[0]}")
+                segs.append(Segment(g[0], g[1], g[2]))
+                total += g[2]
+            _check(total == math.prod(lens) * itemsize, name,
+                   f"tensor {key!r}: segments hold {total} bytes, the shard box needs {math.prod(lens) * itemsize}")
+            shards.append(Shard(s["rank"], offs, lens, segs))
+        tensors.append(TensorEntry(key, t["dtype"], shape, shards))
+    created = doc.get("created", 0.0)
+    return Manifest(
+        step=doc["step"], kind=doc["kind"], structure=doc["structure"], tensors=tensors, chunks=chunks,
+        world_size=doc["world_size"], rank=doc.get("rank"),
+        created=float(created) if isinstance(created, (int, float)) else 0.0,
+        writer=str(doc.get("writer", "")), stats=doc.get("stats") if isinstance(doc.get("stats"), dict) else {},
+        format_version=doc["format_version"],
+    )
+
+
+# One parser per format version: a new version adds an entry instead of growing an if-chain.
+_PARSERS = {1: _parse_v1}
+
+
+def merge(step: int, parts: list[Manifest]) -> Manifest:
+    """The step manifest from every rank's report: tensors' shards and chunk tables combined."""
+    by_key: dict[str, TensorEntry] = {}
+    chunks: dict[str, ChunkInfo] = {}
+    stats: dict[str, int] = {}
+    for part in sorted(parts, key=lambda p: p.rank or 0):
+        chunks.update(part.chunks)
+        for k, v in part.stats.items():
+            if isinstance(v, (int, float)):
+                stats[k] = stats.get(k, 0) + v
+        for t in part.tensors:
+            if t.key in by_key:
+                by_key[t.key].shards.extend(t.shards)
+            else:
+                by_key[t.key] = TensorEntry(t.key, t.dtype, list(t.shape), list(t.shards))
+    first = min(parts, key=lambda p: p.rank or 0)
+    return Manifest(step=step, kind="step", structure=first.structure, tensors=list(by_key.values()),
+                    chunks=chunks, world_size=len(parts), stats=stats)

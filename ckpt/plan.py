@@ -1,0 +1,120 @@
+"""The save plan: where every tensor goes in the host buffer, and how that buffer is cut into chunks.
+
+A plan depends only on the state's structure (keys, dtypes, shapes, devices), so it is computed on
+the first save and reused while the structure is unchanged. Its layout is what makes dedup work:
+the same tensor lands at the same place in the same chunk on every save, so an unchanged tensor
+produces unchanged chunks.
+
+Layout rules:
+* every tensor starts at a 64-byte aligned offset (padding is zero and stays zero);
+* a large tensor (at least a quarter chunk) starts a fresh chunk and is cut into ``chunk_size``
+  pieces, its last piece ending where it ends, so partial reads of it touch only its own chunks;
+* small tensors are packed together into shared chunks of up to ``chunk_size`` bytes, so a
+  checkpoint is not thousands of tiny objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .state import dtype_name
+
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # in the host buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ChunkSlot:
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    signature: tuple
+    slots: tuple[TensorSlot, ...]
+    chunks: tuple[ChunkSlot, ...]
+    nbytes: int
+
+    def segments(self, slot: TensorSlot) -> list[tuple[int, int, int]]:
+        """(chunk index, offset in chunk, length) pieces covering ``slot``, in order."""
+        out = []
+        lo, hi = slot.offset, slot.offset + slot.nbytes
+        for i in self._chunk_range(lo, hi):
+            c = self.chunks[i]
+            a, b = max(lo, c.offset), min(hi, c.offset + c.length)
+            if a < b:
+                out.append((i, a - c.offset, b - a))
+        return out
+
+    def _chunk_range(self, lo: int, hi: int) -> range:
+        # chunks are sorted and contiguous: binary search the first one that ends after lo
+        left, right = 0, len(self.chunks)
+        while left < right:
+            mid = (left + right) // 2
+            c = self.chunks[mid]
+            if c.offset + c.length <= lo:
+                left = mid + 1
+            else:
+                right = mid
+        end = left
+        while end < len(self.chunks) and self.chunks[end].offset < hi:
+            end += 1
+        return range(left, end)
+
+
+def signature(tensors: dict[str, torch.Tensor]) -> tuple:
+    return tuple((k, t.dtype, tuple(t.shape), t.device.type) for k, t in tensors.items())
+
+
+def make_plan(tensors: dict[str, torch.Tensor], chunk_size: int) -> Plan:
+    """Lay out ``tensors`` (in order) in one buffer and cut it into chunks."""
+    slots: list[TensorSlot] = []
+    chunks: list[ChunkSlot] = []
+    large = max(ALIGN, chunk_size // 4)
+    pos = 0
+    pack_start = 0  # start of the open pack chunk; pack is empty while pack_start == pos
+
+    def close_pack(end: int) -> None:
+        nonlocal pack_start
+        if end > pack_start:
+            chunks.append(ChunkSlot(pack_start, end - pack_start))
+        pack_start = end
+
+    for key, t in tensors.items():
+        dtype_name(t.dtype)
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            slots.append(TensorSlot(key, t.dtype, tuple(t.shape), pos, 0))
+            continue
+        start = -(-pos // ALIGN) * ALIGN
+        if nbytes >= large:
+            close_pack(start)
+            for off in range(start, start + nbytes, chunk_size):
+                chunks.append(ChunkSlot(off, min(chunk_size, start + nbytes - off)))
+            pos = start + nbytes
+            pack_start = pos
+        else:
+            if start + nbytes - pack_start > chunk_size:
+                close_pack(start)
+            pos = start + nbytes
+        slots.append(TensorSlot(key, t.dtype, tuple(t.shape), start, nbytes))
+    close_pack(pos)
+    # Chunks must tile the buffer without gaps (padding belongs to the chunk before it).
+    tiled = []
+    for i, c in enumerate(chunks):
+        end = chunks[i + 1].offset if i + 1 < len(chunks) else pos
+        tiled.append(ChunkSlot(c.offset, end - c.offset))
+    if tiled and tiled[0].offset != 0:
+        tiled[0] = ChunkSlot(0, tiled[0].offset + tiled[0].length)
+    return Plan(signature(tensors), tuple(slots), tuple(tiled), pos)

@@ -1,0 +1,296 @@
+"""Turning a training state into JSON structure plus tensor leaves, and back.
+
+``state`` is a dict of things: objects with ``state_dict()/load_state_dict()`` (modules,
+optimizers, schedulers, any ``Stateful``), tensors, numpy arrays and plain Python values, nested in
+dicts, lists and tuples. :func:`flatten` walks it once and produces
+
+* a structure tree of JSON nodes that records every plain value exactly (int vs float, tuples,
+  non-string dict keys, NaN) and names each tensor by its key path, and
+* the tensor leaves, keyed by that path (``"model/layer.weight"``, ``"optim/state/0/exp_avg"``).
+
+No node ever holds code: objects that are not plain values are refused unless the caller opts into
+pickle, and a pickle node is refused on load unless the loader opts in too.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, StateMismatchError, UnsupportedValueError
+
+# dtypes a checkpoint may name; a manifest naming anything else is refused.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise UnsupportedValueError(f"tensors of dtype {dtype} are not supported by ckpt")
+    return name
+
+
+def is_stateful(obj: Any) -> bool:
+    """True for objects following the Stateful protocol (``state_dict`` and ``load_state_dict``)."""
+    return (
+        not isinstance(obj, (torch.Tensor, dict, type))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _component(k: Any) -> str:
+    return k if isinstance(k, str) else repr(k)
+
+
+@dataclass
+class Flat:
+    """The result of :func:`flatten`."""
+
+    structure: dict
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    statefuls: dict[str, Any] = field(default_factory=dict)  # key path -> object, for load
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool, for_target: bool):
+        self.allow_pickle = allow_pickle
+        self.for_target = for_target  # walking the caller's state on load: never refuse anything
+        self.flat = Flat(structure={})
+
+    def tensor_key(self, path: tuple) -> str:
+        key = "/".join(_component(p) for p in path)
+        base, n = key, 1
+        while key in self.flat.tensors:  # two paths that print alike (rare): keep keys unique
+            n += 1
+            key = f"{base}#{n}"
+        return key
+
+    def node(self, obj: Any, path: tuple) -> Any:
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return obj if type(obj) is int else self.other(obj, path)  # IntEnum etc. are objects
+        if isinstance(obj, float):
+            if type(obj) is not float:
+                return self.other(obj, path)
+            return obj if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path, numpy=False)
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                return self.other(obj, path)
+            return self.tensor(torch.from_numpy(np.ascontiguousarray(obj)), path, numpy=True)
+        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+            return {"t": "npscalar", "dtype": obj.dtype.str, "v": self.node(obj.item(), path)}
+        if isinstance(obj, dict):
+            keys = list(obj.keys())
+            return {"t": "dict", "k": [self.node(k, path + ("<key>",)) for k in keys],
+                    "v": [self.node(obj[k], path + (k,)) for k in keys]}
+        if isinstance(obj, torch.Size):
+            return {"t": "size", "v": list(obj)}
+        if isinstance(obj, tuple) and type(obj) is tuple:
+            return {"t": "tuple", "v": [self.node(v, path + (i,)) for i, v in enumerate(obj)]}
+        if isinstance(obj, list) and type(obj) is list:
+            return [self.node(v, path + (i,)) for i, v in enumerate(obj)]
+        if isinstance(obj, torch.dtype):
+            return {"t": "dtype", "v": dtype_name(obj)}
+        if isinstance(obj, torch.device):
+            return {"t": "device", "v": str(obj)}
+        if isinstance(obj, (bytes, bytearray)):
+            return {"t": "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
+        if is_stateful(obj):
+            self.flat.statefuls["/".join(_component(p) for p in path)] = obj
+            return {"t": "stateful", "type": f"{type(obj).__module__}.{type(obj).__qualname__}",
+                    "v": self.node(obj.state_dict(), path)}
+        return self.other(obj, path)
+
+    def tensor(self, t: torch.Tensor, path: tuple, numpy: bool) -> dict:
+        if not self.for_target:
+            if t.layout != torch.strided:
+                raise UnsupportedValueError(
+                    f"{'/'.join(map(_component, path))}: {t.layout} tensors are not supported; convert with .to_dense()")
+            if t.device.type == "meta":
+                raise UnsupportedValueError(f"{'/'.join(map(_component, path))}: meta tensors hold no data to save")
+            dtype_name(t.dtype)
+        key = self.tensor_key(path)
+        self.flat.tensors[key] = t
+        node = {"t": "tensor", "key": key}
+        if numpy:
+            node["numpy"] = True
+        return node
+
+    def other(self, obj: Any, path: tuple) -> Any:
+        where = "/".join(_component(p) for p in path) or "<root>"
+        if self.for_target:
+            return None
+        if not self.allow_pickle:
+            raise UnsupportedValueError(
+                f"cannot store {type(obj).__module__}.{type(obj).__qualname__} at {where!r} without pickle: "
+                "convert it to plain values (numbers, strings, lists, dicts, tensors), give it "
+                "state_dict()/load_state_dict(), or pass allow_pickle=True to the Checkpointer "
+                "(loading it will then need allow_pickle=True too)")
+        return {"t": "pickle", "v": base64.b64encode(pickle.dumps(obj)).decode("ascii")}
+
+
+def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False) -> Flat:
+    """Walk ``state`` once; see the module docstring."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"state must be a dict (e.g. {{'model': model, 'optim': opt}}), got {type(state).__name__}")
+    bad = [k for k in state if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"state keys must be strings; got {bad[:3]!r}")
+    f = _Flattener(allow_pickle, for_target)
+    f.flat.structure = {"t": "dict", "k": list(state.keys()), "v": [f.node(v, (k,)) for k, v in state.items()]}
+    return f.flat
+
+
+class _Stateful:
+    """A decoded stateful node: the saved state_dict, to hand to ``load_state_dict``."""
+
+    __slots__ = ("state_dict",)
+
+    def __init__(self, sd: Any):
+        self.state_dict = sd
+
+
+def decode(node: Any, tensors: dict[str, torch.Tensor], *, allow_pickle: bool) -> Any:
+    """Rebuild the value a structure node describes, taking tensors from ``tensors`` by key."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [decode(v, tensors, allow_pickle=allow_pickle) for v in node]
+    t = node.get("t")
+    if t == "dict":
+        return {decode(k, tensors, allow_pickle=allow_pickle): decode(v, tensors, allow_pickle=allow_pickle)
+                for k, v in zip(node["k"], node["v"])}
+    if t == "tensor":
+        value = tensors[node["key"]]
+        return value.numpy() if node.get("numpy") else value
+    if t == "tuple":
+        return tuple(decode(v, tensors, allow_pickle=allow_pickle) for v in node["v"])
+    if t == "float":
+        return float(node["v"])
+    if t == "npscalar":
+        return np.dtype(node["dtype"]).type(decode(node["v"], tensors, allow_pickle=allow_pickle))
+    if t == "size":
+        return torch.Size(node["v"])
+    if t == "dtype":
+        return DTYPES[node["v"]]
+    if t == "device":
+        return torch.device(node["v"])
+    if t == "bytes":
+        return base64.b64decode(node["v"])
+    if t == "stateful":
+        return _Stateful(decode(node["v"], tensors, allow_pickle=allow_pickle))
+    if t == "pickle":
+        if not allow_pickle:
+            raise UnsupportedValueError(
+                "this checkpoint holds pickled objects, and unpickling can run code from the file. "
+                "Load it with allow_pickle=True only if you trust where it came from.")
+        return pickle.loads(base64.b64decode(node["v"]))
+    raise ValueError(f"unknown node type {t!r}")
+
+
+def structure_has_pickle(node: Any) -> bool:
+    """True if any node of the tree is a pickle node (checked before any chunk is read)."""
+    if isinstance(node, list):
+        return any(structure_has_pickle(v) for v in node)
+    if isinstance(node, dict):
+        return node.get("t") == "pickle" or any(structure_has_pickle(v) for v in node.values())
+    return False
+
+
+def apply(state: dict, decoded: dict) -> None:
+    """Put decoded values into ``state`` in place: stateful objects get ``load_state_dict``,
+    tensors that were not loaded in place are copied into, everything else is assigned."""
+    for key, value in decoded.items():
+        _apply_into(state, key, value, key)
+
+
+def _apply_into(container: Any, key: Any, value: Any, where: str) -> None:
+    current = container[key] if _has(container, key) else None
+    if isinstance(value, _Stateful):
+        if current is None or not is_stateful(current):
+            raise StateMismatchError(
+                f"{where!r} was saved from an object with state_dict(); the state passed to load has "
+                f"{type(current).__name__} there. Pass the same kind of object (model, optimizer, …).")
+        current.load_state_dict(_unwrap(value.state_dict))
+        return
+    if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+        if value is not current:
+            with torch.no_grad():
+                current.copy_(value)
+        return
+    if isinstance(current, dict) and isinstance(value, dict) and not is_stateful(current):
+        for k, v in value.items():
+            _apply_into(current, k, v, f"{where}/{_component(k)}")
+        return
+    container[key] = _unwrap(value)
+
+
+def _has(container: Any, key: Any) -> bool:
+    if isinstance(container, dict):
+        return key in container
+    return False
+
+
+def _unwrap(value: Any) -> Any:
+    """Stateful markers nested inside a plain value (never produced by flatten) are resolved to dicts."""
+    if isinstance(value, _Stateful):
+        return _unwrap(value.state_dict)
+    if isinstance(value, dict):
+        return {k: _unwrap(v) for k, v in value.items()}
+    return value
+
+
+class RNGState:
+    """A ``Stateful`` holding every random number generator a training run draws from.
+
+    Put it in the state so a resumed run continues with the same random stream::
+
+        state = {"model": model, "optim": opt, "rng": ckpt.RNGState()}
+        ckptr.save(step, state)      # captures python, numpy, torch (CPU) and CUDA generators
+        ckptr.load("latest", state)  # restores them
+    """
+
+    def state_dict(self) -> dict:
+        sd = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd["cuda"] = torch.cuda.get_rng_state_all()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        random.setstate(_as_tuples(sd["python"]))
+        np.random.set_state(sd["numpy"])
+        torch.set_rng_state(sd["torch"].clone())
+        if "cuda" in sd and torch.cuda.is_available():
+            states = sd["cuda"]
+            if len(states) != torch.cuda.device_count():
+                raise StateMismatchError(
+                    f"the checkpoint holds RNG states for {len(states)} CUDA devices, this process sees "
+                    f"{torch.cuda.device_count()}; restore on the same device count or drop 'cuda' from the RNG state")
+            torch.cuda.set_rng_state_all([s.clone() for s in states])
+
+
+def _as_tuples(v: Any) -> Any:
+    return tuple(_as_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v

@@ -1,0 +1,96 @@
+"""Any fsspec filesystem (memory://, s3://, gs:// …) as checkpoint storage.
+
+The filesystem is created with ``skip_instance_cache=True`` so two Checkpointers (or two tests)
+never share fsspec's cached instance, and listings always ask the backend (``refresh=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import fsspec
+
+from ..errors import ConfigError, StorageError
+from .base import Storage
+
+
+class FsspecStorage(Storage):
+    def __init__(self, url: str, storage_options: dict):
+        try:
+            fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **storage_options)
+        except (ImportError, ValueError) as e:
+            raise ConfigError(
+                f"cannot open {url!r} with fsspec: {e}. For s3:// install the extra: pip install 'ckpt[s3]'") from e
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url.rstrip("/")
+
+    def _path(self, key: str) -> str:
+        if ".." in key.split("/"):
+            raise StorageError(f"refusing to touch {key!r}: it leaves the checkpoint root")
+        return f"{self.root}/{key}"
+
+    def _fail(self, what: str, key: str, e: Exception) -> StorageError:
+        return StorageError(f"{what} {self.url}/{key} failed: {type(e).__name__}: {e}")
+
+    def write(self, key: str, buffers: Sequence) -> int:
+        data = b"".join(bytes(b) if not isinstance(b, bytes) else b for b in buffers)
+        try:
+            self.fs.pipe_file(self._path(key), data)
+        except Exception as e:
+            raise self._fail("writing", key, e) from e
+        return len(data)
+
+    def commit(self, key: str, data: bytes) -> None:
+        # Best effort create-only: a store with conditional writes gets them in the S3 layer.
+        if self.exists(key):
+            raise FileExistsError(f"{self.url}/{key}")
+        self.write(key, [data])
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(key), start=start, end=end)
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise self._fail("reading", key, e) from e
+
+    def size(self, key: str) -> int:
+        try:
+            return int(self.fs.info(self._path(key))["size"])
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise self._fail("stat of", key, e) from e
+
+    def exists(self, key: str) -> bool:
+        try:
+            return bool(self.fs.exists(self._path(key)))
+        except Exception as e:
+            raise self._fail("checking", key, e) from e
+
+    def list(self, prefix: str) -> list[str]:
+        path = self._path(prefix).rstrip("/")
+        try:
+            entries = self.fs.ls(path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        except TypeError:  # filesystems whose ls() takes no refresh argument
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+        except Exception as e:
+            raise self._fail("listing", prefix, e) from e
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            return
+        except Exception as e:
+            raise self._fail("deleting", key, e) from e
+
+    def root_state(self) -> str:
+        return "nonempty" if self.list("") else "missing"
