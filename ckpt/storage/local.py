@@ -108,11 +108,13 @@ class LocalStorage(Storage):
     def flush(self) -> None:
         with self._lock:
             dirs, self._dirty_dirs = self._dirty_dirs, set()
-        try:
-            for d in sorted(dirs, key=len, reverse=True):
+        for d in sorted(dirs, key=len, reverse=True):
+            try:
                 _fsync_dir(d)
-        except OSError as e:
-            raise StorageError(f"fsync of directory failed: {e}") from e
+            except FileNotFoundError:
+                continue  # removed since (retention): its parent's entry is what matters, and is dirty
+            except OSError as e:
+                raise StorageError(f"fsync of directory {d} failed: {e}") from e
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         path = self._path(key)
@@ -187,7 +189,9 @@ class LocalStorage(Storage):
             try:
                 os.rmdir(path)
             except OSError:
-                pass
+                return  # not empty (something new landed in it): leave it
+            with self._lock:
+                self._made_dirs.discard(path)
         except OSError as e:
             raise StorageError(f"deleting {path} failed: {e}") from e
         with self._lock:
