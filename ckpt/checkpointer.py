@@ -58,7 +58,10 @@ class SaveHandle:
                 raise TimeoutError(f"save of step {self.step} not finished after {timeout}s") from None
             except BaseException as e:
                 self._observed = True
-                raise describe_failure(self.step, e) from (None if isinstance(e, CheckpointError) else e)
+                err = describe_failure(self.step, e)
+                if err is e:
+                    raise  # keeps the original traceback and __cause__
+                raise err from e
         return self.metrics
 
     def exception(self) -> CheckpointError | None:

@@ -1,0 +1,178 @@
+"""The save returns after the snapshot; what is written is the state at the save() call."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+
+import psutil
+import pytest
+import torch
+
+import ckpt
+from ckpt import manifest as mf
+from conftest import chunk_files, clone_tensors, make_state
+
+
+def test_snapshot_is_the_state_at_save_time(ckdir, gate):
+    state = make_state(steps=3)
+    state["big"] = torch.randn(512, 1024)
+    want = clone_tensors(state["model"].state_dict()) | {"big": state["big"].clone()}
+    want_opt = [t.clone() for s in state["optim"].state.values() for t in s.values()]
+    c = ckpt.Checkpointer(ckdir, chunk_size=256 * 1024)
+    h = c.save(3, state)
+    assert gate.entered.wait(30)  # the writer is busy with chunks and held there
+    assert not h.done()
+    with torch.no_grad():  # change every tensor in place while the save is provably in flight
+        for p in state["model"].parameters():
+            p.mul_(-3).add_(1)
+        state["big"].fill_(7)
+        for s in state["optim"].state.values():
+            for t in s.values():
+                t.add_(5)
+    gate.open()
+    h.wait()
+    c.close()
+    fresh = make_state(seed=9, steps=3)
+    fresh["big"] = torch.empty(512, 1024)
+    ckpt.Checkpointer(ckdir).load(3, fresh)
+    got = clone_tensors(fresh["model"].state_dict()) | {"big": fresh["big"]}
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    got_opt = [t for s in fresh["optim"].state.values() for t in s.values()]
+    assert all(torch.equal(a, b) for a, b in zip(got_opt, want_opt))
+
+
+def test_busy_skip_drops_the_save_and_says_so(ckdir, gate, caplog):
+    state = {"w": torch.randn(1000)}
+    c = ckpt.Checkpointer(ckdir, busy="skip")
+    h1 = c.save(1, state)
+    assert gate.entered.wait(30)
+    with caplog.at_level(logging.INFO, logger="ckpt"):
+        h2 = c.save(2, state)
+    assert h2.skipped and h2.done() and h2.wait().skipped
+    assert any("skipped the save of step 2" in r.message for r in caplog.records)
+    gate.open()
+    h1.wait()
+    assert c.steps() == [1]
+    c.close()
+
+
+def test_busy_wait_blocks_until_the_buffer_is_free(ckdir, gate):
+    state = {"w": torch.randn(1000)}
+    c = ckpt.Checkpointer(ckdir, busy="wait")
+    h1 = c.save(1, state)
+    assert gate.entered.wait(30)
+    second: list = []
+    t = threading.Thread(target=lambda: second.append(c.save(2, state)))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and not second  # still waiting for the first save's buffer
+    gate.open()
+    t.join(30)
+    assert second and not second[0].skipped
+    second[0].wait()
+    h1.wait()
+    assert c.steps() == [1, 2]
+    c.close()
+
+
+def test_dedup_writes_only_changed_chunks(ckdir):
+    frozen = torch.randn(256, 1024)  # 1 MiB: 4 chunks of 256 KiB
+    moving = torch.randn(256, 1024)
+    c = ckpt.Checkpointer(ckdir, chunk_size=256 * 1024, codec="raw")
+    m1 = c.save(1, {"frozen": frozen, "moving": moving}).wait()
+    assert m1.chunks_written == m1.chunks == 8
+    moving.add_(1)
+    m2 = c.save(2, {"frozen": frozen, "moving": moving}).wait()
+    assert (m2.chunks_reused, m2.chunks_written) == (4, 4)
+    assert m2.written_bytes < m1.written_bytes / 2 + 1024
+    m3 = c.save(3, {"frozen": frozen, "moving": moving}).wait()
+    assert m3.chunks_written == 0 and m3.written_bytes == 0
+    c.close()
+    # a new Checkpointer (a resumed run) also finds the stored chunks
+    c2 = ckpt.Checkpointer(ckdir, chunk_size=256 * 1024, codec="raw")
+    assert c2.save(4, {"frozen": frozen, "moving": moving}).wait().chunks_written == 0
+    c2.close()
+
+
+def test_codecs(ckdir, tmp_path):
+    compressible = {"z": torch.zeros(1 << 20), "ramp": torch.arange(1 << 18, dtype=torch.int64)}
+    noise = {"n": torch.randn(1 << 20)}
+    for codec, state, expect in [("zstd", compressible, "zstd/1"), ("auto", compressible, "zstd/1"),
+                                 ("raw", compressible, "raw/1"), ("auto", noise, "raw/1"),
+                                 ("zstd:5", compressible, "zstd/1")]:
+        d = str(tmp_path / f"{codec}-{expect}-{len(state)}")
+        with ckpt.Checkpointer(d, codec=codec) as c:
+            m = c.save(0, state).wait()
+            man = c.manifest(0)
+        assert {ci.codec for ci in man.chunks.values()} == {expect}, (codec, expect)
+        if expect == "zstd/1":
+            assert m.written_bytes < m.raw_bytes / 10
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        ckpt.Checkpointer(d).load(0, target)
+        assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_keep_last_deletes_old_steps_and_only_their_chunks(ckdir):
+    w = torch.randn(300, 1024)
+    frozen = torch.randn(300, 1024)
+    c = ckpt.Checkpointer(ckdir, keep_last=2, chunk_size=256 * 1024)
+    for step in range(1, 6):
+        w.add_(1)
+        c.save(step, {"w": w, "frozen": frozen}).wait()
+    c.close()
+    c = ckpt.Checkpointer(ckdir)
+    assert c.steps() == [4, 5]
+    referenced = set()
+    for s in c.steps():
+        referenced |= c.manifest(s).chunks.keys()
+    on_disk = {os.path.basename(p) for p in chunk_files(ckdir)}
+    assert on_disk == referenced  # nothing unreferenced left, nothing referenced deleted
+    assert not os.path.exists(os.path.join(ckdir, mf.step_dir(1)))
+    target = {"w": torch.empty_like(w), "frozen": torch.empty_like(frozen)}
+    assert c.load("latest", target) == 5 and torch.equal(target["w"], w)
+    c.close()
+
+
+def test_retention_never_deletes_the_step_this_run_loaded(ckdir):
+    state = {"w": torch.randn(100)}
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(10, state)
+    c = ckpt.Checkpointer(ckdir, keep_last=1)
+    c.load(10, state)
+    for s in (11, 12, 13):
+        state["w"].add_(1)
+        c.save(s, state).wait()
+    assert c.steps() == [10, 13]
+    c.close()
+    assert ckpt.Checkpointer(ckdir).load(10, {"w": torch.empty(100)}) == 10
+
+
+def test_memory_is_stable_over_50_saves(ckdir):
+    """The host buffer is allocated once and reused: RSS after 50 saves ≈ RSS after the first."""
+    state = {f"layer{i}": torch.randn(1024, 1024) for i in range(24)}  # 96 MiB
+    proc = psutil.Process()
+    c = ckpt.Checkpointer(ckdir, keep_last=2, chunk_size=4 << 20)
+    rss = []
+    for step in range(50):
+        c.save(step, state).wait()
+        gc.collect()
+        rss.append(proc.memory_info().rss)
+        for t in state.values():
+            t.add_(1.0)
+    c.close()
+    growth = (rss[-1] - rss[0]) / rss[0]
+    assert growth < 0.05, f"RSS grew {growth:.1%}: {rss[0] >> 20} MiB after save 1, {rss[-1] >> 20} MiB after 50"
+
+
+def test_close_waits_for_in_flight_saves(ckdir):
+    c = ckpt.Checkpointer(ckdir)
+    handles = [c.save(s, {"w": torch.randn(200_000) + s}) for s in range(3)]
+    c.close()
+    assert all(h.done() and h.exception() is None for h in handles)
+    assert ckpt.Checkpointer(ckdir).steps() == [0, 1, 2]
+    with pytest.raises(ckpt.CheckpointError, match="closed"):
+        c.save(4, {"w": torch.ones(1)})
