@@ -108,7 +108,8 @@ class Checkpointer:
         strict: default for :meth:`load`: refuse keys missing on either side.
         allow_pickle: store objects that are not plain values with pickle (off: they are refused).
             Loading such a checkpoint needs ``allow_pickle=True`` too.
-        io_threads: threads for hashing, compression and I/O (default: 2 × cores, 4 to 16).
+        io_threads: threads for hashing, compression and I/O (default: 2 × cores, 8 to 16;
+            fsync-bound writes need several in flight to reach the disk's bandwidth).
         storage_options: passed to fsspec for URLs.
     """
 
@@ -141,7 +142,7 @@ class Checkpointer:
         self.busy = busy
         self.strict = strict
         self.allow_pickle = allow_pickle
-        threads = io_threads or max(4, min(16, 2 * (os.cpu_count() or 2)))
+        threads = io_threads or min(16, max(8, 2 * (os.cpu_count() or 2)))
         self._writer = Writer(self.storage, self.codec, threads)
         self._manifests = ManifestCache(self.storage)
         self._pool: HostPool | None = None

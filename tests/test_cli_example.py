@@ -1,0 +1,90 @@
+"""The ckpt console script and the README's example, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import ckpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, cwd=ROOT, check=True):
+    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_inspect_table_and_json(ckdir):
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(5, {"model": torch.nn.Linear(3, 2), "lr": 0.5, "name": "run-a"})
+        c.save(9, {"model": torch.nn.Linear(3, 2), "lr": 0.25, "name": "run-a"})
+    out = run("-m", "ckpt.cli", "inspect", ckdir).stdout
+    assert "2 committed step(s)" in out and "model/weight" in out and "float32" in out and "(2, 3)" in out
+    assert "lr = 0.25" in out and "name = 'run-a'" in out
+    doc = json.loads(run("-m", "ckpt.cli", "inspect", ckdir, "--step", "5", "--json").stdout)
+    assert [s["step"] for s in doc["steps"]] == [5, 9]
+    assert doc["detail"]["step"] == 5 and doc["detail"]["values"]["lr"] == "0.5"
+    w = next(t for t in doc["detail"]["tensors"] if t["key"] == "model/weight")
+    assert w["dtype"] == "float32" and w["shape"] == [2, 3] and w["bytes"] == 24
+
+
+def test_inspect_never_unpickles(ckdir, tmp_path):
+    marker = tmp_path / "pwned"
+    payload = _Payload(str(marker))
+    with ckpt.Checkpointer(ckdir, allow_pickle=True) as c:
+        c.save(1, {"evil": payload, "w": torch.ones(2)})
+    p = run("-m", "ckpt.cli", "inspect", ckdir)
+    assert "<pickled object: not loaded>" in p.stdout
+    assert not marker.exists()
+    # nor does a plain load
+    try:
+        ckpt.Checkpointer(ckdir).load(1, {"evil": None, "w": torch.empty(2)})
+    except ckpt.UnsupportedValueError:
+        pass
+    assert not marker.exists()
+
+
+class _Payload:
+    """Unpickling this creates a file: proof that code from the checkpoint ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_inspect_errors_exit_nonzero(tmp_path):
+    p = run("-m", "ckpt.cli", "inspect", str(tmp_path / "nothing"), check=False)
+    assert p.returncode == 1 and "no such checkpoint" in p.stderr
+    (tmp_path / "empty").mkdir()
+    p = run("-m", "ckpt.cli", "inspect", str(tmp_path / "empty"), check=False)
+    assert p.returncode == 1 and "holds no ckpt checkpoint" in p.stderr
+    p = run("-m", "ckpt.cli", "bogus", check=False)
+    assert p.returncode == 2
+
+
+def test_console_script_is_installed():
+    import shutil
+    exe = shutil.which("ckpt") or os.path.join(os.path.dirname(sys.executable), "ckpt")
+    p = subprocess.run([exe, "--version"], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == f"ckpt {ckpt.__version__}"
+
+
+def test_example_trains_and_resumes_identically(tmp_path):
+    straight = run("examples/train.py", "--dir", str(tmp_path / "a"), "--steps", "120", "--every", "40").stdout
+    assert "new run" in straight
+    first = run("examples/train.py", "--dir", str(tmp_path / "b"), "--steps", "120", "--every", "40",
+                "--stop-after", "90").stdout
+    assert "stopping after step 90" in first
+    resumed = run("examples/train.py", "--dir", str(tmp_path / "b"), "--steps", "120", "--every", "40").stdout
+    assert "resumed from step 80" in resumed
+    digest = lambda out: out.rsplit("weights ", 1)[1].split()[0]  # noqa: E731
+    assert digest(straight) == digest(resumed)
