@@ -184,6 +184,11 @@ class Checkpointer:
         pool.acquire()
         try:
             event = pool.copy_in(flat.tensors)
+            if event is not None:
+                # Until the optimizer pre-step hook exists (it makes the compute stream wait on this
+                # event on the device), the host waits here so no in-place update can race the copy.
+                event.synchronize()
+                event = None
         except BaseException:
             pool.release()
             raise
