@@ -272,3 +272,13 @@ def test_a_failed_save_does_not_block_the_next(tmp_path, monkeypatch):
     assert c.steps() == [2]
     c.close()
     assert not chunk_files(str(tmp_path / "ck")) == []
+
+
+def test_chunk_directory_removed_between_saves(ckdir):
+    import shutil
+    c = ckpt.Checkpointer(ckdir)
+    c.save(1, {"w": torch.randn(1000)}).wait()
+    shutil.rmtree(os.path.join(ckdir, "chunks"))  # e.g. an operator cleaning up by hand
+    c.save(2, {"w": torch.randn(1000)}).wait()  # new data: written again, directories recreated
+    c.close()
+    assert ckpt.Checkpointer(ckdir).load(2, {"w": torch.empty(1000)}) == 2

@@ -53,7 +53,13 @@ class LocalStorage(Storage):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         total = 0
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the directory was removed behind our back: make it again
+                with self._lock:
+                    self._made_dirs.discard(d)
+                self._ensure_dir(d)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 for buf in buffers:
                     view = memoryview(buf).cast("B")
