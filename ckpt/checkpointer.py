@@ -74,6 +74,10 @@ class SaveHandle:
         self._observed = True
         return describe_failure(self.step, e)
 
+    def _succeeded(self) -> bool:
+        # does not count as looking at the error, unlike exception()
+        return self._future is None or (self._future.done() and self._future.exception() is None)
+
     @property
     def skipped(self) -> bool:
         return self.metrics.skipped
@@ -199,7 +203,8 @@ class Checkpointer:
         handle = SaveHandle(step, metrics, future)
         with self._lock:
             self._submitted.add(step)
-            self._handles = [h for h in self._handles if not (h.done() and h.exception() is None)] + [handle]
+            # forget saves that succeeded; keep failures until someone has seen them
+            self._handles = [h for h in self._handles if not h._succeeded()] + [handle]
         return handle
 
     def _run_save(self, job: SaveJob) -> SaveMetrics:
@@ -324,10 +329,11 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for every save so far; raise the first failure not yet seen through its handle."""
-        handles = self._wait_pending()
-        for h in handles:
-            if not h._observed and h.exception() is not None:
-                raise h.exception()
+        for h in self._wait_pending():
+            if not h._observed:
+                err = h.exception()
+                if err is not None:
+                    raise err
 
     def close(self) -> None:
         """Wait for in-flight saves, stop the background threads, and raise if a save failed."""

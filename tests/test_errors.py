@@ -244,11 +244,27 @@ def test_storage_failure_reaches_handle_and_close(tmp_path):
     with pytest.raises(ckpt.StorageError) as ei:
         h.wait()
     assert isinstance(ei.value.__cause__, OSError)
-    c2 = ckpt.Checkpointer(str(blocker / "ck2"))
-    c2.save(1, {"w": torch.ones(10)})
-    with pytest.raises(ckpt.StorageError):
-        c2.close()  # never looked at: close() raises it
     del err
+
+
+def test_close_raises_a_failure_nobody_looked_at(tmp_path, monkeypatch):
+    from ckpt.storage.local import LocalStorage
+    original = LocalStorage.write
+
+    def failing_once(self, key, buffers):
+        if key.startswith("chunks/") and not getattr(failing_once, "done", False):
+            failing_once.done = True
+            raise ckpt.StorageError("injected write failure")
+        return original(self, key, buffers)
+
+    monkeypatch.setattr(LocalStorage, "write", failing_once)
+    c = ckpt.Checkpointer(str(tmp_path / "ck"))
+    c.save(1, {"w": torch.ones(10)})
+    c._wait_pending()  # let save 1 finish (and fail) without looking at its error
+    c.save(2, {"w": torch.ones(10) * 2})  # a later save must not swallow the earlier failure
+    with pytest.raises(ckpt.StorageError, match="injected"):
+        c.close()
+    assert ckpt.Checkpointer(str(tmp_path / "ck")).steps() == [2]
 
 
 def test_a_failed_save_does_not_block_the_next(tmp_path, monkeypatch):
