@@ -215,13 +215,18 @@ class Checkpointer:
             raise
         self._manifests.put(committed)
         if self.keep_last is not None:
-            try:
-                self._retain()
-            except CheckpointError as e:  # the save itself succeeded; retention tries again next time
-                log.warning("ckpt: retention after step %d failed (nothing committed was lost): %s", job.step, e)
+            # Queued behind this save on the same thread: the handle resolves at the commit, and the
+            # next save's chunk writes still run after the deletions (dedup never races GC).
+            self._writer.commit_thread.submit(self._retain, job.step)
         return job.metrics
 
-    def _retain(self) -> None:
+    def _retain(self, step: int) -> None:
+        try:
+            self._retain_now()
+        except Exception as e:  # the save itself succeeded; retention tries again after the next one
+            log.warning("ckpt: retention after step %d failed (nothing committed was lost): %s", step, e)
+
+    def _retain_now(self) -> None:
         steps = committed_steps(self.storage)
         victims = to_delete(steps, self.keep_last, self._protected)
         if not victims:
@@ -325,10 +330,13 @@ class Checkpointer:
                     h._future.result()
                 except BaseException:  # noqa: BLE001 - reported by close() or the handle
                     pass
+        if not self._closed:  # and the retention queued behind them
+            self._writer.commit_thread.submit(lambda: None).result()
         return handles
 
     def wait(self) -> None:
-        """Wait for every save so far; raise the first failure not yet seen through its handle."""
+        """Wait for every save so far (and the retention after them); raise the first failure not
+        yet seen through its handle."""
         for h in self._wait_pending():
             if not h._observed:
                 err = h.exception()
