@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-import ckpt
 from ckpt.storage.local import LocalStorage
 
 

@@ -88,3 +88,11 @@ def test_example_trains_and_resumes_identically(tmp_path):
     assert "resumed from step 80" in resumed
     digest = lambda out: out.rsplit("weights ", 1)[1].split()[0]  # noqa: E731
     assert digest(straight) == digest(resumed)
+
+
+def test_benchmark_script_runs_and_checks_what_it_loaded(tmp_path):
+    """Smoke test of benchmarks/save_load.py at 64 MiB, so the published table's script stays runnable."""
+    p = run("benchmarks/save_load.py", "--quick", "--only", "memcpy,torch.save,dcp.async_save,ckpt",
+            "--out", str(tmp_path))
+    assert "| ckpt |" in p.stdout and "| dcp.async_save |" in p.stdout
+    assert (tmp_path / "save_load.md").exists() and (tmp_path / "save_load.json").exists()
