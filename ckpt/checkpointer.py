@@ -151,7 +151,7 @@ class Checkpointer:
         self._manifests = ManifestCache(self.storage)
         self._pool: HostPool | None = None
         self._handles: list[SaveHandle] = []
-        self._submitted: set[int] = set()
+        self._submitted: set[int] = set()  # steps saved or being saved by this Checkpointer
         self._protected: set[int] = set()  # steps this run loaded from: retention never deletes them
         self._lock = threading.Lock()
         self._closed = False
@@ -181,7 +181,7 @@ class Checkpointer:
             if pool is not None:  # the state's structure changed: wait for the old buffer, then replace it
                 pool.acquire()
                 pool.release()
-            pool = self._pool = None
+            self._pool = pool = None  # let the old buffer go before allocating the new one
             pool = self._pool = HostPool(make_plan(flat.tensors, self.chunk_size))
             log.debug("ckpt: new plan: %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
                       len(pool.plan.slots), len(pool.plan.chunks), pool.nbytes / MiB, pool.pinned)
@@ -212,6 +212,8 @@ class Checkpointer:
             committed = self._writer.run(job)
         except BaseException as e:
             log.error("ckpt: saving step %d failed: %s", job.step, e)
+            with self._lock:
+                self._submitted.discard(job.step)  # nothing was committed: the step may be saved again
             raise
         self._manifests.put(committed)
         if self.keep_last is not None:
