@@ -212,8 +212,9 @@ class Checkpointer:
             committed = self._writer.run(job)
         except BaseException as e:
             log.error("ckpt: saving step %d failed: %s", job.step, e)
-            with self._lock:
-                self._submitted.discard(job.step)  # nothing was committed: the step may be saved again
+            if not isinstance(e, StepExistsError):
+                with self._lock:
+                    self._submitted.discard(job.step)  # nothing was committed: the step may be saved again
             raise
         self._manifests.put(committed)
         if self.keep_last is not None:
