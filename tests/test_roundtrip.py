@@ -172,3 +172,13 @@ def test_save_into_new_model_loads_into_parameters(ckdir):
     ckpt.Checkpointer(ckdir).load(0, {"model": m2})
     assert all(p is q for p, q in zip(params, m2.parameters()))  # same Parameter objects, new values
     assert_same_tensors(m.state_dict(), m2.state_dict())
+
+
+def test_file_url_is_the_local_directory(tmp_path):
+    state = {"w": torch.randn(100)}
+    with ckpt.Checkpointer(f"file://{tmp_path}/ck") as c:
+        c.save(3, state)
+    assert (tmp_path / "ck" / "steps" / "000000000003" / "MANIFEST.json").exists()
+    target = {"w": torch.empty(100)}
+    assert ckpt.Checkpointer(str(tmp_path / "ck")).load("latest", target) == 3
+    assert torch.equal(target["w"], state["w"])
