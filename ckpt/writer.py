@@ -152,8 +152,9 @@ class Writer:
                 f"step {job.step} is already committed in {self.storage.describe()}; committed steps are never "
                 "overwritten. Save under a new step number (or delete the old one with retention/`ckpt gc`).") from None
         m.duration_s = time.perf_counter() - job.started
-        log.debug("ckpt: committed step %d: %d chunks (%d new, %d reused), %.3fs",
-                  job.step, m.chunks, m.chunks_written, m.chunks_reused, m.duration_s)
+        log.info("ckpt: step %d committed in %.2fs: %.1f MiB state, %.1f MiB written (%d new chunks, %d reused), "
+                 "save() blocked %.3fs", job.step, m.duration_s, m.raw_bytes / 2**20, m.written_bytes / 2**20,
+                 m.chunks_written, m.chunks_reused, m.stall_s)
         return step_manifest
 
     def forget(self, hashes) -> None:

@@ -177,3 +177,27 @@ def test_close_waits_for_in_flight_saves(ckdir):
     assert ckpt.Checkpointer(ckdir).steps() == [0, 1, 2]
     with pytest.raises(ckpt.CheckpointError, match="closed"):
         c.save(4, {"w": torch.ones(1)})
+
+
+def test_plan_is_reused_and_rebuilt_when_the_structure_changes(ckdir):
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.Adam(model.parameters())
+    state = {"model": model, "optim": opt}
+    c = ckpt.Checkpointer(ckdir)
+    c.save(0, state).wait()  # before the first step the optimizer holds no tensors
+    pool0 = c._pool
+    c.save(1, state).wait()
+    assert c._pool is pool0  # same structure: same plan, same buffer
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()  # now exp_avg / exp_avg_sq / step exist: a new structure
+    want = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    c.save(2, state).wait()
+    assert c._pool is not pool0 and len(c._pool.plan.slots) > len(pool0.plan.slots)
+    c.close()
+    fresh_model = torch.nn.Linear(32, 32)
+    fresh = {"model": fresh_model, "optim": torch.optim.Adam(fresh_model.parameters())}
+    ckpt.Checkpointer(ckdir).load(2, fresh)
+    got = fresh["optim"].state_dict()["state"][0]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert ckpt.Checkpointer(ckdir).load(0, {"model": torch.nn.Linear(32, 32),
+                                              "optim": torch.optim.Adam(fresh_model.parameters())}) == 0
