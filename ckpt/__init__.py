@@ -12,11 +12,12 @@ from .checkpointer import Checkpointer, SaveHandle
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      DistributedSaveError, IncompatibleFormatError, NotACheckpointError, ReshardError,
                      StateMismatchError, StepExistsError, StorageError, UnsupportedValueError)
+from .sharding import LocalShard, PerRank
 from .state import RNGState
 from .writer import SaveMetrics
 
 __all__ = [
-    "__version__", "Checkpointer", "SaveHandle", "SaveMetrics", "RNGState",
+    "__version__", "Checkpointer", "SaveHandle", "SaveMetrics", "RNGState", "LocalShard", "PerRank",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "DistributedSaveError", "IncompatibleFormatError", "NotACheckpointError", "ReshardError",
     "StateMismatchError", "StepExistsError", "StorageError", "UnsupportedValueError",

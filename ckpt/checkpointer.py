@@ -11,13 +11,14 @@ from typing import Any, Literal
 
 from . import manifest as mf
 from .codec import CodecSpec
+from .dist import assign, inventory, make_comm, node_digest
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                     NotACheckpointError, StepExistsError)
+                     DistributedSaveError, NotACheckpointError, StateMismatchError, StepExistsError)
 from .loader import load_into, load_manifest
-from .plan import make_plan, signature
+from .plan import make_plan
 from .retention import ManifestCache, committed_steps, delete_steps, to_delete
 from .snapshot import HostPool
-from .state import flatten
+from .state import Flat, flatten
 from .storage import open_storage
 from .writer import SaveJob, SaveMetrics, Writer, describe_failure
 
@@ -115,6 +116,12 @@ class Checkpointer:
         io_threads: threads for hashing, compression and I/O (default: 2 × cores, 8 to 16;
             fsync-bound writes need several in flight to reach the disk's bandwidth).
         storage_options: passed to fsspec for URLs.
+        process_group: the ranks that save together (default: the default group, when
+            ``torch.distributed`` is initialised; otherwise this process alone). Every rank calls
+            ``save`` and ``load`` in the same order. Ranks coordinate through the group's store,
+            never with collectives from background threads.
+        timeout: seconds a rank waits for the others (plan, reports, the commit) before the save
+            fails with :class:`~ckpt.DistributedSaveError` naming the ranks that did not answer.
     """
 
     def __init__(
@@ -129,6 +136,8 @@ class Checkpointer:
         allow_pickle: bool = False,
         io_threads: int | None = None,
         storage_options: dict | None = None,
+        process_group: Any = None,
+        timeout: float = 600.0,
     ):
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive integer or None, got {keep_last!r}")
@@ -138,7 +147,11 @@ class Checkpointer:
             raise ConfigError(f"busy must be 'wait' or 'skip', got {busy!r}")
         if io_threads is not None and (type(io_threads) is not int or io_threads < 1):
             raise ConfigError(f"io_threads must be a positive integer, got {io_threads!r}")
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.path = os.fspath(path)
+        self.timeout = float(timeout)
+        self._comm = make_comm(process_group, self.timeout)
         self.storage = open_storage(self.path, storage_options)
         self.keep_last = keep_last
         self.chunk_size = chunk_size
@@ -150,6 +163,13 @@ class Checkpointer:
         self._writer = Writer(self.storage, self.codec, threads)
         self._manifests = ManifestCache(self.storage)
         self._pool: HostPool | None = None
+        self._sig: tuple | None = None  # structure signature the current plan was made for
+        self._layout: dict | None = None  # the coordinator's answer: which tensors this rank writes
+        self.plans_made = 0  # save plans computed (the first save, and after each structure change)
+        self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
+        self._committed_chunks: dict = {}  # this rank's chunks in the last committed step
+        self._loaded_chunks: dict = {}
+        self.last_load: dict | None = None  # counters of the last load: chunks_read, bytes_read, chunks
         self._handles: list[SaveHandle] = []
         self._submitted: set[int] = set()  # steps saved or being saved by this Checkpointer
         self._protected: set[int] = set()  # steps this run loaded from: retention never deletes them
@@ -157,49 +177,78 @@ class Checkpointer:
         self._closed = False
 
     # -- saving ---------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the saving group (0 without torch.distributed)."""
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world
+
     def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and write it in the background.
 
         Returns once every tensor is copied into the host buffer; later in-place changes to the
-        state do not affect what is saved. See :class:`SaveHandle`."""
+        state do not affect what is saved. See :class:`SaveHandle`. With several ranks, every rank
+        calls it with the same step; each writes its own shard, and the step is committed once
+        every rank's part is durable."""
         started = time.perf_counter()
         self._check_open()
         if type(step) is not int or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
         if step in self._submitted:
             raise StepExistsError(f"step {step} was already saved by this Checkpointer; use a new step number")
-        flat = flatten(state, allow_pickle=self.allow_pickle)
-        sig = signature(flat.tensors)
-        metrics = SaveMetrics(step=step)
-        pool = self._pool
-        if pool is not None and pool.busy and self.busy == "skip":
-            metrics.skipped = True
-            metrics.stall_s = time.perf_counter() - started
-            log.info("ckpt: skipped the save of step %d: the previous save is still writing (busy='skip')", step)
-            return SaveHandle(step, metrics, None)
-        if pool is None or pool.plan.signature != sig:
-            if pool is not None:  # the state's structure changed: wait for the old buffer, then replace it
-                pool.acquire()
-                pool.release()
-            self._pool = pool = None  # let the old buffer go before allocating the new one
-            pool = self._pool = HostPool(make_plan(flat.tensors, self.chunk_size))
-            log.debug("ckpt: new plan: %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
-                      len(pool.plan.slots), len(pool.plan.chunks), pool.nbytes / MiB, pool.pinned)
-        pool.acquire()
+        seq = self._seq
+        self._seq += 1
+        comm = self._comm
         try:
-            event = pool.copy_in(flat.tensors)
-            if event is not None:
-                # Until the optimizer pre-step hook exists (it makes the compute stream wait on this
-                # event on the device), the host waits here so no in-place update can race the copy.
-                event.synchronize()
-                event = None
-        except BaseException:
-            pool.release()
+            flat = flatten(state, allow_pickle=self.allow_pickle)
+            sig = _signature(flat)
+            metrics = SaveMetrics(step=step)
+            pool = self._pool
+            if pool is not None and pool.busy and self.busy == "skip" and sig == self._sig:
+                metrics.skipped = True
+                metrics.stall_s = time.perf_counter() - started
+                log.info("ckpt: skipped the save of step %d: the previous save is still writing (busy='skip')", step)
+                if comm.distributed:
+                    comm.report(seq, "skip", step=step)
+                    if comm.rank == 0:
+                        self._writer.commit_thread.submit(self._decide_alone, seq, {"status": "skip", "ranks": [0]})
+                return SaveHandle(step, metrics, None)
+            if pool is None or sig != self._sig:
+                self._layout = self._make_layout(seq, flat)
+                self.plans_made += 1
+                if pool is not None:  # the structure changed: wait for the old buffer, then replace it
+                    pool.acquire()
+                    pool.release()
+                self._pool = pool = None  # let the old buffer go before allocating the new one
+                owned = {k: flat.tensors[k] for k in self._layout["write"]}
+                pool = self._pool = HostPool(make_plan(owned, self.chunk_size))
+                self._sig = sig
+                log.debug("ckpt: new plan (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
+                          comm.describe(), len(pool.plan.slots), len(pool.plan.chunks), pool.nbytes / MiB, pool.pinned)
+            pool.acquire()
+            try:
+                event = pool.copy_in(flat.tensors)
+                if event is not None:
+                    # Until the optimizer pre-step hook exists (it makes the compute stream wait on this
+                    # event on the device), the host waits here so no in-place update can race the copy.
+                    event.synchronize()
+                    event = None
+            except BaseException:
+                pool.release()
+                raise
+        except BaseException as e:
+            if comm.distributed:
+                self._tell_failure(seq, step, e)
             raise
         metrics.stall_s = time.perf_counter() - started
         job = SaveJob(step=step, plan=pool.plan, pool=pool, structure=flat.structure, metrics=metrics,
-                      started=started, cuda_event=event)
-        future = self._writer.commit_thread.submit(self._run_save, job)
+                      started=started, leaves={k: flat.leaves[k] for k in self._layout["write"]},
+                      per_rank=frozenset(self._layout["per_rank"]), rank=comm.rank, seq=seq, cuda_event=event)
+        future: Future = Future()
+        self._writer.commit_thread.submit(self._run_save, job, future)
         handle = SaveHandle(step, metrics, future)
         with self._lock:
             self._submitted.add(step)
@@ -207,21 +256,159 @@ class Checkpointer:
             self._handles = [h for h in self._handles if not h._succeeded()] + [handle]
         return handle
 
-    def _run_save(self, job: SaveJob) -> SaveMetrics:
+    def _make_layout(self, seq: int, flat: Flat) -> dict:
+        """The coordinator's plan for this rank: which of its tensors it writes (replicated ones are
+        written by one rank each, balancing bytes) and which top-level keys are per-rank."""
+        inv = inventory(flat, {k: node_digest(v) for k, v in zip(flat.structure["k"], flat.structure["v"])})
+        if self._comm.distributed:
+            answer = self._comm.exchange_plan(seq, inv)
+        else:
+            answer = assign([inv])[0]
+            if "error" in answer:
+                raise StateMismatchError(answer["error"])
+        keys = list(flat.tensors)
+        return {"write": [keys[i] for i in answer["write"]], "per_rank": answer["per_rank"]}
+
+    def _tell_failure(self, seq: int, step: int, e: BaseException) -> None:
+        """save() failed on this rank before its job started: tell the others at once."""
+        comm = self._comm
+        msg = f"{type(e).__name__}: {e}"
+        comm.fail_plan(seq, msg)
         try:
-            committed = self._writer.run(job)
-        except BaseException as e:
-            log.error("ckpt: saving step %d failed: %s", job.step, e)
-            if not isinstance(e, StepExistsError):
-                with self._lock:
-                    self._submitted.discard(job.step)  # nothing was committed: the step may be saved again
-            raise
-        self._manifests.put(committed)
-        if self.keep_last is not None:
-            # Queued behind this save on the same thread: the handle resolves at the commit, and the
-            # next save's chunk writes still run after the deletions (dedup never races GC).
-            self._writer.commit_thread.submit(self._retain, job.step)
-        return job.metrics
+            comm.report(seq, "fail", step=step, message=msg)
+            if comm.rank == 0:
+                comm.publish(seq, {"status": "fail", "ranks": [0], "message": f"rank 0: {msg}"})
+                self._writer.commit_thread.submit(self._decide_alone, seq, None)
+        except DistributedSaveError:
+            pass
+
+    def _decide_alone(self, seq: int, result: dict | None) -> None:
+        """Coordinator, for a save it took no part in: publish the result, then the go-ahead."""
+        comm = self._comm
+        try:
+            if result is not None:
+                comm.publish(seq, result)
+            comm.free(seq)
+            comm.forget(seq)
+        except DistributedSaveError as e:
+            log.error("ckpt: %s", e)
+
+    def _run_save(self, job: SaveJob, future: Future) -> None:
+        """On the commit thread: the save, then (after its handle resolves) retention. Retention
+        runs here, before the next save's chunk writes, so dedup never races deletion."""
+        distributed, coordinator = self._comm.distributed, self._comm.rank == 0
+        committed = None
+        try:
+            try:
+                if distributed:
+                    committed = self._run_save_distributed(job)
+                else:
+                    part = self._writer.write_part(job)
+                    committed = self._writer.commit(job, [part])
+            except BaseException as e:
+                log.error("ckpt: saving step %d failed: %s", job.step, e)
+                if not isinstance(e, StepExistsError):
+                    with self._lock:
+                        self._submitted.discard(job.step)  # nothing was committed: the step may be saved again
+                future.set_exception(e)
+                return
+            if committed is not None:
+                self._manifests.put(committed)
+            future.set_result(job.metrics)
+            if committed is not None and coordinator and self.keep_last is not None:
+                self._retain(job.step)
+        finally:
+            if distributed and coordinator:  # other ranks may now write their next save's chunks
+                self._decide_alone(job.seq, None)
+
+    def _run_save_distributed(self, job: SaveJob) -> mf.Manifest | None:
+        comm, seq = self._comm, job.seq
+        part, local_error = None, None
+        try:
+            # Rank 0 deletes old steps (retention) between saves; write nothing until it is done.
+            if comm.rank != 0 and seq > 0 and not comm.wait_free(seq - 1):
+                raise DistributedSaveError(f"rank 0 did not finish the previous save within {2 * self.timeout:.0f}s",
+                                           ranks=[0])
+            part = self._writer.write_part(job)
+        except BaseException as e:  # noqa: BLE001 - reported to the coordinator, raised below
+            job.pool.release()
+            local_error = e
+        if local_error is None:
+            comm.report(seq, "ok", step=job.step)
+        else:
+            comm.report(seq, "fail", step=job.step, message=f"{type(local_error).__name__}: {local_error}")
+        committed = None
+        if comm.rank == 0:
+            result, committed = self._coordinate(job, part)
+        else:
+            result = comm.result(seq)
+            if result is None:
+                result = {"status": "fail", "ranks": [0],
+                          "message": f"rank 0 (the coordinator) gave no decision within {2 * self.timeout:.0f}s"}
+        status = result.get("status")
+        if status == "ok" and part is not None:
+            self._committed_chunks = dict(part.chunks)
+            self._writer.reset_known({**self._loaded_chunks, **self._committed_chunks})
+            if job.metrics.duration_s is None:
+                job.metrics.duration_s = time.perf_counter() - job.started
+            return committed
+        self._writer.reset_known({**self._loaded_chunks, **self._committed_chunks})
+        if status == "skip":
+            job.metrics.skipped = True
+            log.info("ckpt: step %d was not saved: rank(s) %s skipped it (busy='skip')", job.step, result.get("ranks"))
+            with self._lock:
+                self._submitted.discard(job.step)
+            return None
+        if result.get("kind") != "exists":
+            with self._lock:
+                self._submitted.discard(job.step)
+        message = f"step {job.step} was not committed: {result.get('message', 'unknown failure')}"
+        log.error("ckpt: %s", message)
+        if result.get("kind") == "exists":
+            raise StepExistsError(result.get("message", message)) from local_error
+        raise DistributedSaveError(message, ranks=result.get("ranks", [])) from local_error
+
+    def _coordinate(self, job: SaveJob, part: mf.Manifest | None) -> tuple[dict, mf.Manifest | None]:
+        """Rank 0: wait for every rank's report, commit the step if all succeeded, tell everyone."""
+        comm, seq = self._comm, job.seq
+        committed = None
+        try:
+            reports, missing = comm.gather(seq)
+            failed = sorted(r for r, v in reports.items() if v.get("status") == "fail")
+            skipped = sorted(r for r, v in reports.items() if v.get("status") == "skip")
+            steps = {v.get("step") for v in reports.values()}
+            if failed or missing:
+                why = [f"rank {r}: {reports[r].get('message', 'failed')}" for r in failed]
+                why += [f"rank {r} did not report within {self.timeout:.0f}s (died or hung?)" for r in missing]
+                result = {"status": "fail", "ranks": failed + missing, "message": "; ".join(why)}
+            elif skipped:
+                result = {"status": "skip", "ranks": skipped}
+            elif len(steps) > 1:
+                result = {"status": "fail", "ranks": [],
+                          "message": f"ranks saved different step numbers in the same save() call: {sorted(steps)}"}
+            else:
+                parts = [part] + list(self._writer.io.map(lambda r: self._read_part(job.step, r), range(1, comm.world)))
+                committed = self._writer.commit(job, parts)
+                result = {"status": "ok"}
+        except StepExistsError as e:
+            result = {"status": "fail", "ranks": [], "kind": "exists", "message": str(e)}
+        except BaseException as e:  # noqa: BLE001 - every rank must hear about it
+            ranks = list(getattr(e, "ranks", None) or [0])
+            result = {"status": "fail", "ranks": ranks, "message": f"rank 0 could not commit: {type(e).__name__}: {e}"}
+        comm.publish(seq, result)
+        return result, committed
+
+    def _read_part(self, step: int, rank: int) -> mf.Manifest:
+        key = mf.rank_key(step, rank)
+        try:
+            part = mf.parse(self.storage.read(key), name=key)
+        except (CheckpointError, FileNotFoundError, OSError) as e:
+            err = DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank])
+            raise err from e
+        if part.kind != "rank" or part.rank != rank or part.step != step:
+            raise DistributedSaveError(f"{key} describes rank {part.rank} step {part.step}, not rank {rank} step {step}",
+                                       ranks=[rank])
+        return part
 
     def _retain(self, step: int) -> None:
         try:
@@ -230,6 +417,8 @@ class Checkpointer:
             log.warning("ckpt: retention after step %d failed (nothing committed was lost): %s", step, e)
 
     def _retain_now(self) -> None:
+        if self._comm.rank != 0:
+            return
         steps = committed_steps(self.storage)
         victims = to_delete(steps, self.keep_last, self._protected)
         if not victims:
@@ -244,12 +433,18 @@ class Checkpointer:
 
     # -- loading --------------------------------------------------------------------------------
     def load(self, step: int | Literal["latest"], state: dict[str, Any], *, strict: bool | None = None,
-             fallback: bool = False, allow_pickle: bool | None = None) -> int | None:
+             fallback: bool = False, allow_pickle: bool | None = None, rank_map: Any = None) -> int | None:
         """Load a committed step into ``state`` in place; returns the step loaded.
 
         ``"latest"`` loads the newest committed step, or returns None when there is none (a new
         run). With ``fallback=True``, a damaged latest step is reported and the newest older step
         that loads cleanly is used instead. Every chunk's hash is checked.
+
+        With several ranks, every rank calls it; each reads only the chunks overlapping the shards
+        it needs, whatever world size saved the step, and all ranks end on the same step.
+        Per-rank state (:class:`~ckpt.PerRank`, :class:`~ckpt.RNGState`) saved on another world
+        size needs ``rank_map``: a function (or dict/list) from this rank to the saved rank whose
+        value it takes, e.g. ``rank_map=lambda r: r % 4``.
 
         On :class:`CorruptCheckpointError` some tensors may already hold new values: load again
         (another step) before training on."""
@@ -257,26 +452,31 @@ class Checkpointer:
         strict = self.strict if strict is None else strict
         allow_pickle = self.allow_pickle if allow_pickle is None else allow_pickle
         self._wait_pending()
+        comm = self._comm
         if step == "latest":
             steps = self._committed_or_raise()
+            if comm.distributed:  # every rank must pick the same step, even if listings lag
+                views = [v["latest"] for v in comm.agree({"latest": steps[-1] if steps else None})]
+                newest = None if any(v is None for v in views) else min(views)
+                steps = [s for s in steps if newest is not None and s <= newest]
             if not steps:
                 log.info("ckpt: no committed step in %s; starting fresh", self.storage.describe())
                 return None
             first_error: CorruptCheckpointError | None = None
             for s in reversed(steps):
-                try:
-                    self._load_step(s, state, strict, allow_pickle)
-                except CorruptCheckpointError as e:
-                    if not fallback:
-                        raise CorruptCheckpointError(
-                            f"{e} (load('latest', state, fallback=True) would try older steps)",
-                            object=e.object, chunk=e.chunk) from e
-                    log.warning("ckpt: step %d is damaged (%s); falling back to an older step", s, e)
-                    first_error = first_error or e
-                    continue
-                if first_error is not None:
-                    log.warning("ckpt: loaded step %d instead of the damaged latest step %d", s, steps[-1])
-                return s
+                err = self._attempt(s, state, strict, allow_pickle, rank_map)
+                if err is None:
+                    if first_error is not None:
+                        log.warning("ckpt: loaded step %d instead of the damaged latest step %d", s, steps[-1])
+                    return s
+                if not isinstance(err, CorruptCheckpointError):
+                    raise err
+                if not fallback:
+                    raise CorruptCheckpointError(
+                        f"{err} (load('latest', state, fallback=True) would try older steps)",
+                        object=err.object, chunk=err.chunk) from err
+                log.warning("ckpt: step %d is damaged (%s); falling back to an older step", s, err)
+                first_error = first_error or err
             assert first_error is not None
             raise CorruptCheckpointError(f"no committed step in {self.storage.describe()} loads cleanly; "
                                          f"the newest failed with: {first_error}",
@@ -288,20 +488,42 @@ class Checkpointer:
             raise CheckpointNotFoundError(
                 f"step {step} is not committed in {self.storage.describe()}; committed steps: "
                 f"{_short_list(steps) if steps else 'none'}")
-        self._load_step(step, state, strict, allow_pickle)
+        err = self._attempt(step, state, strict, allow_pickle, rank_map)
+        if err is not None:
+            raise err
         return step
 
-    def _load_step(self, step: int, state: dict, strict: bool, allow_pickle: bool) -> None:
+    def _attempt(self, step: int, state: dict, strict: bool, allow_pickle: bool, rank_map: Any) -> CheckpointError | None:
+        """Load one step; with several ranks, agree on whether every rank managed."""
+        err: CheckpointError | None = None
+        try:
+            self._load_step(step, state, strict, allow_pickle, rank_map)
+        except CheckpointError as e:
+            err = e
+        if self._comm.distributed:
+            views = self._comm.agree({"ok": err is None, "corrupt": isinstance(err, CorruptCheckpointError),
+                                      "message": str(err)[:2000] if err is not None else ""})
+            bad = [r for r, v in enumerate(views) if not v["ok"]]
+            if bad and err is None:
+                cls = CorruptCheckpointError if all(views[r]["corrupt"] for r in bad) else CheckpointError
+                err = cls(f"rank(s) {bad} could not load step {step}: {views[bad[0]]['message']}")
+        return err
+
+    def _load_step(self, step: int, state: dict, strict: bool, allow_pickle: bool, rank_map: Any = None) -> None:
         try:
             m = load_manifest(self.storage, step)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"step {step} vanished from {self.storage.describe()} while loading") from None
-        counters = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self._writer.io)
+        counters = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self._writer.io,
+                             rank=self._comm.rank, world=self._comm.world, rank_map=rank_map)
         self._manifests.put(m)
         self._protected.add(step)
+        self._loaded_chunks = dict(m.chunks)
         self._writer.learn(m.chunks)  # lets the next save reuse these chunks without probing
-        log.info("ckpt: loaded step %d from %s (%d chunks, %.1f MiB read)",
-                 step, self.storage.describe(), counters["chunks_read"], counters["bytes_read"] / MiB)
+        self.last_load = counters
+        log.info("ckpt: loaded step %d (saved on %d rank(s)) from %s as %s: %d chunks, %.1f MiB read",
+                 step, m.world_size, self.storage.describe(), self._comm.describe(), counters["chunks_read"],
+                 counters["bytes_read"] / MiB)
 
     # -- queries --------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -379,3 +601,9 @@ class Checkpointer:
 
 def _short_list(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]} … {steps[-1]} ({len(steps)} steps)"
+
+
+def _signature(flat: Flat) -> tuple:
+    """Everything the save plan depends on: keys, dtypes, local shapes, devices, boxes, kinds."""
+    return (tuple((k, t.dtype, tuple(t.shape), t.device.type, flat.leaves[k]) for k, t in flat.tensors.items()),
+            tuple(sorted(flat.per_rank)))

@@ -16,11 +16,12 @@ from typing import Any
 
 from ._version import __version__
 from .codec import CODEC_VERSIONS, is_chunk_hash
-from .errors import CorruptCheckpointError, IncompatibleFormatError, NotACheckpointError
+from .errors import CorruptCheckpointError, IncompatibleFormatError, NotACheckpointError, StateMismatchError
+from .sharding import intersect, volume
 from .state import DTYPES
 
 FORMAT = "ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds per-rank entries and per_rank structure nodes; plain saves still write 1
 MAX_CHUNK_BYTES = 1 << 34  # 16 GiB: a sanity bound on what a manifest may claim for one chunk
 
 
@@ -71,10 +72,14 @@ class Shard:
 
 @dataclass
 class TensorEntry:
+    """A tensor of the state. ``rank`` is set for per-rank state (that rank's own tensor, whole);
+    None for a global tensor, whose ``shards`` tile its ``shape``."""
+
     key: str
     dtype: str
     shape: list[int]
     shards: list[Shard]
+    rank: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -106,13 +111,7 @@ class Manifest:
             "created": self.created,
             "stats": self.stats,
             "structure": self.structure,
-            "tensors": [
-                {"key": t.key, "dtype": t.dtype, "shape": t.shape, "shards": [
-                    {"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths,
-                     "segments": [[g.chunk, g.offset, g.length] for g in s.segments]}
-                    for s in t.shards]}
-                for t in self.tensors
-            ],
+            "tensors": [_entry_json(t) for t in self.tensors],
             "chunks": {h: [c.size, c.stored, c.codec] for h, c in self.chunks.items()},
         }
         if self.rank is not None:
@@ -127,11 +126,30 @@ class Manifest:
     def stored_bytes(self) -> int:
         return sum(c.stored for c in self.chunks.values())
 
-    def tensor(self, key: str) -> TensorEntry:
+    def tensor(self, key: str, rank: int | None = None) -> TensorEntry:
         for t in self.tensors:
-            if t.key == key:
+            if t.key == key and t.rank == rank:
                 return t
         raise KeyError(key)
+
+    @property
+    def per_rank_keys(self) -> list[str]:
+        """Top-level state keys saved per rank (loading them on another world size needs a rank_map)."""
+        return [k for k, v in zip(self.structure["k"], self.structure["v"]) if is_per_rank(v)]
+
+
+def is_per_rank(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("t") == "per_rank"
+
+
+def _entry_json(t: TensorEntry) -> dict:
+    doc = {"key": t.key, "dtype": t.dtype, "shape": t.shape, "shards": [
+        {"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths,
+         "segments": [[g.chunk, g.offset, g.length] for g in s.segments]}
+        for s in t.shards]}
+    if t.rank is not None:
+        doc["rank"] = t.rank
+    return doc
 
 
 def _check(cond: bool, name: str, what: str) -> None:
@@ -166,7 +184,14 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
     _check(doc.get("kind") in ("step", "rank"), name, "kind must be 'step' or 'rank'")
     _check(_is_int(doc.get("step")), name, "step must be a non-negative integer")
     _check(_is_int(doc.get("world_size"), 1), name, "world_size must be a positive integer")
-    _check(isinstance(doc.get("structure"), dict), name, "structure must be an object")
+    structure = doc.get("structure")
+    _check(isinstance(structure, dict) and structure.get("t") == "dict" and isinstance(structure.get("k"), list)
+           and isinstance(structure.get("v"), list) and len(structure["k"]) == len(structure["v"]),
+           name, "structure must be a dict node")
+    for k, v in zip(structure["k"], structure["v"]):
+        if is_per_rank(v):
+            _check(doc.get("kind") == "step" and isinstance(v.get("v"), list) and len(v["v"]) == doc.get("world_size"),
+                   name, f"per-rank key {k!r} must hold one value per rank ({doc.get('world_size')})")
     raw_chunks = doc.get("chunks")
     _check(isinstance(raw_chunks, dict), name, "chunks must be an object")
     chunks: dict[str, ChunkInfo] = {}
@@ -186,8 +211,11 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
     for t in doc["tensors"]:
         _check(isinstance(t, dict) and isinstance(t.get("key"), str), name, "tensor entry without a key")
         key = t["key"]
-        _check(key not in seen, name, f"tensor {key!r} is listed twice")
-        seen.add(key)
+        owner = t.get("rank")
+        _check(owner is None or (_is_int(owner) and owner < doc["world_size"]) or doc["kind"] == "rank",
+               name, f"tensor {key!r} names rank {owner!r} outside the world size")
+        _check((key, owner) not in seen, name, f"tensor {key!r} is listed twice")
+        seen.add((key, owner))
         _check(t.get("dtype") in DTYPES, name, f"tensor {key!r} has unknown dtype {t.get('dtype')!r}")
         shape = t.get("shape")
         _check(isinstance(shape, list) and all(_is_int(d) for d in shape), name, f"tensor {key!r} has a bad shape")
@@ -214,7 +242,12 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
             _check(total == math.prod(lens) * itemsize, name,
                    f"tensor {key!r}: segments hold {total} bytes, the shard box needs {math.prod(lens) * itemsize}")
             shards.append(Shard(s["rank"], offs, lens, segs))
-        tensors.append(TensorEntry(key, t["dtype"], shape, shards))
+        if doc["kind"] == "step":
+            boxes = [(tuple(s.offsets), tuple(s.lengths)) for s in shards if volume(s.lengths) > 0]
+            _check(sum(volume(b[1]) for b in boxes) == volume(shape) and (
+                len(boxes) > 512 or not any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])),
+                name, f"the shards of tensor {key!r} do not tile its shape {shape}")
+        tensors.append(TensorEntry(key, t["dtype"], shape, shards, owner))
     created = doc.get("created", 0.0)
     return Manifest(
         step=doc["step"], kind=doc["kind"], structure=doc["structure"], tensors=tensors, chunks=chunks,
@@ -226,24 +259,44 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
 
 
 # One parser per format version: a new version adds an entry instead of growing an if-chain.
-_PARSERS = {1: _parse_v1}
+# Version 2 only adds optional fields (per-rank entries and nodes) that version 1 never wrote.
+_PARSERS = {1: _parse_v1, 2: _parse_v1}
 
 
-def merge(step: int, parts: list[Manifest]) -> Manifest:
-    """The step manifest from every rank's report: tensors' shards and chunk tables combined."""
-    by_key: dict[str, TensorEntry] = {}
+def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = frozenset()) -> Manifest:
+    """The step manifest from every rank's report: tensors' shards and chunk tables combined.
+
+    A top-level key of the state is stored once when every rank's value is the same and it is not
+    per-rank state; otherwise as a ``per_rank`` node holding each rank's value (nothing is dropped)."""
+    parts = sorted(parts, key=lambda p: p.rank or 0)
+    by_key: dict[tuple[str, int | None], TensorEntry] = {}
     chunks: dict[str, ChunkInfo] = {}
     stats: dict[str, int] = {}
-    for part in sorted(parts, key=lambda p: p.rank or 0):
+    for part in parts:
         chunks.update(part.chunks)
         for k, v in part.stats.items():
             if isinstance(v, (int, float)):
                 stats[k] = stats.get(k, 0) + v
         for t in part.tensors:
-            if t.key in by_key:
-                by_key[t.key].shards.extend(t.shards)
+            ent = by_key.get((t.key, t.rank))
+            if ent is not None:
+                ent.shards.extend(t.shards)
             else:
-                by_key[t.key] = TensorEntry(t.key, t.dtype, list(t.shape), list(t.shards))
-    first = min(parts, key=lambda p: p.rank or 0)
-    return Manifest(step=step, kind="step", structure=first.structure, tensors=list(by_key.values()),
-                    chunks=chunks, world_size=len(parts), stats=stats)
+                by_key[(t.key, t.rank)] = TensorEntry(t.key, t.dtype, list(t.shape), list(t.shards), t.rank)
+    tops = parts[0].structure["k"]
+    nodes = [dict(zip(p.structure["k"], p.structure["v"])) for p in parts]
+    for p, n in zip(parts, nodes):
+        if sorted(n) != sorted(tops):
+            raise StateMismatchError(f"step {step}: rank {p.rank} saved top-level keys {sorted(n)}, rank "
+                                     f"{parts[0].rank or 0} saved {sorted(tops)}; every rank must save the same keys")
+    values, simple = [], len(parts) == 1
+    for k in tops:
+        per = [n[k] for n in nodes]
+        if k in per_rank or any(v != per[0] for v in per[1:]):
+            values.append({"t": "per_rank", "v": per})
+        else:
+            values.append(per[0])
+    tensors = list(by_key.values())
+    simple = simple and all(t.rank is None for t in tensors) and not any(is_per_rank(v) for v in values)
+    return Manifest(step=step, kind="step", structure={"t": "dict", "k": tops, "v": values}, tensors=tensors,
+                    chunks=chunks, world_size=len(parts), stats=stats, format_version=1 if simple else FORMAT_VERSION)

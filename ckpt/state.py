@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, StateMismatchError, UnsupportedValueError
+from .sharding import Box, LocalShard, dtensor_box, is_dtensor
 
 # dtypes a checkpoint may name; a manifest naming anything else is refused.
 DTYPES: dict[str, torch.dtype] = {
@@ -58,13 +59,27 @@ def _component(k: Any) -> str:
     return k if isinstance(k, str) else repr(k)
 
 
+@dataclass(frozen=True)
+class Leaf:
+    """Where a tensor leaf sits in its global tensor. ``kind`` is ``"replicated"`` (a plain tensor:
+    every rank holds all of it), ``"shard"`` (a DTensor's or :class:`LocalShard`'s box) or ``"rank"``
+    (per-rank state: this rank's own tensor)."""
+
+    box: Box
+    global_shape: tuple[int, ...]
+    kind: str
+
+
 @dataclass
 class Flat:
     """The result of :func:`flatten`."""
 
     structure: dict
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> the local data to copy
+    leaves: dict[str, Leaf] = field(default_factory=dict)  # key -> its box in the global tensor
+    targets: dict[str, Any] = field(default_factory=dict)  # key -> the object found (DTensor, LocalShard)
     statefuls: dict[str, Any] = field(default_factory=dict)  # key path -> object, for load
+    per_rank: set[str] = field(default_factory=set)  # top-level keys holding per-rank state
 
 
 class _Flattener:
@@ -92,6 +107,8 @@ class _Flattener:
             return obj if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path, numpy=False)
+        if isinstance(obj, LocalShard):
+            return self.tensor(obj.tensor, path, numpy=False, shard=obj)
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
                 return self.other(obj, path)
@@ -115,21 +132,34 @@ class _Flattener:
         if isinstance(obj, (bytes, bytearray)):
             return {"t": "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
         if is_stateful(obj):
+            if getattr(obj, "ckpt_per_rank", False) and path:
+                self.flat.per_rank.add(path[0])
             self.flat.statefuls["/".join(_component(p) for p in path)] = obj
             return {"t": "stateful", "type": f"{type(obj).__module__}.{type(obj).__qualname__}",
                     "v": self.node(obj.state_dict(), path)}
         return self.other(obj, path)
 
-    def tensor(self, t: torch.Tensor, path: tuple, numpy: bool) -> dict:
+    def tensor(self, t: torch.Tensor, path: tuple, numpy: bool, shard: LocalShard | None = None) -> dict:
+        where = "/".join(map(_component, path))
+        target: Any = t if shard is None else shard
+        if is_dtensor(t):
+            t, box, gshape = dtensor_box(t, where)
+            leaf = Leaf(box, gshape, "shard")
+        elif shard is not None:
+            leaf = Leaf((shard.offsets, tuple(t.shape)), shard.global_shape, "shard")
+        else:
+            shape = tuple(t.shape)
+            leaf = Leaf(((0,) * len(shape), shape), shape, "replicated")
         if not self.for_target:
             if t.layout != torch.strided:
-                raise UnsupportedValueError(
-                    f"{'/'.join(map(_component, path))}: {t.layout} tensors are not supported; convert with .to_dense()")
+                raise UnsupportedValueError(f"{where}: {t.layout} tensors are not supported; convert with .to_dense()")
             if t.device.type == "meta":
-                raise UnsupportedValueError(f"{'/'.join(map(_component, path))}: meta tensors hold no data to save")
+                raise UnsupportedValueError(f"{where}: meta tensors hold no data to save")
             dtype_name(t.dtype)
         key = self.tensor_key(path)
         self.flat.tensors[key] = t
+        self.flat.leaves[key] = leaf
+        self.flat.targets[key] = target
         node = {"t": "tensor", "key": key}
         if numpy:
             node["numpy"] = True
@@ -156,7 +186,17 @@ def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False
     if bad:
         raise ConfigError(f"state keys must be strings; got {bad[:3]!r}")
     f = _Flattener(allow_pickle, for_target)
-    f.flat.structure = {"t": "dict", "k": list(state.keys()), "v": [f.node(v, (k,)) for k, v in state.items()]}
+    nodes, tops = [], {}
+    for k, v in state.items():
+        before = len(f.flat.tensors)
+        nodes.append(f.node(v, (k,)))
+        tops[k] = list(f.flat.tensors)[before:]
+    f.flat.structure = {"t": "dict", "k": list(state.keys()), "v": nodes}
+    for k in f.flat.per_rank:  # every tensor under a per-rank key is this rank's own
+        for key in tops[k]:
+            t = f.flat.tensors[key]
+            shape = tuple(t.shape)
+            f.flat.leaves[key] = Leaf(((0,) * len(shape), shape), shape, "rank")
     return f.flat
 
 
@@ -262,12 +302,17 @@ def _unwrap(value: Any) -> Any:
 class RNGState:
     """A ``Stateful`` holding every random number generator a training run draws from.
 
+    It is per-rank state (each rank has its own generators): on another world size, loading it
+    needs a ``rank_map`` (see :class:`~ckpt.PerRank`).
+
     Put it in the state so a resumed run continues with the same random stream::
 
         state = {"model": model, "optim": opt, "rng": ckpt.RNGState()}
         ckptr.save(step, state)      # captures python, numpy, torch (CPU) and CUDA generators
         ckptr.load("latest", state)  # restores them
     """
+
+    ckpt_per_rank = True
 
     def state_dict(self) -> dict:
         sd = {

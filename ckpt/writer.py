@@ -50,6 +50,10 @@ class SaveJob:
     structure: dict
     metrics: SaveMetrics
     started: float
+    leaves: dict  # key -> state.Leaf, for the tensors this rank writes
+    per_rank: frozenset = frozenset()  # top-level keys saved per rank
+    rank: int = 0
+    seq: int = 0
     cuda_event: "torch.cuda.Event | None" = None
 
 
@@ -94,8 +98,9 @@ class Writer:
             return None
         return mf.ChunkInfo(size, stored, f"{hdr.codec}/1")
 
-    # -- one whole save, on the commit thread ---------------------------------------------------
-    def run(self, job: SaveJob) -> mf.Manifest:
+    # -- one rank's part of a save, on the commit thread -----------------------------------------
+    def write_part(self, job: SaveJob) -> mf.Manifest:
+        """Write this rank's chunks durably, then its rank report; return the report."""
         plan, pool, m = job.plan, job.pool, job.metrics
         try:
             if job.cuda_event is not None:
@@ -137,25 +142,39 @@ class Writer:
         tensors = []
         for slot in plan.slots:
             segs = [mf.Segment(hashes[i], off, ln) for i, off, ln in plan.segments(slot)]
-            tensors.append(mf.TensorEntry(slot.key, dtype_name(slot.dtype), list(slot.shape), [
-                mf.Shard(0, [0] * len(slot.shape), list(slot.shape), segs)]))
+            leaf = job.leaves[slot.key]
+            (offs, lens), owner = leaf.box, (job.rank if leaf.kind == "rank" else None)
+            tensors.append(mf.TensorEntry(slot.key, dtype_name(slot.dtype), list(leaf.global_shape), [
+                mf.Shard(job.rank, list(offs), list(lens), segs)], owner))
         stats = {"raw_bytes": m.raw_bytes, "written_bytes": m.written_bytes, "chunks": m.chunks,
                  "chunks_written": m.chunks_written, "chunks_reused": m.chunks_reused}
-        part = mf.Manifest(step=job.step, kind="rank", rank=0, structure=job.structure, tensors=tensors,
+        part = mf.Manifest(step=job.step, kind="rank", rank=job.rank, structure=job.structure, tensors=tensors,
                            chunks=chunk_table, stats=stats)
-        self.storage.write(mf.rank_key(job.step, 0), [part.to_json()])
-        step_manifest = mf.merge(job.step, [part])
+        self.storage.write(mf.rank_key(job.step, job.rank), [part.to_json()])
+        return part
+
+    def commit(self, job: SaveJob, parts: list[mf.Manifest]) -> mf.Manifest:
+        """Merge every rank's report into the step manifest and commit it (create-only)."""
+        step_manifest = mf.merge(job.step, parts, job.per_rank)
         try:
             self.storage.commit(mf.manifest_key(job.step), step_manifest.to_json())
         except FileExistsError:
             raise StepExistsError(
                 f"step {job.step} is already committed in {self.storage.describe()}; committed steps are never "
                 "overwritten. Save under a new step number (or delete the old one with retention/`ckpt gc`).") from None
+        m = job.metrics
         m.duration_s = time.perf_counter() - job.started
-        log.info("ckpt: step %d committed in %.2fs: %.1f MiB state, %.1f MiB written (%d new chunks, %d reused), "
-                 "save() blocked %.3fs", job.step, m.duration_s, m.raw_bytes / 2**20, m.written_bytes / 2**20,
-                 m.chunks_written, m.chunks_reused, m.stall_s)
+        log.info("ckpt: step %d committed in %.2fs: %.1f MiB state, %.1f MiB written (%d new chunks, %d reused) "
+                 "by %d rank(s); save() blocked %.3fs", job.step, m.duration_s,
+                 step_manifest.stats.get("raw_bytes", 0) / 2**20, step_manifest.stats.get("written_bytes", 0) / 2**20,
+                 step_manifest.stats.get("chunks_written", 0), step_manifest.stats.get("chunks_reused", 0),
+                 len(parts), m.stall_s)
         return step_manifest
+
+    def reset_known(self, chunks: dict[str, mf.ChunkInfo]) -> None:
+        """Trust only ``chunks`` from now on (other ranks' retention may have deleted the rest)."""
+        with self._lock:
+            self.known = dict(chunks)
 
     def forget(self, hashes) -> None:
         with self._lock:

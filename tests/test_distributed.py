@@ -1,0 +1,452 @@
+"""Sharded saves on real gloo ranks, and resharding loads onto other world sizes."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckpt
+from ckpt import manifest as mf
+from ckpt.storage.local import LocalStorage
+
+from dist_helpers import run_ranks
+
+KiB = 1024
+CHUNK = 64 * KiB
+
+
+# -- a state that can be built for any world size -----------------------------------------------------
+
+def rows_of(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Uneven split of n rows: the first n % world ranks get one more (some may get none)."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return start, base + (rank < extra)
+
+
+GRIDS = {1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}  # 2 ranks split columns: a strided reshard
+
+
+def block_of(shape, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    gr, gc = GRIDS[world]
+    (r0, nr), (c0, nc) = rows_of(shape[0], gr, rank // gc), rows_of(shape[1], gc, rank % gc)
+    return (r0, c0), (nr, nc)
+
+
+def global_value(name: str, shape, dtype) -> torch.Tensor:
+    n = math.prod(shape)
+    base = torch.arange(n, dtype=torch.float64).reshape(shape)
+    if dtype == torch.bool:
+        return (torch.arange(n) % 3 == 0).reshape(shape)
+    if dtype.is_floating_point:
+        return (base * 0.25 + len(name)).to(dtype)
+    return (base * 7 + len(name)).to(dtype)
+
+
+SHARDED = {  # name -> (global shape, dtype, how it is split)
+    "big": ((100, 2000), torch.float32, "rows"),  # 800 KB: several 64 KiB chunks per shard
+    "grid": ((6, 9), torch.float64, "grid"),
+    "tiny": ((2, 3), torch.int64, "rows"),  # empty shards on 3 and 4 ranks
+}
+REPLICATED = {"bf": ((7,), torch.bfloat16), "flag": ((), torch.bool), "scalar": ((), torch.float32)}
+
+
+def box_of(name: str, world: int, rank: int):
+    shape, _, how = SHARDED[name]
+    if how == "rows":
+        r0, nr = rows_of(shape[0], world, rank)
+        return (r0, 0), (nr, shape[1])
+    return block_of(shape, world, rank)
+
+
+def build_state(world: int, rank: int, filled: bool) -> dict:
+    shards = {}
+    for name, (shape, dtype, _) in SHARDED.items():
+        offs, lens = box_of(name, world, rank)
+        full = global_value(name, shape, dtype)
+        local = full[tuple(slice(o, o + n) for o, n in zip(offs, lens))].clone()
+        if not filled:
+            local.zero_()
+        shards[name] = ckpt.LocalShard(local, offs, shape)
+    plain = {}
+    for name, (shape, dtype) in REPLICATED.items():
+        t = global_value(name, shape, dtype)
+        plain[name] = t if filled else torch.zeros_like(t)
+    pos = {"index": 100 + rank, "buf": torch.full((rank + 1,), float(rank))} if filled else {"index": -1, "buf": None}
+    return {"shards": shards, "plain": plain, "meta": {"lr": 0.1, "tag": "x"} if filled else {},
+            "pos": ckpt.PerRank(pos)}
+
+
+def check_state(state: dict, world: int, rank: int, src_rank: int) -> None:
+    for name, (shape, dtype, _) in SHARDED.items():
+        offs, lens = box_of(name, world, rank)
+        want = global_value(name, shape, dtype)[tuple(slice(o, o + n) for o, n in zip(offs, lens))]
+        assert torch.equal(state["shards"][name].tensor, want), (name, world, rank)
+    for name, (shape, dtype) in REPLICATED.items():
+        assert torch.equal(state["plain"][name], global_value(name, shape, dtype)), name
+    assert state["meta"] == {"lr": 0.1, "tag": "x"}
+    pos = state["pos"].value
+    assert pos["index"] == 100 + src_rank
+    assert torch.equal(pos["buf"], torch.full((src_rank + 1,), float(src_rank)))
+
+
+def expected_chunks(m: mf.Manifest, world: int, rank: int, src_rank: int) -> set[str]:
+    """Brute force: the chunks holding at least one element this rank needs."""
+    need = set()
+    for e in m.tensors:
+        if e.rank is not None:
+            if e.rank == src_rank:
+                need |= {g.chunk for s in e.shards for g in s.segments}
+            continue
+        name = e.key.split("/")[-1]
+        if name in SHARDED:
+            dbox = box_of(name, world, rank)
+        else:
+            dbox = ((0,) * len(e.shape), tuple(e.shape))
+        item = ckpt.state.DTYPES[e.dtype].itemsize
+        for s in e.shards:
+            mask = np.zeros(s.lengths, dtype=bool)
+            sl = []
+            for do, dn, so, sn in zip(dbox[0], dbox[1], s.offsets, s.lengths):
+                lo, hi = max(do, so), min(do + dn, so + sn)
+                sl.append(slice(max(lo - so, 0), max(hi - so, 0)))
+            mask[tuple(sl)] = True
+            flat, pos = mask.reshape(-1), 0
+            for g in s.segments:
+                if flat[pos // item: -(-(pos + g.length) // item)].any():
+                    need.add(g.chunk)
+                pos += g.length
+    return need
+
+
+def matrix_body(rank: int, world: int, root: str) -> int:
+    """Save on N = 1..4 ranks, then load each checkpoint on M = 1..4 ranks (process subgroups)."""
+    checks = 0
+    groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
+    for n in range(1, world + 1):
+        if rank < n:
+            with ckpt.Checkpointer(f"{root}/n{n}", process_group=groups[n], chunk_size=CHUNK, timeout=60) as c:
+                assert c.world_size == n
+                c.save(7, build_state(n, rank, filled=True)).wait()
+        dist.barrier()
+    for m in range(1, world + 1):
+        for n in range(1, world + 1):
+            if rank < m:
+                with ckpt.Checkpointer(f"{root}/n{n}", process_group=groups[m], timeout=60) as c:
+                    state = build_state(m, rank, filled=False)
+                    if m != n:
+                        with pytest.raises(ckpt.ReshardError, match="rank_map"):
+                            c.load(7, state)
+                    assert c.load("latest", state, rank_map=lambda r, n=n: r % n) == 7
+                    check_state(state, m, rank, rank % n)
+                    want = expected_chunks(c.manifest(7), m, rank, rank % n)
+                    assert set(c.last_load["chunks"]) == want, (n, m, rank)
+                    checks += 1
+            dist.barrier()
+    return checks
+
+
+def test_every_world_size_loads_every_other(tmp_path):
+    checks = run_ranks(4, matrix_body, str(tmp_path), timeout=300)
+    assert checks == [4 * 4, 3 * 4, 2 * 4, 1 * 4]
+    # One process, no process group: the whole checkpoint of any world size, for export.
+    for n in range(1, 5):
+        c = ckpt.Checkpointer(tmp_path / f"n{n}")
+        m = c.manifest(7)
+        assert m.world_size == n and set(m.per_rank_keys) == {"pos"}
+        state = build_state(1, 0, filled=False)
+        c.load(7, state, rank_map=lambda r: 0)
+        check_state(state, 1, 0, 0)
+        # a sharded tensor is written once: its shards' bytes add up to the tensor
+        big = m.tensor("shards/big")
+        assert sum(g.length for s in big.shards for g in s.segments) == 100 * 2000 * 4
+        c.close()
+
+
+# -- DTensor: FSDP2 and 2-D meshes ------------------------------------------------------------------------
+
+def make_mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5))
+
+
+def full_values(state: dict) -> dict[str, np.ndarray]:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in state["model"].state_dict().items():
+        out[f"model/{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy()
+    for pid, st in state["optim"].state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"optim/{pid}/{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy()
+    for k, v in state["dt"].items():
+        out[f"dt/{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).numpy().copy()
+    return out
+
+
+DT_SHAPES = {"a": (6, 10), "b": (9, 4), "c": (5, 7)}
+
+
+def dtensor_state(world: int, seed: int, train: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh1 = init_device_mesh("cpu", (world,))
+    model = make_mlp(seed)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh1)
+    fully_shard(model, mesh=mesh1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if train:
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 10, generator=g)).pow(2).mean().backward()
+            opt.step()
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2))
+        placements = {"a": [Shard(0), Shard(1)], "b": [Replicate(), Shard(0)], "c": [Shard(1), Replicate()]}
+    else:
+        mesh = mesh1
+        placements = {"a": [Shard(1)], "b": [Shard(0)], "c": [Replicate()]}
+    dt = {}
+    for k, shape in DT_SHAPES.items():
+        full = global_value(k, shape, torch.float32) if train else torch.zeros(shape)
+        dt[k] = distribute_tensor(full, mesh, placements[k])
+    return {"model": model, "optim": opt, "dt": dt, "rng": ckpt.RNGState()}
+
+
+def fsdp_save_body(rank: int, world: int, root: str):
+    state = dtensor_state(world, seed=0, train=True)
+    with ckpt.Checkpointer(root, timeout=60) as c:
+        c.save(3, state).wait()
+    return full_values(state)
+
+
+def fsdp_load_body(rank: int, world: int, root: str):
+    state = dtensor_state(world, seed=5, train=False)
+    with ckpt.Checkpointer(root, timeout=60) as c:
+        assert c.load("latest", state, rank_map=lambda r: r) == 3
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(state["model"][0].weight, DTensor)  # still sharded after the load
+    # and training goes on from the loaded state
+    opt = state["optim"]
+    opt.zero_grad()
+    state["model"](torch.ones(2, 10)).sum().backward()
+    opt.step()
+    return full_values(state)
+
+
+def test_fsdp2_and_2d_mesh_dtensors_reshard(tmp_path):
+    saved = run_ranks(4, fsdp_save_body, str(tmp_path), timeout=300)
+    want = saved[0]
+    for r in range(1, 4):
+        assert all(np.array_equal(want[k], saved[r][k]) for k in want)
+    m = ckpt.Checkpointer(tmp_path).manifest(3)
+    a = m.tensor("dt/a")
+    assert a.shape == [6, 10] and len(a.shards) == 4  # 2x2 blocks
+    assert len(m.tensor("dt/c").shards) == 2  # replicated on one mesh dim: written once per box
+    assert len(m.tensor("model/0.weight").shards) == 4
+
+    # 4 -> 2 ranks with FSDP2: same values (checked through a step of training on both sides)
+    loaded = run_ranks(2, fsdp_load_body, str(tmp_path), timeout=300)
+    assert loaded[0].keys() == loaded[1].keys()
+
+    # 4 -> 1 process without a process group, into a plain model and optimizer
+    model = make_mlp(seed=9)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    plain = {"model": model, "optim": opt, "dt": {k: torch.zeros(s) for k, s in DT_SHAPES.items()},
+             "rng": ckpt.RNGState()}
+    with ckpt.Checkpointer(tmp_path) as c:
+        with pytest.raises(ckpt.ReshardError, match="rng"):
+            c.load(3, plain)
+        c.load(3, plain, rank_map=lambda r: 0)
+    got = full_values(plain)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k
+
+    # the 2-rank run trained one more step from the loaded state: do the same here and compare
+    opt.zero_grad()
+    model(torch.ones(2, 10)).sum().backward()
+    opt.step()
+    after = full_values(plain)
+    for k in after:
+        assert np.allclose(after[k], loaded[0][k], rtol=1e-6, atol=1e-7), k
+
+
+# -- failures -----------------------------------------------------------------------------------------
+
+def small_state(rank: int, world: int, step: int) -> dict:
+    r0, nr = rows_of(30, world, rank)
+    local = torch.arange(r0 * 50, (r0 + nr) * 50, dtype=torch.float32).reshape(nr, 50) + step * 1000
+    return {"w": ckpt.LocalShard(local, (r0, 0), (30, 50)), "bias": torch.full((40,), float(step)),
+            "step": step}
+
+
+def failure_body(rank: int, world: int, root: str):
+    c = ckpt.Checkpointer(root, timeout=30, chunk_size=CHUNK)
+    c.save(1, small_state(rank, world, 1)).wait()
+    original = LocalStorage.write
+    if rank == 1:
+        def broken(self, key, buffers):
+            if key.startswith("chunks/"):
+                raise OSError(28, "No space left on device")
+            return original(self, key, buffers)
+        LocalStorage.write = broken
+    h = c.save(2, small_state(rank, world, 2))
+    with pytest.raises(ckpt.DistributedSaveError) as info:
+        h.wait()
+    LocalStorage.write = original
+    assert c.save(3, small_state(rank, world, 3)).wait().step == 3  # the next save works
+    assert c.plans_made == 1  # steady-state saves reuse the plan
+    c.close()
+    return {"ranks": info.value.ranks, "message": str(info.value)}
+
+
+def test_a_failure_on_one_rank_reaches_every_rank(tmp_path):
+    out = run_ranks(3, failure_body, str(tmp_path))
+    for r in out:
+        assert r["ranks"] == [1]
+        assert "No space left" in r["message"] and "step 2" in r["message"]
+    c = ckpt.Checkpointer(tmp_path)
+    assert c.steps() == [1, 3]
+    state = {"w": ckpt.LocalShard(torch.zeros(30, 50), (0, 0), (30, 50)), "bias": torch.zeros(40), "step": 0}
+    c.load(3, state)
+    assert torch.equal(state["w"].tensor, torch.arange(1500, dtype=torch.float32).reshape(30, 50) + 3000)
+    assert state["step"] == 3
+
+
+TIMEOUT = 4.0
+
+
+def killed_body(rank: int, world: int, root: str):
+    c = ckpt.Checkpointer(root, timeout=TIMEOUT, chunk_size=CHUNK)
+    c.save(1, small_state(rank, world, 1)).wait()
+    if rank == 2:
+        original = LocalStorage.write
+
+        def die(self, key, buffers):
+            if key.startswith("chunks/"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, key, buffers)
+        LocalStorage.write = die
+    started = time.monotonic()
+    h = c.save(2, small_state(rank, world, 2))
+    with pytest.raises(ckpt.DistributedSaveError) as info:
+        h.wait()
+    return {"ranks": info.value.ranks, "elapsed": time.monotonic() - started, "message": str(info.value)}
+
+
+def test_a_killed_rank_fails_the_save_on_the_others_in_bounded_time(tmp_path):
+    out = run_ranks(3, killed_body, str(tmp_path), may_die=(2,), timeout=120)
+    assert out[2] is None  # it really died
+    for r in out[:2]:
+        assert r["ranks"] == [2], r
+        assert r["elapsed"] < 3 * TIMEOUT + 5, r
+    c = ckpt.Checkpointer(tmp_path)
+    assert c.steps() == [1]  # step 2 was not committed
+    state = {"w": ckpt.LocalShard(torch.zeros(30, 50), (0, 0), (30, 50)), "bias": torch.zeros(40), "step": 0}
+    c.load("latest", state)
+    assert state["step"] == 1 and torch.equal(state["bias"], torch.ones(40))
+
+
+def retention_body(rank: int, world: int, root: str):
+    with ckpt.Checkpointer(root, keep_last=2, timeout=60, chunk_size=CHUNK) as c:
+        for step in range(1, 7):
+            c.save(step, small_state(rank, world, step % 4))  # steps 4 and 5 repeat the values of 0 and 1
+        c.wait()
+        plans = c.plans_made
+    return plans
+
+
+def test_retention_across_ranks_keeps_exactly_what_is_referenced(tmp_path):
+    assert run_ranks(3, retention_body, str(tmp_path)) == [1, 1, 1]
+    c = ckpt.Checkpointer(tmp_path)
+    assert c.steps() == [5, 6]
+    referenced = set()
+    for s in c.steps():
+        referenced |= c.manifest(s).chunks.keys()
+    stored = {p.name for p in (tmp_path / "chunks").rglob("*") if p.is_file()}
+    assert stored == referenced
+    for s in c.steps():
+        state = {"w": ckpt.LocalShard(torch.zeros(30, 50), (0, 0), (30, 50)), "bias": torch.zeros(40), "step": 0}
+        c.load(s, state)
+        assert state["step"] == s % 4
+
+
+# -- the planner and the box arithmetic, without processes ---------------------------------------------
+
+def inv(tensors, tops=None, per_rank=()):
+    return {"tops": tops or {"m": "same"}, "per_rank": list(per_rank), "tensors": tensors}
+
+
+def test_replicated_tensors_are_written_once_with_balanced_bytes():
+    tensors = [[f"m/t{i}", "replicated", "float32", [n], [0], [n], 4 * n]
+               for i, n in enumerate([1000, 900, 800, 700, 600, 500, 400, 300])]
+    plans = ckpt.dist.assign([inv(tensors) for _ in range(3)])
+    writes = [p["write"] for p in plans]
+    assert sorted(i for w in writes for i in w) == list(range(8))  # each written exactly once
+    loads = [p["bytes"] for p in plans]
+    assert max(loads) - min(loads) <= 4 * 1000
+    # shards with one holder are forced, and a Replicate placement's duplicate boxes written once
+    sh = [[["m/s", "shard", "float32", [10, 4], [r * 5, 0], [5, 4], 80]] for r in (0, 1, 0, 1)]
+    plans = ckpt.dist.assign([inv(t) for t in sh])
+    assert sum(len(p["write"]) for p in plans) == 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([["m/x", "replicated", "float32", [3], [0], [3], 12]], "differs between ranks"),
+    ([["m/y", "replicated", "float32", [4], [0], [4], 16]], "missing on rank"),
+    ([["m/x", "shard", "float32", [4], [1], [3], 12]], "differs between ranks"),
+])
+def test_inconsistent_states_are_refused_with_the_key(bad, match):
+    good = [["m/x", "replicated", "float32", [4], [0], [4], 16]]
+    plans = ckpt.dist.assign([inv(good), inv(bad)])
+    assert all("error" in p for p in plans) and match in plans[0]["error"]
+
+
+def test_shards_must_tile_the_tensor():
+    a = [["m/s", "shard", "float32", [10], [0], [6], 24]]
+    b = [["m/s", "shard", "float32", [10], [5], [5], 20]]  # overlaps a
+    plans = ckpt.dist.assign([inv(a), inv(b)])
+    assert "do not tile" in plans[0]["error"]
+
+
+def test_plain_values_that_differ_make_the_key_per_rank():
+    a = inv([], tops={"m": "1", "pos": "x"})
+    b = inv([], tops={"m": "1", "pos": "y"})
+    assert ckpt.dist.assign([a, b])[0]["per_rank"] == ["pos"]
+
+
+def test_next_needed_and_contiguous_run_match_brute_force():
+    from ckpt.sharding import contiguous_run, next_needed
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        nd = int(torch.randint(1, 4, (1,), generator=g))
+        outer = [int(torch.randint(1, 6, (1,), generator=g)) for _ in range(nd)]
+        offs = [int(torch.randint(0, d, (1,), generator=g)) for d in outer]
+        lens = [int(torch.randint(0, d - o + 1, (1,), generator=g)) for o, d in zip(offs, outer)]
+        mask = np.zeros(outer, dtype=bool)
+        mask[tuple(slice(o, o + n) for o, n in zip(offs, lens))] = True
+        flat = mask.reshape(-1)
+        idx = np.flatnonzero(flat)
+        for pos in range(flat.size + 1):
+            later = idx[idx >= pos]
+            assert next_needed(pos, outer, (tuple(offs), tuple(lens))) == (int(later[0]) if later.size else None)
+        run = contiguous_run((tuple(offs), tuple(lens)), outer)
+        if idx.size:
+            is_run = idx[-1] - idx[0] + 1 == idx.size
+            assert (run is not None) == is_run, (outer, offs, lens)
+            if run is not None:
+                assert run == (int(idx[0]), int(idx.size))
