@@ -73,6 +73,9 @@ def _plain_values(node: Any, path: str, out: list[tuple[str, str]]) -> None:
         _plain_values(node["v"], path, out)
     elif isinstance(node, dict) and node.get("t") == "tensor":
         return
+    elif mf.is_per_rank(node):
+        for r, v in enumerate(node["v"]):
+            _plain_values(v, f"{path}[rank {r}]", out)
     else:
         out.append((path, _value_preview(node)))
 
@@ -96,7 +99,7 @@ def _tensor_doc(m: mf.Manifest, t: mf.TensorEntry) -> dict:
     codecs = sorted({m.chunks[h].codec for h in chunks})
     raw = sum(m.chunks[h].size for h in set(chunks))
     stored = sum(m.chunks[h].stored for h in set(chunks))
-    return {"key": t.key, "dtype": t.dtype, "shape": t.shape,
+    return {"key": t.key, "rank": t.rank, "dtype": t.dtype, "shape": t.shape,
             "bytes": math.prod(t.shape) * DTYPES[t.dtype].itemsize,
             "shards": [{"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths} for s in t.shards],
             "chunks": len(set(chunks)), "codecs": codecs,
@@ -149,11 +152,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out.write(f"incomplete (never committed): {', '.join(map(str, incomplete))}\n")
     if detail is not None:
         out.write(f"\nstep {detail['step']}: tensors\n")
-        rows = [[t["key"], t["dtype"], "(" + ", ".join(map(str, t["shape"])) + ")", human_bytes(t["bytes"]),
+        rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["dtype"],
+                 "(" + ", ".join(map(str, t["shape"])) + ")", human_bytes(t["bytes"]), str(len(t["shards"])),
                  str(t["chunks"]), ",".join(t["codecs"]), f"{t['ratio']:.2f}" if t["ratio"] else "-"]
                 for t in detail["tensors"]]
         if rows:
-            out.write(_table(rows, ["key", "dtype", "shape", "size", "chunks", "codec", "ratio"], {3, 4, 6}) + "\n")
+            out.write(_table(rows, ["key", "dtype", "shape", "size", "shards", "chunks", "codec", "ratio"],
+                             {3, 4, 5, 7}) + "\n")
         if detail["values"]:
             out.write(f"\nstep {detail['step']}: values\n")
             for k, v in detail["values"].items():
