@@ -289,7 +289,7 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
         if sorted(n) != sorted(tops):
             raise StateMismatchError(f"step {step}: rank {p.rank} saved top-level keys {sorted(n)}, rank "
                                      f"{parts[0].rank or 0} saved {sorted(tops)}; every rank must save the same keys")
-    values, simple = [], len(parts) == 1
+    values = []
     for k in tops:
         per = [n[k] for n in nodes]
         if k in per_rank or any(v != per[0] for v in per[1:]):
@@ -297,6 +297,7 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
         else:
             values.append(per[0])
     tensors = list(by_key.values())
-    simple = simple and all(t.rank is None for t in tensors) and not any(is_per_rank(v) for v in values)
+    # Version 1 readers load anything without per-rank parts (they refuse multi-shard tensors clearly).
+    simple = all(t.rank is None for t in tensors) and not any(is_per_rank(v) for v in values)
     return Manifest(step=step, kind="step", structure={"t": "dict", "k": tops, "v": values}, tensors=tensors,
                     chunks=chunks, world_size=len(parts), stats=stats, format_version=1 if simple else FORMAT_VERSION)

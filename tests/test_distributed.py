@@ -487,3 +487,25 @@ def test_a_rank_that_skips_makes_the_step_skipped_everywhere(tmp_path):
     assert out[1]["skipped_here"]
     assert all(r["skipped"] for r in out)
     assert ckpt.Checkpointer(tmp_path).steps() == [1, 3]
+
+
+def diverging_body(rank: int, world: int, root: str):
+    with ckpt.Checkpointer(root, timeout=30) as c:
+        c.save(1, {"w": torch.ones(3), "epoch": {"pos": 5}})  # the same everywhere: stored once
+        c.save(2, {"w": torch.ones(3), "epoch": {"pos": 10 + rank}})  # now per rank: every value kept
+        c.wait()
+        mine = {"w": torch.zeros(3), "epoch": {}}
+        c.load(2, mine)
+    return mine["epoch"]["pos"]
+
+
+def test_plain_values_that_start_to_differ_between_ranks_are_all_kept(tmp_path):
+    assert run_ranks(2, diverging_body, str(tmp_path)) == [10, 11]
+    c = ckpt.Checkpointer(tmp_path)
+    assert c.manifest(1).per_rank_keys == [] and c.manifest(1).format_version == 1
+    assert c.manifest(2).per_rank_keys == ["epoch"]
+    state = {"w": torch.zeros(3), "epoch": {}}
+    with pytest.raises(ckpt.ReshardError, match="epoch"):
+        c.load(2, state)
+    c.load(2, state, rank_map=[1])
+    assert state["epoch"] == {"pos": 11} and torch.equal(state["w"], torch.ones(3))
