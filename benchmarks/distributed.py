@@ -5,9 +5,9 @@
 
 The state is 8 float32 matrices (row counts divisible by neither 3 nor 4) held as DTensors with a
 Shard(0) placement on a 1-D CPU DeviceMesh, `--size-gib` in all, spread over the ranks; the ranks
-are processes on this machine talking gloo over 127.0.0.1. Every value is a hash of (seed, tensor,
-global element index) plus a version number, so any world size can recompute what any checkpoint
-holds and every load is checked bit for bit.
+are processes on this machine talking gloo over 127.0.0.1. Every value's bits are a hash of (seed,
+tensor, global element index) with some mantissa bits flipped per version, so any world size can
+recompute what any checkpoint holds, and every load is checked bit for bit (the warm-up and the last).
 
 Save, on 2 and 4 ranks. Methods take turns within each repeat (a slow patch of the shared disk hits
 all of them alike); the data changes (untimed) before every save so nothing can be deduplicated;
@@ -24,18 +24,20 @@ from the page cache. For world sizes that did not save (1, 3) one untimed save o
 gives the same-size baseline M→M. "reshard ÷ same" divides N→M by M→M (ckpt), "ckpt ÷ dcp" divides
 ckpt's time by DCP's for the same pair.
 
-A first round of every measurement warms up (ckpt allocates its host buffer, DCP builds its plans)
-and is not reported. The worker processes are started once and make a fresh process group for every
-world size (ranks 0..M-1 of the pool take part), so torch is imported once per process. Each rank
-runs torch with cores ÷ world intra-op threads (at least 1), as torchrun's OMP_NUM_THREADS=1 would
-for a full machine.
+The first rounds warm up and are not reported: two of saves (`--warmup`; ckpt allocates its host
+buffer, DCP builds its plans, and the second round is the first to reuse disk space freed by a
+deletion, which on some virtual disks is several times faster than writing fresh blocks), one of
+loads. Every phase (a save world size, a load world size) runs in freshly spawned
+processes with a fresh process group, as a restarted job would. Each rank runs torch with
+cores ÷ world intra-op threads (at least 1), as torchrun's OMP_NUM_THREADS=1 would for a full
+machine. ckpt's Checkpointer for a load is made outside the timing (a resumed job makes one anyway).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import math
 import os
 import platform
 import queue
@@ -55,7 +57,6 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 SAVE_METHODS = ["memcpy", "ckpt", "dcp.save", "dcp.async_save"]
 SAVE_WORLDS = (2, 4)
-LOAD_WORLDS = (2, 4, 3, 1)
 N_TENSORS_FACTORS = (1.0, 0.75, 1.25, 1.0, 0.5, 1.5, 1.0, 1.0)  # relative sizes; they sum to 8
 SEED = 1234
 MASK32 = 0xFFFFFFFF
@@ -76,19 +77,37 @@ def global_shapes(size_gib: float) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def base_values(tid: int, first: int, n: int, block: int = 1 << 22) -> torch.Tensor:
-    """float32 values for global flat indices first..first+n-1 of tensor tid: a 32-bit integer hash
-    (no period a chunk could repeat with) mapped to [-0.5, 0.5) exactly."""
-    out = torch.empty(n, dtype=torch.float32)
+def base_bits(tid: int, first: int, n: int, block: int = 1 << 20) -> torch.Tensor:
+    """float32 bit patterns (as int32) for global flat indices first..first+n-1 of tensor tid: a
+    32-bit integer hash of (seed, tensor, index) laid out as random sign, an exponent spread over
+    2^-7..2^0 and a random mantissa. About as (in)compressible as trained fp32 weights, finite, and
+    with no period a chunk could repeat with (nothing deduplicates). In place on two reused
+    buffers: temporaries per op would spend most of the time faulting in fresh pages."""
+    out = torch.empty(n, dtype=torch.int32)
+    x = torch.empty(min(n, block), dtype=torch.int64)
+    y = torch.empty_like(x)
+    off = tid * 0x9E3779B1 + SEED * 0x85EBCA6B
     for s in range(0, n, block):
         e = min(n, s + block)
-        x = torch.arange(first + s, first + e, dtype=torch.int64)
-        x = (x + (tid * 0x9E3779B1 + SEED * 0x85EBCA6B)) & MASK32
-        x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
-        x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
-        x = (x >> 16) ^ x
-        out[s:e] = (x & 0x7FFFFF).to(torch.float32) * (1.0 / 2**23) - 0.5
+        xs, ys = x[: e - s], y[: e - s]
+        torch.arange(first + s + off, first + e + off, dtype=torch.int64, out=xs)
+        xs.bitwise_and_(MASK32)
+        for _ in range(2):
+            torch.bitwise_right_shift(xs, 16, out=ys)
+            xs.bitwise_xor_(ys).mul_(0x45D9F3B).bitwise_and_(MASK32)
+        torch.bitwise_right_shift(xs, 16, out=ys)
+        xs.bitwise_xor_(ys)
+        torch.bitwise_right_shift(xs, 23, out=ys)
+        ys.bitwise_and_(7).add_(120).bitwise_left_shift_(23)  # exponent 120..127
+        xs.bitwise_and_(0x807FFFFF).bitwise_or_(ys)  # sign and mantissa from the hash
+        out[s:e] = xs  # int64 -> int32 keeps the low 32 bits (two's complement)
     return out
+
+
+def version_mask(v: int) -> int:
+    """Mantissa bits flipped in version v: every version has different bytes in every element."""
+    m = (v * 0x9E3779B1 + 0x5BD1E995) & 0x7FFFFF
+    return m | 0x10101  # at least one bit in each of the three low bytes
 
 
 class State:
@@ -97,7 +116,9 @@ class State:
     def __init__(self, shapes: dict[str, tuple[int, int]], mesh, keep_base: bool = True):
         import torch.distributed.tensor as dt
         from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,
+        )
 
         self.model: dict[str, torch.Tensor] = {}
         self.local: dict[str, torch.Tensor] = {}
@@ -111,16 +132,17 @@ class State:
             self.model[name], self.local[name] = d, local
             if keep_base:
                 first = min(offsets[0], shape[0]) * shape[1]
-                self.base[name] = base_values(tid, first, local.numel()).view(local.shape)
+                self.base[name] = base_bits(tid, first, local.numel()).view(local.shape)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * 4 for t in self.local.values())
 
     def set_version(self, v: int) -> None:
-        """Values of version v: base + v (one pass; deterministic, so any world size can recompute it)."""
+        """Values of version v: the base bits with version_mask(v) flipped (one pass; deterministic,
+        so any world size can recompute them)."""
         for k, t in self.local.items():
-            torch.add(self.base[k], float(v), out=t)
+            torch.bitwise_xor(self.base[k], version_mask(v), out=t.view(torch.int32))
         self.version = v
 
     def zero(self) -> None:
@@ -129,12 +151,14 @@ class State:
 
     def check(self, v: int, what: str) -> None:
         for k, t in self.local.items():
-            want = self.base[k] + float(v)
-            if not torch.equal(t, want):
-                bad = (t != want).nonzero()
-                raise RuntimeError(f"{what}: {k} on rank {rank_()} differs from version {v} at "
-                                   f"{len(bad)} places, first local index {bad[0].tolist()}: "
-                                   f"got {t[tuple(bad[0])].item()!r}, want {want[tuple(bad[0])].item()!r}")
+            want = torch.bitwise_xor(self.base[k], version_mask(v))
+            got = t.view(torch.int32)
+            if not torch.equal(got, want):
+                bad = (got != want).nonzero()
+                i = tuple(bad[0].tolist())
+                raise RuntimeError(f"{what}: {k} on rank {rank_()} differs from version {v} at {len(bad)} of "
+                                   f"{got.numel()} elements, first at local index {list(i)}: got "
+                                   f"{t[i].item()!r}, want {want.view(torch.float32)[i].item()!r}")
 
 
 def rank_() -> int:
@@ -255,7 +279,7 @@ class SaveDCPAsync(SaveDCP):
 SAVERS = {"memcpy": SaveMemcpy, "ckpt": SaveCkpt, "dcp.save": SaveDCP, "dcp.async_save": SaveDCPAsync}
 
 
-def phase_save(rank: int, world: int, shapes, root: str, methods: list[str], repeats: int) -> dict:
+def phase_save(rank: int, world: int, shapes, root: str, methods: list[str], repeats: int, warmup: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -268,25 +292,26 @@ def phase_save(rank: int, world: int, shapes, root: str, methods: list[str], rep
     dist.barrier()
     savers = {m: SAVERS[m](st, root) for m in methods}
     times = {m: {"blocked": [], "durable": []} for m in methods}
-    warm = {}
+    warm: dict[str, list] = {m: [] for m in methods}
     v = 0
     try:
-        for rep in range(repeats + 1):  # round 0 warms every method up and is not reported
+        for rnd in range(warmup + repeats):  # the first `warmup` rounds are not reported
+            rep = rnd - warmup + 1  # 1.. for reported rounds
             for m, s in savers.items():
                 v += 1
                 st.set_version(v)  # new values for every save: nothing can be deduplicated
                 synced()
                 blocked, durable = s.save(st)
                 blocked, durable = maxall(blocked, durable)
-                if rep == 0:
-                    warm[m] = (blocked, durable)
+                if rep <= 0:
+                    warm[m].append((blocked, durable))
                 else:
                     times[m]["blocked"].append(blocked)
                     times[m]["durable"].append(durable)
                 if rank == 0:
-                    label = "warm-up      " if rep == 0 else f"repeat {rep}/{repeats}"
-                    print(f"  save  world {world}  {label}  {m:15s} blocked {blocked:7.3f}s  durable {_fmt(durable):>7s}s",
-                          flush=True)
+                    label = f"warm-up {rnd + 1}/{warmup}" if rep <= 0 else f"repeat {rep}/{repeats}"
+                    print(f"  save  world {world}  {label}  {m:15s} blocked {blocked:7.3f}s  "
+                          f"durable {_fmt(durable):>7s}s", flush=True)
     finally:
         for s in savers.values():
             s.close()
@@ -383,34 +408,28 @@ PHASES = {"save": phase_save, "load": phase_load}
 # ---------------------------------------------------------------------------------------------
 # a pool of worker processes; each phase makes a fresh gloo group of the first M workers
 
-def _worker(index: int, inbox, outbox) -> None:
+def _rank_entry(rank: int, world: int, port: int, phase: str, kwargs: dict, outbox) -> None:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     import torch.distributed as dist
-    import torch.distributed.checkpoint  # noqa: F401 - imported once, outside any timing
-    import torch.distributed.tensor  # noqa: F401
+    import torch.distributed.checkpoint  # imported before any timing
+    import torch.distributed.tensor
 
-    while True:
-        msg = inbox.get()
-        if msg is None:
-            return
-        phase, world, port, kwargs = msg
-        status, payload = "ok", None
-        try:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world,
-                                    timeout=timedelta(seconds=300))
-            payload = PHASES[phase](index, world, **kwargs)
-        except BaseException:  # noqa: BLE001 - sent to the driver
-            status, payload = "error", traceback.format_exc()
-        finally:
-            try:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-            gc.collect()
-        outbox.put((index, status, payload))
+    status, payload = "ok", None
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        payload = PHASES[phase](rank, world, **kwargs)
+    except BaseException:  # noqa: BLE001 - sent to the driver
+        status, payload = "error", traceback.format_exc()
+    outbox.put((rank, status, payload))
+    try:
+        if status == "ok":
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def free_port() -> int:
@@ -419,52 +438,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Pool:
-    def __init__(self, size: int):
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.outbox = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(size)]
-        self.procs = [ctx.Process(target=_worker, args=(i, self.inboxes[i], self.outbox), daemon=True)
-                      for i in range(size)]
-        for p in self.procs:
-            p.start()
+def run_phase(phase: str, world: int, timeout: float = 900.0, **kwargs) -> dict:
+    """Run a phase on a fresh gloo group of `world` new processes; rank 0's result (phases reduce
+    over ranks themselves). Fresh processes per world size: nothing carries over between groups."""
+    import torch.multiprocessing as mp
 
-    def run(self, phase: str, world: int, timeout: float = 900.0, **kwargs) -> dict:
-        """Run a phase on ranks 0..world-1; rank 0's result (phases reduce over ranks themselves)."""
-        port = free_port()
-        for i in range(world):
-            self.inboxes[i].put((phase, world, port, kwargs))
-        got: dict[int, tuple[str, object]] = {}
-        deadline = time.monotonic() + timeout
+    t0 = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    outbox = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, phase, kwargs, outbox), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout
+    try:
         while len(got) < world:
             try:
-                i, status, payload = self.outbox.get(timeout=5)
+                r, status, payload = outbox.get(timeout=5)
             except queue.Empty:
-                dead = [i for i, p in enumerate(self.procs[:world]) if not p.is_alive() and i not in got]
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
                 if dead or time.monotonic() > deadline:
-                    self.kill()
-                    raise SystemExit(f"{phase} on {world} ranks: rank(s) {dead or sorted(set(range(world)) - set(got))} "
-                                     f"{'died' if dead else 'timed out'}")
+                    which = dead or sorted(set(range(world)) - set(got))
+                    raise SystemExit(f"{phase} on {world} ranks: rank(s) {which} "
+                                     f"{'died' if dead else f'gave no result in {timeout:.0f}s'}")
                 continue
-            got[i] = (status, payload)
+            got[r] = (status, payload)
             if status == "error":
-                self.kill()
-                raise SystemExit(f"{phase} on {world} ranks failed on rank {i}:\n{payload}")
-        return got[0][1]
-
-    def close(self) -> None:
-        for q in self.inboxes:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=30)
+                raise SystemExit(f"{phase} on {world} ranks failed on rank {r}:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=30 if len(got) == world and all(s == "ok" for s, _ in got.values()) else 1)
             if p.is_alive():
                 p.kill()
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
+    print(f"  ({phase} on {world} ranks: {time.perf_counter() - t0:.1f}s with process start-up)", flush=True)
+    return got[0][1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,17 +482,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gib", type=float, default=1.0, help="global state size (all ranks together)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2, help="save rounds before the reported ones (loads: 1)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir, removed after)")
     p.add_argument("--only", default=",".join(SAVE_METHODS),
                    help=f"comma-separated save methods from {SAVE_METHODS}; loads compare ckpt and DCP when saved")
     p.add_argument("--loads", default="2:2,2:4,4:2,4:4,2:3,4:3,4:1,2:1",
                    help="N:M pairs: load a checkpoint saved on N ranks onto M ranks (N in 2, 4)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=None, help="where the .md/.json/.png go (default: benchmarks/results; with "
+                   "--quick: a temp dir, so a smoke run never overwrites the recorded results)")
     p.add_argument("--name", default="distributed", help="results file name (without extension)")
     p.add_argument("--quick", action="store_true", help="64 MiB, one repeat: a smoke test")
     args = p.parse_args()
     if args.quick:
-        args.size_gib, args.repeats = 1 / 16, 1
+        args.size_gib, args.repeats, args.warmup = 1 / 16, 1, 1
+    if args.out is None:
+        args.out = (os.path.join(tempfile.gettempdir(), "ckpt-bench-results") if args.quick
+                    else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     methods = [m.strip() for m in args.only.split(",") if m.strip()]
     unknown = [m for m in methods if m not in SAVE_METHODS]
     if unknown:
@@ -502,31 +516,32 @@ def main() -> None:
     nbytes = sum(r * c * 4 for r, c in shapes.values())
     root = args.dir or tempfile.mkdtemp(prefix="ckpt-dist-bench-")
     os.makedirs(root, exist_ok=True)
-    cmd = "python benchmarks/distributed.py " + " ".join(sys.argv[1:])
-    print(f"state: {len(shapes)} float32 DTensors Shard(0), rows {[r for r, _ in shapes.values()]} x {next(iter(shapes.values()))[1]}, "
+    cmd = " ".join(["python benchmarks/distributed.py", *sys.argv[1:]])
+    cols = next(iter(shapes.values()))[1]
+    print(f"state: {len(shapes)} float32 DTensors Shard(0), rows {[r for r, _ in shapes.values()]} x {cols}, "
           f"{nbytes / 2**30:.3f} GiB; {os.cpu_count()} CPUs; torch {torch.__version__}; python "
           f"{platform.python_version()}; scratch {root}")
     print(f"command: {cmd}", flush=True)
 
     t_start = time.perf_counter()
-    worlds = sorted({n for n, _ in pairs} | set(SAVE_WORLDS))
+    load_before = os.getloadavg()[0]
     targets = sorted({m for _, m in pairs}, key=lambda m: (m not in SAVE_WORLDS, m))
-    pool = Pool(max(worlds + targets))
     saves, loads = {}, {}
     try:
         for n in SAVE_WORLDS:
-            saves[n] = pool.run("save", n, shapes=shapes, root=root, methods=methods, repeats=args.repeats)
+            saves[n] = run_phase("save", n, shapes=shapes, root=root, methods=methods, repeats=args.repeats,
+                                 warmup=args.warmup)
         if load_methods:
             for m in targets:
                 srcs = {n: saves[n]["sources"] for n, mm in pairs if mm == m}
-                loads[m] = pool.run("load", m, shapes=shapes, root=root, sources=srcs, methods=load_methods,
-                                    repeats=args.repeats)
+                loads[m] = run_phase("load", m, shapes=shapes, root=root, sources=srcs, methods=load_methods,
+                                     repeats=args.repeats)
     finally:
-        pool.close()
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
-    report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed)
+    loadavg = (load_before, os.getloadavg()[0])
+    report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed, loadavg)
 
 
 def _med(xs) -> float:
@@ -534,16 +549,16 @@ def _med(xs) -> float:
 
 
 def _fmt(x) -> str:
-    return "–" if x is None or x != x else f"{x:.3f}"
+    return "–" if x is None or math.isnan(x) else f"{x:.3f}"
 
 
 def _ratio(a, b) -> str:
-    if a is None or b is None or a != a or b != b or b == 0:
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
         return "–"
     return f"{a / b:.2f}"
 
 
-def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed) -> None:
+def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed, loadavg) -> None:
     save_med = {n: {m: {k: _med(v) for k, v in r.items()} for m, r in s["times"].items()} for n, s in saves.items()}
     load_med: dict[tuple[int, int], dict[str, float]] = {}
     for m, res in loads.items():
@@ -553,12 +568,15 @@ def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed
     lines = [
         f"Command: `{cmd}`",
         "",
-        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}, {platform.system()}), torch {torch.__version__}, "
+        (f"Machine: {os.cpu_count()} CPUs ({platform.machine()}, {platform.system()}), torch {torch.__version__}, "
         f"gloo over 127.0.0.1, every rank a process on this machine. State: {nbytes / 2**30:.3f} GiB of float32 in "
-        f"{len(shapes)} DTensors sharded Shard(0) over the ranks (rows {', '.join(str(r) for r, _ in shapes.values())}; "
-        f"{next(iter(shapes.values()))[1]} columns). Median of {args.repeats} after a warm-up round, each the "
+        f"{len(shapes)} DTensors sharded Shard(0) over the ranks (rows "
+        f"{', '.join(str(r) for r, _ in shapes.values())}; "
+        f"{next(iter(shapes.values()))[1]} columns). Median of {args.repeats} after {args.warmup} warm-up "
+        f"round(s) of saves and one of loads, each the "
         f"maximum over ranks; loads are from the page cache and every load was checked bit for bit. "
-        f"Wall time of the whole run: {elapsed:.0f}s.",
+        f"Wall time of the whole run: {elapsed:.0f}s; 1-minute load average {loadavg[0]:.1f} before and "
+        f"{loadavg[1]:.1f} after (other work on the machine shows up here: compare ratios within one run)."),
         "",
         "### Save",
         "",
@@ -574,7 +592,8 @@ def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed
                          f"{_ratio(r['blocked'], floor)} | {_ratio(r['durable'], dasync)} |")
     stalls = {n: s["ckpt_first_stall"] for n, s in saves.items() if s.get("ckpt_first_stall") is not None}
     if stalls:
-        lines += ["", "ckpt's first save blocked " + ", ".join(f"{v:.3f}s on {n} ranks" for n, v in sorted(stalls.items()))
+        lines += ["", "ckpt's first save blocked "
+                  + ", ".join(f"{v:.3f}s on {n} ranks" for n, v in sorted(stalls.items()))
                   + " (it allocates and faults in the host buffer and agrees a plan once); the table shows "
                   "steady-state saves."]
     if load_med:
@@ -600,7 +619,7 @@ def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump({
             "command": cmd, "bytes": nbytes, "shapes": shapes, "repeats": args.repeats, "cpus": os.cpu_count(),
-            "torch": torch.__version__, "elapsed_s": elapsed,
+            "torch": torch.__version__, "elapsed_s": elapsed, "loadavg_before_after": loadavg,
             "save": {str(n): {"median_seconds": save_med[n], "seconds": s["times"], "warmup": s["warm"],
                               "shard_bytes_max": s["shard_bytes_max"], "ckpt_first_stall": s["ckpt_first_stall"]}
                      for n, s in saves.items()},
@@ -624,7 +643,7 @@ def plot(save_med: dict, load_med: dict, path: str, nbytes: int) -> None:
         for meth, r in save_med[n].items():
             labels.append(f"{'memcpy' if meth == 'memcpy' else meth}\n{n} ranks")
             blocked.append(r["blocked"])
-            durable.append(r["durable"] if r["durable"] == r["durable"] else 0)
+            durable.append(0 if math.isnan(r["durable"]) else r["durable"])
     x = range(len(labels))
     ax1.bar([i - 0.2 for i in x], blocked, 0.4, label="blocked")
     ax1.bar([i + 0.2 for i in x], durable, 0.4, label="durable (fsync)")

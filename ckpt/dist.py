@@ -35,7 +35,7 @@ from .sharding import intersect, volume
 
 log = logging.getLogger("ckpt")
 
-_instances: dict[str, itertools.count] = {}
+_instances: dict[int, tuple[Any, itertools.count]] = {}
 KEEP_SEQS = 16  # store keys of the last few saves are kept (slow ranks may still read them)
 
 
@@ -77,9 +77,12 @@ class StoreComm(Comm):
             base = c10d._get_default_store()
         # Every member of a group creates its Checkpointers for that group in the same order, so a
         # per-group counter names the same instance on every rank.
-        name = getattr(group, "group_name", None) or "default"
-        counter = _instances.setdefault(name, itertools.count())
-        prefix = f"ckpt/{name}/{next(counter)}/"
+        # Keyed by the group object (kept alive here, so its id is never reused): a group made after
+        # destroy_process_group() starts counting again, as it does on a freshly started rank.
+        pg = group if group is not None else c10d._get_default_group()
+        entry = _instances.setdefault(id(pg), (pg, itertools.count()))
+        name = getattr(pg, "group_name", None) or "default"
+        prefix = f"ckpt/{name}/{next(entry[1])}/"
         self._base = base
         self._prefix = prefix
         self._local = threading.local()
