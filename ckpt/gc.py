@@ -134,6 +134,10 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
     # Chunks: orphans (no committed manifest names them) and temp files beside them. With a damaged
     # committed manifest the references are unknown, so no chunk is an orphan.
     for prefix in storage.list("chunks"):
+        if TMP_MARK in prefix:  # not written by ckpt there, but a temp file all the same
+            key = f"chunks/{prefix}"
+            classify(Item("temp", key, _size(storage, key), _age(storage, key, now)))
+            continue
         for n in storage.list(f"chunks/{prefix}"):
             key = f"chunks/{prefix}/{n}"
             if TMP_MARK in n:
