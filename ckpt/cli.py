@@ -1,8 +1,15 @@
-"""The ``ckpt`` command line. It reads manifests as JSON only: no process group, no unpickling.
+"""The ``ckpt`` command line: look at, check, compare, clean up and export checkpoints.
 
-    ckpt inspect PATH [--step S] [--json]
+    ckpt ls      URL [--verify] [--json]
+    ckpt inspect URL [--step S] [--json]
+    ckpt verify  URL [--step S | --all] [--json]
+    ckpt diff    URL A B [--max-diff] [--exit-code] [--json]
+    ckpt gc      URL [--dry-run] [--grace 1h] [--keep-last N] [--json]
+    ckpt export  URL [--step S] --to FILE.safetensors|FILE.pt [--keys PREFIX] [--rank R]
 
-Exit codes: 0 success, 1 the checkpoint is damaged or the step is missing, 2 usage error.
+URL is a directory or any fsspec URL (``--storage-option KEY=VALUE`` passes options). It needs no
+process group and never unpickles. Tables are aligned on a terminal and tab-separated (sizes in
+bytes) when piped; ``--json`` prints one document with a ``schema`` field.
 """
 
 from __future__ import annotations
@@ -10,17 +17,29 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
+import re
 import sys
-from typing import Any
+import threading
+import time
+from typing import Any, TextIO
 
 from . import __version__
 from . import manifest as mf
-from .errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
-from .retention import ManifestCache, committed_steps, step_candidates
-from .state import DTYPES
+from .catalog import Catalog, diff, preview, strip_pickles, tensor_kind, value_nodes, verify
+from .errors import CheckpointError, ConfigError
 from .storage import open_storage
 
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
+
+EXIT_CODES = """exit codes:
+  0  success (verify: every object is intact)
+  1  the checkpoint is missing, damaged or unreadable, or the operation failed
+     (verify/ls --verify: something is corrupt or missing; gc: a damaged manifest stopped it)
+  2  usage error (bad arguments or options)
+  3  diff --exit-code: the steps differ"""
+
+
+# -- output -------------------------------------------------------------------------------------------
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -30,141 +49,363 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-def _table(rows: list[list[str]], header: list[str], right: set[int] = frozenset()) -> str:
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    def line(r):
-        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+class Out:
+    """Where results go: aligned tables with human sizes on a terminal, tab-separated rows with
+    exact byte counts when piped (so ``cut``/``awk`` and spreadsheets read them)."""
+
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+
+    def write(self, text: str = "") -> None:
+        self.stream.write(text + "\n")
+
+    def size(self, n: int | None) -> str:
+        if n is None:
+            return "-"
+        return human_bytes(n) if self.tty else str(n)
+
+    def table(self, header: list[str], rows: list[list[Any]], right: set[int] = frozenset()) -> None:
+        rows = [[str(c) for c in r] for r in rows]
+        if not self.tty:
+            for r in [header] + rows:
+                self.write("\t".join(c.replace("\t", " ").replace("\n", " ") for c in r))
+            return
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+
+        def line(r: list[str]) -> str:
+            return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in [header, ["-" * w for w in widths]] + rows:
+            self.write(line(r))
 
 
-def _value_preview(node: Any, limit: int = 80) -> str:
-    """A short, safe rendering of a structure node (tensors and pickles are described, not loaded)."""
-    def render(n: Any) -> str:
-        if isinstance(n, list):
-            return "[" + ", ".join(render(v) for v in n) + "]"
-        if isinstance(n, dict):
-            t = n.get("t")
-            if t == "dict":
-                return "{" + ", ".join(f"{render(k)}: {render(v)}" for k, v in zip(n["k"], n["v"])) + "}"
-            if t == "tuple":
-                return "(" + ", ".join(render(v) for v in n["v"]) + ("," if len(n["v"]) == 1 else "") + ")"
-            if t == "tensor":
-                return f"<tensor {n['key']}>"
-            if t == "stateful":
-                return f"<{n.get('type', 'object')}>"
-            if t == "pickle":
-                return "<pickled object: not loaded>"
-            if t in ("float", "dtype", "device"):
-                return str(n["v"])
-            if t == "bytes":
-                return f"<{len(n['v']) * 3 // 4} bytes>"
-            return f"<{t}>"
-        return repr(n)
-    s = render(node)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total: int, what: str, stream: TextIO | None = None, enabled: bool | None = None):
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.total, self.what = total, what
+        self.started = self._last = time.monotonic()
+        self._lock = threading.Lock()
+        self._drawn = False
+
+    def update(self, done: int, nbytes: int, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._last < 0.1 and done < self.total:
+                return
+            self._last = now
+            frac = done / self.total if self.total else 1.0
+            bar = "#" * int(frac * 30)
+            rate = nbytes / max(now - self.started, 1e-6)
+            self.stream.write(f"\r{self.what} [{bar:<30}] {done}/{self.total} {frac:4.0%} {human_bytes(rate)}/s ")
+            self.stream.flush()
+            self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
-def _plain_values(node: Any, path: str, out: list[tuple[str, str]]) -> None:
-    """Leaves of the structure that are plain values, with their key paths."""
-    if isinstance(node, dict) and node.get("t") == "dict":
-        for k, v in zip(node["k"], node["v"]):
-            _plain_values(v, f"{path}/{k}" if path else str(k), out)
-    elif isinstance(node, dict) and node.get("t") == "stateful":
-        _plain_values(node["v"], path, out)
-    elif isinstance(node, dict) and node.get("t") == "tensor":
-        return
-    elif mf.is_per_rank(node):
-        for r, v in enumerate(node["v"]):
-            _plain_values(v, f"{path}[rank {r}]", out)
-    else:
-        out.append((path, _value_preview(node)))
+def _iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _step_summary(m: mf.Manifest) -> dict:
-    return {
-        "step": m.step,
-        "created": dt.datetime.fromtimestamp(m.created, dt.timezone.utc).isoformat(timespec="seconds"),
-        "world_size": m.world_size,
-        "tensors": len(m.tensors),
-        "raw_bytes": m.raw_bytes,
-        "stored_bytes": m.stored_bytes,
-        "written_bytes": m.stats.get("written_bytes"),
-        "chunks": len(m.chunks),
-        "writer": m.writer,
-    }
+def _dump(doc: dict) -> None:
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
-def _tensor_doc(m: mf.Manifest, t: mf.TensorEntry) -> dict:
-    chunks = [g.chunk for s in t.shards for g in s.segments]
-    codecs = sorted({m.chunks[h].codec for h in chunks})
-    raw = sum(m.chunks[h].size for h in set(chunks))
-    stored = sum(m.chunks[h].stored for h in set(chunks))
-    return {"key": t.key, "rank": t.rank, "dtype": t.dtype, "shape": t.shape,
-            "bytes": math.prod(t.shape) * DTYPES[t.dtype].itemsize,
-            "shards": [{"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths} for s in t.shards],
-            "chunks": len(set(chunks)), "codecs": codecs,
+def _catalog(args: argparse.Namespace) -> Catalog:
+    return Catalog(open_storage(args.url, dict(args.storage_option or [])))
+
+
+def _box(offsets: list[int], lengths: list[int]) -> str:
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths)) + "]"
+
+
+def _shape(shape: list[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+# -- ls -----------------------------------------------------------------------------------------------
+
+def _step_doc(cat: Catalog, s: int, earlier: set[str]) -> dict:
+    m = cat.manifest(s)
+    if m is None:
+        return {"step": s, "status": "damaged", "error": cat.errors[s], "rank_files": len(cat.rank_files(s))}
+    new = [h for h in m.chunks if h not in earlier]
+    return {"step": s, "status": "committed", "created": _iso(m.created), "world_size": m.world_size,
+            "tensors": len(m.tensors), "raw_bytes": m.raw_bytes, "stored_bytes": m.stored_bytes,
+            "new_bytes": sum(m.chunks[h].stored for h in new), "new_chunks": len(new), "chunks": len(m.chunks),
+            "written_bytes": m.stats.get("written_bytes"), "writer": m.writer}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    docs, earlier = [], set()
+    for s in cat.committed:
+        docs.append(_step_doc(cat, s, earlier))
+        m = cat.manifest(s)
+        if m is not None:
+            earlier |= m.chunks.keys()
+    for s in cat.incomplete:
+        docs.append({"step": s, "status": "incomplete", "rank_files": len(cat.rank_files(s))})
+    docs.sort(key=lambda d: d["step"])
+    problems = []
+    if args.verify:
+        res = _verify(args, cat, cat.committed)
+        problems = res.problems
+        bad: dict[int, int] = {}
+        for p in res.problems:
+            for s in p.steps:
+                bad[s] = bad.get(s, 0) + 1
+        for d in docs:
+            if d["step"] in bad and d["status"] == "committed":
+                d["status"] = "corrupt"
+                d["error"] = f"{bad[d['step']]} damaged or missing object(s)"
+            elif d["status"] == "committed":
+                d["status"] = "verified"
+    failed = any(d["status"] in ("damaged", "corrupt") for d in docs)
+    if args.json:
+        _dump({"schema": "ckpt-ls/1", "url": args.url, "steps": docs,
+               "problems": [p.to_json() for p in problems]})
+        return EXIT_FAILED if failed else EXIT_OK
+    out = Out()
+    rows = []
+    for d in docs:
+        if d["status"] in ("committed", "verified", "corrupt"):
+            status = d["status"] if d["status"] != "corrupt" else f"CORRUPT: {d['error']}"
+            rows.append([d["step"], d["created"], d["world_size"], d["tensors"], out.size(d["raw_bytes"]),
+                         out.size(d["stored_bytes"]), out.size(d["new_bytes"]), status])
+        elif d["status"] == "damaged":
+            rows.append([d["step"], "-", "-", "-", "-", "-", "-", f"DAMAGED: {d['error']}"])
+        else:
+            rows.append([d["step"], "-", "-", "-", "-", "-", "-",
+                         f"incomplete: {d['rank_files']} rank file(s), no manifest"])
+    out.table(["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "status"], rows,
+              {0, 2, 3, 4, 5, 6})
+    for p in problems:
+        print(f"{p.kind}: {p.object} (step {', '.join(map(str, p.steps))}): {p.message}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+# -- inspect ------------------------------------------------------------------------------------------
+
+def _tensor_doc(m: mf.Manifest, t: mf.TensorEntry, earlier: set[str]) -> dict:
+    chunks = list(dict.fromkeys(g.chunk for s in t.shards for g in s.segments))
+    new = [h for h in chunks if h not in earlier]
+    raw = sum(m.chunks[h].size for h in chunks)
+    stored = sum(m.chunks[h].stored for h in chunks)
+    return {"key": t.key, "rank": t.rank, "kind": tensor_kind(t), "dtype": t.dtype, "shape": t.shape,
+            "bytes": t.nbytes,
+            "shards": [{"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths,
+                        "chunks": list(dict.fromkeys(g.chunk for g in s.segments))} for s in t.shards],
+            "chunks": len(chunks), "new_chunks": len(new), "reused_chunks": len(chunks) - len(new),
+            "codecs": sorted({m.chunks[h].codec for h in chunks}),
             "ratio": round(raw / stored, 3) if stored else None}
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    storage = open_storage(args.path, dict(args.storage_option or []))
-    if getattr(storage, "root_state", lambda: "nonempty")() in ("missing", "file"):
-        raise NotACheckpointError(f"{args.path}: no such checkpoint directory")
-    steps = committed_steps(storage)
-    incomplete = [s for s in step_candidates(storage) if s not in steps]
-    if not steps and not storage.list("chunks"):
-        raise NotACheckpointError(f"{args.path} holds no ckpt checkpoint (no committed steps, no chunks)")
-    cache = ManifestCache(storage)
-    summaries, damaged = [], {}
-    for s in steps:
-        try:
-            summaries.append(_step_summary(cache.get(s)))
-        except CheckpointError as e:
-            damaged[s] = str(e)
-    show = args.step if args.step is not None else (summaries[-1]["step"] if summaries else None)
-    if args.step is not None and args.step not in steps:
-        raise CheckpointNotFoundError(f"step {args.step} is not committed in {args.path}; committed: {steps or 'none'}")
-    detail = None
-    if show is not None and show not in damaged:
-        m = cache.get(show)
-        values: list[tuple[str, str]] = []
-        _plain_values(m.structure, "", values)
-        detail = {"step": show, "tensors": [_tensor_doc(m, t) for t in m.tensors],
-                  "values": {k: v for k, v in values}}
-
+    cat = _catalog(args)
+    step = cat.resolve(args.step)
+    m = cat.require(step)
+    earlier = cat.earlier_chunks(step)
+    summary = _step_doc(cat, step, earlier)
+    tensors = [_tensor_doc(m, t, earlier) for t in m.tensors]
+    values = list(value_nodes(m.structure))
     if args.json:
-        doc = {"path": args.path, "format_version": mf.FORMAT_VERSION, "steps": summaries,
-               "incomplete_steps": incomplete, "damaged_steps": damaged, "detail": detail}
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 1 if damaged else 0
+        steps = []
+        for s in cat.committed:
+            d = _step_doc(cat, s, set())
+            d.pop("new_bytes", None), d.pop("new_chunks", None)
+            steps.append(d)
+        _dump({"schema": "ckpt-inspect/1", "path": args.url, "format_version": m.format_version,
+               "steps": [d for d in steps if d["status"] == "committed"],
+               "incomplete_steps": cat.incomplete,
+               "damaged_steps": {str(s): e for s, e in cat.errors.items()},
+               "detail": {**summary, "per_rank_keys": m.per_rank_keys, "tensors": tensors,
+                          "values": {p: preview(n) for p, n in values},
+                          "value_nodes": {p: strip_pickles(n) for p, n in values}}})
+        return EXIT_OK
+    out = Out()
+    out.write(f"{args.url}: {len(cat.committed)} committed step(s); step {step}")
+    out.write(f"  created {summary['created']}, {m.world_size} rank(s), {len(m.tensors)} tensor(s), "
+              f"raw {human_bytes(m.raw_bytes)}, stored {human_bytes(m.stored_bytes)}, "
+              f"new {human_bytes(summary['new_bytes'])} ({summary['new_chunks']} of {len(m.chunks)} chunks)")
+    if m.per_rank_keys:
+        out.write(f"  per-rank keys: {', '.join(m.per_rank_keys)}")
+    if cat.errors:
+        out.write(f"  damaged steps: {', '.join(map(str, cat.errors))} (ckpt ls shows why)")
+    if tensors:
+        out.write(f"\nstep {step}: tensors")
+        rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["kind"], t["dtype"],
+                 _shape(t["shape"]), out.size(t["bytes"]), len(t["shards"]), t["new_chunks"], t["reused_chunks"],
+                 ",".join(t["codecs"]) or "-", f"{t['ratio']:.2f}" if t["ratio"] else "-"] for t in tensors]
+        out.table(["key", "kind", "dtype", "shape", "size", "shards", "new", "reused", "codec", "ratio"], rows,
+                  {4, 5, 6, 7, 9})
+    sharded = [t for t in tensors if t["kind"] == "sharded"]
+    if sharded:
+        out.write(f"\nstep {step}: shards (box of the global tensor, saving rank, chunks)")
+        rows = [[t["key"], _box(s["offsets"], s["lengths"]), s["rank"], len(s["chunks"])]
+                for t in sharded for s in t["shards"]]
+        out.table(["key", "box", "rank", "chunks"], rows, {2, 3})
+    if values:
+        out.write(f"\nstep {step}: values")
+        for p, n in values:
+            out.write(f"  {p} = {preview(n)}")
+    return EXIT_OK
 
-    out = sys.stdout
-    out.write(f"{args.path}: {len(steps)} committed step(s)\n\n")
-    if summaries:
-        rows = [[str(s["step"]), s["created"].replace("+00:00", "Z"), str(s["world_size"]), str(s["tensors"]),
-                 human_bytes(s["raw_bytes"]), human_bytes(s["stored_bytes"]),
-                 human_bytes(s["written_bytes"]) if s["written_bytes"] is not None else "?"] for s in summaries]
-        out.write(_table(rows, ["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new"], {0, 2, 3, 4, 5, 6}) + "\n")
-    for s, err in damaged.items():
-        out.write(f"step {s}: DAMAGED: {err}\n")
-    if incomplete:
-        out.write(f"incomplete (never committed): {', '.join(map(str, incomplete))}\n")
-    if detail is not None:
-        out.write(f"\nstep {detail['step']}: tensors\n")
-        rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["dtype"],
-                 "(" + ", ".join(map(str, t["shape"])) + ")", human_bytes(t["bytes"]), str(len(t["shards"])),
-                 str(t["chunks"]), ",".join(t["codecs"]), f"{t['ratio']:.2f}" if t["ratio"] else "-"]
-                for t in detail["tensors"]]
-        if rows:
-            out.write(_table(rows, ["key", "dtype", "shape", "size", "shards", "chunks", "codec", "ratio"],
-                             {3, 4, 5, 7}) + "\n")
-        if detail["values"]:
-            out.write(f"\nstep {detail['step']}: values\n")
-            for k, v in detail["values"].items():
-                out.write(f"  {k} = {v}\n")
-    return 1 if damaged else 0
 
+# -- verify -------------------------------------------------------------------------------------------
+
+def _verify(args: argparse.Namespace, cat: Catalog, steps: list[int]):
+    """verify() with a progress bar on stderr when it is a terminal."""
+    total = len({h for s in steps if cat.manifest(s) is not None for h in cat.manifest(s).chunks})
+    bar = Progress(total, "verify")
+    try:
+        return verify(cat, steps, threads=args.jobs, progress=bar.update)
+    finally:
+        bar.close()
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    steps = cat.committed if args.all else [cat.resolve(args.step)]
+    if not args.all and steps[0] not in cat.committed:
+        cat.require(steps[0])  # a step that is not committed is an error, not "nothing to check"
+    res = _verify(args, cat, steps)
+    if args.json:
+        _dump({"schema": "ckpt-verify/1", "url": args.url, "steps": res.steps, "chunks": res.chunks,
+               "bytes": res.bytes, "ok": res.ok, "problems": [p.to_json() for p in res.problems]})
+        return EXIT_OK if res.ok else EXIT_FAILED
+    out = Out()
+    what = f"step(s) {', '.join(map(str, steps))}" if len(steps) <= 8 else f"{len(steps)} steps"
+    if res.ok:
+        out.write(f"OK: {what}: {res.chunks} chunk(s), {human_bytes(res.bytes)} read and verified")
+        return EXIT_OK
+    out.table(["problem", "object", "steps", "detail"],
+              [[p.kind, p.object, ",".join(map(str, p.steps)), p.message] for p in res.problems])
+    print(f"ckpt: verify: {len(res.problems)} damaged or missing object(s) in {what} "
+          f"({res.chunks} chunk(s) checked)", file=sys.stderr)
+    return EXIT_FAILED
+
+
+# -- diff ---------------------------------------------------------------------------------------------
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    cat = _catalog(args)
+    a, b = cat.resolve(args.a), cat.resolve(args.b)
+    changes, values = diff(cat, a, b, max_diff=args.max_diff, threads=args.jobs)
+    differ = [c for c in changes if c.status != "same"]
+    if args.json:
+        _dump({"schema": "ckpt-diff/1", "url": args.url, "a": a, "b": b,
+               "tensors": [{"key": c.key, "rank": c.rank, "status": c.status, "decided_by": c.how,
+                            "detail": c.detail, "max_abs_diff": c.max_abs_diff} for c in changes],
+               "values": [{"key": p, "a": x, "b": y} for p, x, y in values],
+               "identical": not differ and not values})
+    else:
+        out = Out()
+        same = len(changes) - len(differ)
+        out.write(f"step {a} -> step {b}: {len(differ)} tensor(s) differ, {same} unchanged; "
+                  f"{len(values)} value(s) differ")
+        if differ:
+            header = ["tensor", "status", "decided by", "detail"] + (["max abs diff"] if args.max_diff else [])
+            rows = [[c.name, c.status, c.how, c.detail or "-"] +
+                    ([f"{c.max_abs_diff:.6g}" if c.max_abs_diff is not None else "-"] if args.max_diff else [])
+                    for c in differ]
+            out.table(header, rows)
+        if values:
+            out.table(["value", f"step {a}", f"step {b}"], [list(v) for v in values])
+    if args.exit_code and (differ or values):
+        return EXIT_DIFFERENT
+    return EXIT_OK
+
+
+# -- gc -----------------------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(s: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a duration like 90s, 30m, 1h or 2d, got {s!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "?"
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from . import gc
+
+    cat = _catalog(args)
+    plan = gc.plan(cat, grace_s=args.grace, keep_last=args.keep_last)
+    removed = plan.remove if args.dry_run else gc.run(cat, plan)
+    status = EXIT_FAILED if plan.unreadable else EXIT_OK
+    if args.json:
+        _dump({"schema": "ckpt-gc/1", "url": args.url, "dry_run": args.dry_run, "grace_s": args.grace,
+               "retention_steps": plan.retention, "removed" if not args.dry_run else "would_remove":
+               [i.to_json() for i in removed], "bytes": sum(i.bytes for i in removed),
+               "kept_younger_than_grace": [i.to_json() for i in plan.young],
+               "damaged_steps": {str(s): e for s, e in plan.unreadable.items()}})
+        return status
+    out = Out()
+    verb = "would remove" if args.dry_run else "removed"
+    if removed:
+        out.table(["what", "object", "bytes", "age"],
+                  [[i.kind if i.kind != "step" else f"step {i.step} (retention)", i.key, out.size(i.bytes),
+                    _age(i.age_s)] for i in removed], {2, 3})
+    counts: dict[str, int] = {}
+    for i in removed:
+        counts[i.kind] = counts.get(i.kind, 0) + 1
+    names = {"step": "retained-away step(s)", "chunk": "chunk(s) only they used", "orphan": "orphan chunk(s)",
+             "temp": "temp file(s)", "incomplete": "incomplete step(s)"}
+    parts = [f"{counts[k]} {names[k]}" for k in names if k in counts]
+    out.write(f"{verb}: {', '.join(parts) or 'nothing'}; {human_bytes(sum(i.bytes for i in removed))}")
+    if plan.young:
+        out.write(f"kept: {len(plan.young)} object(s) younger than the grace period ({_age(args.grace)}); "
+                  "a running save may still commit them")
+    for s, e in plan.unreadable.items():
+        print(f"ckpt: gc: step {s} has a damaged manifest, so which chunks it needs is unknown: no chunk "
+              f"was removed and retention was skipped ({e})", file=sys.stderr)
+    return status
+
+
+# -- export -------------------------------------------------------------------------------------------
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export, per_rank_note
+
+    cat = _catalog(args)
+    step = cat.resolve(args.step)
+    res = export(cat, step, args.to, prefixes=args.keys, rank=args.rank, overwrite=args.force, threads=args.jobs)
+    note = per_rank_note(cat.require(step), args.rank)
+    if note:
+        print(f"ckpt: note: {note}", file=sys.stderr)
+    if res.pickled:
+        print(f"ckpt: note: {len(res.pickled)} pickled value(s) left out (never unpickled): "
+              f"{', '.join(res.pickled[:5])}{' …' if len(res.pickled) > 5 else ''}", file=sys.stderr)
+    if res.format == "torch" and res.skipped_values:
+        print(f"ckpt: note: {len(res.skipped_values)} plain value(s) not written: a .pt export holds tensors "
+              "only (export to .safetensors to keep them as metadata)", file=sys.stderr)
+    Out().write(f"wrote {args.to}: step {step}, {len(res.tensors)} tensor(s), {human_bytes(res.bytes)}"
+                + (f", {len(res.values)} value(s) in metadata" if res.values else ""))
+    return EXIT_OK
+
+
+# -- parser -------------------------------------------------------------------------------------------
 
 def _kv(s: str) -> tuple[str, Any]:
     if "=" not in s:
@@ -176,17 +417,85 @@ def _kv(s: str) -> tuple[str, Any]:
         return k, v
 
 
+def _step(s: str) -> int | str:
+    if s == "latest":
+        return s
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a step is a non-negative integer or 'latest', got {s!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, got {s!r}")
+    return n
+
+
+def _positive(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckpt", description="Inspect ckpt checkpoints (no process group needed; never unpickles).")
+    p = argparse.ArgumentParser(
+        prog="ckpt", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_CODES,
+        description="Look at, check, compare, clean up and export ckpt checkpoints. URL is a directory or "
+                    "an fsspec URL. No process group needed; pickled values are never loaded.")
     p.add_argument("--version", action="version", version=f"ckpt {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    ins = sub.add_parser("inspect", help="committed steps, sizes, and one step's tensors and values")
-    ins.add_argument("path", help="checkpoint directory or fsspec URL")
-    ins.add_argument("--step", type=int, help="step to show in detail (default: the latest)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("url", metavar="URL", help="checkpoint directory or fsspec URL (file://, memory://, s3:// …)")
+    common.add_argument("--storage-option", action="append", type=_kv, metavar="KEY=VALUE",
+                        help="fsspec storage option (repeatable); VALUE is parsed as JSON when it can be")
+    common.add_argument("--jobs", type=_positive, default=8, metavar="N", help="parallel reads (default 8)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help: str, func) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EXIT_CODES,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.set_defaults(func=func)
+        return sp
+
+    ls = add("ls", "committed steps with time, world size, raw/stored/new bytes; incomplete and damaged steps", cmd_ls)
+    ls.add_argument("--verify", action="store_true", help="also re-read and re-hash every chunk")
+    ls.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
+
+    ins = add("inspect", "one step in depth: tensors, shards, codecs, new/reused chunks, values", cmd_inspect)
+    ins.add_argument("--step", type=_step, help="step to show (default: the latest)")
     ins.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
-    ins.add_argument("--storage-option", action="append", type=_kv, metavar="KEY=VALUE",
-                     help="fsspec storage option (repeatable); VALUE is parsed as JSON when it can be")
-    ins.set_defaults(func=cmd_inspect)
+
+    ver = add("verify", "re-read and re-hash every chunk of a step; name each corrupt or missing object", cmd_verify)
+    which = ver.add_mutually_exclusive_group()
+    which.add_argument("--step", type=_step, help="step to verify (default: the latest)")
+    which.add_argument("--all", action="store_true", help="verify every committed step")
+    ver.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
+
+    dif = add("diff", "which tensors and values changed between two steps", cmd_diff)
+    dif.add_argument("a", type=_step, metavar="A", help="first step")
+    dif.add_argument("b", type=_step, metavar="B", help="second step")
+    dif.add_argument("--max-diff", action="store_true",
+                     help="read changed tensors and report the largest absolute difference")
+    dif.add_argument("--exit-code", action="store_true", help="exit 3 when the steps differ")
+    dif.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
+
+    gcp = add("gc", "remove orphan chunks, temp files and incomplete steps older than a grace period", cmd_gc)
+    gcp.add_argument("--dry-run", action="store_true", help="only list what would be removed, with sizes")
+    gcp.add_argument("--grace", type=_duration, default=3600.0, metavar="AGE",
+                     help="leave garbage younger than this (a running save may commit it): 90s, 30m, 1h (default), 2d, 0")
+    gcp.add_argument("--keep-last", type=_positive, metavar="N",
+                     help="also delete all but the newest N committed steps (and chunks only they use)")
+    gcp.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
+
+    exp = add("export", "write one step as a single unsharded .safetensors or .pt file", cmd_export)
+    exp.add_argument("--step", type=_step, help="step to export (default: the latest)")
+    exp.add_argument("--to", required=True, metavar="FILE", help="output file: *.safetensors, *.pt or *.pth")
+    exp.add_argument("--keys", action="append", metavar="PREFIX",
+                     help="export only keys starting with PREFIX (repeatable), e.g. --keys model/")
+    exp.add_argument("--rank", type=int, default=0, metavar="R",
+                     help="saved rank whose per-rank state to export (default 0)")
+    exp.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     return p
 
 
@@ -194,11 +503,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except ConfigError as e:
+        print(f"ckpt: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except CheckpointError as e:
         print(f"ckpt: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except BrokenPipeError:
-        return 0
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

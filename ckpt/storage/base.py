@@ -49,6 +49,11 @@ class Storage(abc.ABC):
     def size(self, key: str) -> int:
         return len(self.read(key))
 
+    def mtime(self, key: str) -> float | None:
+        """When ``key`` was last written (seconds since the epoch), or None where the backend does not
+        say. ``ckpt gc`` uses it so it never deletes what a running save may be about to commit."""
+        return None
+
     def readv(self, key: str, buffers: Sequence) -> int:
         """Fill ``buffers`` in order from the start of ``key``; returns the bytes filled.
 

@@ -174,6 +174,14 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"stat of {key} failed: {e}") from e
 
+    def mtime(self, key: str) -> float | None:
+        try:
+            return os.stat(self._path(key)).st_mtime
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise StorageError(f"stat of {key} failed: {e}") from e
+
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
 

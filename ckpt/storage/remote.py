@@ -6,6 +6,7 @@ never share fsspec's cached instance, and listings always ask the backend (``ref
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 
 import fsspec
@@ -63,6 +64,20 @@ class FsspecStorage(Storage):
         except Exception as e:
             raise self._fail("stat of", key, e) from e
 
+    def mtime(self, key: str) -> float | None:
+        try:
+            info = self.fs.info(self._path(key))
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise self._fail("stat of", key, e) from e
+        # Backends name it differently: s3 LastModified, gcs updated, memory created, local mtime.
+        for field in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+            t = _timestamp(info.get(field))
+            if t is not None:
+                return t
+        return None
+
     def exists(self, key: str) -> bool:
         try:
             return bool(self.fs.exists(self._path(key)))
@@ -94,3 +109,16 @@ class FsspecStorage(Storage):
 
     def root_state(self) -> str:
         return "nonempty" if self.list("") else "missing"
+
+
+def _timestamp(v) -> float | None:
+    if isinstance(v, datetime.datetime):
+        return (v if v.tzinfo else v.replace(tzinfo=datetime.timezone.utc)).timestamp()
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return _timestamp(datetime.datetime.fromisoformat(v.replace("Z", "+00:00")))
+        except ValueError:
+            return None
+    return None

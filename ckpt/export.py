@@ -1,0 +1,132 @@
+"""A consolidated, unsharded copy of one step in a single file (``ckpt export``).
+
+Every tensor is rebuilt whole from its shards (resharding to one process, each chunk verified)
+and written as a flat ``key -> tensor`` mapping, keys as in the manifest (``model/0.weight``):
+
+* ``.safetensors``: the tensors, plus the step's plain values as JSON in the metadata
+  (``ckpt.values``: key path -> ckpt's typed JSON node, the manifest's own encoding).
+* ``.pt`` / ``.pth``: ``torch.save`` of the tensors only (loadable with ``weights_only=True``).
+
+Per-rank state is exported from one saved rank (``rank``, default 0). Pickled values are never
+unpickled: they are left out, and reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from . import manifest as mf
+from .catalog import Catalog, is_pickle, read_tensors, strip_pickles, value_nodes
+from .errors import ConfigError, UnsupportedValueError
+from .state import DTYPES
+
+FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
+
+
+@dataclass
+class ExportResult:
+    path: str
+    step: int
+    format: str
+    tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # key -> (dtype, shape)
+    bytes: int = 0
+    values: list[str] = field(default_factory=list)  # value paths written (safetensors metadata)
+    skipped_values: list[str] = field(default_factory=list)  # not written (pickles; any value for .pt)
+    pickled: list[str] = field(default_factory=list)
+    rank: int | None = None  # the saved rank per-rank state came from, if there was any
+
+
+def format_of(path: str) -> str:
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in FORMATS:
+        raise ConfigError(f"cannot tell the export format from {path!r}: name it *.safetensors, *.pt or *.pth")
+    return FORMATS[ext]
+
+
+def _safetensors_dtypes_refused(dtypes: set[str]) -> set[str]:
+    from safetensors.torch import save
+
+    bad = set()
+    for d in dtypes:
+        try:
+            save({"x": torch.zeros(1, dtype=DTYPES[d])})
+        except Exception:  # noqa: BLE001 - this safetensors cannot hold the dtype
+            bad.add(d)
+    return bad
+
+
+def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None = None, rank: int = 0,
+           overwrite: bool = False, threads: int = 8) -> ExportResult:
+    """Write step ``step`` to ``path`` as one unsharded file; see the module docstring."""
+    fmt = format_of(path)
+    if os.path.exists(path) and not overwrite:
+        raise ConfigError(f"{path} exists; pass --force to overwrite it")
+    m = catalog.require(step)
+    if m.per_rank_keys and not 0 <= rank < m.world_size:
+        raise ConfigError(f"--rank {rank}: step {step} was saved on {m.world_size} rank(s); use 0 to {m.world_size - 1}")
+
+    def wanted(key: str) -> bool:
+        return not prefixes or any(key.startswith(p) for p in prefixes)
+
+    entries = [t for t in m.tensors if wanted(t.key) and (t.rank is None or t.rank == rank)]
+    result = ExportResult(path=path, step=step, format=fmt, rank=rank if m.per_rank_keys else None)
+    if not entries:
+        raise ConfigError(f"step {step} has no tensor whose key starts with {' or '.join(map(repr, prefixes or []))}"
+                          if prefixes else f"step {step} holds no tensors to export")
+    if fmt == "safetensors":
+        bad = _safetensors_dtypes_refused({e.dtype for e in entries})
+        if bad:
+            keys = [e.key for e in entries if e.dtype in bad]
+            raise UnsupportedValueError(
+                f"safetensors cannot hold dtype(s) {sorted(bad)} (tensors {keys[:5]}{' …' if len(keys) > 5 else ''}); "
+                "export to a .pt file instead, or leave them out with --keys")
+
+    values: dict[str, object] = {}
+    for p, node in value_nodes(m.structure, rank=rank):
+        if not wanted(p):
+            continue
+        if is_pickle(node):
+            result.pickled.append(p)
+            result.skipped_values.append(p)
+        elif fmt == "safetensors":
+            values[p] = strip_pickles(node)
+            result.values.append(p)
+        else:
+            result.skipped_values.append(p)
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-export") as io:
+        tensors = read_tensors(catalog.storage, m, entries, io)
+    out = {e.key: t for e, t in zip(entries, tensors)}
+    result.tensors = {e.key: (e.dtype, list(e.shape)) for e in entries}
+    result.bytes = sum(e.nbytes for e in entries)
+
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+
+            meta = {"format": "pt", "ckpt.step": str(step), "ckpt.source": catalog.storage.describe(),
+                    "ckpt.values": json.dumps(values, separators=(",", ":"), allow_nan=False)}
+            if result.rank is not None:
+                meta["ckpt.rank"] = str(rank)
+            save_file(out, tmp, metadata=meta)
+        else:
+            torch.save(out, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return result
+
+
+def per_rank_note(m: mf.Manifest, rank: int) -> str | None:
+    if not m.per_rank_keys:
+        return None
+    return (f"per-rank state {m.per_rank_keys} exported from saved rank {rank} of {m.world_size} "
+            "(--rank R for another)")

@@ -1,0 +1,196 @@
+"""Garbage collection from outside a run (``ckpt gc``): what crashes and failed saves leave behind.
+
+Three kinds of garbage, each removed only once it is older than a grace period, because a save
+running right now (in another process) may be about to commit it:
+
+* **orphan chunks**: chunk objects no committed manifest references (written by a save that
+  never committed). A save that reuses an existing chunk checks that it still exists just before
+  committing, and a chunk it is writing is referenced by nothing yet; so only age tells a dead
+  save's chunk from a live one's.
+* **temp files** (``*.tmp-*``): left by a writer killed between write and rename.
+* **incomplete steps**: step directories with rank files but no ``MANIFEST.json``; age is that of
+  the youngest file in the directory.
+
+Optionally, retention (``keep_last``) deletes committed steps too, in the crash-safe order of
+:func:`ckpt.retention.delete_steps`. Nothing referenced by a committed manifest is ever deleted
+(except by that retention, manifest first), so a gc killed at any point leaves every committed
+step loadable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import manifest as mf
+from .catalog import Catalog
+from .codec import is_chunk_hash
+from .retention import ManifestCache, committed_steps, delete_steps, to_delete
+from .storage import Storage
+
+TMP_MARK = ".tmp-"
+
+
+@dataclass
+class Item:
+    """One object (or incomplete step directory) gc removes or keeps."""
+
+    kind: str  # "step" (retention), "chunk" (of a retained-away step), "orphan", "temp", "incomplete"
+    key: str
+    bytes: int
+    age_s: float | None  # None: the backend does not report modification times
+    step: int | None = None
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "object": self.key, "bytes": self.bytes,
+                "age_s": None if self.age_s is None else round(self.age_s, 1), "step": self.step}
+
+
+@dataclass
+class Plan:
+    grace_s: float
+    remove: list[Item] = field(default_factory=list)
+    young: list[Item] = field(default_factory=list)  # garbage younger than the grace period: kept
+    retention: list[int] = field(default_factory=list)  # committed steps keep_last removes
+    unreadable: dict[int, str] = field(default_factory=dict)  # committed steps whose manifest is damaged
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.bytes for i in self.remove)
+
+
+def _age(storage: Storage, key: str, now: float) -> float | None:
+    try:
+        t = storage.mtime(key)
+    except FileNotFoundError:
+        return None
+    return None if t is None else max(0.0, now - t)
+
+
+def _size(storage: Storage, key: str) -> int:
+    try:
+        return storage.size(key)
+    except FileNotFoundError:
+        return 0
+
+
+def _old(age: float | None, grace_s: float) -> bool:
+    # An unknown age is old only when the caller said there is no grace period.
+    return grace_s <= 0 or (age is not None and age >= grace_s)
+
+
+def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now: float | None = None) -> Plan:
+    """What :func:`run` would remove (nothing is deleted here)."""
+    storage = catalog.storage
+    now = time.time() if now is None else now
+    p = Plan(grace_s=grace_s)
+
+    def classify(item: Item) -> None:
+        (p.remove if _old(item.age_s, grace_s) else p.young).append(item)
+
+    # Retention first: what it removes is decided by the committed steps alone.
+    steps = catalog.committed
+    for s in steps:
+        if catalog.manifest(s) is None:
+            p.unreadable[s] = catalog.errors[s]
+    # A damaged manifest hides which chunks its step needs: then neither retention nor orphan removal
+    # can tell what is safe, and both are skipped (the report names the step).
+    p.retention = [] if p.unreadable else to_delete(steps, keep_last, ())
+    remaining = [s for s in steps if s not in p.retention]
+    referenced: set[str] = set()
+    for s in remaining:
+        m = catalog.manifest(s)
+        if m is not None:
+            referenced |= m.chunks.keys()
+    retired: dict[str, int] = {}
+    for s in p.retention:
+        p.remove.append(Item("step", mf.step_dir(s), sum(_size(storage, f"{mf.step_dir(s)}/{n}")
+                                                       for n in storage.list(mf.step_dir(s))), None, s))
+        m = catalog.manifest(s)
+        for h, info in (m.chunks.items() if m is not None else ()):
+            if h not in referenced:
+                retired[h] = info.stored
+    for h, n in sorted(retired.items()):
+        p.remove.append(Item("chunk", mf.chunk_key(h), n, None))
+    referenced |= retired.keys()  # removed by retention, not as orphans
+
+    # Incomplete steps, and temp files in committed step directories.
+    for s in catalog.incomplete:
+        d = mf.step_dir(s)
+        names = storage.list(d)
+        ages = [_age(storage, f"{d}/{n}", now) for n in names] or [_age(storage, d, now)]
+        youngest = None if any(a is None for a in ages) else min(ages)
+        classify(Item("incomplete", d, sum(_size(storage, f"{d}/{n}") for n in names), youngest, s))
+    for s in steps:
+        if s in p.retention:
+            continue
+        d = mf.step_dir(s)
+        for n in storage.list(d):
+            if TMP_MARK in n:
+                key = f"{d}/{n}"
+                classify(Item("temp", key, _size(storage, key), _age(storage, key, now), s))
+
+    # Chunks: orphans (no committed manifest names them) and temp files beside them. With a damaged
+    # committed manifest the references are unknown, so no chunk is an orphan.
+    for prefix in storage.list("chunks"):
+        if TMP_MARK in prefix:  # not written by ckpt there, but a temp file all the same
+            key = f"chunks/{prefix}"
+            classify(Item("temp", key, _size(storage, key), _age(storage, key, now)))
+            continue
+        for n in storage.list(f"chunks/{prefix}"):
+            key = f"chunks/{prefix}/{n}"
+            if TMP_MARK in n:
+                classify(Item("temp", key, _size(storage, key), _age(storage, key, now)))
+            elif is_chunk_hash(n) and n[:2] == prefix and n not in referenced and not p.unreadable:
+                classify(Item("orphan", key, _size(storage, key), _age(storage, key, now)))
+    return p
+
+
+def run(catalog: Catalog, p: Plan, delete_many: Callable[[list[str]], None] | None = None) -> list[Item]:
+    """Remove what ``p`` lists, in a crash-safe order: retention (manifests first), incomplete
+    steps, temp files, then orphan chunks after re-reading which steps are committed now.
+    Returns the items removed."""
+    storage = catalog.storage
+    delete_many = delete_many or (lambda keys: [storage.delete(k) for k in keys])
+    done: list[Item] = []
+    if p.retention:
+        remaining = [s for s in catalog.committed if s not in p.retention]
+        cache = ManifestCache(storage)
+        for s in catalog.committed:
+            m = catalog.manifest(s)
+            if m is not None:
+                cache.put(m)
+        delete_steps(storage, cache, p.retention, remaining, delete_many)
+        done += [i for i in p.remove if i.kind in ("step", "chunk")]
+    for item in p.remove:
+        if item.kind != "incomplete":
+            continue
+        d = item.key
+        if storage.exists(mf.manifest_key(item.step)):
+            continue  # it committed since the plan was made: it is a step now, not garbage
+        names = storage.list(d)
+        # rank reports before anything else, so a half-removed step never looks more complete
+        delete_many([f"{d}/{n}" for n in sorted(names, key=lambda n: not n.startswith("rank-"))])
+        storage.delete(d)
+        done.append(item)
+    temps = [i for i in p.remove if i.kind == "temp"]
+    delete_many([i.key for i in temps])
+    done += temps
+    orphans = [i for i in p.remove if i.kind == "orphan"]
+    if orphans:
+        # A step committed while gc ran may reference a chunk that looked orphaned: re-check.
+        referenced: set[str] = set()
+        for s in committed_steps(storage):
+            if s in catalog.committed:
+                continue
+            try:
+                referenced |= mf.parse(storage.read(mf.manifest_key(s)), name=mf.manifest_key(s)).chunks.keys()
+            except Exception:  # noqa: BLE001 - unknown references: delete no chunk at all
+                orphans = []
+                break
+        orphans = [i for i in orphans if i.key.rsplit("/", 1)[-1] not in referenced]
+        delete_many([i.key for i in orphans])
+        done += orphans
+    storage.flush()
+    return done

@@ -1,0 +1,552 @@
+"""The ``ckpt`` command line on real checkpoints, damaged on purpose.
+
+Most commands run in-process through ``ckpt.cli.main`` (a subprocess costs a torch import each);
+one test runs the console script through a pipe to check what scripts see.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import fsspec
+import pytest
+import torch
+
+import ckpt
+from ckpt import cli
+from ckpt import manifest as mf
+from ckpt.codec import CodecSpec, chunk_hash, encode
+from ckpt.storage.local import LocalStorage
+
+from conftest import chunk_files
+from dist_helpers import run_ranks
+
+KiB = 1024
+CHUNK = 64 * KiB
+HOUR = 3600.0
+
+
+@pytest.fixture
+def run(capsys):
+    """cli.main(args) -> (exit code, stdout, stderr); stdout is a pipe here, so tables are TSV."""
+    def call(*args):
+        rc = cli.main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+    return call
+
+
+def rows(out: str) -> list[list[str]]:
+    return [line.split("\t") for line in out.splitlines() if "\t" in line]
+
+
+def chunk_path(root: str, h: str) -> str:
+    return os.path.join(root, mf.chunk_key(h))
+
+
+def frozen_and_moving(step: int) -> dict:
+    """A state whose "frozen" tensor (several whole chunks) never changes and whose "moving" one does."""
+    g = torch.Generator().manual_seed(step)
+    return {"frozen": torch.arange(50_000, dtype=torch.float32),
+            "moving": torch.randn(30_000, generator=g),
+            "small": {"a": torch.tensor([1, 2, 3]), "b": torch.full((4,), float(step))},
+            "step": step, "name": "run-x"}
+
+
+def save_steps(path: str, steps=(1, 2, 3), **kw) -> dict[int, dict]:
+    states = {}
+    with ckpt.Checkpointer(path, chunk_size=CHUNK, codec="raw", **kw) as c:
+        for s in steps:
+            states[s] = frozen_and_moving(s)
+            c.save(s, states[s]).wait()
+    return states
+
+
+def assert_loads(path: str, step: int, want: dict) -> None:
+    got = {"frozen": torch.empty(50_000), "moving": torch.empty(30_000),
+           "small": {"a": torch.empty(3, dtype=torch.int64), "b": torch.empty(4)}, "step": None, "name": None}
+    assert ckpt.Checkpointer(path).load(step, got) == step
+    assert torch.equal(got["frozen"], want["frozen"]) and torch.equal(got["moving"], want["moving"])
+    assert torch.equal(got["small"]["b"], want["small"]["b"]) and got["step"] == want["step"]
+
+
+# -- ls -----------------------------------------------------------------------------------------------
+
+def test_ls_reports_sizes_new_bytes_incomplete_and_damaged_steps(ckdir, run, monkeypatch):
+    with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="raw") as c:
+        c.save(1, frozen_and_moving(1)).wait()
+        before = set(chunk_files(ckdir))
+        c.save(2, frozen_and_moving(2)).wait()
+        new_files = set(chunk_files(ckdir)) - before
+        c.save(3, frozen_and_moving(3)).wait()
+    # A save whose commit fails leaves its chunks and rank report behind: an incomplete step.
+    monkeypatch.setattr(LocalStorage, "commit", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(ckpt.CheckpointError):
+        with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="raw") as c:
+            c.save(4, frozen_and_moving(4)).wait()
+    monkeypatch.undo()
+
+    rc, out, _ = run("ls", ckdir, "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["schema"] == "ckpt-ls/1"
+    by = {d["step"]: d for d in doc["steps"]}
+    assert [by[s]["status"] for s in (1, 2, 3, 4)] == ["committed", "committed", "committed", "incomplete"]
+    assert by[4]["rank_files"] == 1
+    assert by[1]["new_bytes"] == by[1]["stored_bytes"]  # nothing before it
+    # step 2's new bytes are exactly the chunk files its save added to the disk
+    assert by[2]["new_bytes"] == sum(os.path.getsize(p) for p in new_files) > 0
+    assert by[2]["new_bytes"] < by[2]["stored_bytes"]  # the frozen tensor's chunks are reused
+    assert by[2]["raw_bytes"] == (50_000 + 30_000 + 4) * 4 + 3 * 8 and by[2]["world_size"] == 1
+
+    # Piped output is tab-separated with exact byte counts.
+    rc, out, _ = run("ls", ckdir)
+    table = rows(out)
+    assert table[0] == ["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "status"]
+    assert table[2][0] == "2" and int(table[2][6]) == by[2]["new_bytes"]
+    assert table[4][0] == "4" and table[4][7].startswith("incomplete")
+
+    # A manifest that does not parse: the step is damaged, ls says so and exits 1.
+    with open(os.path.join(ckdir, mf.manifest_key(2)), "wb") as f:
+        f.write(b'{"format": "ckpt", truncated')
+    rc, out, _ = run("ls", ckdir)
+    assert rc == 1
+    assert next(r for r in rows(out) if r[0] == "2")[7].startswith("DAMAGED")
+    assert next(r for r in rows(out) if r[0] == "3")[7] == "committed"
+
+
+def test_ls_verify_marks_the_steps_that_reference_a_bad_chunk(ckdir, run):
+    save_steps(ckdir)
+    m1 = ckpt.Checkpointer(ckdir).manifest(1)
+    only_1 = m1.tensor("moving").shards[0].segments[0].chunk
+    os.remove(chunk_path(ckdir, only_1))
+    rc, out, err = run("ls", ckdir, "--verify")
+    assert rc == 1
+    status = {r[0]: r[7] for r in rows(out)[1:]}
+    assert status["1"].startswith("CORRUPT") and status["2"] == "verified" and status["3"] == "verified"
+    assert mf.chunk_key(only_1) in err
+
+
+# -- inspect and export on a checkpoint saved by two ranks ----------------------------------------------
+
+ROWS, COLS = 64, 1000
+
+
+def emb_value(step: int) -> torch.Tensor:
+    t = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    if step >= 2:
+        t[0] += 1  # rank 0's rows change at step 2, rank 1's do not
+    return t
+
+
+def two_rank_body(rank, world, path):
+    r0, n = (0, 40) if rank == 0 else (40, ROWS - 40)
+    emb = emb_value(1)[r0:r0 + n].clone()
+    state = {"emb": ckpt.LocalShard(emb, (r0, 0), (ROWS, COLS)),
+             "head": torch.linspace(-1, 1, 15).to(torch.bfloat16).reshape(5, 3),
+             "flag": torch.tensor(True), "scale": torch.tensor(0.5, dtype=torch.float64),
+             "pos": ckpt.PerRank({"seed": 10 + rank, "buf": torch.full((rank + 2,), float(rank), dtype=torch.float64)}),
+             "step": 1}
+    c = ckpt.Checkpointer(path, chunk_size=CHUNK)
+    c.save(1, state).wait()
+    if rank == 0:
+        emb[0] += 1
+    state["step"] = 2
+    c.save(2, state).wait()
+    c.close()
+    return rank
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("two") / "ck")
+    assert run_ranks(2, two_rank_body, path) == [0, 1]
+    return path
+
+
+def test_inspect_shows_shards_kinds_codecs_and_new_versus_reused_chunks(two_ranks, run):
+    rc, out, _ = run("inspect", two_ranks, "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["schema"] == "ckpt-inspect/1" and doc["detail"]["step"] == 2 and doc["detail"]["world_size"] == 2
+    t = {(x["key"], x["rank"]): x for x in doc["detail"]["tensors"]}
+    emb = t[("emb", None)]
+    assert emb["kind"] == "sharded" and emb["shape"] == [ROWS, COLS]
+    assert sorted((s["rank"], s["offsets"], s["lengths"]) for s in emb["shards"]) == [
+        (0, [0, 0], [40, COLS]), (1, [40, 0], [ROWS - 40, COLS])]
+    m1 = ckpt.Checkpointer(two_ranks).manifest(1)
+    rank0 = next(s for s in emb["shards"] if s["rank"] == 0)["chunks"]
+    rank1 = next(s for s in emb["shards"] if s["rank"] == 1)["chunks"]
+    # only row 0 changed: the first chunk of rank 0's shard is new, every other chunk is reused
+    assert rank0[0] not in m1.chunks and set(rank0[1:]) | set(rank1) <= m1.chunks.keys() and len(rank0) == 3
+    assert emb["new_chunks"] == 1 and emb["reused_chunks"] == len(rank0) + len(rank1) - 1
+    assert t[("head", None)]["kind"] == "tensor" and t[("head", None)]["dtype"] == "bfloat16"
+    assert {k for k in t if k[0] == "pos/buf"} == {("pos/buf", 0), ("pos/buf", 1)}
+    assert t[("pos/buf", 1)]["kind"] == "per-rank" and t[("pos/buf", 1)]["shape"] == [3]
+    assert all(x["codecs"] and x["codecs"][0] in ("raw/1", "zstd/1") for x in t.values())
+    assert doc["detail"]["per_rank_keys"] == ["pos"]
+    assert doc["detail"]["value_nodes"]["step"] == 2 and doc["detail"]["values"]["pos[rank 1]/seed"] == "11"
+
+    rc, out, _ = run("inspect", two_ranks, "--step", 1)
+    assert rc == 0 and "step 1" in out
+    shards = [r for r in rows(out) if r[0] == "emb"]
+    assert ["emb", "[0:40, 0:1000]", "0"] == shards[-2][:3] and ["emb", "[40:64, 0:1000]", "1"] == shards[-1][:3]
+    assert "pos[rank 0]/seed = 10" in out
+
+
+def test_export_reshards_to_one_file_bit_exactly(two_ranks, run, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out_file = str(tmp_path / "model.safetensors")
+    rc, _, err = run("export", two_ranks, "--step", 2, "--to", out_file)
+    assert rc == 0 and "per-rank state ['pos'] exported from saved rank 0 of 2" in err
+    got = load_file(out_file)
+    assert set(got) == {"emb", "head", "flag", "scale", "pos/buf"}
+    assert torch.equal(got["emb"], emb_value(2)) and got["emb"].dtype == torch.float32
+    head = torch.linspace(-1, 1, 15).to(torch.bfloat16).reshape(5, 3)
+    assert got["head"].dtype == torch.bfloat16 and torch.equal(got["head"].view(torch.int16), head.view(torch.int16))
+    assert got["flag"].shape == () and got["flag"].item() is True and got["scale"].item() == 0.5
+    assert torch.equal(got["pos/buf"], torch.zeros(2, dtype=torch.float64))
+    with safe_open(out_file, "pt") as f:
+        meta = f.metadata()
+    assert meta["ckpt.step"] == "2" and meta["ckpt.rank"] == "0"
+    assert json.loads(meta["ckpt.values"]) == {"pos/seed": 10, "step": 2}
+
+    # Another saved rank's per-rank state, a key filter, and the torch.save format.
+    pt = str(tmp_path / "model.pt")
+    rc, _, err = run("export", two_ranks, "--step", 1, "--to", pt, "--keys", "emb", "--keys", "pos/", "--rank", 1)
+    assert rc == 0 and "plain value(s) not written" in err
+    got = torch.load(pt, weights_only=True)
+    assert set(got) == {"emb", "pos/buf"}
+    assert torch.equal(got["emb"], emb_value(1)) and torch.equal(got["pos/buf"], torch.ones(3, dtype=torch.float64))
+
+    assert run("export", two_ranks, "--to", pt)[0] == 2  # exists: needs --force
+    assert run("export", two_ranks, "--to", str(tmp_path / "m.bin"))[0] == 2  # unknown format
+    assert run("export", two_ranks, "--to", str(tmp_path / "x.pt"), "--rank", 5)[0] == 2
+
+
+def test_export_refuses_what_safetensors_cannot_hold_and_pt_keeps_it(ckdir, run, tmp_path):
+    z = torch.complex(torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64))
+    state = {"z": z, "w": torch.randn(3, 2), "u": torch.arange(5, dtype=torch.uint8), "e": torch.empty(0, 4)}
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(7, state)
+    rc, _, err = run("export", ckdir, "--to", tmp_path / "a.safetensors")
+    assert rc == 1 and "complex128" in err and not (tmp_path / "a.safetensors").exists()
+    rc, _, _ = run("export", ckdir, "--to", tmp_path / "a.safetensors", "--keys", "w", "--keys", "u", "--keys", "e")
+    assert rc == 0
+    rc, _, _ = run("export", ckdir, "--to", tmp_path / "a.pt")
+    got = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert rc == 0 and all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in state.items())
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+# -- verify ---------------------------------------------------------------------------------------------
+
+def test_verify_names_each_corrupt_or_missing_object_and_the_steps_using_it(ckdir, run):
+    save_steps(ckdir)
+    c = ckpt.Checkpointer(ckdir)
+    m1, m3 = c.manifest(1), c.manifest(3)
+    shared = m1.tensor("frozen").shards[0].segments[1].chunk  # used by every step
+    only_1 = m1.tensor("moving").shards[0].segments[0].chunk
+    latest = m3.tensor("moving").shards[0].segments[-1].chunk
+
+    rc, out, err = run("verify", ckdir, "--all")
+    assert rc == 0 and out.startswith("OK: step(s) 1, 2, 3") and "verify [" not in err
+
+    with open(chunk_path(ckdir, shared), "r+b") as f:  # one bit flipped in the payload
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 0x10]))
+    os.remove(chunk_path(ckdir, only_1))
+    with open(chunk_path(ckdir, latest), "r+b") as f:
+        f.truncate(100)
+
+    rc, out, _ = run("verify", ckdir)  # the latest step only
+    assert rc == 1
+    found = {r[1]: r for r in rows(out)[1:]}
+    assert set(found) == {mf.chunk_key(shared), mf.chunk_key(latest)}
+    assert found[mf.chunk_key(shared)][0] == "corrupt" and found[mf.chunk_key(shared)][2] == "3"
+
+    rc, out, _ = run("verify", ckdir, "--all", "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["schema"] == "ckpt-verify/1" and doc["ok"] is False
+    probs = {p["object"]: p for p in doc["problems"]}
+    assert probs[mf.chunk_key(shared)]["steps"] == [1, 2, 3] and "hash" in probs[mf.chunk_key(shared)]["message"]
+    assert probs[mf.chunk_key(only_1)]["kind"] == "missing" and probs[mf.chunk_key(only_1)]["steps"] == [1]
+    assert probs[mf.chunk_key(latest)]["kind"] == "corrupt" and probs[mf.chunk_key(latest)]["steps"] == [3]
+    assert len(probs) == 3 and doc["chunks"] == len(m1.chunks.keys() | c.manifest(2).chunks.keys() | m3.chunks.keys())
+
+    rc, _, err = run("verify", ckdir, "--step", 9)
+    assert rc == 1 and "step 9 is not committed" in err
+
+
+def test_verify_draws_a_progress_bar_only_on_a_terminal(ckdir, run, monkeypatch):
+    save_steps(ckdir, steps=(1,))
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert cli.main(["verify", ckdir]) == 0
+    assert "\rverify [" in tty.getvalue() and "100%" in tty.getvalue() and "OK" not in tty.getvalue()
+    monkeypatch.undo()
+    rc, out, err = run("verify", ckdir)
+    assert rc == 0 and err == "" and "OK" in out
+
+
+# -- diff -----------------------------------------------------------------------------------------------
+
+def test_diff_by_hashes_and_by_bytes_with_max_abs_difference(ckdir, run):
+    a = {"big": torch.zeros(40_000), "same_big": torch.ones(40_000),
+         "packed_same": torch.arange(10.0), "packed_moved": torch.zeros(10), "gone": torch.zeros(2),
+         "cast": torch.zeros(3), "lr": 0.1, "name": "x"}
+    b = dict(a, big=a["big"].clone(), packed_moved=torch.zeros(10), cast=torch.zeros(3, dtype=torch.float64), lr=0.05)
+    b["big"][123] = -2.5
+    b["packed_moved"][4] = 0.25
+    del b["gone"]
+    b["new"] = torch.ones(1)
+    with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="raw") as c:
+        c.save(1, a)
+        c.save(2, b)
+    rc, out, _ = run("diff", ckdir, 1, 2, "--max-diff", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["schema"] == "ckpt-diff/1" and doc["identical"] is False
+    t = {x["key"]: x for x in doc["tensors"]}
+    assert (t["big"]["status"], t["big"]["decided_by"], t["big"]["max_abs_diff"]) == ("changed", "hashes", 2.5)
+    assert (t["same_big"]["status"], t["same_big"]["decided_by"]) == ("same", "hashes")
+    # small tensors share a chunk, so their hash says nothing: their bytes decide
+    assert (t["packed_same"]["status"], t["packed_same"]["decided_by"]) == ("same", "bytes")
+    assert (t["packed_moved"]["status"], t["packed_moved"]["max_abs_diff"]) == ("changed", 0.25)
+    assert t["gone"]["status"] == "removed" and t["new"]["status"] == "added"
+    assert t["cast"]["status"] == "changed" and t["cast"]["decided_by"] == "shape"
+    assert doc["values"] == [{"key": "lr", "a": "0.1", "b": "0.05"}]
+
+    rc, out, _ = run("diff", ckdir, 1, 2, "--exit-code")
+    assert rc == 3 and "5 tensor(s) differ" in out
+    assert {r[0] for r in rows(out)[1:]} >= {"big", "packed_moved", "gone", "new", "cast", "lr"}
+    rc, out, _ = run("diff", ckdir, 2, "latest", "--exit-code", "--json")
+    assert rc == 0 and json.loads(out)["identical"] is True
+
+
+# -- gc -------------------------------------------------------------------------------------------------
+
+def _orphan(root: str, seed: int) -> str:
+    raw = torch.full((1000,), float(seed)).numpy().tobytes()
+    h = chunk_hash(raw)
+    _, bufs = encode(memoryview(raw), h, CodecSpec("raw"))
+    os.makedirs(os.path.dirname(chunk_path(root, h)), exist_ok=True)
+    with open(chunk_path(root, h), "wb") as f:
+        f.write(b"".join(bytes(b) for b in bufs))
+    return mf.chunk_key(h)
+
+
+def make_garbage(root: str, monkeypatch) -> dict[str, set[str]]:
+    """Steps 1-3 committed, then what crashes leave: a failed save (step 4: chunks and a rank file),
+    temp files, stray chunks. Everything is aged 2 hours except one item of each kind."""
+    states = save_steps(root)
+    before = set(chunk_files(root))
+    monkeypatch.setattr(LocalStorage, "commit", lambda *a: (_ for _ in ()).throw(OSError("killed")))
+    with pytest.raises(ckpt.CheckpointError):
+        with ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw") as c:
+            c.save(4, frozen_and_moving(4)).wait()
+    monkeypatch.undo()
+    rel = lambda p: os.path.relpath(p, root)  # noqa: E731
+    old = {"orphan": {rel(p) for p in set(chunk_files(root)) - before} | {_orphan(root, 1)},
+           "incomplete": {mf.step_dir(4)}, "temp": set()}
+    young = {"orphan": {_orphan(root, 2)}, "incomplete": set(), "temp": set()}
+    for group, name in ((old, "chunks/ab/" + "ab" * 16 + ".tmp-0123456789ab"),
+                        (old, mf.manifest_key(3) + ".tmp-aaaaaaaaaaaa"),
+                        (young, "chunks/cd/" + "cd" * 16 + ".tmp-ba9876543210")):
+        os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(b"partial")
+        group["temp"].add(name)
+    # a second failed save, just now: its step directory is young
+    os.makedirs(os.path.join(root, mf.step_dir(5)))
+    shutil.copy(os.path.join(root, mf.rank_key(4, 0)), os.path.join(root, mf.rank_key(5, 0)))
+    young["incomplete"].add(mf.step_dir(5))
+    t = time.time() - 2 * HOUR
+    young_paths = {os.path.join(root, k) for ks in young.values() for k in ks}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            if p not in young_paths and not p.startswith(os.path.join(root, mf.step_dir(5))):
+                os.utime(p, (t, t))
+    return {"old": old, "young": young, "states": states}
+
+
+def test_gc_removes_only_old_garbage_and_every_committed_step_still_loads(ckdir, run, monkeypatch):
+    g = make_garbage(ckdir, monkeypatch)
+    every_file = lambda: sorted(os.path.relpath(os.path.join(d, f), ckdir)  # noqa: E731
+                                for d, _, fs in os.walk(ckdir) for f in fs)
+    files = every_file()
+
+    rc, out, _ = run("gc", ckdir, "--dry-run", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and every_file() == files  # a dry run touches nothing
+    plan = {k: {i["object"] for i in doc["would_remove"] if i["kind"] == k} for k in ("orphan", "temp", "incomplete")}
+    assert plan == g["old"]
+    kept = {k: {i["object"] for i in doc["kept_younger_than_grace"] if i["kind"] == k} for k in plan}
+    assert kept == g["young"]
+    assert doc["bytes"] == sum(i["bytes"] for i in doc["would_remove"]) > 0
+    assert all(i["age_s"] >= 2 * HOUR - 60 for i in doc["would_remove"])
+
+    rc, out, _ = run("gc", ckdir)
+    assert rc == 0 and f"removed: {len(g['old']['orphan'])} orphan chunk(s), 2 temp file(s), 1 incomplete step(s)" in out
+    gone = {k for ks in g["old"].values() for k in ks}
+    assert not [f for f in every_file() if f in gone or f.startswith(mf.step_dir(4))]
+    assert set(every_file()) == set(files) - {f for f in files if f in gone or f.startswith(mf.step_dir(4))}
+    for s, st in g["states"].items():
+        assert_loads(ckdir, s, st)
+    assert run("verify", ckdir, "--all")[0] == 0
+
+    rc, out, _ = run("gc", ckdir, "--grace", "0", "--json")  # now the young garbage goes too
+    assert {i["object"] for i in json.loads(out)["removed"]} == {k for ks in g["young"].values() for k in ks}
+    assert run("ls", ckdir, "--json")[1].count('"incomplete"') == 0
+
+    rc, out, _ = run("gc", ckdir, "--keep-last", "1", "--grace", "0")  # retention, by request
+    assert rc == 0 and ckpt.Checkpointer(ckdir).steps() == [3]
+    assert_loads(ckdir, 3, g["states"][3])
+    referenced = {mf.chunk_key(h) for h in ckpt.Checkpointer(ckdir).manifest(3).chunks}
+    assert {os.path.relpath(p, ckdir) for p in chunk_files(ckdir)} == referenced
+
+
+class Killed(BaseException):
+    """A gc process dying: not an error anything in ckpt catches."""
+
+
+def test_gc_killed_at_any_point_leaves_every_committed_step_loadable(ckdir, tmp_path, monkeypatch):
+    g = make_garbage(ckdir, monkeypatch)
+    real_delete = LocalStorage.delete
+    calls = {"n": 0, "limit": 10**9}
+
+    def dying_delete(self, key):
+        calls["n"] += 1
+        if calls["n"] > calls["limit"]:
+            raise Killed(f"killed before delete #{calls['n']}")
+        return real_delete(self, key)
+    monkeypatch.setattr(LocalStorage, "delete", dying_delete)
+    shutil.copytree(ckdir, str(tmp_path / "probe"))
+    cli.main(["gc", str(tmp_path / "probe"), "--keep-last", "2", "--grace", "0"])
+    total = calls["n"]
+    assert total > 10
+    for k in range(total):
+        d = str(tmp_path / f"k{k}")
+        shutil.copytree(ckdir, d)
+        calls.update(n=0, limit=k)
+        with pytest.raises(Killed):
+            cli.main(["gc", d, "--keep-last", "2", "--grace", "0"])
+        calls["limit"] = 10**9
+        steps = ckpt.Checkpointer(d).steps()
+        assert steps[-2:] == [2, 3], k
+        for s in steps:
+            assert_loads(d, s, g["states"][s])
+        shutil.rmtree(d)
+
+
+# -- never unpickles; URLs; output modes; usage errors --------------------------------------------------
+
+class _Payload:
+    """Unpickling this creates a file: proof that code from the checkpoint ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_no_command_ever_unpickles(ckdir, run, tmp_path):
+    marker = tmp_path / "pwned"
+    with ckpt.Checkpointer(ckdir, allow_pickle=True) as c:
+        c.save(1, {"evil": _Payload(str(marker)), "w": torch.ones(2), "n": 1})
+        c.save(2, {"evil": _Payload(str(marker)), "w": torch.ones(2) * 2, "n": 2})
+    outs = [run("ls", ckdir, "--verify"), run("inspect", ckdir, "--json"), run("verify", ckdir, "--all"),
+            run("diff", ckdir, 1, 2, "--max-diff"), run("gc", ckdir, "--grace", "0"),
+            run("export", ckdir, "--to", tmp_path / "e.safetensors"), run("export", ckdir, "--to", tmp_path / "e.pt")]
+    assert [rc for rc, _, _ in outs] == [0] * 7
+    assert not marker.exists()
+    assert json.loads(outs[1][1])["detail"]["values"]["evil"] == "<pickled object: not loaded>"
+    assert "1 pickled value(s) left out (never unpickled): evil" in outs[5][2]
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "e.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["ckpt.values"]) == {"n": 2}
+
+
+def test_memory_url_end_to_end(run, tmp_path):
+    url = "memory://cli-test/run"
+    fs = fsspec.filesystem("memory")
+    try:
+        states = {}
+        with ckpt.Checkpointer(url, chunk_size=CHUNK, codec="raw") as c:
+            for s in (1, 2):
+                states[s] = frozen_and_moving(s)
+                c.save(s, states[s])
+        rc, out, _ = run("ls", url, "--json")
+        assert rc == 0 and [d["step"] for d in json.loads(out)["steps"]] == [1, 2]
+        rc, _, _ = run("export", url, "--to", tmp_path / "m.pt")
+        got = torch.load(tmp_path / "m.pt", weights_only=True)
+        assert rc == 0 and torch.equal(got["moving"], states[2]["moving"])
+        h = next(iter(ckpt.Checkpointer(url).manifest(1).tensor("moving").shards[0].segments)).chunk
+        fs.rm(f"/cli-test/run/{mf.chunk_key(h)}")
+        rc, out, _ = run("verify", url, "--all")
+        assert rc == 1 and mf.chunk_key(h) in out and "missing" in out
+        fs.pipe_file(f"/cli-test/run/{mf.step_dir(9)}/rank-00000.json", b"{}")
+        rc, out, _ = run("gc", url, "--grace", "0", "--json")  # memory:// reports creation times
+        assert {i["object"] for i in json.loads(out)["removed"]} == {mf.step_dir(9)}
+        rc, out, _ = run("gc", url, "--storage-option", "use_listings_cache=false", "--json")
+        assert rc == 0 and json.loads(out)["removed"] == []
+    finally:
+        fs.rm("/cli-test", recursive=True)
+
+
+def test_tables_on_a_terminal_and_tsv_through_a_pipe_of_the_console_script(ckdir, monkeypatch, capsys):
+    save_steps(ckdir, steps=(1, 2))
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    tty = Tty()
+    monkeypatch.setattr(sys, "stdout", tty)
+    assert cli.main(["ls", ckdir]) == 0
+    lines = tty.getvalue().splitlines()
+    assert "\t" not in tty.getvalue() and set(lines[1]) == {"-", " "} and "KiB" in lines[2]
+    assert lines[0].split() == ["step", "created", "(UTC)", "ranks", "tensors", "raw", "stored", "new", "status"]
+    monkeypatch.undo()
+
+    exe = shutil.which("ckpt") or os.path.join(os.path.dirname(sys.executable), "ckpt")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([exe, "ls", "file://" + ckdir], capture_output=True, text=True, env=env, timeout=120,
+                       check=False)
+    assert p.returncode == 0 and p.stderr == ""
+    table = [line.split("\t") for line in p.stdout.splitlines()]
+    assert [r[0] for r in table] == ["step", "1", "2"] and all(len(r) == 8 for r in table)
+    assert int(table[1][4]) == (50_000 + 30_000 + 4) * 4 + 3 * 8
+
+
+def test_usage_errors_exit_2_and_help_documents_exit_codes(ckdir, run, capsys):
+    save_steps(ckdir, steps=(1,))
+    for args in (["verify", ckdir, "--step", "1", "--all"], ["gc", ckdir, "--grace", "soon"],
+                 ["diff", ckdir, "1"], ["inspect", ckdir, "--step", "-3"], ["export", ckdir],
+                 ["ls", ckdir, "--storage-option", "novalue"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(args)
+        assert e.value.code == 2, args
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and "3  diff --exit-code" in out
+    for cmd in ("ls", "inspect", "verify", "diff", "gc", "export"):
+        assert cmd in out
+    assert run("ls", ckdir, "--storage-option", "a=1")[0] == 2  # storage options on a local path
+    assert run("diff", ckdir, 1, 7)[0] == 1  # a step that does not exist
