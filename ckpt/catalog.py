@@ -123,14 +123,6 @@ def value_nodes(node: Any, path: str = "", rank: int | None = None) -> Iterator[
         yield path, node
 
 
-def is_pickle(node: Any) -> bool:
-    if isinstance(node, list):
-        return any(is_pickle(v) for v in node)
-    if isinstance(node, dict):
-        return node.get("t") == "pickle" or any(is_pickle(v) for v in node.values())
-    return False
-
-
 def preview(node: Any, limit: int = 80) -> str:
     """A short, safe rendering of a structure node (tensors and pickles are described, not loaded)."""
     def render(n: Any) -> str:

@@ -129,12 +129,6 @@ class StoreComm(Comm):
             raise DistributedSaveError(f"rank {self.rank}: cannot reach the process group's store ({e}); "
                                        "rank 0 or the launcher may have died", ranks=[0]) from e
 
-    def present(self, key: str) -> bool:
-        try:
-            return bool(self.store.check([key]))
-        except Exception:  # noqa: BLE001
-            return False
-
     def forget(self, seq: int) -> None:
         """Delete the keys of save ``seq - KEEP_SEQS`` (coordinator only)."""
         old = seq - KEEP_SEQS

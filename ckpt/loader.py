@@ -175,7 +175,8 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict, *, strict: bool, al
         if covered != need:
             raise CorruptCheckpointError(
                 f"step {m.step}: the saved shards of {key!r} cover {covered} of the {need} elements this rank "
-                "needs; the manifest is damaged", object=mf.manifest_key(m.step))
+                "needs; the manifest is damaged. Load another step (or pass fallback=True to load('latest'))",
+                object=mf.manifest_key(m.step))
 
     counters: dict[str, Any] = {"chunks_read": len(feeds), "bytes_read": 0, "chunks": sorted(feeds)}
     results = io.map(lambda item: _read_chunk(storage, m, item[0], item[1]), feeds.items())

@@ -166,21 +166,19 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def size(self, key: str) -> int:
+    def _stat(self, key: str) -> os.stat_result:
         try:
-            return os.stat(self._path(key)).st_size
+            return os.stat(self._path(key))
         except FileNotFoundError:
             raise
         except OSError as e:
             raise StorageError(f"stat of {key} failed: {e}") from e
 
+    def size(self, key: str) -> int:
+        return self._stat(key).st_size
+
     def mtime(self, key: str) -> float | None:
-        try:
-            return os.stat(self._path(key)).st_mtime
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            raise StorageError(f"stat of {key} failed: {e}") from e
+        return self._stat(key).st_mtime
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
