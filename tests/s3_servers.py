@@ -131,6 +131,7 @@ class FaultProxy:
         self.connections = 0
         self.upstream_bytes = 0
         self._watch: tuple[int, threading.Event] | None = None
+        self._hold: threading.Event | None = None  # while set to an unset Event, forwarding stops
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._live: set[socket.socket] = set()
@@ -145,9 +146,29 @@ class FaultProxy:
         with self._lock:
             self.faults += [kind] * n
 
-    def on_bytes(self, n: int, event: threading.Event) -> None:
+    def on_bytes(self, n: int, event: threading.Event, hold: bool = False) -> None:
+        """Set ``event`` once ``n`` more request bytes went upstream; with ``hold``, also stop
+        forwarding there until :meth:`release` (so a test can act while requests are in flight)."""
         with self._lock:
             self._watch = (self.upstream_bytes + n, event)
+            if hold:
+                self._hold = threading.Event()
+
+    def release(self) -> None:
+        with self._lock:
+            hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.set()
+
+    def drop_all(self) -> None:
+        """Cut every established connection (the client must reconnect, meeting armed faults)."""
+        with self._lock:
+            live = list(self._live)
+        for s in live:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -206,6 +227,9 @@ class FaultProxy:
                         w = self._watch
                     if w is not None and self.upstream_bytes >= w[0]:
                         w[1].set()
+                        hold = self._hold
+                        if hold is not None:
+                            hold.wait(60)
         except OSError:
             pass
         finally:
@@ -218,6 +242,7 @@ class FaultProxy:
                 self._live -= {src, dst}
 
     def close(self) -> None:
+        self.release()
         self._closed.set()
         self.sock.close()
         with self._lock:

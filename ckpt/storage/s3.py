@@ -103,7 +103,7 @@ class S3Storage(FsspecStorage):
         # Our retry loop is the only one, so its time bound is real.
         opts.setdefault("use_listings_cache", False)
         config = dict(opts.get("config_kwargs") or {})
-        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         config.setdefault("connect_timeout", float(mine.get("connect_timeout", 10)))
         config.setdefault("read_timeout", float(mine.get("read_timeout", 30)))
         config.setdefault("max_pool_connections", max(32, 2 * self.upload_concurrency))
@@ -130,8 +130,9 @@ class S3Storage(FsspecStorage):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     # -- the retry loop -------------------------------------------------------------------------
-    def _call(self, what: str, key: str, method: str, **kw):
+    def _call(self, what: str, key: str, method: str, _attempts: int | None = None, **kw):
         """One S3 call with jittered exponential backoff on retryable errors, bounded in time."""
+        max_attempts = _attempts or self.max_attempts
         start = time.monotonic()
         attempt = 0
         while True:
@@ -142,7 +143,7 @@ class S3Storage(FsspecStorage):
                 if not is_retryable(e):
                     raise
                 elapsed = time.monotonic() - start
-                if attempt >= self.max_attempts or elapsed >= self.retry_deadline:
+                if attempt >= max_attempts or elapsed >= self.retry_deadline:
                     raise StorageError(
                         f"{what} {self.url}/{key} failed after {attempt} attempt(s) in {elapsed:.1f}s: "
                         f"{type(e).__name__}: {e}. The server is throttling, failing or unreachable; "
@@ -180,8 +181,8 @@ class S3Storage(FsspecStorage):
 
     def _multipart(self, key: str, views: list[memoryview], total: int) -> None:
         data = views[0] if len(views) == 1 else memoryview(b"".join(views))
-        n = -(-total // self.part_size)
-        size = -(-total // n)  # even parts, each ≥ 5 MiB since part_size is
+        n = max(1, total // self.part_size)
+        size = -(-total // n)  # even parts of part_size to 2 × part_size: every one above S3's 5 MiB minimum
         s3key = self._s3key(key)
         up = self._call("starting multipart upload of", key, "create_multipart_upload", Bucket=self.bucket, Key=s3key)
         upload_id = up["UploadId"]
@@ -211,9 +212,9 @@ class S3Storage(FsspecStorage):
             raise
 
     def _abort(self, key: str, s3key: str, upload_id: str) -> None:
-        try:
+        try:  # an abort deserves a few tries even on a strict budget
             self._call("aborting multipart upload of", key, "abort_multipart_upload", Bucket=self.bucket,
-                       Key=s3key, UploadId=upload_id)
+                       Key=s3key, UploadId=upload_id, _attempts=max(self.max_attempts, 6))
             with self._lock:
                 self.counters["aborted"] += 1
         except Exception as e:  # noqa: BLE001 - the upload error matters more; say what is left
