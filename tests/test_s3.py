@@ -21,7 +21,6 @@ import ckpt
 from ckpt import manifest as mf
 from ckpt.storage import LocalStorage, open_storage
 from ckpt.storage.s3 import S3Storage
-from ckpt.storage.tiered import TieredStorage
 
 sys.path.insert(0, os.path.dirname(__file__))
 from s3_servers import FaultProxy, MotoS3, RcloneS3, storage_options  # noqa: E402

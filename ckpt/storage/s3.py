@@ -111,9 +111,6 @@ class S3Storage(FsspecStorage):
         config.setdefault("request_checksum_calculation", "when_required")
         config.setdefault("response_checksum_validation", "when_required")
         opts["config_kwargs"] = config
-        client = opts.get("client_kwargs") or {}
-        if "region_name" in client:
-            log.debug("ckpt: region_name in client_kwargs makes some servers (moto) reject bucket calls")
         super().__init__(url, opts)
         self.fs.retries = 1  # s3fs's own retry loop (a class attribute): one try, ours retries
         bucket, _, prefix = self.root.partition("/")
