@@ -19,7 +19,7 @@ from .plan import make_plan
 from .retention import ManifestCache, committed_steps, delete_steps, to_delete
 from .snapshot import HostPool
 from .state import Flat, flatten
-from .storage import open_storage
+from .storage import open_tiered
 from .writer import SaveJob, SaveMetrics, Writer, describe_failure
 
 log = logging.getLogger("ckpt")
@@ -36,22 +36,72 @@ class SaveHandle:
         ...                       # train on; the snapshot is already taken
         h.wait()                  # optional: blocks until committed, raises if the save failed
         print(h.metrics.stall_s, h.metrics.written_bytes)
+
+    Stages, in order (``handle.stage`` says which one the save has reached):
+
+    * ``"snapshot"``: ``save()`` returned; the state is copied and may change.
+    * ``"local"``: every chunk is durable in the first tier (``local_dir`` when given; otherwise the
+      checkpoint storage itself). The step is not committed yet.
+    * ``"committed"``: every chunk is durable in the checkpoint storage (remote) and the manifest is
+      committed; the step loads from anywhere.
+
+    ``handle.wait("local")`` returns at the second stage, e.g. to let an NVMe-only job move on::
+
+        h = ckptr.save(step, state)          # Checkpointer("s3://b/run", local_dir="/nvme/ckpt")
+        h.wait("local")                      # on NVMe; upload to S3 still running
+        h.wait()                             # committed on S3
     """
+
+    STAGES = ("snapshot", "local", "committed")
 
     def __init__(self, step: int, metrics: SaveMetrics, future: Future | None):
         self.step = step
         self.metrics = metrics
         self._future = future
         self._observed = False
+        self._local = threading.Event()
+        self._started: float | None = None
+        if future is None:
+            self._local.set()
+
+    def _mark_local(self) -> None:
+        if self._started is not None:
+            self.metrics.local_s = time.perf_counter() - self._started
+        self._local.set()
+
+    @property
+    def stage(self) -> str:
+        """``"snapshot"``, ``"local"``, ``"committed"``, ``"failed"`` or ``"skipped"``."""
+        if self.skipped:
+            return "skipped"
+        if self._future is not None and self._future.done():
+            return "failed" if self._future.exception() is not None else "committed"
+        return "local" if self._local.is_set() else "snapshot"
 
     def done(self) -> bool:
         """True once the save is committed or has failed (or was skipped)."""
         return self._future is None or self._future.done()
 
-    def wait(self, timeout: float | None = None) -> SaveMetrics:
-        """Block until the step is committed; raise its :class:`CheckpointError` if it failed.
+    def wait(self, stage: str = "committed", timeout: float | None = None) -> SaveMetrics:
+        """Block until the save reaches ``stage`` (default: committed); raise its
+        :class:`CheckpointError` if it failed first.
 
         Raises ``TimeoutError`` if ``timeout`` seconds pass first (the save goes on)."""
+        if isinstance(stage, (int, float)) and not isinstance(stage, bool):  # wait(timeout) as before
+            stage, timeout = "committed", stage
+        if stage not in self.STAGES:
+            raise ConfigError(f"stage must be one of {self.STAGES}, got {stage!r}")
+        if stage == "snapshot":
+            return self.metrics
+        if stage == "local" and self._future is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._local.is_set() and not self._future.done():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"save of step {self.step} not durable locally after {timeout}s")
+                self._local.wait(0.05 if left is None else min(0.05, left))
+            if self._local.is_set():
+                return self.metrics
         if self._future is not None:
             try:
                 self._future.result(timeout)
@@ -106,6 +156,11 @@ class Checkpointer:
     Options:
         keep_last: keep only the newest N committed steps (None keeps all). The step this run
             loaded from is never deleted.
+        keep_every: also keep, for good, every step whose number is a multiple of K (with or
+            without ``keep_last``). Retention runs after each commit, in the background.
+        local_dir: a fast local directory (NVMe) staged in front of ``path``: chunks are written
+            and fsynced there first, then uploaded; restores read a chunk there when its hash
+            matches. See :class:`SaveHandle` for the stages a save goes through.
         chunk_size: bytes per chunk (default 16 MiB); the unit of dedup, verification and partial reads.
         codec: ``"auto"`` (zstd where it saves ≥8%, else raw), ``"raw"``, ``"zstd"`` or ``"zstd:<level>"``.
         busy: what a save does while the previous one is still writing from the host buffer:
@@ -115,7 +170,9 @@ class Checkpointer:
             Loading such a checkpoint needs ``allow_pickle=True`` too.
         io_threads: threads for hashing, compression and I/O (default: 2 × cores, 8 to 16;
             fsync-bound writes need several in flight to reach the disk's bandwidth).
-        storage_options: passed to fsspec for URLs.
+        storage_options: passed to fsspec for URLs; for ``s3://`` also ckpt's own S3 options
+            (``multipart_threshold``, ``multipart_chunksize``, ``upload_concurrency``,
+            ``retry_deadline``, ``max_attempts``, ``connect_timeout``, ``read_timeout``).
         process_group: the ranks that save together (default: the default group, when
             ``torch.distributed`` is initialised; otherwise this process alone). Every rank calls
             ``save`` and ``load`` in the same order. Ranks coordinate through the group's store,
@@ -138,9 +195,13 @@ class Checkpointer:
         storage_options: dict | None = None,
         process_group: Any = None,
         timeout: float = 600.0,
+        local_dir: str | os.PathLike | None = None,
+        keep_every: int | None = None,
     ):
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        if keep_every is not None and (type(keep_every) is not int or keep_every < 1):
+            raise ConfigError(f"keep_every must be a positive integer or None, got {keep_every!r}")
         if type(chunk_size) is not int or not (64 * 1024 <= chunk_size <= 1 << 31):
             raise ConfigError(f"chunk_size must be an integer between 64 KiB and 2 GiB, got {chunk_size!r}")
         if busy not in ("wait", "skip"):
@@ -152,14 +213,16 @@ class Checkpointer:
         self.path = os.fspath(path)
         self.timeout = float(timeout)
         self._comm = make_comm(process_group, self.timeout)
-        self.storage = open_storage(self.path, storage_options)
+        threads = io_threads or min(16, max(8, 2 * (os.cpu_count() or 2)))
+        self.local_dir = None if local_dir is None else os.fspath(local_dir)
+        self.storage = open_tiered(self.path, self.local_dir, storage_options, upload_threads=threads)
         self.keep_last = keep_last
+        self.keep_every = keep_every
         self.chunk_size = chunk_size
         self.codec = CodecSpec.parse(codec)
         self.busy = busy
         self.strict = strict
         self.allow_pickle = allow_pickle
-        threads = io_threads or min(16, max(8, 2 * (os.cpu_count() or 2)))
         self._writer = Writer(self.storage, self.codec, threads)
         self._manifests = ManifestCache(self.storage)
         self._pool: HostPool | None = None
@@ -248,8 +311,10 @@ class Checkpointer:
                       started=started, leaves={k: flat.leaves[k] for k in self._layout["write"]},
                       per_rank=frozenset(self._layout["per_rank"]), rank=comm.rank, seq=seq, cuda_event=event)
         future: Future = Future()
-        self._writer.commit_thread.submit(self._run_save, job, future)
         handle = SaveHandle(step, metrics, future)
+        handle._started = started
+        job.on_local = handle._mark_local
+        self._writer.commit_thread.submit(self._run_save, job, future)
         with self._lock:
             self._submitted.add(step)
             # forget saves that succeeded; keep failures until someone has seen them
@@ -315,7 +380,7 @@ class Checkpointer:
             if committed is not None:
                 self._manifests.put(committed)
             future.set_result(job.metrics)
-            if committed is not None and coordinator and self.keep_last is not None:
+            if committed is not None and coordinator and (self.keep_last is not None or self.keep_every is not None):
                 self._retain(job.step)
         finally:
             if distributed and coordinator:  # other ranks may now write their next save's chunks
@@ -420,7 +485,7 @@ class Checkpointer:
         if self._comm.rank != 0:
             return
         steps = committed_steps(self.storage)
-        victims = to_delete(steps, self.keep_last, self._protected)
+        victims = to_delete(steps, self.keep_last, self._protected, self.keep_every)
         if not victims:
             return
         remaining = [s for s in steps if s not in victims]
@@ -514,12 +579,19 @@ class Checkpointer:
             m = load_manifest(self.storage, step)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"step {step} vanished from {self.storage.describe()} while loading") from None
+        tiers = getattr(self.storage, "reset_counters", None)
+        if tiers is not None:
+            tiers()
         counters = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self._writer.io,
                              rank=self._comm.rank, world=self._comm.world, rank_map=rank_map)
         self._manifests.put(m)
         self._protected.add(step)
         self._loaded_chunks = dict(m.chunks)
         self._writer.learn(m.chunks)  # lets the next save reuse these chunks without probing
+        if tiers is not None:  # which tier each chunk came from; damaged local copies are named
+            c = self.storage.counters
+            counters.update(local_chunks=c["local_hits"], remote_chunks=c["remote_reads"],
+                            local_rejected=list(c["local_rejected"]))
         self.last_load = counters
         log.info("ckpt: loaded step %d (saved on %d rank(s)) from %s as %s: %d chunks, %.1f MiB read",
                  step, m.world_size, self.storage.describe(), self._comm.describe(), counters["chunks_read"],
@@ -577,6 +649,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._writer.shutdown()
+            getattr(self.storage, "close", lambda: None)()
             self._pool = None
 
     def _check_open(self) -> None:
@@ -596,7 +669,8 @@ class Checkpointer:
                 log.error("ckpt: %s", e)
 
     def __repr__(self) -> str:
-        return f"Checkpointer({self.path!r}, keep_last={self.keep_last}, codec={self.codec.name!r})"
+        extra = f", local_dir={self.local_dir!r}" if self.local_dir else ""
+        return f"Checkpointer({self.path!r}{extra}, keep_last={self.keep_last}, codec={self.codec.name!r})"
 
 
 def _short_list(steps: list[int]) -> str:

@@ -160,8 +160,9 @@ class AsyncCheckpoint(_Checkpoint):
         train_time_interval: save when this much time (``timedelta`` or seconds) has passed since
             the last save, checked after each training batch.
         keep_last: keep only the newest N committed steps (the step a run resumed from is kept too).
-        local_dir: reserved for the local staging tier in front of object storage; not available
-            yet (raises :class:`~ckpt.ConfigError` if given).
+        local_dir: a fast local directory staged in front of ``url`` (e.g. NVMe in front of
+            ``s3://``): chunks are written there first, uploaded behind, and read from there on
+            resume when their hash matches.
         resume: at the start of a fit with no ``ckpt_path`` on a fresh trainer (global step 0), load
             the newest committed step. A ``ckpt_path`` given to ``fit`` wins; it may also name a ckpt
             checkpoint (this url, or ``<url>/steps/<step:012d>``).
@@ -189,9 +190,8 @@ class AsyncCheckpoint(_Checkpoint):
         **checkpointer_options: Any,
     ):
         super().__init__()
-        if local_dir is not None:
-            raise ConfigError("local_dir needs ckpt's local staging tier in front of object storage, which is not "
-                              "available yet; pass the checkpoint location as url only")
+        if local_dir is not None and not isinstance(local_dir, (str, os.PathLike)):
+            raise ConfigError(f"local_dir must be a local directory path, got {local_dir!r}")
         for name, n in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if n is not None and (type(n) is not int or n < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {n!r}")
@@ -209,6 +209,7 @@ class AsyncCheckpoint(_Checkpoint):
         if unknown:
             raise ConfigError(f"unknown AsyncCheckpoint option(s) {sorted(unknown)}")
         self.url = os.fspath(url)
+        self.local_dir = None if local_dir is None else os.fspath(local_dir)
         self.every_n_train_steps = every_n_train_steps
         self.every_n_epochs = every_n_epochs
         self.train_time_interval = train_time_interval
@@ -233,7 +234,7 @@ class AsyncCheckpoint(_Checkpoint):
             return
         if self.checkpointer is None:  # a second fit gets a fresh one: the last teardown closed it
             self.checkpointer = Checkpointer(self.url, keep_last=self.keep_last, allow_pickle=self.allow_pickle,
-                                             **self._options)
+                                             local_dir=self.local_dir, **self._options)
         self.handles = []
         self._last_time = time.monotonic()
         _ResumeShim.install(trainer.strategy, self.allow_pickle)

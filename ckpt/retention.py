@@ -30,11 +30,19 @@ def committed_steps(storage: Storage) -> list[int]:
     return [s for s in step_candidates(storage) if storage.exists(mf.manifest_key(s))]
 
 
-def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int]) -> list[int]:
-    """The committed steps retention removes: all but the newest ``keep_last`` and the protected."""
-    if keep_last is None or len(steps) <= keep_last:
+def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int],
+              keep_every: int | None = None) -> list[int]:
+    """The committed steps retention removes: all but the newest ``keep_last``, the protected, and
+    (with ``keep_every=K``) every step whose number is a multiple of K. Without ``keep_last`` only
+    ``keep_every`` decides, and then every step but the newest that is not a multiple is removed."""
+    if not steps or (keep_last is None and keep_every is None):
         return []
-    keep = set(steps[-keep_last:]) | set(protected)
+    n = keep_last if keep_last is not None else 1
+    if keep_every is None and len(steps) <= n:
+        return []
+    keep = set(steps[-n:]) | set(protected)
+    if keep_every is not None:
+        keep |= {s for s in steps if s % keep_every == 0}
     return [s for s in steps if s not in keep]
 
 

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ class SaveMetrics:
     chunks_reused: int = 0  # chunks already stored (dedup): not written again
     duration_s: float | None = None  # from the save() call until the step was committed
     skipped: bool = False  # busy="skip" dropped this save
+    local_s: float | None = None  # from the save() call until every chunk was durable in the first tier
 
 
 @dataclass
@@ -55,6 +57,7 @@ class SaveJob:
     rank: int = 0
     seq: int = 0
     cuda_event: "torch.cuda.Event | None" = None
+    on_local: "Callable[[], None] | None" = None  # every chunk durable in the first tier (SaveHandle stage)
 
 
 class Writer:
@@ -117,6 +120,8 @@ class Writer:
         finally:
             pool.release()
         self.storage.flush()
+        if job.on_local is not None:
+            job.on_local()
 
         hashes = [h for h, _, _ in results]
         chunk_table = {h: info for h, info, _ in results}

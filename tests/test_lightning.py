@@ -145,7 +145,7 @@ def test_non_plain_values_need_allow_pickle(tmp_path):
 
 def test_options_are_checked():
     with pytest.raises(ckpt.ConfigError, match="local_dir"):
-        AsyncCheckpoint("x", local_dir="/nvme")
+        AsyncCheckpoint("x", local_dir=3)
     with pytest.raises(ckpt.ConfigError, match="every_n_train_steps"):
         AsyncCheckpoint("x", every_n_train_steps=0)
     with pytest.raises(ckpt.ConfigError, match="unknown"):

@@ -86,4 +86,27 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
         if storage_options:
             raise ConfigError("storage_options apply to fsspec URLs only, not to a local directory")
         return LocalStorage(url[len("file://"):] if scheme == "file" else url)
+    if scheme in ("s3", "s3a"):
+        try:
+            from .s3 import S3Storage
+        except ImportError as e:
+            raise ConfigError(f"{url!r} needs s3fs: pip install 'ckpt[s3]' ({e})") from e
+        return S3Storage(url, storage_options or {})
     return FsspecStorage(url, storage_options or {})
+
+
+def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = None,
+                upload_threads: int = 8) -> Storage:
+    """The storage of a Checkpointer: ``url`` alone, or ``local_dir`` staged in front of it."""
+    remote = open_storage(url, storage_options)
+    if local_dir is None:
+        return remote
+    from .local import LocalStorage
+    from .tiered import TieredStorage
+
+    local = open_storage(local_dir)
+    if not isinstance(local, LocalStorage):
+        raise ConfigError(f"local_dir must be a local directory, got {local_dir!r}")
+    if isinstance(remote, LocalStorage) and remote.root == local.root:
+        raise ConfigError(f"local_dir {local_dir!r} is the checkpoint path itself; leave local_dir out")
+    return TieredStorage(local, remote, upload_threads)

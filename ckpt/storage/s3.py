@@ -1,0 +1,341 @@
+"""S3 (and S3-compatible servers) through s3fs, hardened for what object stores do.
+
+On top of the generic fsspec backend this adds:
+
+* **Retries we control.** Throttling (503 SlowDown, 429), 5xx, connection resets, timeouts and
+  truncated bodies are retried with full-jitter exponential backoff, bounded both in attempts and in
+  total time (``retry_deadline``). botocore's and s3fs's own retry loops are turned off so the bound
+  holds: a server that went away turns into :class:`~ckpt.errors.StorageError` in bounded time.
+* **Parallel multipart uploads** for objects of at least ``multipart_threshold`` bytes, parts sent
+  by ``upload_concurrency`` threads; a failed upload is aborted, so no orphan parts stay billed.
+* **Create-only commit.** One PUT of the whole manifest with ``If-None-Match: *`` after a HEAD: on a
+  server that honours the header (AWS S3, moto) two committers cannot both win; on one that ignores it
+  (rclone's ``serve s3`` at the time of writing) it degrades to check-then-put.
+  :meth:`S3Storage.conditional_writes` probes which one a server is.
+* **No listing on the commit path**: ``exists``/``size`` are HEAD requests, never fsspec's
+  listing cache (which is also disabled).
+
+ckpt-specific options are taken out of ``storage_options`` before the rest goes to s3fs:
+``multipart_threshold`` (default 8 MiB), ``multipart_chunksize`` (default 8 MiB, at least 5 MiB),
+``upload_concurrency`` (default 8), ``retry_deadline`` (seconds, default 60), ``max_attempts``
+(default 10), ``connect_timeout`` / ``read_timeout`` (seconds, default 10 / 30).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import ConfigError, StorageError
+from .remote import FsspecStorage
+
+log = logging.getLogger("ckpt")
+
+MiB = 1 << 20
+CKPT_OPTIONS = ("multipart_threshold", "multipart_chunksize", "upload_concurrency", "retry_deadline",
+                "max_attempts", "connect_timeout", "read_timeout")
+_RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+                "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests",
+                "XAmzContentSHA256Mismatch", "BadDigest", "IncompleteBody"}
+
+
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _client_error(e: BaseException):
+    for x in _chain(e):
+        if hasattr(x, "response") and isinstance(getattr(x, "response"), dict) and "Error" in x.response:
+            return x
+    return None
+
+
+def is_retryable(e: BaseException) -> bool:
+    """Throttling, 5xx, resets, timeouts: worth another try. 4xx (denied, missing, precondition) are not."""
+    ce = _client_error(e)
+    if ce is not None:
+        code = str(ce.response.get("Error", {}).get("Code", ""))
+        status = ce.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return code in _RETRY_CODES or status >= 500 or status == 429 or code in ("500", "503", "429")
+    for x in _chain(e):
+        if isinstance(x, (FileNotFoundError, PermissionError, FileExistsError)):
+            return False
+        name = type(x).__name__
+        if isinstance(x, (ConnectionError, TimeoutError)) or any(
+                s in name for s in ("Connection", "Timeout", "Disconnected", "IncompleteRead", "ResponseParser",
+                                    "PayloadError", "ServerDisconnected", "EndpointConnection", "HTTPClientError")):
+            return True
+    return False
+
+
+def _status(e: BaseException) -> tuple[str, int]:
+    ce = _client_error(e)
+    if ce is None:
+        return "", 0
+    return (str(ce.response.get("Error", {}).get("Code", "")),
+            int(ce.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0))
+
+
+class S3Storage(FsspecStorage):
+    """Checkpoint storage on S3 or an S3-compatible server (``s3://bucket/prefix``)."""
+
+    def __init__(self, url: str, storage_options: dict):
+        opts = dict(storage_options)
+        mine = {k: opts.pop(k) for k in CKPT_OPTIONS if k in opts}
+        self.multipart_threshold = int(mine.get("multipart_threshold", 8 * MiB))
+        self.part_size = int(mine.get("multipart_chunksize", 8 * MiB))
+        self.upload_concurrency = int(mine.get("upload_concurrency", 8))
+        self.retry_deadline = float(mine.get("retry_deadline", 60.0))
+        self.max_attempts = int(mine.get("max_attempts", 10))
+        if self.part_size < 5 * MiB:
+            raise ConfigError(f"multipart_chunksize must be at least 5 MiB (S3's smallest part), got {self.part_size}")
+        if self.upload_concurrency < 1 or self.max_attempts < 1 or not self.retry_deadline > 0:
+            raise ConfigError("upload_concurrency and max_attempts must be ≥ 1 and retry_deadline > 0")
+        # Our retry loop is the only one, so its time bound is real.
+        opts.setdefault("use_listings_cache", False)
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        config.setdefault("connect_timeout", float(mine.get("connect_timeout", 10)))
+        config.setdefault("read_timeout", float(mine.get("read_timeout", 30)))
+        config.setdefault("max_pool_connections", max(32, 2 * self.upload_concurrency))
+        # Plain checksums in headers, not aws-chunked bodies: every S3-compatible server accepts them.
+        config.setdefault("request_checksum_calculation", "when_required")
+        config.setdefault("response_checksum_validation", "when_required")
+        opts["config_kwargs"] = config
+        super().__init__(url, opts)
+        self.fs.retries = 1  # s3fs's own retry loop (a class attribute): one try, ours retries
+        bucket, _, prefix = self.root.partition("/")
+        if not bucket:
+            raise ConfigError(f"{url!r} names no bucket; use s3://bucket/prefix")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self._parts = ThreadPoolExecutor(self.upload_concurrency, thread_name_prefix="ckpt-s3-part")
+        self._conditional: bool | None = None
+        self._lock = threading.Lock()
+        self.counters = {"retries": 0, "multipart": 0, "aborted": 0}
+
+    def _s3key(self, key: str) -> str:
+        self._path(key)  # the '..' guard
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    # -- the retry loop -------------------------------------------------------------------------
+    def _call(self, what: str, key: str, method: str, _attempts: int | None = None, **kw):
+        """One S3 call with jittered exponential backoff on retryable errors, bounded in time."""
+        max_attempts = _attempts or self.max_attempts
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self.fs.call_s3(method, **kw)
+            except Exception as e:  # noqa: BLE001 - classified below
+                if not is_retryable(e):
+                    raise
+                elapsed = time.monotonic() - start
+                if attempt >= max_attempts or elapsed >= self.retry_deadline:
+                    raise StorageError(
+                        f"{what} {self.url}/{key} failed after {attempt} attempt(s) in {elapsed:.1f}s: "
+                        f"{type(e).__name__}: {e}. The server is throttling, failing or unreachable; "
+                        "check it (and retry_deadline/max_attempts in storage_options).") from e
+                # full jitter: uniform in [0, min(cap, base·2^n)], never past the deadline
+                delay = random.uniform(0, min(5.0, 0.05 * 2 ** attempt))
+                delay = min(delay, max(0.0, self.retry_deadline - elapsed))
+                with self._lock:
+                    self.counters["retries"] += 1
+                log.debug("ckpt: %s %s: retry %d in %.2fs after %s", what, key, attempt, delay, e)
+                time.sleep(delay)
+
+    def _wrap(self, what: str, key: str, e: Exception) -> Exception:
+        if isinstance(e, StorageError):
+            return e
+        code, status = _status(e)
+        if status == 404 or code in ("NoSuchKey", "404", "NotFound") or isinstance(e, FileNotFoundError):
+            return FileNotFoundError(f"{self.url}/{key}")
+        return self._fail(what, key, e)
+
+    # -- the surface ----------------------------------------------------------------------------
+    def write(self, key: str, buffers: Sequence) -> int:
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = sum(len(v) for v in views)
+        try:
+            if total >= self.multipart_threshold and total > self.part_size:
+                self._multipart(key, views, total)
+            else:
+                body = b"".join(views)
+                self._call("writing", key, "put_object", Bucket=self.bucket, Key=self._s3key(key), Body=body)
+        except Exception as e:
+            err = self._wrap("writing", key, e)
+            raise err from e
+        return total
+
+    def _multipart(self, key: str, views: list[memoryview], total: int) -> None:
+        data = views[0] if len(views) == 1 else memoryview(b"".join(views))
+        n = max(1, total // self.part_size)
+        size = -(-total // n)  # even parts of part_size to 2 × part_size: every one above S3's 5 MiB minimum
+        s3key = self._s3key(key)
+        up = self._call("starting multipart upload of", key, "create_multipart_upload", Bucket=self.bucket, Key=s3key)
+        upload_id = up["UploadId"]
+        with self._lock:
+            self.counters["multipart"] += 1
+
+        def part(i: int) -> dict:
+            body = bytes(data[i * size:(i + 1) * size])
+            r = self._call(f"uploading part {i + 1}/{n} of", key, "upload_part", Bucket=self.bucket, Key=s3key,
+                           UploadId=upload_id, PartNumber=i + 1, Body=body)
+            return {"PartNumber": i + 1, "ETag": r["ETag"]}
+
+        futures = [self._parts.submit(part, i) for i in range(n)]
+        parts, first = [], None
+        for f in futures:  # wait for all, so nothing is still uploading when we abort
+            try:
+                parts.append(f.result())
+            except Exception as e:  # noqa: BLE001 - re-raised after the abort
+                first = first or e
+        try:
+            if first is not None:
+                raise first
+            self._call("completing multipart upload of", key, "complete_multipart_upload", Bucket=self.bucket,
+                       Key=s3key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except Exception:
+            self._abort(key, s3key, upload_id)
+            raise
+
+    def _abort(self, key: str, s3key: str, upload_id: str) -> None:
+        try:  # an abort deserves a few tries even on a strict budget
+            self._call("aborting multipart upload of", key, "abort_multipart_upload", Bucket=self.bucket,
+                       Key=s3key, UploadId=upload_id, _attempts=max(self.max_attempts, 6))
+            with self._lock:
+                self.counters["aborted"] += 1
+        except Exception as e:  # noqa: BLE001 - the upload error matters more; say what is left
+            log.error("ckpt: could not abort multipart upload %s of %s/%s (%s); its parts stay on the server "
+                      "until aborted (e.g. by a bucket lifecycle rule for incomplete uploads)", upload_id,
+                      self.url, key, e)
+
+    def commit(self, key: str, data: bytes) -> None:
+        if self.exists(key):  # check-then-put for servers that ignore If-None-Match
+            raise FileExistsError(f"{self.url}/{key}")
+        try:
+            self._call("committing", key, "put_object", Bucket=self.bucket, Key=self._s3key(key), Body=bytes(data),
+                       IfNoneMatch="*")
+        except Exception as e:
+            code, status = _status(e)
+            if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise FileExistsError(f"{self.url}/{key}") from None
+            raise self._wrap("committing", key, e) from e
+
+    def _head(self, key: str) -> dict:
+        try:
+            return self._call("stat of", key, "head_object", Bucket=self.bucket, Key=self._s3key(key))
+        except Exception as e:
+            raise self._wrap("stat of", key, e) from e
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._head(key)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def size(self, key: str) -> int:
+        return int(self._head(key)["ContentLength"])
+
+    def mtime(self, key: str) -> float | None:
+        t = self._head(key).get("LastModified")
+        return t.timestamp() if t is not None else None
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        kw = {"Bucket": self.bucket, "Key": self._s3key(key)}
+        if start or end is not None:
+            kw["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+        try:
+            if "Range" not in kw:
+                return self._read_parallel(key, kw)
+            return self._get(key, kw)
+        except Exception as e:
+            raise self._wrap("reading", key, e) from e
+
+    def _get(self, key: str, kw: dict) -> bytes:
+        # The body is read inside the retried call: a reset mid-body is retried like any other.
+        def once():
+            r = self.fs.call_s3("get_object", **kw)
+            return _read_body(self.fs, r)
+        start, attempt = time.monotonic(), 0
+        while True:
+            attempt += 1
+            try:
+                return once()
+            except Exception as e:  # noqa: BLE001
+                if not is_retryable(e) or attempt >= self.max_attempts or time.monotonic() - start > self.retry_deadline:
+                    if is_retryable(e):
+                        raise StorageError(f"reading {self.url}/{key} failed after {attempt} attempt(s): "
+                                           f"{type(e).__name__}: {e}") from e
+                    raise
+                with self._lock:
+                    self.counters["retries"] += 1
+                time.sleep(random.uniform(0, min(5.0, 0.05 * 2 ** attempt)))
+
+    def _read_parallel(self, key: str, kw: dict) -> bytes:
+        """Whole object: one GET when small, else ranged GETs in parallel (part-size ranges)."""
+        size = int(self._call("stat of", key, "head_object", **kw)["ContentLength"])
+        if size < 2 * self.part_size:
+            return self._get(key, kw)
+        ranges = [(a, min(size, a + self.part_size)) for a in range(0, size, self.part_size)]
+        out = bytearray(size)
+        def fetch(r):
+            out[r[0]:r[1]] = self._get(key, {**kw, "Range": f"bytes={r[0]}-{r[1] - 1}"})
+        list(self._parts.map(fetch, ranges))
+        return bytes(out)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._call("deleting", key, "delete_object", Bucket=self.bucket, Key=self._s3key(key))
+        except Exception as e:
+            err = self._wrap("deleting", key, e)
+            if isinstance(err, FileNotFoundError):
+                return
+            raise err from e
+
+    def multipart_uploads(self) -> list[dict]:
+        """Multipart uploads started under this prefix and neither completed nor aborted."""
+        r = self._call("listing multipart uploads of", "", "list_multipart_uploads", Bucket=self.bucket,
+                       Prefix=self.prefix)
+        return list(r.get("Uploads") or [])
+
+    def conditional_writes(self) -> bool:
+        """Does the server honour ``If-None-Match: *`` (true create-only)? Probed once, with a
+        throwaway object under the prefix."""
+        if self._conditional is None:
+            key = f".ckpt-probe-{uuid.uuid4().hex[:12]}"
+            kw = {"Bucket": self.bucket, "Key": self._s3key(key), "Body": b"probe", "IfNoneMatch": "*"}
+            try:
+                self._call("probing", key, "put_object", **kw)
+                try:
+                    self._call("probing", key, "put_object", **kw)
+                    self._conditional = False
+                except Exception as e:  # noqa: BLE001
+                    self._conditional = _status(e)[1] == 412 or _status(e)[0] == "PreconditionFailed"
+                    if not self._conditional:
+                        raise
+            finally:
+                self.delete(key)
+        return self._conditional
+
+    def close(self) -> None:
+        self._parts.shutdown(wait=False)
+
+
+def _read_body(fs, response) -> bytes:
+    from fsspec.asyn import sync
+
+    async def read():
+        async with response["Body"] as body:
+            return await body.read()
+    return sync(fs.loop, read)

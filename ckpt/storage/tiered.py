@@ -1,0 +1,198 @@
+"""A fast local tier (NVMe) staged in front of a durable remote tier (object storage).
+
+Writes land in the local tier first (temp file, fsync, rename) and return; an upload pool with
+bounded parallelism copies each object to the remote tier behind them. The remote tier is the
+truth: a step exists when its MANIFEST.json exists there.
+
+* ``flush()`` makes the local tier durable (a stage the SaveHandle reports); it does not wait for
+  uploads.
+* Writing a step file (a rank report) or committing a manifest first waits for every pending upload,
+  so "my report exists" means "my chunks are durable remotely", and the commit PUT comes after every
+  chunk it names.
+* ``exists(chunk)`` answers for the durable tier; a chunk only staged locally (its earlier upload
+  failed) is uploaded then, so dedup never commits a manifest naming a chunk the remote lacks.
+* Reading a chunk tries the local copy and checks its hash; a copy that fails is ignored, reported
+  (``counters["local_rejected"]``, a warning) and read from the remote instead.
+* Deletes go to both tiers (local first), so retention and GC apply to both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..codec import HEADER_SIZE, chunk_hash, decode, parse_header
+from ..errors import CheckpointError, StorageError
+from .base import Storage
+from .local import LocalStorage
+
+log = logging.getLogger("ckpt")
+
+
+def _is_chunk(key: str) -> bool:
+    return key.startswith("chunks/")
+
+
+class TieredStorage(Storage):
+    def __init__(self, local: LocalStorage, remote: Storage, upload_threads: int = 8):
+        self.local = local
+        self.remote = remote
+        self.url = remote.url
+        self._uploads = ThreadPoolExecutor(upload_threads, thread_name_prefix="ckpt-upload")
+        self._pending: list[Future] = []
+        self._bad: set[str] = set()  # keys whose local copy failed its check: served by the remote
+        self._lock = threading.Lock()
+        self.counters = {"local_hits": 0, "remote_reads": 0, "local_rejected": [], "uploaded": 0}
+
+    def describe(self) -> str:
+        return f"{self.remote.describe()} (staged in {self.local.root})"
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self.counters = {"local_hits": 0, "remote_reads": 0, "local_rejected": [], "uploaded": 0}
+
+    # -- writing --------------------------------------------------------------------------------
+    def _upload(self, key: str) -> None:
+        data = self.local.read(key)
+        self.remote.write(key, [data])
+        with self._lock:
+            self.counters["uploaded"] += 1
+
+    def write(self, key: str, buffers: Sequence) -> int:
+        if not _is_chunk(key):
+            # A step file: every chunk before it must be durable remotely first.
+            self.drain()
+            n = self.local.write(key, buffers)
+            self.local.flush()
+            self.remote.write(key, [self.local.read(key)])
+            return n
+        n = self.local.write(key, buffers)
+        with self._lock:
+            self._pending.append(self._uploads.submit(self._upload, key))
+        return n
+
+    def flush(self) -> None:
+        """The local tier is durable (directory entries fsynced); uploads may still be running."""
+        self.local.flush()
+        self.remote.flush()
+
+    def drain(self) -> None:
+        """Wait for every pending upload; raise the first failure (after all have finished)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        first = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                first = first or e
+        if first is not None:
+            if isinstance(first, CheckpointError):
+                raise first
+            raise StorageError(f"uploading to {self.remote.describe()} failed: {first}") from first
+
+    def commit(self, key: str, data: bytes) -> None:
+        self.drain()
+        self.local.flush()
+        self.remote.commit(key, data)  # the commit point: the durable tier
+        try:
+            self.local.commit(key, data)
+        except FileExistsError:
+            pass  # a stale local copy from a deleted step of the same number; the remote is the truth
+        except CheckpointError as e:  # the step is committed; the local tier only loses a copy
+            log.warning("ckpt: committed %s remotely but not in the local tier: %s", key, e)
+
+    # -- reading --------------------------------------------------------------------------------
+    def _local_ok(self, key: str, blob: bytes) -> bool:
+        h = key.rsplit("/", 1)[-1]
+        try:
+            decode(blob, name=key, expect_hash=h)
+            return True
+        except CheckpointError as e:
+            self._reject(key, e)
+            return False
+
+    def _reject(self, key: str, why) -> None:
+        with self._lock:
+            self.counters["local_rejected"].append(key)
+            self._bad.add(key)
+        log.warning("ckpt: local copy of %s is damaged (%s); reading it from %s instead", key, why,
+                    self.remote.describe())
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if _is_chunk(key):
+            try:
+                if start is None and end is None:
+                    blob = self.local.read(key)
+                    if self._local_ok(key, blob):
+                        with self._lock:
+                            self.counters["local_hits"] += 1
+                        return blob
+                else:  # a header probe: cheap, and the caller checks what it reads
+                    return self.local.read(key, start, end)
+            except FileNotFoundError:
+                pass
+            except CheckpointError as e:
+                self._reject(key, e)
+            with self._lock:
+                self.counters["remote_reads"] += 1
+        return self.remote.read(key, start, end)
+
+    def readv(self, key: str, buffers: Sequence) -> int:
+        if _is_chunk(key):
+            try:
+                n = self.local.readv(key, buffers)
+                views = [memoryview(b).cast("B") for b in buffers]
+                if len(views) == 2 and len(views[0]) == HEADER_SIZE:
+                    hdr = parse_header(views[0], name=key)
+                    if (hdr.digest == key.rsplit("/", 1)[-1] and n == HEADER_SIZE + hdr.payload_len
+                            and chunk_hash(views[1][:hdr.payload_len]) == hdr.digest):
+                        with self._lock:
+                            self.counters["local_hits"] += 1
+                        return n
+                    self._reject(key, "hash or size mismatch")
+                else:
+                    return n
+            except FileNotFoundError:
+                pass
+            except CheckpointError as e:
+                self._reject(key, e)
+            with self._lock:
+                self.counters["remote_reads"] += 1
+        return self.remote.readv(key, buffers)
+
+    def size(self, key: str) -> int:
+        if _is_chunk(key) and key not in self._bad:
+            try:
+                return self.local.size(key)
+            except FileNotFoundError:
+                pass
+        return self.remote.size(key)
+
+    def mtime(self, key: str) -> float | None:
+        return self.remote.mtime(key)
+
+    def exists(self, key: str) -> bool:
+        if self.remote.exists(key):
+            return True
+        if _is_chunk(key) and self.local.exists(key):
+            blob = self.local.read(key)
+            if self._local_ok(key, blob):  # staged but never uploaded (an earlier failed save): heal
+                self.remote.write(key, [blob])
+                return True
+        return False
+
+    def list(self, prefix: str) -> list[str]:
+        return self.remote.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.local.delete(key)
+        self.remote.delete(key)
+
+    def root_state(self) -> str:
+        return getattr(self.remote, "root_state", lambda: "nonempty")()
+
+    def close(self) -> None:
+        self._uploads.shutdown(wait=True)

@@ -1,0 +1,420 @@
+"""Object storage and tiers (issue 4), against real S3-compatible servers on 127.0.0.1.
+
+``rclone serve s3`` (a separate process, killed for real) and moto's ThreadedMotoServer; the same
+storage conformance class also runs against a local directory and memory://.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import manifest as mf
+from ckpt.storage import LocalStorage, open_storage
+from ckpt.storage.s3 import S3Storage
+
+sys.path.insert(0, os.path.dirname(__file__))
+from s3_servers import FaultProxy, MotoS3, RcloneS3, storage_options  # noqa: E402
+
+BUCKET = "ckpt-test"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def rclone_server(tmp_path_factory):
+    srv = RcloneS3(str(tmp_path_factory.mktemp("rclone"))).start()
+    srv.make_bucket(BUCKET)
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    srv = MotoS3().start()
+    srv.make_bucket(BUCKET)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["rclone", "moto"])
+def server(request):
+    return request.getfixturevalue(f"{request.param}_server")
+
+
+def s3_url() -> str:
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:10]}"
+
+
+def fast(endpoint: str, **extra) -> dict:
+    """Storage options with short timeouts so failures surface quickly in tests."""
+    return storage_options(endpoint, retry_deadline=extra.pop("retry_deadline", 20), connect_timeout=2,
+                           read_timeout=extra.pop("read_timeout", 5), **extra)
+
+
+def state_of(n: int = 3_000_000, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "b": torch.randn(1000, generator=g), "step": seed}
+
+
+def zeros_like(s: dict) -> dict:
+    return {"w": torch.zeros_like(s["w"]), "b": torch.zeros_like(s["b"]), "step": -1}
+
+
+def assert_loaded(c: ckpt.Checkpointer, step, expected: dict) -> None:
+    got = zeros_like(expected)
+    assert c.load(step, got) == (step if step != "latest" else got["step"])
+    assert torch.equal(got["w"], expected["w"]) and torch.equal(got["b"], expected["b"])
+
+
+# -- one conformance suite for every backend ------------------------------------------------------
+@pytest.fixture(params=["local", "memory", "rclone", "moto"])
+def backend(request, tmp_path):
+    kind = request.param
+    if kind == "local":
+        return LocalStorage(str(tmp_path / "root"))
+    if kind == "memory":
+        return open_storage(f"memory://conf-{uuid.uuid4().hex}")
+    srv = request.getfixturevalue(f"{kind}_server")
+    return open_storage(s3_url(), fast(srv.endpoint))
+
+
+class TestStorageConformance:
+    def test_write_read_ranges(self, backend):
+        data = os.urandom(300_000)
+        assert backend.write("chunks/ab/obj", [data[:1000], memoryview(data[1000:])]) == len(data)
+        assert backend.read("chunks/ab/obj") == data
+        assert backend.read("chunks/ab/obj", 10, 5000) == data[10:5000]
+        assert backend.size("chunks/ab/obj") == len(data)
+        head, rest = bytearray(64), bytearray(len(data) - 64)
+        assert backend.readv("chunks/ab/obj", [head, rest]) == len(data)
+        assert bytes(head) + bytes(rest) == data
+
+    def test_missing_is_file_not_found(self, backend):
+        assert not backend.exists("chunks/zz/none")
+        with pytest.raises(FileNotFoundError):
+            backend.read("chunks/zz/none")
+        backend.delete("chunks/zz/none")  # not an error
+        assert backend.list("nothing-here") == []
+
+    def test_list_and_delete(self, backend):
+        for name in ("a", "b", "c"):
+            backend.write(f"steps/000000000001/{name}", [name.encode()])
+        assert backend.list("steps/000000000001") == ["a", "b", "c"]
+        assert backend.list("steps") == ["000000000001"]
+        backend.delete("steps/000000000001/b")
+        assert backend.list("steps/000000000001") == ["a", "c"]
+        assert not backend.exists("steps/000000000001/b")
+
+    def test_overwrite_is_whole(self, backend):
+        backend.write("x", [b"1" * 1000])
+        backend.write("x", [b"2" * 10])
+        assert backend.read("x") == b"2" * 10
+
+    def test_commit_is_create_only(self, backend):
+        backend.commit("steps/000000000002/MANIFEST.json", b"{}")
+        with pytest.raises(FileExistsError):
+            backend.commit("steps/000000000002/MANIFEST.json", b"{other}")
+        assert backend.read("steps/000000000002/MANIFEST.json") == b"{}"
+
+    def test_multipart_object(self, backend):
+        data = os.urandom(11 * MiB)
+        backend.write("big", [data])
+        assert backend.read("big") == data
+        if isinstance(backend, S3Storage):
+            assert backend.counters["multipart"] == 1
+            assert backend.multipart_uploads() == []
+
+
+def test_which_servers_give_true_create_only(rclone_server, moto_server):
+    """Documented in README: moto honours If-None-Match (true create-only), rclone serve s3 ignores it
+    (ckpt then relies on check-then-put). If rclone learns it, update the README."""
+    assert open_storage(s3_url(), fast(moto_server.endpoint)).conditional_writes() is True
+    assert open_storage(s3_url(), fast(rclone_server.endpoint)).conditional_writes() is False
+
+
+# -- checkpoints on S3, with and without the local tier ---------------------------------------------
+@pytest.mark.parametrize("tiered", [False, True], ids=["direct", "local_dir"])
+def test_save_load_on_s3(server, tmp_path, tiered):
+    url, so = s3_url(), fast(server.endpoint)
+    local = str(tmp_path / "nvme") if tiered else None
+    s1, s2 = state_of(seed=1), state_of(seed=2)
+    with ckpt.Checkpointer(url, local_dir=local, storage_options=so, chunk_size=4 * MiB) as c:
+        h = c.save(1, s1)
+        assert h.wait("local") is h.metrics and h.stage in ("local", "committed")
+        h.wait()
+        assert h.stage == "committed" and h.metrics.local_s <= h.metrics.duration_s
+        c.save(2, s2).wait()
+        assert c.steps() == [1, 2]
+    # A fresh process view: the remote alone holds both steps.
+    with ckpt.Checkpointer(url, storage_options=so) as c:
+        assert_loaded(c, 1, s1)
+        assert_loaded(c, "latest", s2)
+    if tiered:  # the local tier is a plain checkpoint of the same steps
+        assert ckpt.Checkpointer(local).steps() == [1, 2]
+
+
+def test_commit_waits_for_uploads_and_stage_order(rclone_server, tmp_path):
+    """The manifest PUT comes after every chunk upload: a stalled upload holds the commit, while the
+    handle already reports 'local'."""
+    proxy = FaultProxy(rclone_server.port, stall_s=2.0)
+    try:
+        url = s3_url()
+        so = fast(proxy.endpoint, read_timeout=1)
+        with ckpt.Checkpointer(url, local_dir=str(tmp_path / "nvme"), storage_options=so, chunk_size=1 * MiB) as c:
+            proxy.arm("stall", 2)
+            h = c.save(1, state_of(1_000_000))
+            h.wait("local")
+            assert not open_storage(url, fast(rclone_server.endpoint)).exists(mf.manifest_key(1)) or h.done()
+            h.wait()
+            assert proxy.injected["stall"] == 2
+            assert h.metrics.local_s < h.metrics.duration_s
+    finally:
+        proxy.close()
+
+
+# -- faults -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fault", ["503", "reset", "stall"])
+def test_saves_succeed_through_faults(server, tmp_path, fault):
+    proxy = FaultProxy(server.port, stall_s=2.0)
+    try:
+        url = s3_url()
+        so = fast(proxy.endpoint, read_timeout=1, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
+        s1 = state_of(4_000_000, seed=3)  # 16 MB: chunks of 8 MiB go up as multipart
+        with ckpt.Checkpointer(url, storage_options=so, chunk_size=8 * MiB) as c:
+            proxy.arm(fault, 6)
+            c.save(1, s1).wait()
+            retries = c.storage.counters["retries"]
+        assert proxy.injected[fault] == 6
+        assert retries >= 1  # our loop did the retrying (botocore's and s3fs's are off)
+        with ckpt.Checkpointer(url, storage_options=fast(server.endpoint)) as c:
+            assert_loaded(c, 1, s1)
+    finally:
+        proxy.close()
+
+
+def test_failed_multipart_is_aborted(server):
+    proxy = FaultProxy(server.port)
+    try:
+        st = open_storage(s3_url(), fast(proxy.endpoint, max_attempts=1, multipart_chunksize=5 * MiB))
+        call = st.fs.call_s3
+
+        def faults_after_create(method, *a, **kw):  # instrumentation: the fault lands between calls
+            r = call(method, *a, **kw)
+            if method == "create_multipart_upload":
+                proxy.arm("503", 3)
+                proxy.drop_all()  # parts must open new connections, and meet the 503s
+            return r
+
+        st.fs.call_s3 = faults_after_create
+        with pytest.raises(ckpt.StorageError, match="uploading part"):
+            st.write("chunks/aa/big", [os.urandom(15 * MiB)])
+        assert st.counters["multipart"] == 1 and st.counters["aborted"] == 1
+        assert proxy.injected["503"] >= 1
+        direct = open_storage(st.url, fast(server.endpoint))
+        assert direct.multipart_uploads() == []  # ListMultipartUploads: no orphan parts
+        assert not direct.exists("chunks/aa/big")
+    finally:
+        proxy.close()
+
+
+def test_server_killed_mid_upload(tmp_path):
+    """kill -9 of the server during a save: StorageError within the retry deadline, the step is not
+    committed, and the previous step still loads once a server is back on the same data."""
+    root = str(tmp_path / "srv")
+    srv = RcloneS3(root).start()
+    srv.make_bucket(BUCKET)
+    proxy = FaultProxy(srv.port)
+    url, deadline = s3_url(), 4.0
+    so = fast(proxy.endpoint, retry_deadline=deadline, read_timeout=2)
+    try:
+        s1, s2 = state_of(1_000_000, seed=1), state_of(8_000_000, seed=2)
+        c = ckpt.Checkpointer(url, storage_options=so, chunk_size=2 * MiB, local_dir=str(tmp_path / "nvme"))
+        c.save(1, s1).wait()
+        started = threading.Event()
+        proxy.on_bytes(4 * MiB, started, hold=True)  # requests stop mid-upload until released
+        h = c.save(2, s2)
+        assert started.wait(60), "the upload never started"
+        srv.kill()
+        proxy.release()  # the held requests now meet a dead server
+        t0 = time.monotonic()
+        with pytest.raises(ckpt.StorageError):
+            h.wait(timeout=60)
+        assert time.monotonic() - t0 < deadline + 2 * 5 + 10  # deadline + in-flight timeouts, bounded
+        c.close()  # the failure was seen through the handle; closing does not raise it again
+    finally:
+        proxy.close()
+    srv2 = RcloneS3(root).start()  # same directory, new process
+    try:
+        with ckpt.Checkpointer(url, storage_options=fast(srv2.endpoint)) as c:
+            assert c.steps() == [1]
+            assert_loaded(c, "latest", s1)
+    finally:
+        srv2.kill()
+
+
+# -- tier-aware restore -----------------------------------------------------------------------------
+def test_restore_prefers_local_and_ignores_damaged_copy(moto_server, tmp_path, caplog):
+    url, so, local = s3_url(), fast(moto_server.endpoint), str(tmp_path / "nvme")
+    s1 = state_of(seed=5)
+    with ckpt.Checkpointer(url, local_dir=local, storage_options=so, chunk_size=4 * MiB, codec="raw") as c:
+        c.save(1, s1).wait()
+        assert_loaded(c, 1, s1)
+        n = c.last_load["chunks_read"]
+        assert c.last_load["local_chunks"] == n and c.last_load["remote_chunks"] == 0
+    chunks = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(local, "chunks")) for f in fs)
+    with open(chunks[0], "r+b") as f:  # flip a payload byte of one local copy
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.unlink(chunks[1])  # and lose another
+    with ckpt.Checkpointer(url, local_dir=local, storage_options=so) as c:
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            assert_loaded(c, 1, s1)
+        assert c.last_load["local_rejected"] == [mf.chunk_key(os.path.basename(chunks[0]))]
+        assert c.last_load["remote_chunks"] == 2 and c.last_load["local_chunks"] == n - 2
+        assert "damaged" in caplog.text
+
+
+def test_staged_chunk_missing_remotely_is_uploaded_before_reuse(moto_server, tmp_path):
+    """A chunk staged locally whose upload was lost is not trusted for dedup until it is uploaded."""
+    url, so, local = s3_url(), fast(moto_server.endpoint), str(tmp_path / "nvme")
+    s1 = state_of(seed=6)
+    with ckpt.Checkpointer(url, local_dir=local, storage_options=so, chunk_size=4 * MiB) as c:
+        c.save(1, s1).wait()
+        remote = c.storage.remote
+        victim = sorted(c.manifest(1).chunks)[0]
+        remote.delete(mf.chunk_key(victim))
+        c.save(2, s1).wait()  # reuses every chunk; the missing one is healed from the local copy
+        assert remote.exists(mf.chunk_key(victim))
+    with ckpt.Checkpointer(url, storage_options=so) as c:
+        assert_loaded(c, 2, s1)
+
+
+# -- retention on both tiers ------------------------------------------------------------------------
+def _chunk_names(storage) -> set[str]:
+    return {n for p in storage.list("chunks") for n in storage.list(f"chunks/{p}")}
+
+
+def test_retention_keep_last_and_keep_every_on_both_tiers(rclone_server, tmp_path):
+    url, so, local = s3_url(), fast(rclone_server.endpoint), str(tmp_path / "nvme")
+    states = {s: state_of(300_000, seed=s) for s in range(1, 8)}
+    with ckpt.Checkpointer(url, local_dir=local, storage_options=so, chunk_size=1 * MiB) as c:
+        c.save(1, states[1]).wait()
+    with ckpt.Checkpointer(url, local_dir=local, storage_options=so, chunk_size=1 * MiB, keep_last=2,
+                           keep_every=3) as c:
+        assert_loaded(c, 1, states[1])  # this run loaded step 1: never deleted
+        for s in range(2, 8):
+            c.save(s, states[s])
+        c.wait()
+        assert c.steps() == [1, 3, 6, 7]
+        remote, tier = c.storage.remote, c.storage.local
+        refs = set().union(*(c.manifest(s).chunks.keys() for s in c.steps()))
+    assert ckpt.Checkpointer(local).steps() == [1, 3, 6, 7]
+    assert _chunk_names(remote) == refs and _chunk_names(tier) == refs
+    with ckpt.Checkpointer(url, storage_options=so) as c:
+        for s in (1, 3, 6, 7):
+            assert_loaded(c, s, states[s])
+
+
+def test_to_delete_keep_every_rules():
+    from ckpt.retention import to_delete
+
+    steps = list(range(1, 11))
+    assert to_delete(steps, 2, (), 4) == [1, 2, 3, 5, 6, 7]
+    assert to_delete(steps, None, (), 5) == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert to_delete(steps, 3, (2,), None) == [1, 3, 4, 5, 6, 7]
+    with pytest.raises(ckpt.ConfigError, match="keep_every"):
+        ckpt.Checkpointer("x", keep_every=0)
+
+
+RETENTION_CHILD = r"""
+import os, signal, sys
+from ckpt.storage import open_tiered
+from ckpt.retention import ManifestCache, committed_steps, delete_steps, to_delete
+url, local, endpoint, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+so = {"key": "ckpttest", "secret": "ckpttestsecret", "client_kwargs": {"endpoint_url": endpoint}}
+st = open_tiered(url, local, so)
+count = [0]
+for tier in (st.local, st.remote):
+    orig = tier.delete
+    def counted(key, orig=orig):
+        count[0] += 1
+        if count[0] > kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # a real kill, between two deletes
+        orig(key)
+    tier.delete = counted
+steps = committed_steps(st)
+victims = to_delete(steps, 1, ())
+delete_steps(st, ManifestCache(st), victims, [s for s in steps if s not in victims],
+             lambda keys: [st.delete(k) for k in keys])
+print("finished", count[0])
+"""
+
+
+def test_retention_killed_anywhere_leaves_committed_steps_loadable(rclone_server, tmp_path):
+    so = fast(rclone_server.endpoint)
+    states = {s: state_of(200_000, seed=s) for s in range(1, 4)}
+    finished = False
+    for kill_after in (0, 2, 5, 9, 14, 1000):
+        url, local = s3_url(), str(tmp_path / f"nvme{kill_after}")
+        with ckpt.Checkpointer(url, local_dir=local, storage_options=so, chunk_size=256 * 1024) as c:
+            for s in range(1, 4):
+                c.save(s, {"w": states[s]["w"], "b": states[s]["b"], "step": s})
+        r = subprocess.run([sys.executable, "-c", RETENTION_CHILD, url, local, rclone_server.endpoint,
+                            str(kill_after)], capture_output=True, text=True, timeout=120)
+        finished = finished or r.returncode == 0
+        assert r.returncode in (0, -9), r.stderr
+        with ckpt.Checkpointer(url, local_dir=local, storage_options=so) as c:
+            steps = c.steps()
+            assert 3 in steps
+            for s in steps:
+                assert_loaded(c, s, {**states[s], "step": s})
+        assert ckpt.Checkpointer(local).steps() in ([3], steps, [1, 2, 3], [2, 3])
+    assert finished  # the largest budget let retention run to the end
+
+
+def test_gc_cli_on_s3(moto_server, tmp_path):
+    """`ckpt gc` works on the remote tier (orphans found by listing, ages from LastModified)."""
+    from ckpt import gc
+    from ckpt.catalog import Catalog
+
+    url, so = s3_url(), fast(moto_server.endpoint)
+    s1 = state_of(200_000, seed=1)
+    with ckpt.Checkpointer(url, storage_options=so, chunk_size=256 * 1024) as c:
+        c.save(1, s1).wait()
+        c.storage.write("chunks/ff/" + "f" * 32, [b"orphan"])
+    cat = Catalog(open_storage(url, so))
+    p = gc.plan(cat, grace_s=0)
+    assert [i.kind for i in p.remove] == ["orphan"]
+    gc.run(cat, p)
+    with ckpt.Checkpointer(url, storage_options=so) as c:
+        assert_loaded(c, 1, s1)
+        assert not c.storage.exists("chunks/ff/" + "f" * 32)
+
+
+def test_stages_on_a_local_checkpoint_with_a_local_tier(tmp_path):
+    """local_dir also works in front of a plain directory (e.g. NVMe in front of a network mount)."""
+    s1 = state_of(500_000, seed=9)
+    with ckpt.Checkpointer(str(tmp_path / "remote"), local_dir=str(tmp_path / "nvme"), chunk_size=256 * 1024) as c:
+        h = c.save(1, s1)
+        with pytest.raises(ckpt.ConfigError, match="stage"):
+            h.wait("uploaded")
+        h.wait("local")
+        assert h.stage in ("local", "committed") and h.metrics.local_s is not None
+        h.wait()
+        assert h.stage == "committed"
+    with pytest.raises(ckpt.ConfigError, match="local_dir"):
+        ckpt.Checkpointer(str(tmp_path / "remote"), local_dir=str(tmp_path / "remote"))
+    with ckpt.Checkpointer(str(tmp_path / "remote")) as c:
+        assert_loaded(c, 1, s1)
