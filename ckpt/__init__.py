@@ -13,11 +13,12 @@ from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, Corr
                      DistributedSaveError, IncompatibleFormatError, NotACheckpointError, ReshardError,
                      StateMismatchError, StepExistsError, StorageError, UnsupportedValueError)
 from .sharding import LocalShard, PerRank
+from .snapshot import fence
 from .state import RNGState
 from .writer import SaveMetrics
 
 __all__ = [
-    "__version__", "Checkpointer", "SaveHandle", "SaveMetrics", "RNGState", "LocalShard", "PerRank",
+    "__version__", "Checkpointer", "SaveHandle", "SaveMetrics", "RNGState", "LocalShard", "PerRank", "fence",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "DistributedSaveError", "IncompatibleFormatError", "NotACheckpointError", "ReshardError",
     "StateMismatchError", "StepExistsError", "StorageError", "UnsupportedValueError",

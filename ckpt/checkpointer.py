@@ -9,6 +9,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Literal
 
+import torch
+
 from . import manifest as mf
 from .codec import CodecSpec
 from .dist import assign, inventory, make_comm, node_digest
@@ -179,6 +181,14 @@ class Checkpointer:
             never with collectives from background threads.
         timeout: seconds a rank waits for the others (plan, reports, the commit) before the save
             fails with :class:`~ckpt.DistributedSaveError` naming the ranks that did not answer.
+        native: use the compiled core when it is built (fused multi-threaded copy + hash on CPU,
+            batched device-to-host copies on GPU); ``False`` uses torch's copies (same bytes, same hashes).
+        snapshot_threads: threads for the CPU copy + hash (default: cores, at most 8).
+
+    CUDA tensors: ``save()`` only launches their copy and returns. The next ``optimizer.step()`` of
+    any optimizer waits for it on the device (a pre-step hook), so the host never blocks; tensors no
+    saved optimizer updates are copied first and the current stream waits for them at once. If you
+    change saved parameters in place outside ``optimizer.step()``, call :func:`ckpt.fence` first.
     """
 
     def __init__(
@@ -197,9 +207,15 @@ class Checkpointer:
         timeout: float = 600.0,
         local_dir: str | os.PathLike | None = None,
         keep_every: int | None = None,
+        native: bool = True,
+        snapshot_threads: int | None = None,
     ):
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        if snapshot_threads is not None and (type(snapshot_threads) is not int or snapshot_threads < 1):
+            raise ConfigError(f"snapshot_threads must be a positive integer, got {snapshot_threads!r}")
+        self.native = bool(native)
+        self.snapshot_threads = snapshot_threads
         if keep_every is not None and (type(keep_every) is not int or keep_every < 1):
             raise ConfigError(f"keep_every must be a positive integer or None, got {keep_every!r}")
         if type(chunk_size) is not int or not (64 * 1024 <= chunk_size <= 1 << 31):
@@ -287,18 +303,15 @@ class Checkpointer:
                     pool.release()
                 self._pool = pool = None  # let the old buffer go before allocating the new one
                 owned = {k: flat.tensors[k] for k in self._layout["write"]}
-                pool = self._pool = HostPool(make_plan(owned, self.chunk_size))
+                pool = self._pool = HostPool(make_plan(owned, self.chunk_size), native=self.native,
+                                             threads=self.snapshot_threads)
                 self._sig = sig
                 log.debug("ckpt: new plan (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
                           comm.describe(), len(pool.plan.slots), len(pool.plan.chunks), pool.nbytes / MiB, pool.pinned)
             pool.acquire()
             try:
-                event = pool.copy_in(flat.tensors)
-                if event is not None:
-                    # Until the optimizer pre-step hook exists (it makes the compute stream wait on this
-                    # event on the device), the host waits here so no in-place update can race the copy.
-                    event.synchronize()
-                    event = None
+                # CUDA copies are only launched here; the optimizer pre-step hook and the writer wait for them.
+                event, hashes = pool.copy_in(flat.tensors, _optimizer_guarded(state) if pool.has_cuda else frozenset())
             except BaseException:
                 pool.release()
                 raise
@@ -309,7 +322,8 @@ class Checkpointer:
         metrics.stall_s = time.perf_counter() - started
         job = SaveJob(step=step, plan=pool.plan, pool=pool, structure=flat.structure, metrics=metrics,
                       started=started, leaves={k: flat.leaves[k] for k in self._layout["write"]},
-                      per_rank=frozenset(self._layout["per_rank"]), rank=comm.rank, seq=seq, cuda_event=event)
+                      per_rank=frozenset(self._layout["per_rank"]), rank=comm.rank, seq=seq, cuda_event=event,
+                      hashes=hashes)
         future: Future = Future()
         handle = SaveHandle(step, metrics, future)
         handle._started = started
@@ -671,6 +685,29 @@ class Checkpointer:
     def __repr__(self) -> str:
         extra = f", local_dir={self.local_dir!r}" if self.local_dir else ""
         return f"Checkpointer({self.path!r}{extra}, keep_last={self.keep_last}, codec={self.codec.name!r})"
+
+
+def _optimizer_guarded(state: dict) -> set[int]:
+    """Data pointers of the CUDA tensors that an optimizer in ``state`` updates (its parameters and its
+    state): the optimizer pre-step hook protects those, so their snapshot copy may overlap compute."""
+    out: set[int] = set()
+    values = list(state.values())
+    while values:
+        v = values.pop()
+        if isinstance(v, (list, tuple)):
+            values.extend(v)
+        elif isinstance(v, dict):
+            values.extend(v.values())
+        elif isinstance(v, torch.optim.Optimizer):
+            for group in v.param_groups:
+                for p in group["params"]:
+                    if p.is_cuda:
+                        out.add(p.data_ptr())
+            for st in v.state.values():
+                for t in st.values():
+                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                        out.add(t.data_ptr())
+    return out
 
 
 def _short_list(steps: list[int]) -> str:

@@ -31,6 +31,7 @@ class TensorSlot:
     shape: tuple[int, ...]
     offset: int  # in the host buffer
     nbytes: int
+    device: str = "cpu"  # device type of the source tensor
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def make_plan(tensors: dict[str, torch.Tensor], chunk_size: int) -> Plan:
         dtype_name(t.dtype)
         nbytes = t.numel() * t.element_size()
         if nbytes == 0:
-            slots.append(TensorSlot(key, t.dtype, tuple(t.shape), pos, 0))
+            slots.append(TensorSlot(key, t.dtype, tuple(t.shape), pos, 0, t.device.type))
             continue
         start = -(-pos // ALIGN) * ALIGN
         if nbytes >= large:
@@ -108,7 +109,7 @@ def make_plan(tensors: dict[str, torch.Tensor], chunk_size: int) -> Plan:
             if start + nbytes - pack_start > chunk_size:
                 close_pack(start)
             pos = start + nbytes
-        slots.append(TensorSlot(key, t.dtype, tuple(t.shape), start, nbytes))
+        slots.append(TensorSlot(key, t.dtype, tuple(t.shape), start, nbytes, t.device.type))
     close_pack(pos)
     # Chunks must tile the buffer without gaps (padding belongs to the chunk before it).
     tiled = []

@@ -4,27 +4,56 @@ This copy is the only part of a save the training loop waits for. The buffer is 
 is available (so device-to-host copies are DMA transfers), ordinary memory otherwise; the code path
 is the same. The buffer is zero-filled at allocation, which also faults every page in up front, so
 steady-state saves touch no new memory.
+
+CPU tensors are copied before ``save()`` returns; with the compiled core (csrc/copyhash.cpp) the copy
+runs on several threads and hashes each chunk while its bytes are in cache, so the writer does not
+read the buffer a second time to hash it. CUDA tensors are copied on a side stream and ``save()``
+returns right after the launch; the host never waits:
+
+* tensors that an optimizer in the saved state updates (its parameters and its state) are guarded by
+  a global optimizer pre-step hook that makes the stepping stream wait for the copy on the device;
+* every other CUDA tensor (buffers such as BatchNorm statistics, loose tensors, parameters no saved
+  optimizer owns) is copied first, and the current stream waits for those copies at once, on the
+  device, so nothing later on it can change them mid-copy;
+* the background writer waits on the copy's event before it reads the buffer.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 
+import numpy as np
 import torch
 
+from . import _ext
 from .plan import Plan
+
+# Pieces at least this large go through cudaMemcpyAsync (copy engines, SMs stay free for training);
+# smaller ones are batched into one kernel launch. Measured on H100: see README "GPU snapshot".
+KERNEL_MAX_BYTES = int(os.environ.get("CKPT_KERNEL_MAX_BYTES", 1 << 20))
 
 
 class HostPool:
-    """One host buffer sized for a plan, lent to one save at a time."""
+    """One host buffer sized for a plan, lent to one save at a time.
 
-    def __init__(self, plan: Plan):
+    ``native=False`` (or no compiled core) uses torch's copies and leaves hashing to the writer."""
+
+    def __init__(self, plan: Plan, native: bool = True, threads: int | None = None):
         self.plan = plan
         pin = torch.cuda.is_available()
         self.pinned = pin
         self.buffer = torch.zeros(max(plan.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
         self._free = threading.Event()
         self._free.set()
+        self.cpu_core = _ext.cpu() if native else None
+        self.cuda_core = _ext.cuda() if native else None
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self._offsets = np.array([c.offset for c in plan.chunks] + [plan.nbytes], np.uint64)
+        self._want: np.ndarray | None = None  # per chunk: holds no CUDA bytes, so hash at snapshot time
+        self.last_used = {"cpu": "none", "cuda": "none"}
+        self.has_cuda = any(s.device == "cuda" for s in plan.slots)
 
     @property
     def nbytes(self) -> int:
@@ -33,6 +62,9 @@ class HostPool:
     def view(self, offset: int, length: int) -> memoryview:
         """A zero-copy view of buffer bytes, for hashing and writing."""
         return memoryview(self.buffer.numpy())[offset : offset + length]
+
+    def address(self, offset: int) -> int:
+        return self.buffer.data_ptr() + offset
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Wait until no save is reading the buffer, then take it."""
@@ -48,31 +80,121 @@ class HostPool:
     def busy(self) -> bool:
         return not self._free.is_set()
 
-    def copy_in(self, tensors: dict[str, torch.Tensor]) -> torch.cuda.Event | None:
-        """Copy every tensor into its slot. CPU tensors are copied before this returns; CUDA tensors
-        are copied on a side stream, and the returned event marks the end of those copies."""
-        event = None
-        cuda_pending = []
-        with torch.no_grad():
-            for slot in self.plan.slots:
-                if slot.nbytes == 0:
-                    continue
+    def copy_in(self, tensors: dict[str, torch.Tensor], guarded: set[int] = frozenset()
+                ) -> tuple["CudaSnapshot | None", list[str | None] | None]:
+        """Copy every tensor into its slot.
+
+        Returns the pending CUDA copy (None if no tensor is on a GPU) and, per chunk, its xxh3-128
+        when the compiled core hashed it during the copy (else None: the writer hashes). ``guarded``
+        holds the data pointers of CUDA tensors an optimizer pre-step hook protects."""
+        cpu_slots, cuda_slots = [], []
+        for slot in self.plan.slots:
+            if slot.nbytes:
                 src = tensors[slot.key]
-                dst = self.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-                if src.device.type == "cuda":
-                    cuda_pending.append((dst, src))
-                else:
-                    dst.copy_(src)
-            if cuda_pending:
-                stream = _side_stream(cuda_pending[0][1].device)
-                stream.wait_stream(torch.cuda.current_stream(cuda_pending[0][1].device))
-                with torch.cuda.stream(stream):
-                    for dst, src in cuda_pending:
-                        dst.copy_(src, non_blocking=True)
-                        src.record_stream(stream)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-        return event
+                (cuda_slots if src.device.type == "cuda" else cpu_slots).append((slot, src))
+        pending = self._copy_cuda(cuda_slots, guarded) if cuda_slots else None
+        hashes = self._copy_cpu(cpu_slots, has_cuda=bool(cuda_slots))
+        return pending, hashes
+
+    # -- CPU --------------------------------------------------------------------------------------
+    def _dst(self, slot) -> torch.Tensor:
+        return self.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+    def _copy_cpu(self, slots: list, has_cuda: bool) -> list[str | None] | None:
+        core = self.cpu_core
+        if core is None:
+            with torch.no_grad():
+                for slot, src in slots:
+                    self._dst(slot).copy_(src)
+            self.last_used["cpu"] = "torch" if slots else "none"
+            return None
+        segs = np.empty(len(slots), _ext.SEG)
+        n = 0
+        with torch.no_grad():
+            for slot, src in slots:
+                if src.is_contiguous() and not (src.is_conj() or src.is_neg()) and src.dtype == slot.dtype:
+                    segs[n] = (src.data_ptr(), slot.offset, slot.nbytes)
+                    n += 1
+                else:  # strided (or lazily conjugated) sources: torch lays them out first, the core hashes them
+                    self._dst(slot).copy_(src)
+        if self._want is None:
+            self._want = self._chunks_without_cuda() if has_cuda else np.ones(len(self.plan.chunks), np.uint8)
+        hashes = core.copy_hash(self.buffer.data_ptr(), segs[:n], self._offsets, self._want, self.threads)
+        self.last_used["cpu"] = f"native/{core.simd}"
+        return hashes
+
+    def _chunks_without_cuda(self) -> np.ndarray:
+        # the plan's signature includes devices, so this is fixed for the plan's lifetime
+        want = np.ones(len(self.plan.chunks), np.uint8)
+        for slot in self.plan.slots:
+            if slot.nbytes and slot.device == "cuda":
+                for i, _, _ in self.plan.segments(slot):
+                    want[i] = 0
+        return want
+
+    # -- CUDA -------------------------------------------------------------------------------------
+    def _copy_cuda(self, slots: list, guarded: set[int]) -> "CudaSnapshot":
+        device = slots[0][1].device
+        compute = torch.cuda.current_stream(device)
+        side = _side_stream(device)
+        side.wait_stream(compute)  # the copy sees every update queued before save()
+        # unguarded tensors first: the compute stream waits for them right away (on the device)
+        fast = [(s, t) for s, t in slots if t.data_ptr() not in guarded]
+        slow = [(s, t) for s, t in slots if t.data_ptr() in guarded]
+        keep: list = []
+        with torch.cuda.stream(side), torch.no_grad():
+            self._launch(fast, side, keep)
+            fast_done = torch.cuda.Event()
+            fast_done.record(side)
+            compute.wait_event(fast_done)
+            if slow:
+                self._launch(slow, side, keep)
+            done = torch.cuda.Event()
+            done.record(side)
+        snap = CudaSnapshot(done, keep)
+        if slow:
+            fence_optimizers(snap)
+        return snap
+
+    def _launch(self, slots: list, stream: torch.cuda.Stream, keep: list) -> None:
+        core = self.cuda_core
+        small, large = [], []
+        for slot, src in slots:
+            src.record_stream(stream)  # the caching allocator must not reuse it before the copy ran
+            if core is None or not src.is_contiguous() or src.dtype != slot.dtype:
+                self._dst(slot).copy_(src, non_blocking=True)
+                continue
+            (small if slot.nbytes < KERNEL_MAX_BYTES else large).append(
+                (src.data_ptr(), self.buffer.data_ptr() + slot.offset, slot.nbytes))
+        if core is None:
+            self.last_used["cuda"] = "torch"
+            return
+        if large:
+            descs = np.array(large, _ext.DESC)
+            core.copy(descs, stream.cuda_stream, kernel=False)
+        if small:
+            # the kernel reads its piece list from pinned memory in place: keep it until the copy is done
+            pinned = torch.empty(len(small) * _ext.DESC.itemsize, dtype=torch.uint8, pin_memory=True)
+            descs = pinned.numpy().view(_ext.DESC)
+            descs[:] = np.array(small, _ext.DESC)
+            core.copy(descs, stream.cuda_stream, kernel=True)
+            keep.append(pinned)
+        self.last_used["cuda"] = f"native (kernel {len(small)}, memcpy {len(large)})"
+
+
+class CudaSnapshot:
+    """A device-to-host copy in flight: ``event`` completes when the host buffer holds the snapshot."""
+
+    def __init__(self, event: torch.cuda.Event, keep: list):
+        self.event = event
+        self._keep = keep  # pinned piece lists the kernel reads
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+        self._keep = []
+
+    def query(self) -> bool:
+        return self.event.query()
 
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -83,3 +205,37 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if s is None:
         s = _streams[device] = torch.cuda.Stream(device=device)
     return s
+
+
+# -- the optimizer pre-step fence -------------------------------------------------------------------
+_pending: "weakref.WeakSet[CudaSnapshot]" = weakref.WeakSet()
+_pending_lock = threading.Lock()
+_hook_handle = None
+
+
+def fence_optimizers(snap: CudaSnapshot) -> None:
+    """Make the next ``optimizer.step()`` (any optimizer) wait on the device for ``snap``'s copy."""
+    global _hook_handle
+    with _pending_lock:
+        _pending.add(snap)
+        if _hook_handle is None:
+            _hook_handle = torch.optim.optimizer.register_optimizer_step_pre_hook(_wait_before_step)
+
+
+def fence(stream: torch.cuda.Stream | None = None) -> None:
+    """Make ``stream`` (default: the current one) wait, on the device, for every snapshot copy in flight.
+
+    The optimizer pre-step hook does this before every ``optimizer.step()``; call it yourself before
+    changing saved CUDA parameters in place by other means."""
+    with _pending_lock:
+        snaps = list(_pending)
+        _pending.clear()
+    s = stream or torch.cuda.current_stream()
+    for snap in snaps:
+        if not snap.query():
+            s.wait_event(snap.event)
+
+
+def _wait_before_step(optimizer, args, kwargs) -> None:
+    if _pending:
+        fence()

@@ -21,7 +21,8 @@ from . import manifest as mf
 from .codec import HEADER_SIZE, CodecSpec, chunk_hash, encode, parse_header
 from .errors import CheckpointError, CorruptCheckpointError, StepExistsError, StorageError
 from .plan import Plan
-from .snapshot import HostPool
+from . import _ext
+from .snapshot import CudaSnapshot, HostPool
 from .state import dtype_name
 from .storage import Storage
 
@@ -56,7 +57,8 @@ class SaveJob:
     per_rank: frozenset = frozenset()  # top-level keys saved per rank
     rank: int = 0
     seq: int = 0
-    cuda_event: "torch.cuda.Event | None" = None
+    cuda_event: "CudaSnapshot | None" = None  # the device-to-host copy the buffer waits for
+    hashes: "list[str | None] | None" = None  # per chunk, when the snapshot hashed it (compiled core)
     on_local: "Callable[[], None] | None" = None  # every chunk durable in the first tier (SaveHandle stage)
 
 
@@ -71,8 +73,13 @@ class Writer:
         self._lock = threading.Lock()
 
     # -- per chunk, on the I/O pool -------------------------------------------------------------
-    def _put_chunk(self, data: memoryview) -> tuple[str, mf.ChunkInfo, bool]:
-        h = chunk_hash(data)
+    def _put_chunk(self, data: memoryview, h: str | None = None, address: int | None = None
+                   ) -> tuple[str, mf.ChunkInfo, bool]:
+        if h is None:  # not hashed during the snapshot (CUDA bytes, or no compiled core)
+            core = _ext.cpu() if address is not None else None
+            h = core.xxh3_128(address, len(data)) if core is not None else None  # releases the GIL
+            if h is None:
+                h = chunk_hash(data)
         with self._lock:
             info = self.known.get(h)
         if info is None:
@@ -108,7 +115,9 @@ class Writer:
         try:
             if job.cuda_event is not None:
                 job.cuda_event.synchronize()
-            futures = [self.io.submit(self._put_chunk, pool.view(c.offset, c.length)) for c in plan.chunks]
+            hashes = job.hashes or [None] * len(plan.chunks)
+            futures = [self.io.submit(self._put_chunk, pool.view(c.offset, c.length), h, pool.address(c.offset))
+                       for c, h in zip(plan.chunks, hashes)]
             results, first_error = [], None
             for f in futures:  # wait for every chunk, even after a failure: they all read the buffer
                 try:

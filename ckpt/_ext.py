@@ -1,0 +1,140 @@
+"""The optional compiled core (csrc/), loaded with ctypes; ``None`` where it was not built.
+
+``cpu()`` is the fused copy + xxh3-128 library, ``cuda()`` the batched device-to-host copy. Both are
+plain C ABIs: they do not depend on torch's C++ ABI, and ctypes releases the GIL for each call. Set
+``CKPT_NO_EXT=1`` to ignore them at run time (the pure-Python paths give the same bytes and hashes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+from functools import lru_cache
+
+import numpy as np
+
+log = logging.getLogger("ckpt")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# numpy layouts of the C structs (csrc/copyhash.cpp Seg, csrc/cuda/batched_copy.cu CopyDesc)
+SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8")])
+DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("nbytes", "<u8")])
+
+
+def _find(stem: str) -> str | None:
+    hits = sorted(glob.glob(os.path.join(_HERE, stem + "*.so")) + glob.glob(os.path.join(_HERE, stem + "*.pyd")))
+    return hits[0] if hits else None
+
+
+def _disabled() -> bool:
+    return os.environ.get("CKPT_NO_EXT", "").strip().lower() not in ("", "0", "false", "no")
+
+
+class CpuCore:
+    """Fused copy + hash. Hashes equal ``xxhash.xxh3_128_hexdigest`` of the same bytes."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.path = path
+        self.lib = lib
+        lib.ckpt_simd_level.restype = ctypes.c_int
+        lib.ckpt_xxh3_128.restype = ctypes.c_int
+        lib.ckpt_xxh3_128.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p]
+        lib.ckpt_copy_hash.restype = ctypes.c_int
+        lib.ckpt_copy_hash.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self.simd = {2: "avx2", 1: "sse2", 0: "portable"}.get(lib.ckpt_simd_level(), "?")
+
+    def xxh3_128(self, ptr: int, length: int) -> str | None:
+        """Hex xxh3-128 of ``length`` bytes at ``ptr``; None for inputs of 240 bytes or fewer."""
+        out = np.empty(2, np.uint64)
+        if self.lib.ckpt_xxh3_128(ptr, length, out.ctypes.data) != 0:
+            return None
+        return f"{int(out[1]):016x}{int(out[0]):016x}"
+
+    def copy_hash(self, dst_ptr: int, segs: np.ndarray, chunk_offsets: np.ndarray, want: np.ndarray,
+                  threads: int) -> list[str | None]:
+        """Copy ``segs`` (SEG records sorted by dst_off) into the buffer at ``dst_ptr`` and hash the
+        chunks ``[offsets[c], offsets[c+1])`` with ``want[c]``; None where a chunk was not hashed."""
+        n = len(chunk_offsets) - 1
+        out = np.zeros(2 * max(n, 1), np.uint64)
+        hashed = np.zeros(max(n, 1), np.uint8)
+        self.lib.ckpt_copy_hash(dst_ptr, segs.ctypes.data, len(segs), chunk_offsets.ctypes.data, want.ctypes.data,
+                                n, out.ctypes.data, hashed.ctypes.data, threads)
+        lo, hi = out[0::2].tolist(), out[1::2].tolist()
+        return [f"{hi[c]:016x}{lo[c]:016x}" if hashed[c] else None for c in range(n)]
+
+
+class CudaCore:
+    """Batched device-to-host copies on a given stream: one kernel for many pieces, or a C loop of
+    ``cudaMemcpyAsync``."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.path = path
+        self.lib = lib
+        for name in ("ckpt_cuda_copy_kernel", "ckpt_cuda_copy_memcpy"):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        lib.ckpt_cuda_error_string.restype = ctypes.c_char_p
+        lib.ckpt_cuda_error_string.argtypes = [ctypes.c_int]
+
+    def copy(self, descs: np.ndarray, stream: int, kernel: bool) -> None:
+        """Enqueue DESC records on ``stream``. With ``kernel``, ``descs`` must live in pinned memory
+        until the stream has run the kernel."""
+        if len(descs) == 0:
+            return
+        fn = self.lib.ckpt_cuda_copy_kernel if kernel else self.lib.ckpt_cuda_copy_memcpy
+        code = fn(descs.ctypes.data, len(descs), stream)
+        if code != 0:
+            from .errors import CheckpointError
+            raise CheckpointError(f"CUDA snapshot copy failed: {self.lib.ckpt_cuda_error_string(code).decode()} "
+                                  f"(error {code}); set CKPT_NO_EXT=1 to use torch's copies instead")
+
+
+@lru_cache(None)
+def _load_cpu() -> CpuCore | None:
+    path = _find("_copyhash")
+    if path is None:
+        return None
+    try:
+        core = CpuCore(ctypes.CDLL(path), path)
+        # Self-check against the reference before trusting it with checkpoints.
+        import xxhash
+        probe = np.frombuffer(bytes(range(256)) * 20, np.uint8)
+        if core.xxh3_128(probe.ctypes.data, probe.nbytes) != xxhash.xxh3_128_hexdigest(probe.tobytes()):
+            log.warning("ckpt: %s hashes differently from xxhash; not using it", path)
+            return None
+        return core
+    except OSError as e:
+        log.warning("ckpt: could not load %s (%s); using the pure-Python path", path, e)
+        return None
+
+
+@lru_cache(None)
+def _load_cuda() -> CudaCore | None:
+    path = _find("_cuda_copy")
+    if path is None:
+        return None
+    try:
+        return CudaCore(ctypes.CDLL(path), path)
+    except OSError as e:
+        log.warning("ckpt: could not load %s (%s); using torch's copies", path, e)
+        return None
+
+
+def cpu() -> CpuCore | None:
+    return None if _disabled() else _load_cpu()
+
+
+def cuda() -> CudaCore | None:
+    return None if _disabled() else _load_cuda()
+
+
+def info() -> dict:
+    """What is built and used, for ``ckpt --version``-style reports and bug reports."""
+    c, g = _load_cpu(), _load_cuda()
+    return {"cpu": c.path if c else None, "simd": c.simd if c else None, "cuda": g.path if g else None,
+            "disabled": _disabled()}

@@ -1,0 +1,239 @@
+// ckpt's CPU core: copy tensors into the host buffer and hash each chunk while its bytes are in cache.
+//
+// A C ABI loaded with ctypes (ckpt/_ext.py), so the library does not depend on torch's C++ ABI and
+// ctypes releases the GIL for the whole call. Hashes are XXH3-128 with the default secret, written
+// from the published algorithm description; they must equal the `xxhash` Python package's output
+// (tests/test_ext.py checks every length class we compute and many offsets). Inputs of 240 bytes or
+// fewer use XXH3's short-input formulas, which we do not implement: those chunks are reported as not
+// hashed and Python hashes them (a chunk that small is rare and costs nothing).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define CKPT_X86 1
+#endif
+
+namespace {
+
+constexpr uint64_t P32_1 = 0x9E3779B1ULL, P32_2 = 0x85EBCA77ULL, P32_3 = 0xC2B2AE3DULL;
+constexpr uint64_t P64_1 = 0x9E3779B185EBCA87ULL, P64_2 = 0xC2B2AE3D27D4EB4FULL, P64_3 = 0x165667B19E3779F9ULL,
+                   P64_4 = 0x85EBCA77C2B2AE63ULL, P64_5 = 0x27D4EB2F165667C5ULL;
+
+constexpr size_t STRIPE = 64, SECRET_SIZE = 192, STRIPES_PER_BLOCK = (SECRET_SIZE - STRIPE) / 8;
+constexpr size_t BLOCK = STRIPE * STRIPES_PER_BLOCK;  // 1024 bytes
+constexpr size_t SHORT_MAX = 240;                    // longer inputs take the accumulator path
+
+alignas(64) const uint8_t kSecret[SECRET_SIZE] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c, 0xde, 0xd4, 0x6d,
+    0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0,
+    0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21, 0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0,
+    0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c, 0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b,
+    0x1b, 0x53, 0x2e, 0xa3, 0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac,
+    0xd8, 0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d, 0x8a, 0x51,
+    0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64, 0xea, 0xc5, 0xac, 0x83, 0x34,
+    0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb, 0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49,
+    0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e, 0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8,
+    0xd1, 0x7a, 0xd0, 0x31, 0xce, 0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b,
+    0x40, 0x7e,
+};
+
+inline uint64_t rd64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);  // little-endian hosts only (x86-64, aarch64): XXH3 reads little-endian words
+  return v;
+}
+
+// One 64-byte stripe into the 8 accumulators; three implementations, chosen once at load time.
+void stripes_scalar(uint64_t* acc, const uint8_t* in, const uint8_t* secret, size_t n) {
+  for (size_t s = 0; s < n; ++s, in += STRIPE, secret += 8) {
+    for (int i = 0; i < 8; ++i) {
+      uint64_t v = rd64(in + 8 * i), k = v ^ rd64(secret + 8 * i);
+      acc[i ^ 1] += v;
+      acc[i] += (k & 0xFFFFFFFFULL) * (k >> 32);
+    }
+  }
+}
+
+void scramble_scalar(uint64_t* acc, const uint8_t* secret) {
+  for (int i = 0; i < 8; ++i) {
+    uint64_t a = acc[i];
+    a ^= a >> 47;
+    a ^= rd64(secret + 8 * i);
+    acc[i] = a * P32_1;
+  }
+}
+
+#ifdef CKPT_X86
+void stripes_sse2(uint64_t* acc, const uint8_t* in, const uint8_t* secret, size_t n) {
+  __m128i a[4];
+  for (int j = 0; j < 4; ++j) a[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(acc) + j);
+  for (size_t s = 0; s < n; ++s, in += STRIPE, secret += 8) {
+    for (int j = 0; j < 4; ++j) {
+      __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in) + j);
+      __m128i k = _mm_xor_si128(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(secret) + j));
+      __m128i prod = _mm_mul_epu32(k, _mm_shuffle_epi32(k, _MM_SHUFFLE(0, 3, 0, 1)));
+      a[j] = _mm_add_epi64(a[j], _mm_add_epi64(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)), prod));
+    }
+  }
+  for (int j = 0; j < 4; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(acc) + j, a[j]);
+}
+
+__attribute__((target("avx2"))) void stripes_avx2(uint64_t* acc, const uint8_t* in, const uint8_t* secret,
+                                                  size_t n) {
+  __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc));
+  __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + 1);
+  for (size_t s = 0; s < n; ++s, in += STRIPE, secret += 8) {
+    __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
+    __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in) + 1);
+    __m256i k0 = _mm256_xor_si256(v0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(secret)));
+    __m256i k1 = _mm256_xor_si256(v1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(secret) + 1));
+    // low 32 bits times high 32 bits of each 64-bit lane; the data goes to the neighbouring lane
+    __m256i p0 = _mm256_mul_epu32(k0, _mm256_srli_epi64(k0, 32));
+    __m256i p1 = _mm256_mul_epu32(k1, _mm256_srli_epi64(k1, 32));
+    a0 = _mm256_add_epi64(a0, _mm256_add_epi64(_mm256_shuffle_epi32(v0, _MM_SHUFFLE(1, 0, 3, 2)), p0));
+    a1 = _mm256_add_epi64(a1, _mm256_add_epi64(_mm256_shuffle_epi32(v1, _MM_SHUFFLE(1, 0, 3, 2)), p1));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc), a0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + 1, a1);
+}
+#endif
+
+using StripesFn = void (*)(uint64_t*, const uint8_t*, const uint8_t*, size_t);
+
+StripesFn pick_stripes(int* level) {
+#ifdef CKPT_X86
+  if (__builtin_cpu_supports("avx2")) {
+    *level = 2;
+    return stripes_avx2;
+  }
+  *level = 1;
+  return stripes_sse2;
+#else
+  *level = 0;
+  return stripes_scalar;
+#endif
+}
+
+int g_level = 0;
+StripesFn g_stripes = pick_stripes(&g_level);
+
+uint64_t fold64(uint64_t a, uint64_t b) {
+  __uint128_t p = static_cast<__uint128_t>(a) * b;
+  return static_cast<uint64_t>(p) ^ static_cast<uint64_t>(p >> 64);
+}
+
+uint64_t avalanche(uint64_t h) {
+  h ^= h >> 37;
+  h *= 0x165667919E3779F9ULL;
+  return h ^ (h >> 32);
+}
+
+uint64_t merge(const uint64_t* acc, const uint8_t* secret, uint64_t start) {
+  uint64_t r = start;
+  for (int i = 0; i < 4; ++i) r += fold64(acc[2 * i] ^ rd64(secret + 16 * i), acc[2 * i + 1] ^ rd64(secret + 16 * i + 8));
+  return avalanche(r);
+}
+
+// XXH3-128 of a long input (> 240 bytes) fed block by block: blocks() may be called on pieces that
+// each hold a whole number of blocks, in order; finish() needs the whole input in memory.
+struct Long128 {
+  uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+  size_t len, full_blocks, done = 0;
+  explicit Long128(size_t n) : len(n), full_blocks((n - 1) / BLOCK) {}
+
+  // Hash blocks [done, done + count) from `p` (which holds exactly those bytes); extra blocks are ignored.
+  void blocks(const uint8_t* p, size_t count) {
+    count = std::min(count, full_blocks - done);
+    for (size_t b = 0; b < count; ++b, p += BLOCK) {
+      g_stripes(acc, p, kSecret, STRIPES_PER_BLOCK);
+      scramble_scalar(acc, kSecret + SECRET_SIZE - STRIPE);
+    }
+    done += count;
+  }
+
+  void finish(const uint8_t* input, uint64_t out[2]) {
+    if (done < full_blocks) blocks(input + done * BLOCK, full_blocks - done);
+    size_t tail_stripes = ((len - 1) - BLOCK * full_blocks) / STRIPE;
+    g_stripes(acc, input + full_blocks * BLOCK, kSecret, tail_stripes);
+    g_stripes(acc, input + len - STRIPE, kSecret + SECRET_SIZE - STRIPE - 7, 1);
+    out[0] = merge(acc, kSecret + 11, static_cast<uint64_t>(len) * P64_1);                          // low 64
+    out[1] = merge(acc, kSecret + SECRET_SIZE - STRIPE - 11, ~(static_cast<uint64_t>(len) * P64_2));  // high 64
+  }
+};
+
+struct Seg {  // one contiguous source copied to [dst_off, dst_off + len) of the buffer
+  const uint8_t* src;
+  uint64_t dst_off, len;
+};
+
+constexpr size_t PIECE = 64 * BLOCK;  // 64 KiB: copied, then hashed while it is still in L2
+
+// Copy the parts of `segs` that fall into [lo, hi) of the buffer; segs are sorted by dst_off.
+void copy_range(uint8_t* dst, const Seg* segs, size_t nsegs, uint64_t lo, uint64_t hi) {
+  // first segment that ends after lo
+  size_t i = std::partition_point(segs, segs + nsegs, [lo](const Seg& s) { return s.dst_off + s.len <= lo; }) - segs;
+  for (; i < nsegs && segs[i].dst_off < hi; ++i) {
+    uint64_t a = std::max(lo, segs[i].dst_off), b = std::min(hi, segs[i].dst_off + segs[i].len);
+    if (a < b) std::memcpy(dst + a, segs[i].src + (a - segs[i].dst_off), b - a);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 2 = AVX2, 1 = SSE2, 0 = portable C: which accumulator loop this machine runs.
+int ckpt_simd_level() { return g_level; }
+
+// XXH3-128 of data[0:len) into out = {low64, high64}. Returns 0, or 1 if len <= 240 (not handled here).
+int ckpt_xxh3_128(const void* data, uint64_t len, uint64_t* out) {
+  if (len <= SHORT_MAX) return 1;
+  Long128 h(len);
+  h.finish(static_cast<const uint8_t*>(data), out);
+  return 0;
+}
+
+// Copy `nsegs` contiguous sources into `dst` and hash the chunks [offs[c], offs[c+1]) whose want[c] is
+// set, with `threads` threads, each chunk by one thread, each 64 KiB piece hashed right after it is
+// copied. hashed[c] is set to 1 where out[2c:2c+2] holds the chunk's hash (0: short chunk, hash it in
+// Python). Segments must be sorted by dst_off and must not overlap. Bytes outside every segment are
+// left as they are (the buffer's zero padding, or data copied in beforehand).
+int ckpt_copy_hash(uint8_t* dst, const Seg* segs, uint64_t nsegs, const uint64_t* offs, const uint8_t* want,
+                   uint64_t nchunks, uint64_t* out, uint8_t* hashed, int threads) {
+  std::atomic<uint64_t> next{0};
+  auto work = [&]() {
+    for (uint64_t c; (c = next.fetch_add(1)) < nchunks;) {
+      uint64_t lo = offs[c], hi = offs[c + 1], n = hi - lo;
+      hashed[c] = 0;
+      if (!want[c] || n <= SHORT_MAX) {
+        copy_range(dst, segs, nsegs, lo, hi);
+        continue;
+      }
+      Long128 h(n);
+      for (uint64_t p = lo; p < hi; p += PIECE) {
+        uint64_t e = std::min(hi, p + PIECE);
+        copy_range(dst, segs, nsegs, p, e);
+        h.blocks(dst + p, (e - p) / BLOCK);
+      }
+      h.finish(dst + lo, out + 2 * c);
+      hashed[c] = 1;
+    }
+  };
+  int t = static_cast<int>(std::min<uint64_t>(std::max(threads, 1), std::max<uint64_t>(nchunks, 1)));
+  std::vector<std::thread> pool;
+  try {
+    for (int i = 1; i < t; ++i) pool.emplace_back(work);
+  } catch (...) {  // could not start a thread: the ones we have (at least this one) do all the work
+  }
+  work();
+  for (auto& th : pool) th.join();
+  return 0;
+}
+
+}  // extern "C"
