@@ -77,21 +77,25 @@ class CudaCore:
         for name in ("ckpt_cuda_copy_kernel", "ckpt_cuda_copy_memcpy"):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         lib.ckpt_cuda_error_string.restype = ctypes.c_char_p
         lib.ckpt_cuda_error_string.argtypes = [ctypes.c_int]
 
-    def copy(self, descs: np.ndarray, stream: int, kernel: bool) -> None:
-        """Enqueue DESC records on ``stream``. With ``kernel``, ``descs`` must live in pinned memory
-        until the stream has run the kernel."""
+    def copy(self, descs: np.ndarray, stream: int, device: int, kernel: bool) -> bool:
+        """Enqueue DESC records on ``stream`` of GPU ``device``. With ``kernel``, ``descs`` must live in
+        pinned memory until the stream has run the kernel; returns False (nothing enqueued) if the
+        kernel cannot reach that memory in place, so the caller uses the memcpy way instead."""
         if len(descs) == 0:
-            return
+            return True
         fn = self.lib.ckpt_cuda_copy_kernel if kernel else self.lib.ckpt_cuda_copy_memcpy
-        code = fn(descs.ctypes.data, len(descs), stream)
+        code = fn(descs.ctypes.data, len(descs), stream, device)
+        if code == -1:
+            return False
         if code != 0:
             from .errors import CheckpointError
             raise CheckpointError(f"CUDA snapshot copy failed: {self.lib.ckpt_cuda_error_string(code).decode()} "
                                   f"(error {code}); set CKPT_NO_EXT=1 to use torch's copies instead")
+        return True
 
 
 @lru_cache(None)

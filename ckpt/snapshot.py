@@ -169,16 +169,18 @@ class HostPool:
         if core is None:
             self.last_used["cuda"] = "torch"
             return
-        if large:
-            descs = np.array(large, _ext.DESC)
-            core.copy(descs, stream.cuda_stream, kernel=False)
+        device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
         if small:
             # the kernel reads its piece list from pinned memory in place: keep it until the copy is done
             pinned = torch.empty(len(small) * _ext.DESC.itemsize, dtype=torch.uint8, pin_memory=True)
             descs = pinned.numpy().view(_ext.DESC)
             descs[:] = np.array(small, _ext.DESC)
-            core.copy(descs, stream.cuda_stream, kernel=True)
-            keep.append(pinned)
+            if core.copy(descs, stream.cuda_stream, device, kernel=True):
+                keep.append(pinned)
+            else:  # this pinned memory is not mapped at the same address: copy engines for all
+                large, small = large + small, []
+        if large:
+            core.copy(np.array(large, _ext.DESC), stream.cuda_stream, device, kernel=False)
         self.last_used["cuda"] = f"native (kernel {len(small)}, memcpy {len(large)})"
 
 

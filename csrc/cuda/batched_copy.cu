@@ -6,7 +6,8 @@
 //    tensor costs a few microseconds of host time each.
 //  * ckpt_cuda_copy_memcpy: one cudaMemcpyAsync per piece, issued from C (no Python per tensor). The
 //    copy engines do the work, leaving the SMs to the training step: best for large tensors.
-// ckpt/_ext.py decides per size class which one a piece takes (the threshold is measured, see README).
+// ckpt/snapshot.py decides per size class which one a piece takes (KERNEL_MAX_BYTES; see docs/design.md).
+// All pieces of one call come from one device and go into one pinned buffer.
 
 #include <cuda_runtime.h>
 #include <cstdint>
@@ -33,18 +34,32 @@ __global__ void copy_pieces(const CopyDesc* __restrict__ descs) {
 
 extern "C" {
 
-// `descs` must stay valid until the stream reaches the kernel (pinned host memory is read in place).
-int ckpt_cuda_copy_kernel(const CopyDesc* descs, int n, void* stream) {
-  if (n <= 0) return 0;
-  const CopyDesc* dev = descs;
+// Host memory the kernel may touch through the same pointer: pinned, and mapped at the same address
+// (true for cudaHostAlloc memory under unified addressing, which is how torch pins by default).
+static bool mapped_in_place(const void* p) {
   cudaPointerAttributes attr;
-  if (cudaPointerGetAttributes(&attr, descs) == cudaSuccess && attr.devicePointer != nullptr)
-    dev = static_cast<const CopyDesc*>(attr.devicePointer);
-  copy_pieces<<<n, 512, 0, static_cast<cudaStream_t>(stream)>>>(dev);
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();  // clear it, so the next check of the last error sees only its own
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost && attr.devicePointer == p;
+}
+
+// `descs` must stay valid until the stream reaches the kernel (pinned host memory is read in place).
+// Returns -1 (nothing enqueued) when the piece list or the destination is not usable in place:
+// the caller then uses ckpt_cuda_copy_memcpy.
+int ckpt_cuda_copy_kernel(const CopyDesc* descs, int n, void* stream, int device) {
+  if (n <= 0) return 0;
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  if (!mapped_in_place(descs) || !mapped_in_place(descs[0].dst)) return -1;
+  copy_pieces<<<n, 512, 0, static_cast<cudaStream_t>(stream)>>>(descs);
   return static_cast<int>(cudaGetLastError());
 }
 
-int ckpt_cuda_copy_memcpy(const CopyDesc* descs, int n, void* stream) {
+int ckpt_cuda_copy_memcpy(const CopyDesc* descs, int n, void* stream, int device) {
+  cudaError_t e0 = cudaSetDevice(device);
+  if (e0 != cudaSuccess) return static_cast<int>(e0);
   for (int i = 0; i < n; ++i) {
     cudaError_t e = cudaMemcpyAsync(descs[i].dst, descs[i].src, descs[i].nbytes, cudaMemcpyDeviceToHost,
                                     static_cast<cudaStream_t>(stream));
