@@ -15,8 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from . import manifest as mf
 from .codec import HEADER_SIZE, CodecSpec, chunk_hash, encode, parse_header
 from .errors import CheckpointError, CorruptCheckpointError, StepExistsError, StorageError
