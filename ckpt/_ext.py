@@ -98,35 +98,34 @@ class CudaCore:
         return True
 
 
-@lru_cache(None)
-def _load_cpu() -> CpuCore | None:
-    path = _find("_copyhash")
+def _load(stem: str, cls):
+    path = _find(stem)
     if path is None:
         return None
     try:
-        core = CpuCore(ctypes.CDLL(path), path)
-        # Self-check against the reference before trusting it with checkpoints.
-        import xxhash
-        probe = np.frombuffer(bytes(range(256)) * 20, np.uint8)
-        if core.xxh3_128(probe.ctypes.data, probe.nbytes) != xxhash.xxh3_128_hexdigest(probe.tobytes()):
-            log.warning("ckpt: %s hashes differently from xxhash; not using it", path)
-            return None
-        return core
+        return cls(ctypes.CDLL(path), path)
     except OSError as e:
         log.warning("ckpt: could not load %s (%s); using the pure-Python path", path, e)
         return None
 
 
 @lru_cache(None)
+def _load_cpu() -> CpuCore | None:
+    core = _load("_copyhash", CpuCore)
+    if core is None:
+        return None
+    # Self-check against the reference before trusting it with checkpoints.
+    import xxhash
+    probe = np.frombuffer(bytes(range(256)) * 20, np.uint8)
+    if core.xxh3_128(probe.ctypes.data, probe.nbytes) != xxhash.xxh3_128_hexdigest(probe.tobytes()):
+        log.warning("ckpt: %s hashes differently from xxhash; not using it (reinstall ckpt to rebuild it)", core.path)
+        return None
+    return core
+
+
+@lru_cache(None)
 def _load_cuda() -> CudaCore | None:
-    path = _find("_cuda_copy")
-    if path is None:
-        return None
-    try:
-        return CudaCore(ctypes.CDLL(path), path)
-    except OSError as e:
-        log.warning("ckpt: could not load %s (%s); using torch's copies", path, e)
-        return None
+    return _load("_cuda_copy", CudaCore)
 
 
 def cpu() -> CpuCore | None:

@@ -51,9 +51,9 @@ class HostPool:
         self.cuda_core = _ext.cuda() if native else None
         self.threads = threads or min(8, os.cpu_count() or 1)
         self._offsets = np.array([c.offset for c in plan.chunks] + [plan.nbytes], np.uint64)
-        self._want: np.ndarray | None = None  # per chunk: holds no CUDA bytes, so hash at snapshot time
-        self.last_used = {"cpu": "none", "cuda": "none"}
         self.has_cuda = any(s.device == "cuda" for s in plan.slots)
+        self._want = self._chunks_without_cuda()  # per chunk: no CUDA bytes, so hash it at snapshot time
+        self.last_used = {"cpu": "none", "cuda": "none"}
 
     @property
     def nbytes(self) -> int:
@@ -93,14 +93,14 @@ class HostPool:
                 src = tensors[slot.key]
                 (cuda_slots if src.device.type == "cuda" else cpu_slots).append((slot, src))
         pending = self._copy_cuda(cuda_slots, guarded) if cuda_slots else None
-        hashes = self._copy_cpu(cpu_slots, has_cuda=bool(cuda_slots))
+        hashes = self._copy_cpu(cpu_slots)
         return pending, hashes
 
     # -- CPU --------------------------------------------------------------------------------------
     def _dst(self, slot) -> torch.Tensor:
         return self.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
-    def _copy_cpu(self, slots: list, has_cuda: bool) -> list[str | None] | None:
+    def _copy_cpu(self, slots: list) -> list[str | None] | None:
         core = self.cpu_core
         if core is None:
             with torch.no_grad():
@@ -117,8 +117,6 @@ class HostPool:
                     n += 1
                 else:  # strided (or lazily conjugated) sources: torch lays them out first, the core hashes them
                     self._dst(slot).copy_(src)
-        if self._want is None:
-            self._want = self._chunks_without_cuda() if has_cuda else np.ones(len(self.plan.chunks), np.uint8)
         hashes = core.copy_hash(self.buffer.data_ptr(), segs[:n], self._offsets, self._want, self.threads)
         self.last_used["cpu"] = f"native/{core.simd}"
         return hashes
@@ -126,7 +124,7 @@ class HostPool:
     def _chunks_without_cuda(self) -> np.ndarray:
         # the plan's signature includes devices, so this is fixed for the plan's lifetime
         want = np.ones(len(self.plan.chunks), np.uint8)
-        for slot in self.plan.slots:
+        for slot in self.plan.slots if self.has_cuda else ():
             if slot.nbytes and slot.device == "cuda":
                 for i, _, _ in self.plan.segments(slot):
                     want[i] = 0

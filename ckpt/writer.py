@@ -71,10 +71,9 @@ class Writer:
         self._lock = threading.Lock()
 
     # -- per chunk, on the I/O pool -------------------------------------------------------------
-    def _put_chunk(self, data: memoryview, h: str | None = None, address: int | None = None
-                   ) -> tuple[str, mf.ChunkInfo, bool]:
+    def _put_chunk(self, data: memoryview, h: str | None = None, address: int | None = None,
+                   core: "_ext.CpuCore | None" = None) -> tuple[str, mf.ChunkInfo, bool]:
         if h is None:  # not hashed during the snapshot (CUDA bytes, or no compiled core)
-            core = _ext.cpu() if address is not None else None
             h = core.xxh3_128(address, len(data)) if core is not None else None  # releases the GIL
             if h is None:
                 h = chunk_hash(data)
@@ -114,8 +113,8 @@ class Writer:
             if job.cuda_event is not None:
                 job.cuda_event.synchronize()
             hashes = job.hashes or [None] * len(plan.chunks)
-            futures = [self.io.submit(self._put_chunk, pool.view(c.offset, c.length), h, pool.address(c.offset))
-                       for c, h in zip(plan.chunks, hashes)]
+            futures = [self.io.submit(self._put_chunk, pool.view(c.offset, c.length), h, pool.address(c.offset),
+                                      pool.cpu_core) for c, h in zip(plan.chunks, hashes)]
             results, first_error = [], None
             for f in futures:  # wait for every chunk, even after a failure: they all read the buffer
                 try:

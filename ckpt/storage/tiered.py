@@ -35,6 +35,8 @@ def _is_chunk(key: str) -> bool:
     return key.startswith("chunks/")
 
 
+_MISS = object()  # a local copy that was there but failed its check
+
 class TieredStorage(Storage):
     def __init__(self, local: LocalStorage, remote: Storage, upload_threads: int = 8):
         self.local = local
@@ -121,47 +123,50 @@ class TieredStorage(Storage):
         log.warning("ckpt: local copy of %s is damaged (%s); reading it from %s instead", key, why,
                     self.remote.describe())
 
-    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+    def _local_first(self, key: str, local, remote):
+        """``local()`` for a chunk, unless it is missing or damaged (it returns _MISS after rejecting
+        the copy): then ``remote()``. Every other key goes to the remote directly."""
         if _is_chunk(key):
             try:
-                if start is None and end is None:
-                    blob = self.local.read(key)
-                    if self._local_ok(key, blob):
-                        with self._lock:
-                            self.counters["local_hits"] += 1
-                        return blob
-                else:  # a header probe: cheap, and the caller checks what it reads
-                    return self.local.read(key, start, end)
+                got = local()
+                if got is not _MISS:
+                    return got
             except FileNotFoundError:
                 pass
             except CheckpointError as e:
                 self._reject(key, e)
             with self._lock:
                 self.counters["remote_reads"] += 1
-        return self.remote.read(key, start, end)
+        return remote()
+
+    def _hit(self, value):
+        with self._lock:
+            self.counters["local_hits"] += 1
+        return value
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        def local():
+            if start is not None or end is not None:  # a header probe: cheap, and the caller checks it
+                return self.local.read(key, start, end)
+            blob = self.local.read(key)
+            return self._hit(blob) if self._local_ok(key, blob) else _MISS
+
+        return self._local_first(key, local, lambda: self.remote.read(key, start, end))
 
     def readv(self, key: str, buffers: Sequence) -> int:
-        if _is_chunk(key):
-            try:
-                n = self.local.readv(key, buffers)
-                views = [memoryview(b).cast("B") for b in buffers]
-                if len(views) == 2 and len(views[0]) == HEADER_SIZE:
-                    hdr = parse_header(views[0], name=key)
-                    if (hdr.digest == key.rsplit("/", 1)[-1] and n == HEADER_SIZE + hdr.payload_len
-                            and chunk_hash(views[1][:hdr.payload_len]) == hdr.digest):
-                        with self._lock:
-                            self.counters["local_hits"] += 1
-                        return n
-                    self._reject(key, "hash or size mismatch")
-                else:
-                    return n
-            except FileNotFoundError:
-                pass
-            except CheckpointError as e:
-                self._reject(key, e)
-            with self._lock:
-                self.counters["remote_reads"] += 1
-        return self.remote.readv(key, buffers)
+        def local():
+            n = self.local.readv(key, buffers)
+            views = [memoryview(b).cast("B") for b in buffers]
+            if len(views) != 2 or len(views[0]) != HEADER_SIZE:
+                return n
+            hdr = parse_header(views[0], name=key)
+            if (hdr.digest == key.rsplit("/", 1)[-1] and n == HEADER_SIZE + hdr.payload_len
+                    and chunk_hash(views[1][:hdr.payload_len]) == hdr.digest):
+                return self._hit(n)
+            self._reject(key, "hash or size mismatch")
+            return _MISS
+
+        return self._local_first(key, local, lambda: self.remote.readv(key, buffers))
 
     def size(self, key: str) -> int:
         if _is_chunk(key) and key not in self._bad:
