@@ -62,14 +62,19 @@ class SaveHandle:
         self._future = future
         self._observed = False
         self._local = threading.Event()
+        self._settled = threading.Event()  # durable locally, or finished either way: what wait("local") needs
         self._started: float | None = None
         if future is None:
             self._local.set()
+            self._settled.set()
+        else:
+            future.add_done_callback(lambda _: self._settled.set())
 
     def _mark_local(self) -> None:
         if self._started is not None:
             self.metrics.local_s = time.perf_counter() - self._started
         self._local.set()
+        self._settled.set()
 
     @property
     def stage(self) -> str:
@@ -96,14 +101,10 @@ class SaveHandle:
         if stage == "snapshot":
             return self.metrics
         if stage == "local" and self._future is not None:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while not self._local.is_set() and not self._future.done():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"save of step {self.step} not durable locally after {timeout}s")
-                self._local.wait(0.05 if left is None else min(0.05, left))
+            if not self._settled.wait(timeout):
+                raise TimeoutError(f"save of step {self.step} not durable locally after {timeout}s")
             if self._local.is_set():
-                return self.metrics
+                return self.metrics  # else it failed before that stage: raised below
         if self._future is not None:
             try:
                 self._future.result(timeout)
