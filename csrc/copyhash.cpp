@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -174,14 +175,54 @@ struct Seg {  // one contiguous source copied to [dst_off, dst_off + len) of the
 
 constexpr size_t PIECE = 64 * BLOCK;  // 64 KiB: copied, then hashed while it is still in L2
 
+size_t first_seg(const Seg* segs, size_t nsegs, uint64_t lo) {  // the first segment ending after lo
+  return std::partition_point(segs, segs + nsegs, [lo](const Seg& s) { return s.dst_off + s.len <= lo; }) - segs;
+}
+
 // Copy the parts of `segs` that fall into [lo, hi) of the buffer; segs are sorted by dst_off.
 void copy_range(uint8_t* dst, const Seg* segs, size_t nsegs, uint64_t lo, uint64_t hi) {
-  // first segment that ends after lo
-  size_t i = std::partition_point(segs, segs + nsegs, [lo](const Seg& s) { return s.dst_off + s.len <= lo; }) - segs;
-  for (; i < nsegs && segs[i].dst_off < hi; ++i) {
+  for (size_t i = first_seg(segs, nsegs, lo); i < nsegs && segs[i].dst_off < hi; ++i) {
     uint64_t a = std::max(lo, segs[i].dst_off), b = std::min(hi, segs[i].dst_off + segs[i].len);
     if (a < b) std::memcpy(dst + a, segs[i].src + (a - segs[i].dst_off), b - a);
   }
+}
+
+// memcpy with streaming (non-temporal) stores: the destination is not read back soon, so it should
+// not be pulled into cache first (that read-for-ownership is a third pass over memory).
+void copy_stream(uint8_t* dst, const uint8_t* src, size_t n) {
+#ifdef CKPT_X86
+  size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (head > n) head = n;
+  std::memcpy(dst, src, head);
+  size_t i = head;
+  for (; i + 64 <= n; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+// One piece [lo, hi): copy it and return where its bytes can be hashed from while they are in cache.
+// A piece inside one source (the common case: large tensors) is streamed to the buffer and hashed
+// from the source, which the copy just read; any other piece is copied plainly and hashed from the buffer.
+const uint8_t* copy_piece(uint8_t* dst, const Seg* segs, size_t nsegs, uint64_t lo, uint64_t hi) {
+  size_t i = first_seg(segs, nsegs, lo);
+  if (i < nsegs && segs[i].dst_off <= lo && segs[i].dst_off + segs[i].len >= hi) {
+    const uint8_t* src = segs[i].src + (lo - segs[i].dst_off);
+    copy_stream(dst + lo, src, hi - lo);
+    return src;
+  }
+  copy_range(dst, segs, nsegs, lo, hi);
+  return dst + lo;
 }
 
 }  // namespace
@@ -201,7 +242,7 @@ int ckpt_xxh3_128(const void* data, uint64_t len, uint64_t* out) {
 
 // Copy `nsegs` contiguous sources into `dst` and hash the chunks [offs[c], offs[c+1]) whose want[c] is
 // set, with `threads` threads, each chunk by one thread, each 64 KiB piece hashed right after it is
-// copied. hashed[c] is set to 1 where out[2c:2c+2] holds the chunk's hash (0: short chunk, hash it in
+// copied, from whichever copy of its bytes is in cache. hashed[c] is set to 1 where out[2c:2c+2] holds the chunk's hash (0: short chunk, hash it in
 // Python). Segments must be sorted by dst_off and must not overlap. Bytes outside every segment are
 // left as they are (the buffer's zero padding, or data copied in beforehand).
 int ckpt_copy_hash(uint8_t* dst, const Seg* segs, uint64_t nsegs, const uint64_t* offs, const uint8_t* want,
@@ -218,9 +259,11 @@ int ckpt_copy_hash(uint8_t* dst, const Seg* segs, uint64_t nsegs, const uint64_t
       Long128 h(n);
       for (uint64_t p = lo; p < hi; p += PIECE) {
         uint64_t e = std::min(hi, p + PIECE);
-        copy_range(dst, segs, nsegs, p, e);
-        h.blocks(dst + p, (e - p) / BLOCK);
+        h.blocks(copy_piece(dst, segs, nsegs, p, e), (e - p) / BLOCK);
       }
+#ifdef CKPT_X86
+      _mm_sfence();  // streaming stores are weakly ordered: make them visible before finish() reads the tail
+#endif
       h.finish(dst + lo, out + 2 * c);
       hashed[c] = 1;
     }

@@ -61,10 +61,8 @@ def _client_error(e: BaseException):
 
 def is_retryable(e: BaseException) -> bool:
     """Throttling, 5xx, resets, timeouts: worth another try. 4xx (denied, missing, precondition) are not."""
-    ce = _client_error(e)
-    if ce is not None:
-        code = str(ce.response.get("Error", {}).get("Code", ""))
-        status = ce.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    if _client_error(e) is not None:
+        code, status = _status(e)
         return code in _RETRY_CODES or status >= 500 or status == 429 or code in ("500", "503", "429")
     for x in _chain(e):
         if isinstance(x, (FileNotFoundError, PermissionError, FileExistsError)):
@@ -99,7 +97,9 @@ class S3Storage(FsspecStorage):
         if self.part_size < 5 * MiB:
             raise ConfigError(f"multipart_chunksize must be at least 5 MiB (S3's smallest part), got {self.part_size}")
         if self.upload_concurrency < 1 or self.max_attempts < 1 or not self.retry_deadline > 0:
-            raise ConfigError("upload_concurrency and max_attempts must be ≥ 1 and retry_deadline > 0")
+            raise ConfigError(
+                f"storage_options: upload_concurrency ({self.upload_concurrency}) and max_attempts ({self.max_attempts}) "
+                f"must be at least 1 and retry_deadline ({self.retry_deadline}) above 0 seconds")
         # Our retry loop is the only one, so its time bound is real.
         opts.setdefault("use_listings_cache", False)
         config = dict(opts.get("config_kwargs") or {})
