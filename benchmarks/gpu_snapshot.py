@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ckpt  # noqa: E402
 from ckpt import snapshot  # noqa: E402
-from ckpt.plan import make_plan  # noqa: E402
-from ckpt.snapshot import HostPool  # noqa: E402
+from ckpt.layout import make_layout  # noqa: E402
+from ckpt.snapshot import HostBuffer  # noqa: E402
 
 GiB = 1 << 30
 
@@ -47,7 +47,7 @@ def params(gib: float) -> dict[str, torch.Tensor]:
     return out
 
 
-def time_copy(pool: HostPool, state: dict, reps: int) -> tuple[float, float]:
+def time_copy(pool: HostBuffer, state: dict, reps: int) -> tuple[float, float]:
     """(median seconds until the copy completed, median host seconds inside copy_in)."""
     total, host = [], []
     for _ in range(reps):
@@ -77,9 +77,9 @@ def floor_copy(nbytes: int, reps: int) -> float:
 def throughput(gib: float, reps: int) -> list[dict]:
     state = params(gib)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    plan = make_plan(state, 16 << 20)
+    layout = make_layout(state, 16 << 20)
     rows = [{"method": "floor: one cudaMemcpyAsync (flat)", "s": floor_copy(nbytes, reps), "host_s": float("nan")}]
-    pool = HostPool(plan, native=True)
+    pool = HostBuffer(layout, native=True)
     ways = [("ckpt (kernel < %d KiB, else memcpy)" % (snapshot.KERNEL_MAX_BYTES >> 10), snapshot.KERNEL_MAX_BYTES),
             ("ckpt, kernel only", 1 << 62), ("ckpt, cudaMemcpyAsync only", 0)]
     default = snapshot.KERNEL_MAX_BYTES
@@ -89,7 +89,7 @@ def throughput(gib: float, reps: int) -> list[dict]:
         s, h = time_copy(pool, state, reps)
         rows.append({"method": name, "s": s, "host_s": h})
     snapshot.KERNEL_MAX_BYTES = default
-    plain = HostPool(plan, native=False)
+    plain = HostBuffer(layout, native=False)
     plain.buffer = pool.buffer  # same destination memory
     time_copy(plain, state, 1)
     s, h = time_copy(plain, state, reps)
@@ -108,14 +108,14 @@ def size_classes(reps: int) -> list[dict]:
     for size in [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 32 << 20]:
         n = max(8, min(20000, (512 << 20) // size))
         state = {f"t{i}": torch.randn(size // 4, device="cuda") for i in range(n)}
-        plan = make_plan(state, 16 << 20)
-        pool = HostPool(plan, native=True)
+        layout = make_layout(state, 16 << 20)
+        pool = HostBuffer(layout, native=True)
         row = {"tensor": size, "count": n}
         for name, k in [("kernel", 1 << 62), ("memcpy", 0)]:
             snapshot.KERNEL_MAX_BYTES = k
             time_copy(pool, state, 1)
             row[name], row[name + "_host"] = time_copy(pool, state, reps)
-        plain = HostPool(plan, native=False)
+        plain = HostBuffer(layout, native=False)
         time_copy(plain, state, 1)
         row["torch"], row["torch_host"] = time_copy(plain, state, reps)
         for k in ("kernel", "memcpy", "torch"):

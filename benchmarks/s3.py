@@ -123,7 +123,7 @@ def main() -> None:
         t0 = time.perf_counter()
         tiered.load(step, target)
         t_rl = time.perf_counter() - t0
-        assert tiered.last_load["remote_chunks"] == 0
+        assert tiered.last_load.remote_chunks == 0
         t0 = time.perf_counter()
         direct.load(step, target)
         t_rr = time.perf_counter() - t0

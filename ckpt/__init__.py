@@ -8,17 +8,20 @@
 """
 
 from ._version import __version__
-from .checkpointer import Checkpointer, SaveHandle
+from .checkpointer import Checkpointer
 from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      DistributedSaveError, IncompatibleFormatError, NotACheckpointError, ReshardError,
                      StateMismatchError, StepExistsError, StorageError, UnsupportedValueError)
+from .handle import SaveHandle, SaveMetrics
+from .loader import LoadStats
+from .options import Options
 from .sharding import LocalShard, PerRank
 from .snapshot import fence
 from .state import RNGState
-from .writer import SaveMetrics
 
 __all__ = [
-    "__version__", "Checkpointer", "SaveHandle", "SaveMetrics", "RNGState", "LocalShard", "PerRank", "fence",
+    "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",
+    "PerRank", "fence",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "DistributedSaveError", "IncompatibleFormatError", "NotACheckpointError", "ReshardError",
     "StateMismatchError", "StepExistsError", "StorageError", "UnsupportedValueError",

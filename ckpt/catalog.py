@@ -9,8 +9,7 @@ unpickles (pickled values are described, never loaded). The ``ckpt`` command lin
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,12 +17,12 @@ from typing import Any
 import torch
 
 from . import manifest as mf
+from . import structure as st
 from .codec import decode as decode_chunk
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
-from .loader import load_into, load_manifest
-from .retention import committed_steps, step_candidates
-from .state import DTYPES
+from .loader import load_into
 from .storage import Storage
+from .structure import DTYPES
 
 
 class Catalog:
@@ -34,34 +33,22 @@ class Catalog:
 
     def __init__(self, storage: Storage):
         self.storage = storage
-        state = getattr(storage, "root_state", lambda: "nonempty")()
-        if state in ("missing", "file"):
+        if storage.root_state() in ("missing", "file"):
             raise NotACheckpointError(f"{storage.describe()}: no such checkpoint directory")
-        self.committed = committed_steps(storage)
-        self.incomplete = [s for s in step_candidates(storage) if s not in set(self.committed)]
+        self.committed = mf.committed_steps(storage)
+        self.incomplete = [s for s in mf.step_candidates(storage) if s not in set(self.committed)]
         if not self.committed and not self.incomplete and not storage.list("chunks"):
             raise NotACheckpointError(f"{storage.describe()} holds no ckpt checkpoint (no steps, no chunks)")
-        self._manifests: dict[int, mf.Manifest] = {}
-        self.errors: dict[int, str] = {}  # committed steps whose manifest cannot be read
-        self._lock = threading.Lock()
+        self.manifests = mf.ManifestCache(storage)
+
+    @property
+    def errors(self) -> dict[int, str]:
+        """Committed steps whose manifest cannot be read, and why (filled as manifests are read)."""
+        return self.manifests.errors
 
     def manifest(self, step: int) -> mf.Manifest | None:
         """The parsed manifest of a committed step, or None if it is damaged (see ``errors``)."""
-        with self._lock:
-            if step in self._manifests or step in self.errors:
-                return self._manifests.get(step)
-        try:
-            m = load_manifest(self.storage, step)
-        except FileNotFoundError:
-            m, err = None, f"{mf.manifest_key(step)} vanished while reading"
-        except CheckpointError as e:
-            m, err = None, str(e)
-        with self._lock:
-            if m is None:
-                self.errors[step] = err
-            else:
-                self._manifests[step] = m
-        return m
+        return self.manifests.find(step)
 
     def require(self, step: int) -> mf.Manifest:
         """The manifest of ``step``; raises if it is not committed or does not parse."""
@@ -99,68 +86,6 @@ class Catalog:
         return [n for n in self.storage.list(mf.step_dir(step)) if n.startswith("rank-") and n.endswith(".json")]
 
 
-# -- structure: plain values -------------------------------------------------------------------------
-
-def value_nodes(node: Any, path: str = "", rank: int | None = None) -> Iterator[tuple[str, Any]]:
-    """The plain values of a structure tree as (key path, JSON node), tensors left out.
-
-    Per-rank keys yield every rank's value with a ``[rank r]`` suffix, or only rank ``rank``'s
-    (no suffix) when it is given."""
-    if isinstance(node, dict) and node.get("t") == "dict":
-        for k, v in zip(node["k"], node["v"]):
-            yield from value_nodes(v, f"{path}/{k}" if path else str(k), rank)
-    elif isinstance(node, dict) and node.get("t") == "stateful":
-        yield from value_nodes(node["v"], path, rank)
-    elif isinstance(node, dict) and node.get("t") == "tensor":
-        return
-    elif mf.is_per_rank(node):
-        for r, v in enumerate(node["v"]):
-            if rank is None:
-                yield from value_nodes(v, f"{path}[rank {r}]", None)
-            elif r == rank:
-                yield from value_nodes(v, path, None)
-    else:
-        yield path, node
-
-
-def preview(node: Any, limit: int = 80) -> str:
-    """A short, safe rendering of a structure node (tensors and pickles are described, not loaded)."""
-    def render(n: Any) -> str:
-        if isinstance(n, list):
-            return "[" + ", ".join(render(v) for v in n) + "]"
-        if isinstance(n, dict):
-            t = n.get("t")
-            if t == "dict":
-                return "{" + ", ".join(f"{render(k)}: {render(v)}" for k, v in zip(n["k"], n["v"])) + "}"
-            if t == "tuple":
-                return "(" + ", ".join(render(v) for v in n["v"]) + ("," if len(n["v"]) == 1 else "") + ")"
-            if t == "tensor":
-                return f"<tensor {n['key']}>"
-            if t == "stateful":
-                return f"<{n.get('type', 'object')}>"
-            if t == "pickle":
-                return "<pickled object: not loaded>"
-            if t in ("float", "dtype", "device"):
-                return str(n["v"])
-            if t == "bytes":
-                return f"<{len(n['v']) * 3 // 4} bytes>"
-            return f"<{t}>"
-        return repr(n)
-    s = render(node)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
-def strip_pickles(node: Any) -> Any:
-    """The node with pickle payloads removed (only their presence is reported)."""
-    if isinstance(node, list):
-        return [strip_pickles(v) for v in node]
-    if isinstance(node, dict):
-        if node.get("t") == "pickle":
-            return {"t": "pickle"}
-        return {k: strip_pickles(v) for k, v in node.items()}
-    return node
-
-
 # -- tensors ------------------------------------------------------------------------------------------
 
 def tensor_kind(t: mf.TensorEntry) -> str:
@@ -180,7 +105,7 @@ def read_tensors(storage: Storage, m: mf.Manifest, entries: list[mf.TensorEntry]
     placed (resharding to one process). Per-rank entries give that rank's tensor."""
     names = [f"t{i}" for i in range(len(entries))]
     view = mf.Manifest(step=m.step, kind="step", world_size=1, chunks=m.chunks,
-                       structure={"t": "dict", "k": names, "v": [{"t": "tensor", "key": n} for n in names]},
+                       structure=st.dict_node(list(names), [st.tensor_node(n) for n in names]),
                        tensors=[mf.TensorEntry(n, e.dtype, list(e.shape), e.shards) for n, e in zip(names, entries)])
     state = {n: torch.empty(tuple(e.shape), dtype=DTYPES[e.dtype]) for n, e in zip(names, entries)}
     load_into(storage, view, state, strict=True, allow_pickle=False, io=io)
@@ -356,8 +281,8 @@ def diff(catalog: Catalog, a: int, b: int, *, max_diff: bool = False, threads: i
                     c.status = "same" if _same_bytes(x, y) else "changed"
                 if c.status == "changed" and max_diff:
                     c.max_abs_diff = _max_abs_diff(x, y)
-    va = dict(value_nodes(ma.structure))
-    vb = dict(value_nodes(mb.structure))
-    values = [(p, preview(va[p]) if p in va else "(absent)", preview(vb[p]) if p in vb else "(absent)")
+    va = dict(st.value_nodes(ma.structure))
+    vb = dict(st.value_nodes(mb.structure))
+    values = [(p, st.preview(va[p]) if p in va else "(absent)", st.preview(vb[p]) if p in vb else "(absent)")
               for p in sorted(va.keys() | vb.keys()) if va.get(p, ...) != vb.get(p, ...)]
     return changes, values

@@ -25,9 +25,10 @@ from typing import Any, TextIO
 
 from . import __version__
 from . import manifest as mf
-from .catalog import Catalog, diff, preview, strip_pickles, tensor_kind, value_nodes, verify
+from .catalog import Catalog, diff, tensor_kind, verify
 from .errors import CheckpointError, ConfigError
 from .storage import open_storage
+from .structure import preview, strip_pickles, value_nodes
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
 

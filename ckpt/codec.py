@@ -154,10 +154,10 @@ def parse_header(blob, *, name: str) -> ChunkHeader:
     return ChunkHeader(CODEC_NAMES[codec_id], raw_len, digest.hex(), payload_len)
 
 
-def decode(blob, *, name: str, expect_hash: str, expect_len: int | None = None) -> memoryview:
-    """Check and decode a whole chunk object; returns the raw bytes, verified against ``expect_hash``."""
-    view = memoryview(blob)
-    hdr = parse_header(view, name=name)
+def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: int | None = None,
+                 object_len: int | None = None) -> None:
+    """Does a parsed header describe the chunk a manifest names? ``object_len`` is the stored
+    object's size where the caller knows it (header + payload must add up to it)."""
     if hdr.digest != expect_hash:
         raise CorruptCheckpointError(
             f"chunk object {name} has header hash {hdr.digest}, expected {expect_hash}", object=name, chunk=expect_hash)
@@ -165,13 +165,34 @@ def decode(blob, *, name: str, expect_hash: str, expect_len: int | None = None) 
         raise CorruptCheckpointError(
             f"chunk object {name} holds {hdr.raw_len} raw bytes, the manifest says {expect_len}",
             object=name, chunk=expect_hash)
-    payload = view[HEADER_SIZE:]
+    if object_len is not None and object_len != HEADER_SIZE + hdr.payload_len:
+        raise CorruptCheckpointError(
+            f"chunk object {name} is truncated or padded: {object_len} bytes stored, its header says "
+            f"{HEADER_SIZE + hdr.payload_len}", object=name, chunk=expect_hash)
+
+
+def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | None = None,
+           object_len: int | None = None, raw_only: bool = False) -> memoryview:
+    """The one validity check of a stored chunk; returns its raw bytes.
+
+    ``header`` and ``payload`` are the object's first 64 bytes and the rest (two buffers, so a
+    payload read straight into a caller's tensor is checked in place). The header must parse and
+    name ``expect_hash``, the sizes must agree, the payload must decode, and the decoded bytes must
+    hash to ``expect_hash``. ``raw_only`` refuses a compressed payload (the caller read it in place
+    as raw bytes). Raises :class:`CorruptCheckpointError` naming the object."""
+    hdr = parse_header(header, name=name)
+    check_header(hdr, name=name, expect_hash=expect_hash, expect_len=expect_len, object_len=object_len)
+    payload = memoryview(payload).cast("B")
     if len(payload) != hdr.payload_len:
         raise CorruptCheckpointError(
             f"chunk object {name} is truncated or padded: payload is {len(payload)} bytes, header says "
             f"{hdr.payload_len}", object=name, chunk=expect_hash)
     if hdr.codec == "raw":
         raw = payload
+    elif raw_only:
+        raise CorruptCheckpointError(
+            f"chunk object {name} is stored as {hdr.codec}, its manifest entry says raw; it is damaged. "
+            "Load an older step (or pass fallback=True to load('latest')).", object=name, chunk=expect_hash)
     else:
         try:
             raw = memoryview(_decompressor().decompress(payload, max_output_size=hdr.raw_len))
@@ -181,6 +202,18 @@ def decode(blob, *, name: str, expect_hash: str, expect_len: int | None = None) 
     if len(raw) != hdr.raw_len or chunk_hash(raw) != expect_hash:
         raise CorruptCheckpointError(
             f"chunk object {name} failed its hash check (content does not match {expect_hash}); "
-            "the stored bytes are damaged. Run `ckpt verify` and load an older step "
-            "(or pass fallback=True to load('latest')).", object=name, chunk=expect_hash)
+            "the stored bytes are damaged. Load an older step (or pass fallback=True to load('latest')).",
+            object=name, chunk=expect_hash)
     return raw
+
+
+def decode(blob, *, name: str, expect_hash: str, expect_len: int | None = None) -> memoryview:
+    """Check and decode a whole chunk object (header and payload in one buffer); see :func:`verify`."""
+    view = memoryview(blob).cast("B")
+    return verify(name, expect_hash, view[:HEADER_SIZE], view[HEADER_SIZE:], expect_len=expect_len)
+
+
+def verify_object(key: str, header, payload) -> None:
+    """:func:`verify` for a chunk object read by its storage key, which ends in its hash (the
+    check a storage tier uses before trusting a copy it holds)."""
+    verify(key, key.rsplit("/", 1)[-1], header, payload)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from . import manifest as mf
-from .catalog import Catalog, read_tensors, strip_pickles, value_nodes
+from .catalog import Catalog, read_tensors
 from .errors import ConfigError, UnsupportedValueError
-from .state import DTYPES, structure_has_pickle
+from .structure import DTYPES, has_pickle, strip_pickles, value_nodes
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
 
@@ -91,7 +91,7 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
     for p, node in value_nodes(m.structure, rank=rank):
         if not wanted(p):
             continue
-        if structure_has_pickle(node):
+        if has_pickle(node):
             result.pickled.append(p)
             result.skipped_values.append(p)
         elif fmt == "safetensors":

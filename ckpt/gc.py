@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from . import manifest as mf
 from .catalog import Catalog
 from .codec import is_chunk_hash
-from .retention import ManifestCache, committed_steps, delete_steps, to_delete
+from .retention import delete_steps, to_delete
 from .storage import Storage
 
 TMP_MARK = ".tmp-"
@@ -48,7 +48,7 @@ class Item:
 
 
 @dataclass
-class Plan:
+class GcPlan:
     grace_s: float
     remove: list[Item] = field(default_factory=list)
     young: list[Item] = field(default_factory=list)  # garbage younger than the grace period: kept
@@ -80,11 +80,11 @@ def _old(age: float | None, grace_s: float) -> bool:
     return grace_s <= 0 or (age is not None and age >= grace_s)
 
 
-def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now: float | None = None) -> Plan:
+def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now: float | None = None) -> GcPlan:
     """What :func:`run` would remove (nothing is deleted here)."""
     storage = catalog.storage
     now = time.time() if now is None else now
-    p = Plan(grace_s=grace_s)
+    p = GcPlan(grace_s=grace_s)
 
     def classify(item: Item) -> None:
         (p.remove if _old(item.age_s, grace_s) else p.young).append(item)
@@ -147,7 +147,7 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
     return p
 
 
-def run(catalog: Catalog, p: Plan, delete_many: Callable[[list[str]], None] | None = None) -> list[Item]:
+def run(catalog: Catalog, p: GcPlan, delete_many: Callable[[list[str]], None] | None = None) -> list[Item]:
     """Remove what ``p`` lists, in a crash-safe order: retention (manifests first), incomplete
     steps, temp files, then orphan chunks after re-reading which steps are committed now.
     Returns the items removed."""
@@ -156,12 +156,7 @@ def run(catalog: Catalog, p: Plan, delete_many: Callable[[list[str]], None] | No
     done: list[Item] = []
     if p.retention:
         remaining = [s for s in catalog.committed if s not in p.retention]
-        cache = ManifestCache(storage)
-        for s in catalog.committed:
-            m = catalog.manifest(s)
-            if m is not None:
-                cache.put(m)
-        delete_steps(storage, cache, p.retention, remaining, delete_many)
+        delete_steps(storage, catalog.manifests, p.retention, remaining, delete_many)
         done += [i for i in p.remove if i.kind in ("step", "chunk")]
     for item in p.remove:
         if item.kind != "incomplete":
@@ -181,12 +176,12 @@ def run(catalog: Catalog, p: Plan, delete_many: Callable[[list[str]], None] | No
     if orphans:
         # A step committed while gc ran may reference a chunk that looked orphaned: re-check.
         referenced: set[str] = set()
-        for s in committed_steps(storage):
+        for s in mf.committed_steps(storage):
             if s in catalog.committed:
                 continue
             try:
-                referenced |= mf.parse(storage.read(mf.manifest_key(s)), name=mf.manifest_key(s)).chunks.keys()
-            except Exception:  # noqa: BLE001 - unknown references: delete no chunk at all
+                referenced |= mf.read_step(storage, s).chunks.keys()
+            except Exception:  # unknown references: delete no chunk at all
                 orphans = []
                 break
         orphans = [i for i in orphans if i.key.rsplit("/", 1)[-1] not in referenced]

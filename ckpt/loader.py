@@ -5,6 +5,9 @@ pickle), so a mismatch costs no I/O and changes nothing. Then every chunk the st
 once, in parallel, verified and scattered into the destination tensors; a raw chunk that maps onto
 one contiguous piece of one CPU tensor is read straight into that tensor (no second copy). Only
 when every tensor is filled are ``load_state_dict`` calls made and plain values assigned.
+
+:class:`Loader` picks the step: the one asked for, or the newest committed one every rank sees,
+falling back past damaged steps when asked, with every rank agreeing on the outcome.
 """
 
 from __future__ import annotations
@@ -12,60 +15,163 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from . import manifest as mf
-from .codec import HEADER_SIZE, chunk_hash, decode as decode_chunk, parse_header
-from .errors import ConfigError, CorruptCheckpointError, ReshardError, StateMismatchError, UnsupportedValueError
+from . import structure as st
+from .codec import HEADER_SIZE, decode as decode_chunk, verify
+from .dist import Comm
+from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+                     NotACheckpointError, ReshardError, StateMismatchError, UnsupportedValueError)
 from .sharding import Box, contiguous_run, intersect, is_dtensor, next_needed, volume
-from .state import DTYPES, apply, decode, flatten, structure_has_pickle
+from .state import apply, flatten
 from .storage import Storage
+from .structure import DTYPES
 
 log = logging.getLogger("ckpt")
 
-
-def tensor_keys(node: Any) -> list[str]:
-    """Keys of the tensors a structure node refers to."""
-    if isinstance(node, list):
-        return [k for v in node for k in tensor_keys(v)]
-    if isinstance(node, dict):
-        if node.get("t") == "tensor":
-            return [node["key"]]
-        return [k for v in node.values() for k in tensor_keys(v)]
-    return []
+MiB = 1 << 20
+RankMap = Callable[[int], int] | dict[int, int] | list[int]
 
 
-def _shape_str(shape) -> str:
+@dataclass
+class LoadStats:
+    """What a load read. With a local tier (``local_dir``), also where the chunks came from."""
+
+    step: int
+    chunks_read: int = 0
+    bytes_read: int = 0
+    chunks: list[str] = field(default_factory=list)  # the hashes of the chunks read
+    local_chunks: int | None = None  # chunks served by the local tier (None: no local tier)
+    remote_chunks: int | None = None  # chunks read from the remote tier
+    local_rejected: list[str] = field(default_factory=list)  # local copies that failed their check
+
+
+def _shape_str(shape: tuple[int, ...] | list[int]) -> str:
     return "(" + ", ".join(map(str, shape)) + ")"
 
 
-def load_manifest(storage: Storage, step: int) -> mf.Manifest:
-    key = mf.manifest_key(step)
-    data = storage.read(key)
-    m = mf.parse(data, name=key)
-    if m.step != step or m.kind != "step":
-        raise CorruptCheckpointError(f"manifest {key} describes step {m.step} ({m.kind}), not step {step}", object=key)
-    return m
+class Loader:
+    """Loads committed steps into a state, on every rank of the group, all ending on the same step.
+
+    ``latest`` is the newest step every rank sees; with ``fallback`` a damaged step is reported and
+    the newest older step that loads on every rank is used instead."""
+
+    def __init__(self, storage: Storage, comm: Comm, io: Executor, manifests: mf.ManifestCache):
+        self.storage = storage
+        self.comm = comm
+        self.io = io
+        self.manifests = manifests
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending (a path that is a file is not a checkpoint)."""
+        if self.storage.root_state() == "file":
+            raise NotACheckpointError(f"{self.storage.describe()} is a file, not a checkpoint directory")
+        return mf.committed_steps(self.storage)
+
+    def load(self, step: int | Literal["latest"], state: dict[str, Any], *, strict: bool, allow_pickle: bool,
+             fallback: bool = False, rank_map: RankMap | None = None) -> tuple[mf.Manifest, LoadStats] | None:
+        """Load ``step`` (or the newest committed one) into ``state``; None when ``"latest"`` finds
+        no committed step (a new run)."""
+        if step != "latest":
+            if type(step) is not int or step < 0:
+                raise ConfigError(f"step must be a non-negative integer or 'latest', got {step!r}")
+            if not self.storage.exists(mf.manifest_key(step)):
+                steps = self.steps()
+                raise CheckpointNotFoundError(
+                    f"step {step} is not committed in {self.storage.describe()}; committed steps: "
+                    f"{short_list(steps) if steps else 'none'}")
+            done, err = self._attempt(step, state, strict, allow_pickle, rank_map)
+            if done is None:
+                assert err is not None
+                raise err
+            return done
+        steps = self.steps()
+        if self.comm.world > 1:  # every rank must pick the same step, even if listings lag
+            views = [v["latest"] for v in self.comm.agree({"latest": steps[-1] if steps else None})]
+            newest = None if any(v is None for v in views) else min(views)
+            steps = [s for s in steps if newest is not None and s <= newest]
+        if not steps:
+            log.info("ckpt: no committed step in %s; starting fresh", self.storage.describe())
+            return None
+        first_error: CorruptCheckpointError | None = None
+        for s in reversed(steps):
+            done, err = self._attempt(s, state, strict, allow_pickle, rank_map)
+            if done is not None:
+                if first_error is not None:
+                    log.warning("ckpt: loaded step %d instead of the damaged latest step %d", s, steps[-1])
+                return done
+            if not isinstance(err, CorruptCheckpointError):
+                assert err is not None
+                raise err
+            if not fallback:
+                raise CorruptCheckpointError(
+                    f"{err} (load('latest', state, fallback=True) would try older steps)",
+                    object=err.object, chunk=err.chunk) from err
+            log.warning("ckpt: step %d is damaged (%s); falling back to an older step", s, err)
+            first_error = first_error or err
+        assert first_error is not None
+        raise CorruptCheckpointError(f"no committed step in {self.storage.describe()} loads cleanly; "
+                                     f"the newest failed with: {first_error}",
+                                     object=first_error.object, chunk=first_error.chunk) from first_error
+
+    def _attempt(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool, rank_map: RankMap | None
+                 ) -> tuple[tuple[mf.Manifest, LoadStats] | None, CheckpointError | None]:
+        """Load one step; with several ranks, agree on whether every rank managed."""
+        done, err = None, None
+        try:
+            done = self._load_step(step, state, strict, allow_pickle, rank_map)
+        except CheckpointError as e:
+            err = e
+        if self.comm.world > 1:
+            views = self.comm.agree({"ok": err is None, "corrupt": isinstance(err, CorruptCheckpointError),
+                                     "message": str(err)[:2000] if err is not None else ""})
+            bad = [r for r, v in enumerate(views) if not v["ok"]]
+            if bad and err is None:
+                cls = CorruptCheckpointError if all(views[r]["corrupt"] for r in bad) else CheckpointError
+                done, err = None, cls(f"rank(s) {bad} could not load step {step}: {views[bad[0]]['message']}")
+        return done, err
+
+    def _load_step(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool,
+                   rank_map: RankMap | None) -> tuple[mf.Manifest, LoadStats]:
+        m = mf.read_step(self.storage, step)
+        self.storage.reset_tier_counters()
+        stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
+                          rank=self.comm.rank, world=self.comm.world, rank_map=rank_map)
+        self.manifests.put(m)
+        tiers = self.storage.tier_counters()
+        if tiers is not None:  # which tier each chunk came from; damaged local copies are named
+            stats.local_chunks, stats.remote_chunks = tiers.local_hits, tiers.remote_reads
+            stats.local_rejected = list(tiers.local_rejected)
+        log.info("ckpt: loaded step %d (saved on %d rank(s)) from %s as %s: %d chunks, %.1f MiB read",
+                 step, m.world_size, self.storage.describe(), self.comm.describe(), stats.chunks_read,
+                 stats.bytes_read / MiB)
+        return m, stats
 
 
-def load_into(storage: Storage, m: mf.Manifest, state: dict, *, strict: bool, allow_pickle: bool,
-              io: ThreadPoolExecutor, rank: int = 0, world: int = 1, rank_map: Any = None) -> dict[str, Any]:
-    """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``. Returns counters (bytes
-    read, chunks read and which)."""
+def short_list(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]} … {steps[-1]} ({len(steps)} steps)"
+
+
+def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict: bool, allow_pickle: bool,
+              io: Executor, rank: int = 0, world: int = 1, rank_map: RankMap | None = None) -> LoadStats:
+    """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read."""
     _init_optimizers(state, m)
     target = flatten(state, for_target=True)
-    saved_top = m.structure["k"]
-    saved_nodes = dict(zip(saved_top, m.structure["v"]))
+    saved_top = m.top_keys
+    saved_nodes = dict(st.top_items(m.structure))
     unexpected = [k for k in saved_top if k not in state]
     missing_top = [k for k in state if k not in saved_nodes]
     wanted_top = [k for k in saved_top if k in state]
 
     # Per-rank state: which saved rank this rank takes it from.
-    per_rank = [k for k in wanted_top if mf.is_per_rank(saved_nodes[k])]
+    per_rank = [k for k in wanted_top if st.is_per_rank(saved_nodes[k])]
     src_rank = None
     if per_rank:
         src_rank = _source_rank(m, per_rank, rank, world, rank_map)
@@ -73,7 +179,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict, *, strict: bool, al
     entries = {(t.key, t.rank): t for t in m.tensors}
     wanted: list[tuple[str, int | None]] = []
     for top in wanted_top:
-        for key in tensor_keys(nodes[top]):
+        for key in st.tensor_keys(nodes[top]):
             owner = src_rank if top in per_rank and (key, src_rank) in entries else None
             wanted.append((key, owner))
     wanted_set = {k for k, _ in wanted}
@@ -93,8 +199,8 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict, *, strict: bool, al
         log.warning("ckpt: loading step %d non-strictly: %d key(s) not in the state, %d missing from the checkpoint",
                     m.step, len(unexpected), len(missing_top) + len(missing_tensors))
 
-    structure = {"t": "dict", "k": wanted_top, "v": [nodes[k] for k in wanted_top]}
-    if structure_has_pickle(structure) and not allow_pickle:
+    structure = st.dict_node(wanted_top, [nodes[k] for k in wanted_top])
+    if st.has_pickle(structure) and not allow_pickle:
         raise UnsupportedValueError(
             f"step {m.step} holds pickled objects, and unpickling can run code from the checkpoint. "
             "Load with allow_pickle=True only if you trust its source.")
@@ -178,10 +284,9 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict, *, strict: bool, al
                 "needs; the manifest is damaged. Load another step (or pass fallback=True to load('latest'))",
                 object=mf.manifest_key(m.step))
 
-    counters: dict[str, Any] = {"chunks_read": len(feeds), "bytes_read": 0, "chunks": sorted(feeds)}
-    results = io.map(lambda item: _read_chunk(storage, m, item[0], item[1]), feeds.items())
-    for n in results:
-        counters["bytes_read"] += n
+    stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
+    for n in io.map(lambda item: _read_chunk(storage, m, item[0], item[1]), feeds.items()):
+        stats.bytes_read += n
 
     with torch.no_grad():
         for local, in_d, stage, rows_shape, in_stage in strided:
@@ -189,16 +294,16 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict, *, strict: bool, al
             local[_slices(in_d)].copy_(src[_slices(in_stage)])
         for t, src in copy_back:
             t.copy_(src)
-    decoded = decode(structure, values, allow_pickle=allow_pickle)
+    decoded = st.decode(structure, values, allow_pickle=allow_pickle)
     apply(state, decoded)
-    return counters
+    return stats
 
 
 def _slices(box: Box) -> tuple:
     return tuple(slice(o, o + n) for o, n in zip(box[0], box[1]))
 
 
-def _pieces(shard: mf.Shard, lo: int, hi: int):
+def _pieces(shard: mf.Shard, lo: int, hi: int) -> Iterator[tuple[str, int, int, int]]:
     """(chunk, offset in chunk, length, offset in the shard) of the shard bytes in [lo, hi)."""
     pos = 0
     for g in shard.segments:
@@ -210,7 +315,7 @@ def _pieces(shard: mf.Shard, lo: int, hi: int):
             break
 
 
-def _source_rank(m: mf.Manifest, keys: list[str], rank: int, world: int, rank_map: Any) -> int:
+def _source_rank(m: mf.Manifest, keys: list[str], rank: int, world: int, rank_map: RankMap | None) -> int:
     if rank_map is None:
         if world == m.world_size:
             return rank
@@ -225,7 +330,7 @@ def _source_rank(m: mf.Manifest, keys: list[str], rank: int, world: int, rank_ma
     return src
 
 
-def _init_optimizers(state: dict, m: mf.Manifest) -> None:
+def _init_optimizers(state: dict[str, Any], m: mf.Manifest) -> None:
     """An optimizer over DTensor parameters with no state yet gets its state created first, so the
     saved state loads into sharded tensors of the right layout (a step with lr=0 and zero grads)."""
     saved_keys = {t.key for t in m.tensors}
@@ -259,20 +364,12 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
     key = mf.chunk_key(h)
     try:
         if info.codec.startswith("raw/") and len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size:
+            # the whole chunk feeds one contiguous run: read its payload straight into the tensor
             _, length, flat, pos = feeds[0]
             target = memoryview(flat)[pos : pos + length]
             header = bytearray(HEADER_SIZE)
             n = storage.readv(key, [header, target])
-            hdr = parse_header(header, name=key)
-            if (hdr.codec != "raw" or hdr.digest != h or hdr.raw_len != info.size or hdr.payload_len != info.size
-                    or n != HEADER_SIZE + info.size or storage.size(key) != n):
-                raise CorruptCheckpointError(
-                    f"chunk object {key} does not match its manifest entry (header, codec or size differ); "
-                    "it is damaged. Run `ckpt verify` and load an older step.", object=key, chunk=h)
-            if chunk_hash(target) != h:
-                raise CorruptCheckpointError(
-                    f"chunk object {key} failed its hash check; the stored bytes are damaged. "
-                    "Load an older step (or pass fallback=True to load('latest')).", object=key, chunk=h)
+            verify(key, h, header, target, expect_len=info.size, object_len=storage.size(key), raw_only=True)
             return n
         blob = storage.read(key)
     except FileNotFoundError:
@@ -285,4 +382,3 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
     for off, length, flat, pos in feeds:
         flat[pos : pos + length] = src[off : off + length]
     return len(blob)
-

@@ -10,19 +10,29 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from . import structure as st
 from ._version import __version__
 from .codec import CODEC_VERSIONS, is_chunk_hash
-from .errors import CorruptCheckpointError, IncompatibleFormatError, NotACheckpointError, StateMismatchError
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompatibleFormatError,
+                     NotACheckpointError, StateMismatchError)
 from .sharding import intersect, volume
-from .state import DTYPES
+from .structure import DTYPES
+
+if TYPE_CHECKING:
+    from .storage import Storage
 
 FORMAT = "ckpt"
 FORMAT_VERSION = 2  # 2 adds per-rank entries and per_rank structure nodes; plain saves still write 1
 MAX_CHUNK_BYTES = 1 << 34  # 16 GiB: a sanity bound on what a manifest may claim for one chunk
+
+
+STEP_DIR_RE = re.compile(r"^\d{12}$")
 
 
 def step_dir(step: int) -> str:
@@ -126,20 +136,15 @@ class Manifest:
     def stored_bytes(self) -> int:
         return sum(c.stored for c in self.chunks.values())
 
-    def tensor(self, key: str, rank: int | None = None) -> TensorEntry:
-        for t in self.tensors:
-            if t.key == key and t.rank == rank:
-                return t
-        raise KeyError(key)
+    @property
+    def top_keys(self) -> list[str]:
+        """The top-level keys of the state this step saved."""
+        return [k for k, _ in st.top_items(self.structure)]
 
     @property
     def per_rank_keys(self) -> list[str]:
         """Top-level state keys saved per rank (loading them on another world size needs a rank_map)."""
-        return [k for k, v in zip(self.structure["k"], self.structure["v"]) if is_per_rank(v)]
-
-
-def is_per_rank(node: Any) -> bool:
-    return isinstance(node, dict) and node.get("t") == "per_rank"
+        return [k for k, v in st.top_items(self.structure) if st.is_per_rank(v)]
 
 
 def _entry_json(t: TensorEntry) -> dict:
@@ -185,11 +190,11 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
     _check(_is_int(doc.get("step")), name, "step must be a non-negative integer")
     _check(_is_int(doc.get("world_size"), 1), name, "world_size must be a positive integer")
     structure = doc.get("structure")
-    _check(isinstance(structure, dict) and structure.get("t") == "dict" and isinstance(structure.get("k"), list)
+    _check(st.kind(structure) == "dict" and isinstance(structure.get("k"), list)
            and isinstance(structure.get("v"), list) and len(structure["k"]) == len(structure["v"]),
            name, "structure must be a dict node")
-    for k, v in zip(structure["k"], structure["v"]):
-        if is_per_rank(v):
+    for k, v in st.top_items(structure):
+        if st.is_per_rank(v):
             _check(doc.get("kind") == "step" and isinstance(v.get("v"), list) and len(v["v"]) == doc.get("world_size"),
                    name, f"per-rank key {k!r} must hold one value per rank ({doc.get('world_size')})")
     raw_chunks = doc.get("chunks")
@@ -283,8 +288,8 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
                 ent.shards.extend(t.shards)
             else:
                 by_key[(t.key, t.rank)] = TensorEntry(t.key, t.dtype, list(t.shape), list(t.shards), t.rank)
-    tops = parts[0].structure["k"]
-    nodes = [dict(zip(p.structure["k"], p.structure["v"])) for p in parts]
+    tops = [k for k, _ in st.top_items(parts[0].structure)]
+    nodes = [dict(st.top_items(p.structure)) for p in parts]
     for p, n in zip(parts, nodes):
         if sorted(n) != sorted(tops):
             raise StateMismatchError(f"step {step}: rank {p.rank} saved top-level keys {sorted(n)}, rank "
@@ -293,11 +298,91 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
     for k in tops:
         per = [n[k] for n in nodes]
         if k in per_rank or any(v != per[0] for v in per[1:]):
-            values.append({"t": "per_rank", "v": per})
+            values.append(st.per_rank_node(per))
         else:
             values.append(per[0])
     tensors = list(by_key.values())
     # Version 1 readers load anything without per-rank parts (they refuse multi-shard tensors clearly).
-    simple = all(t.rank is None for t in tensors) and not any(is_per_rank(v) for v in values)
-    return Manifest(step=step, kind="step", structure={"t": "dict", "k": tops, "v": values}, tensors=tensors,
+    simple = all(t.rank is None for t in tensors) and not any(st.is_per_rank(v) for v in values)
+    return Manifest(step=step, kind="step", structure=st.dict_node(tops, values), tensors=tensors,
                     chunks=chunks, world_size=len(parts), stats=stats, format_version=1 if simple else FORMAT_VERSION)
+
+
+# -- reading manifests from storage ---------------------------------------------------------------
+
+def step_candidates(storage: Storage) -> list[int]:
+    """Step numbers that have a directory (committed or not), ascending."""
+    return sorted(int(n) for n in storage.list("steps") if STEP_DIR_RE.match(n))
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Steps whose MANIFEST.json exists, ascending. (Whether it parses is checked when it is read.)"""
+    return [s for s in step_candidates(storage) if storage.exists(manifest_key(s))]
+
+
+def read_step(storage: Storage, step: int) -> Manifest:
+    """The committed manifest of ``step``, parsed and checked to describe that step.
+
+    Raises :class:`CheckpointNotFoundError` if it does not exist, :class:`CorruptCheckpointError`
+    if it does not parse or check."""
+    key = manifest_key(step)
+    try:
+        data = storage.read(key)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"step {step} has no manifest in {storage.describe()}") from None
+    m = parse(data, name=key)
+    if m.step != step or m.kind != "step":
+        raise CorruptCheckpointError(f"manifest {key} describes step {m.step} ({m.kind}), not step {step}", object=key)
+    return m
+
+
+def read_rank_part(storage: Storage, step: int, rank: int) -> Manifest:
+    """Rank ``rank``'s report for ``step`` (what it wrote), parsed and checked to be that report."""
+    key = rank_key(step, rank)
+    m = parse(storage.read(key), name=key)
+    if m.kind != "rank" or m.rank != rank or m.step != step:
+        raise CorruptCheckpointError(f"{key} describes rank {m.rank} step {m.step}, not rank {rank} step {step}",
+                                     object=key)
+    return m
+
+
+class ManifestCache:
+    """Parsed step manifests by step, each read and checked at most once per process.
+
+    ``get`` raises on a missing or damaged manifest; ``find`` returns None instead and keeps the
+    reason in ``errors`` (for tools that report every step, damaged or not)."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._by_step: dict[int, Manifest] = {}
+        self.errors: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def put(self, m: Manifest) -> None:
+        with self._lock:
+            self._by_step[m.step] = m
+            self.errors.pop(m.step, None)
+
+    def drop(self, step: int) -> None:
+        with self._lock:
+            self._by_step.pop(step, None)
+            self.errors.pop(step, None)
+
+    def get(self, step: int) -> Manifest:
+        with self._lock:
+            m = self._by_step.get(step)
+        if m is None:
+            m = read_step(self.storage, step)
+            self.put(m)
+        return m
+
+    def find(self, step: int) -> Manifest | None:
+        with self._lock:
+            if step in self.errors:
+                return None
+        try:
+            return self.get(step)
+        except CheckpointError as e:
+            with self._lock:
+                self.errors[step] = str(e)
+            return None

@@ -8,26 +8,15 @@ anywhere in between leaves only unreferenced objects behind; every step still co
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable
 
 from . import manifest as mf
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError
 from .storage import Storage
 
 log = logging.getLogger("ckpt")
 
-STEP_DIR_RE = re.compile(r"^\d{12}$")
-
-
-def step_candidates(storage: Storage) -> list[int]:
-    """Step numbers that have a directory (committed or not), ascending."""
-    return sorted(int(n) for n in storage.list("steps") if STEP_DIR_RE.match(n))
-
-
-def committed_steps(storage: Storage) -> list[int]:
-    """Steps whose MANIFEST.json exists, ascending. (Whether it parses is checked on load.)"""
-    return [s for s in step_candidates(storage) if storage.exists(mf.manifest_key(s))]
+DeleteMany = Callable[[list[str]], None]
 
 
 def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int],
@@ -46,33 +35,8 @@ def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int],
     return [s for s in steps if s not in keep]
 
 
-class ManifestCache:
-    """Parsed manifests by step, so retention reads each one once per process."""
-
-    def __init__(self, storage: Storage):
-        self.storage = storage
-        self._by_step: dict[int, mf.Manifest] = {}
-
-    def put(self, m: mf.Manifest) -> None:
-        self._by_step[m.step] = m
-
-    def drop(self, step: int) -> None:
-        self._by_step.pop(step, None)
-
-    def get(self, step: int) -> mf.Manifest:
-        m = self._by_step.get(step)
-        if m is None:
-            key = mf.manifest_key(step)
-            try:
-                data = self.storage.read(key)
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(f"step {step} has no manifest in {self.storage.describe()}") from None
-            m = self._by_step[step] = mf.parse(data, name=key)
-        return m
-
-
-def delete_steps(storage: Storage, cache: ManifestCache, victims: list[int], remaining: list[int],
-                 delete_many: Callable[[list[str]], None]) -> tuple[int, list[str]]:
+def delete_steps(storage: Storage, cache: mf.ManifestCache, victims: list[int], remaining: list[int],
+                 delete_many: DeleteMany) -> tuple[int, list[str]]:
     """Delete ``victims`` and the chunks only they reference. Returns (steps deleted, chunk hashes deleted)."""
     if not victims:
         return 0, []
@@ -95,3 +59,47 @@ def delete_steps(storage: Storage, cache: ManifestCache, victims: list[int], rem
     delete_many([mf.chunk_key(h) for h in doomed])
     storage.flush()
     return len(victims), doomed
+
+
+def remove_checkpoint(storage: Storage) -> None:
+    """Delete a whole checkpoint: every step's manifest first (so a removal cut short leaves no step
+    that looks committed but lacks its chunks), then everything else, root included."""
+    for s in mf.committed_steps(storage):
+        storage.delete(mf.manifest_key(s))
+    storage.flush()
+    storage.remove_root()
+
+
+class Retention:
+    """``keep_last`` / ``keep_every`` for one Checkpointer, applied by the coordinator after each commit.
+
+    Steps passed to :meth:`protect` (the step a run resumed from) are never deleted."""
+
+    def __init__(self, storage: Storage, manifests: mf.ManifestCache, keep_last: int | None,
+                 keep_every: int | None, delete_many: DeleteMany):
+        self.storage = storage
+        self.manifests = manifests
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.protected: set[int] = set()
+        self._delete_many = delete_many
+
+    def protect(self, step: int) -> None:
+        self.protected.add(step)
+
+    def after_commit(self, committed: mf.Manifest) -> None:
+        """Apply retention now that ``committed`` is; a failure is logged, never raised (the save
+        itself succeeded, and retention tries again after the next one)."""
+        self.manifests.put(committed)
+        if self.keep_last is None and self.keep_every is None:
+            return
+        try:
+            steps = mf.committed_steps(self.storage)
+            victims = to_delete(steps, self.keep_last, self.protected, self.keep_every)
+            if not victims:
+                return
+            remaining = [s for s in steps if s not in victims]
+            _, chunks = delete_steps(self.storage, self.manifests, victims, remaining, self._delete_many)
+            log.info("ckpt: retention removed step(s) %s and %d unreferenced chunk(s)", victims, len(chunks))
+        except Exception as e:
+            log.warning("ckpt: retention after step %d failed (nothing committed was lost): %s", committed.step, e)

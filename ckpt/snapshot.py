@@ -16,42 +16,161 @@ returns right after the launch; the host never waits:
   optimizer owns) is copied first, and the current stream waits for those copies at once, on the
   device, so nothing later on it can change them mid-copy;
 * the background writer waits on the copy's event before it reads the buffer.
+
+:class:`Snapshotter` owns the buffer between saves: it remakes the layout (and asks the coordinator
+which tensors this rank writes) only when the state's structure changes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import _ext
-from .plan import Plan
+from .dist import Comm, Inventory
+from .layout import BufferLayout, TensorSlot, make_layout
+from .state import Flat, Leaf
+
+log = logging.getLogger("ckpt")
 
 # Pieces at least this large go through cudaMemcpyAsync (copy engines, SMs stay free for training);
 # smaller ones are batched into one kernel launch. Measured on H100: see README "GPU snapshot".
 KERNEL_MAX_BYTES = int(os.environ.get("CKPT_KERNEL_MAX_BYTES", 1 << 20))
 
 
-class HostPool:
-    """One host buffer sized for a plan, lent to one save at a time.
+@dataclass
+class Share:
+    """This rank's part of the writing: the tensors it writes (the coordinator balances replicated
+    ones across ranks) and the top-level keys saved per rank."""
+
+    write: tuple[str, ...]
+    per_rank: frozenset[str]
+
+
+@dataclass
+class Snapshot:
+    """One save's copy of the state in the host buffer: what the writer needs from the snapshot."""
+
+    buffer: HostBuffer
+    leaves: dict[str, Leaf]  # where each written tensor sits in its global tensor
+    per_rank: frozenset[str]
+    hashes: list[str | None] | None  # per chunk, when the compiled core hashed it during the copy
+    cuda: CudaSnapshot | None  # the device-to-host copy still in flight, if any
+
+
+class Snapshotter:
+    """The host buffer, its layout and this rank's share of the writing, kept between saves.
+
+    Example (what ``Checkpointer.save`` does)::
+
+        snap = snapshotter.take(seq, flatten(state), state)   # None: busy and skip_if_busy
+        ...                                                    # the writer reads snap.buffer
+        snap.buffer.release()
+    """
+
+    def __init__(self, comm: Comm, chunk_size: int, native: bool = True, threads: int | None = None):
+        self.comm = comm
+        self.chunk_size = chunk_size
+        self.native = native
+        self.threads = threads
+        self.buffer: HostBuffer | None = None
+        self.layouts_made = 0  # the first save, and one per structure change
+        self._signature: tuple | None = None
+        self._share: Share | None = None
+
+    def take(self, seq: int, flat: Flat, state: dict[str, Any], *, skip_if_busy: bool = False) -> Snapshot | None:
+        """Copy ``flat``'s tensors into the buffer (CUDA copies are only launched) and return the
+        snapshot. Waits while the previous save still reads the buffer, or returns None then if
+        ``skip_if_busy`` and the structure is unchanged."""
+        sig = signature(flat)
+        buf = self.buffer
+        if buf is not None and skip_if_busy and buf.busy and sig == self._signature:
+            return None
+        if buf is None or sig != self._signature or self._share is None:
+            answer = self.comm.exchange_plan(seq, Inventory.of(flat))
+            keys = list(flat.tensors)
+            share = Share(tuple(keys[i] for i in answer.write), frozenset(answer.per_rank))
+            if buf is not None:  # the structure changed: wait for the old buffer, then let it go
+                buf.acquire()
+                buf.release()
+            self.buffer = buf = None
+            buf = HostBuffer(make_layout({k: flat.tensors[k] for k in share.write}, self.chunk_size),
+                             native=self.native, threads=self.threads)
+            self.buffer, self._signature, self._share = buf, sig, share
+            self.layouts_made += 1
+            log.debug("ckpt: new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
+                      self.comm.describe(), len(buf.layout.slots), len(buf.layout.chunks), buf.nbytes / 2**20,
+                      buf.pinned)
+        share = self._share
+        buf.acquire()
+        try:
+            cuda, hashes = buf.copy_in(flat.tensors, optimizer_guarded(state) if buf.has_cuda else frozenset())
+        except BaseException:
+            buf.release()
+            raise
+        return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda)
+
+    def adopt(self, other: Snapshotter) -> None:
+        """Start from ``other``'s buffer and layout (both single-process): a save whose structure
+        matches reuses them instead of allocating; the buffer's own lock orders the two users."""
+        if self.comm.world != 1 or other.comm.world != 1 or other.buffer is None:
+            return
+        self.buffer, self._signature, self._share = other.buffer, other._signature, other._share
+
+
+def signature(flat: Flat) -> tuple:
+    """Everything the layout and the share depend on: keys, dtypes, local shapes, devices, boxes, kinds."""
+    return (tuple((k, t.dtype, tuple(t.shape), t.device.type, flat.leaves[k]) for k, t in flat.tensors.items()),
+            tuple(sorted(flat.per_rank)))
+
+
+def optimizer_guarded(state: dict[str, Any]) -> set[int]:
+    """Data pointers of the CUDA tensors that an optimizer in ``state`` updates (its parameters and its
+    state): the optimizer pre-step hook protects those, so their snapshot copy may overlap compute."""
+    out: set[int] = set()
+    values = list(state.values())
+    while values:
+        v = values.pop()
+        if isinstance(v, (list, tuple)):
+            values.extend(v)
+        elif isinstance(v, dict):
+            values.extend(v.values())
+        elif isinstance(v, torch.optim.Optimizer):
+            for group in v.param_groups:
+                for p in group["params"]:
+                    if p.is_cuda:
+                        out.add(p.data_ptr())
+            for pst in v.state.values():
+                for t in pst.values():
+                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                        out.add(t.data_ptr())
+    return out
+
+
+class HostBuffer:
+    """One host buffer sized for a layout, lent to one save at a time.
 
     ``native=False`` (or no compiled core) uses torch's copies and leaves hashing to the writer."""
 
-    def __init__(self, plan: Plan, native: bool = True, threads: int | None = None):
-        self.plan = plan
+    def __init__(self, layout: BufferLayout, native: bool = True, threads: int | None = None):
+        self.layout = layout
         pin = torch.cuda.is_available()
         self.pinned = pin
-        self.buffer = torch.zeros(max(plan.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+        self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
         self._free = threading.Event()
         self._free.set()
         self.cpu_core = _ext.cpu() if native else None
         self.cuda_core = _ext.cuda() if native else None
         self.threads = threads or min(8, os.cpu_count() or 1)
-        self._offsets = np.array([c.offset for c in plan.chunks] + [plan.nbytes], np.uint64)
-        self.has_cuda = any(s.device == "cuda" for s in plan.slots)
+        self._offsets = np.array([c.offset for c in layout.chunks] + [layout.nbytes], np.uint64)
+        self.has_cuda = any(s.device == "cuda" for s in layout.slots)
         self._want = self._chunks_without_cuda()  # per chunk: no CUDA bytes, so hash it at snapshot time
         self.last_used = {"cpu": "none", "cuda": "none"}
 
@@ -80,15 +199,15 @@ class HostPool:
     def busy(self) -> bool:
         return not self._free.is_set()
 
-    def copy_in(self, tensors: dict[str, torch.Tensor], guarded: set[int] = frozenset()
-                ) -> tuple["CudaSnapshot | None", list[str | None] | None]:
+    def copy_in(self, tensors: dict[str, torch.Tensor], guarded: set[int] | frozenset[int] = frozenset()
+                ) -> tuple[CudaSnapshot | None, list[str | None] | None]:
         """Copy every tensor into its slot.
 
         Returns the pending CUDA copy (None if no tensor is on a GPU) and, per chunk, its xxh3-128
         when the compiled core hashed it during the copy (else None: the writer hashes). ``guarded``
         holds the data pointers of CUDA tensors an optimizer pre-step hook protects."""
         cpu_slots, cuda_slots = [], []
-        for slot in self.plan.slots:
+        for slot in self.layout.slots:
             if slot.nbytes:
                 src = tensors[slot.key]
                 (cuda_slots if src.device.type == "cuda" else cpu_slots).append((slot, src))
@@ -122,11 +241,11 @@ class HostPool:
         return hashes
 
     def _chunks_without_cuda(self) -> np.ndarray:
-        # the plan's signature includes devices, so this is fixed for the plan's lifetime
-        want = np.ones(len(self.plan.chunks), np.uint8)
-        for slot in self.plan.slots if self.has_cuda else ():
+        # the structure signature includes devices, so this is fixed for the layout's lifetime
+        want = np.ones(len(self.layout.chunks), np.uint8)
+        for slot in self.layout.slots if self.has_cuda else ():
             if slot.nbytes and slot.device == "cuda":
-                for i, _, _ in self.plan.segments(slot):
+                for i, _, _ in self.layout.segments(slot):
                     want[i] = 0
         return want
 

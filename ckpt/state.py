@@ -9,14 +9,13 @@ dicts, lists and tuples. :func:`flatten` walks it once and produces
 * the tensor leaves, keyed by that path (``"model/layer.weight"``, ``"optim/state/0/exp_avg"``).
 
 No node ever holds code: objects that are not plain values are refused unless the caller opts into
-pickle, and a pickle node is refused on load unless the loader opts in too.
+pickle, and a pickle node is refused on load unless the loader opts in too. The node kinds, and
+turning nodes back into values, are :mod:`ckpt.structure`; :func:`apply` puts decoded values back
+into the caller's state.
 """
 
 from __future__ import annotations
 
-import base64
-import math
-import pickle
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,27 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import structure as st
 from .errors import ConfigError, StateMismatchError, UnsupportedValueError
 from .sharding import Box, LocalShard, dtensor_box, is_dtensor
-
-# dtypes a checkpoint may name; a manifest naming anything else is refused.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise UnsupportedValueError(f"tensors of dtype {dtype} are not supported by ckpt")
-    return name
-
 
 def is_stateful(obj: Any) -> bool:
     """True for objects following the Stateful protocol (``state_dict`` and ``load_state_dict``)."""
@@ -104,7 +85,7 @@ class _Flattener:
         if isinstance(obj, float):
             if type(obj) is not float:
                 return self.other(obj, path)
-            return obj if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
+            return st.float_node(obj)
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path, numpy=False)
         if isinstance(obj, LocalShard):
@@ -114,29 +95,28 @@ class _Flattener:
                 return self.other(obj, path)
             return self.tensor(torch.from_numpy(np.ascontiguousarray(obj)), path, numpy=True)
         if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
-            return {"t": "npscalar", "dtype": obj.dtype.str, "v": self.node(obj.item(), path)}
+            return st.npscalar_node(obj.dtype, self.node(obj.item(), path))
         if isinstance(obj, dict):
             keys = list(obj.keys())
-            return {"t": "dict", "k": [self.node(k, path + ("<key>",)) for k in keys],
-                    "v": [self.node(obj[k], path + (k,)) for k in keys]}
+            return st.dict_node([self.node(k, path + ("<key>",)) for k in keys],
+                                [self.node(obj[k], path + (k,)) for k in keys])
         if isinstance(obj, torch.Size):
-            return {"t": "size", "v": list(obj)}
+            return st.size_node(obj)
         if isinstance(obj, tuple) and type(obj) is tuple:
-            return {"t": "tuple", "v": [self.node(v, path + (i,)) for i, v in enumerate(obj)]}
+            return st.tuple_node([self.node(v, path + (i,)) for i, v in enumerate(obj)])
         if isinstance(obj, list) and type(obj) is list:
             return [self.node(v, path + (i,)) for i, v in enumerate(obj)]
         if isinstance(obj, torch.dtype):
-            return {"t": "dtype", "v": dtype_name(obj)}
+            return st.dtype_node(obj)
         if isinstance(obj, torch.device):
-            return {"t": "device", "v": str(obj)}
+            return st.device_node(obj)
         if isinstance(obj, (bytes, bytearray)):
-            return {"t": "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
+            return st.bytes_node(obj)
         if is_stateful(obj):
             if getattr(obj, "ckpt_per_rank", False) and path:
                 self.flat.per_rank.add(path[0])
             self.flat.statefuls["/".join(_component(p) for p in path)] = obj
-            return {"t": "stateful", "type": f"{type(obj).__module__}.{type(obj).__qualname__}",
-                    "v": self.node(obj.state_dict(), path)}
+            return st.stateful_node(obj, self.node(obj.state_dict(), path))
         return self.other(obj, path)
 
     def tensor(self, t: torch.Tensor, path: tuple, numpy: bool, shard: LocalShard | None = None) -> dict:
@@ -155,15 +135,12 @@ class _Flattener:
                 raise UnsupportedValueError(f"{where}: {t.layout} tensors are not supported; convert with .to_dense()")
             if t.device.type == "meta":
                 raise UnsupportedValueError(f"{where}: meta tensors hold no data to save")
-            dtype_name(t.dtype)
+            st.dtype_name(t.dtype)
         key = self.tensor_key(path)
         self.flat.tensors[key] = t
         self.flat.leaves[key] = leaf
         self.flat.targets[key] = target
-        node = {"t": "tensor", "key": key}
-        if numpy:
-            node["numpy"] = True
-        return node
+        return st.tensor_node(key, numpy)
 
     def other(self, obj: Any, path: tuple) -> Any:
         where = "/".join(_component(p) for p in path) or "<root>"
@@ -175,7 +152,7 @@ class _Flattener:
                 "convert it to plain values (numbers, strings, lists, dicts, tensors), give it "
                 "state_dict()/load_state_dict(), or pass allow_pickle=True to the Checkpointer "
                 "(loading it will then need allow_pickle=True too)")
-        return {"t": "pickle", "v": base64.b64encode(pickle.dumps(obj)).decode("ascii")}
+        return st.pickle_node(obj)
 
 
 def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False) -> Flat:
@@ -191,69 +168,13 @@ def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False
         before = len(f.flat.tensors)
         nodes.append(f.node(v, (k,)))
         tops[k] = list(f.flat.tensors)[before:]
-    f.flat.structure = {"t": "dict", "k": list(state.keys()), "v": nodes}
+    f.flat.structure = st.dict_node(list(state.keys()), nodes)
     for k in f.flat.per_rank:  # every tensor under a per-rank key is this rank's own
         for key in tops[k]:
             t = f.flat.tensors[key]
             shape = tuple(t.shape)
             f.flat.leaves[key] = Leaf(((0,) * len(shape), shape), shape, "rank")
     return f.flat
-
-
-class _Stateful:
-    """A decoded stateful node: the saved state_dict, to hand to ``load_state_dict``."""
-
-    __slots__ = ("state_dict",)
-
-    def __init__(self, sd: Any):
-        self.state_dict = sd
-
-
-def decode(node: Any, tensors: dict[str, torch.Tensor], *, allow_pickle: bool) -> Any:
-    """Rebuild the value a structure node describes, taking tensors from ``tensors`` by key."""
-    if node is None or isinstance(node, (bool, int, float, str)):
-        return node
-    if isinstance(node, list):
-        return [decode(v, tensors, allow_pickle=allow_pickle) for v in node]
-    t = node.get("t")
-    if t == "dict":
-        return {decode(k, tensors, allow_pickle=allow_pickle): decode(v, tensors, allow_pickle=allow_pickle)
-                for k, v in zip(node["k"], node["v"])}
-    if t == "tensor":
-        value = tensors[node["key"]]
-        return value.numpy() if node.get("numpy") else value
-    if t == "tuple":
-        return tuple(decode(v, tensors, allow_pickle=allow_pickle) for v in node["v"])
-    if t == "float":
-        return float(node["v"])
-    if t == "npscalar":
-        return np.dtype(node["dtype"]).type(decode(node["v"], tensors, allow_pickle=allow_pickle))
-    if t == "size":
-        return torch.Size(node["v"])
-    if t == "dtype":
-        return DTYPES[node["v"]]
-    if t == "device":
-        return torch.device(node["v"])
-    if t == "bytes":
-        return base64.b64decode(node["v"])
-    if t == "stateful":
-        return _Stateful(decode(node["v"], tensors, allow_pickle=allow_pickle))
-    if t == "pickle":
-        if not allow_pickle:
-            raise UnsupportedValueError(
-                "this checkpoint holds pickled objects, and unpickling can run code from the file. "
-                "Load it with allow_pickle=True only if you trust where it came from.")
-        return pickle.loads(base64.b64decode(node["v"]))
-    raise ValueError(f"unknown node type {t!r}")
-
-
-def structure_has_pickle(node: Any) -> bool:
-    """True if any node of the tree is a pickle node (checked before any chunk is read)."""
-    if isinstance(node, list):
-        return any(structure_has_pickle(v) for v in node)
-    if isinstance(node, dict):
-        return node.get("t") == "pickle" or any(structure_has_pickle(v) for v in node.values())
-    return False
 
 
 def apply(state: dict, decoded: dict) -> None:
@@ -265,7 +186,7 @@ def apply(state: dict, decoded: dict) -> None:
 
 def _apply_into(container: Any, key: Any, value: Any, where: str) -> None:
     current = container[key] if _has(container, key) else None
-    if isinstance(value, _Stateful):
+    if isinstance(value, st.StatefulValue):
         if current is None or not is_stateful(current):
             raise StateMismatchError(
                 f"{where!r} was saved from an object with state_dict(); the state passed to load has "
@@ -292,7 +213,7 @@ def _has(container: Any, key: Any) -> bool:
 
 def _unwrap(value: Any) -> Any:
     """Stateful markers nested inside a plain value (never produced by flatten) are resolved to dicts."""
-    if isinstance(value, _Stateful):
+    if isinstance(value, st.StatefulValue):
         return _unwrap(value.state_dict)
     if isinstance(value, dict):
         return {k: _unwrap(v) for k, v in value.items()}

@@ -1,82 +1,67 @@
-"""The background half of a save: chunk, hash, dedup, encode, write durably, report, commit.
+"""Writing one rank's part of a save: hash, dedup, encode and durably write every chunk of the host
+buffer, then the rank report; and committing a step manifest merged from every rank's report.
 
-One long-lived thread (``ckpt-commit``) runs saves one after another, in the order they were
-asked for; a long-lived pool of I/O threads (``ckpt-io``) does the per-chunk work. Chunks are
-hashed and written straight from the host buffer (the raw codec makes no copy); the buffer is
-handed back to the next snapshot as soon as every chunk of it is durable, before the commit.
+The per-chunk work runs on the I/O pool it is handed. Chunks are hashed (unless the snapshot already
+did) and written straight from the host buffer (the raw codec makes no copy); the buffer is handed
+back to the next snapshot as soon as every chunk of it is durable, before the commit. When to write
+and when to commit is the commit protocol's business (:mod:`ckpt.commit`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from . import manifest as mf
-from .codec import HEADER_SIZE, CodecSpec, chunk_hash, encode, parse_header
-from .errors import CheckpointError, CorruptCheckpointError, StepExistsError, StorageError
-from .plan import Plan
 from . import _ext
-from .snapshot import CudaSnapshot, HostPool
-from .state import dtype_name
+from . import manifest as mf
+from .codec import HEADER_SIZE, CodecSpec, check_header, chunk_hash, encode, parse_header
+from .errors import CorruptCheckpointError, StepExistsError, StorageError
+from .handle import SaveMetrics
+from .snapshot import Snapshot
 from .storage import Storage
+from .structure import dtype_name
 
 log = logging.getLogger("ckpt")
 
 
 @dataclass
-class SaveMetrics:
-    """What one save cost. ``stall_s`` is the time the caller was blocked inside ``save()``."""
-
-    step: int
-    stall_s: float = 0.0
-    raw_bytes: int = 0
-    written_bytes: int = 0  # bytes this save put in storage (new chunks, headers included)
-    chunks: int = 0
-    chunks_written: int = 0
-    chunks_reused: int = 0  # chunks already stored (dedup): not written again
-    duration_s: float | None = None  # from the save() call until the step was committed
-    skipped: bool = False  # busy="skip" dropped this save
-    local_s: float | None = None  # from the save() call until every chunk was durable in the first tier
-
-
-@dataclass
 class SaveJob:
+    """One save on its way from the snapshot to the commit."""
+
     step: int
-    plan: Plan
-    pool: HostPool
+    seq: int  # the save() call's number: the same on every rank
+    snapshot: Snapshot
     structure: dict
     metrics: SaveMetrics
-    started: float
-    leaves: dict  # key -> state.Leaf, for the tensors this rank writes
-    per_rank: frozenset = frozenset()  # top-level keys saved per rank
-    rank: int = 0
-    seq: int = 0
-    cuda_event: "CudaSnapshot | None" = None  # the device-to-host copy the buffer waits for
-    hashes: "list[str | None] | None" = None  # per chunk, when the snapshot hashed it (compiled core)
-    on_local: "Callable[[], None] | None" = None  # every chunk durable in the first tier (SaveHandle stage)
+    started: float  # time.perf_counter() of the save() call
+    on_local: Callable[[], None] | None = None  # every chunk durable in the first tier (SaveHandle stage)
 
 
 class Writer:
-    def __init__(self, storage: Storage, codec: CodecSpec, io_threads: int):
+    """Writes one rank's part of a save (chunks, then its rank report) and commits step manifests.
+
+    ``io`` is the thread pool the per-chunk work runs on; whoever owns it hands it over."""
+
+    def __init__(self, storage: Storage, codec: CodecSpec, io: Executor):
         self.storage = storage
         self.codec = codec
-        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="ckpt-io")
-        self.commit_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+        self.io = io
         # Chunks known to be durable in storage, with what the manifest needs to say about them.
         self.known: dict[str, mf.ChunkInfo] = {}
+        self._loaded: dict[str, mf.ChunkInfo] = {}  # chunks of the step this process loaded (never deleted)
+        self._committed: dict[str, mf.ChunkInfo] = {}  # this rank's chunks in its last committed step
         self._lock = threading.Lock()
 
     # -- per chunk, on the I/O pool -------------------------------------------------------------
-    def _put_chunk(self, data: memoryview, h: str | None = None, address: int | None = None,
-                   core: "_ext.CpuCore | None" = None) -> tuple[str, mf.ChunkInfo, bool]:
-        if h is None:  # not hashed during the snapshot (CUDA bytes, or no compiled core)
-            h = core.xxh3_128(address, len(data)) if core is not None else None  # releases the GIL
-            if h is None:
-                h = chunk_hash(data)
+    def _put_chunk(self, data: memoryview, h: str | None, address: int,
+                   core: _ext.CpuCore | None) -> tuple[str, mf.ChunkInfo, bool]:
+        if h is None and core is not None:  # not hashed during the snapshot (CUDA bytes)
+            h = core.xxh3_128(address, len(data))  # releases the GIL; None for tiny chunks
+        if h is None:
+            h = chunk_hash(data)
         with self._lock:
             info = self.known.get(h)
         if info is None:
@@ -94,27 +79,28 @@ class Writer:
         """Is chunk ``h`` already stored (by an earlier run)? Read its header to describe it."""
         key = mf.chunk_key(h)
         try:
-            head = self.storage.read(key, 0, HEADER_SIZE)
-            hdr = parse_header(head, name=key)
+            hdr = parse_header(self.storage.read(key, 0, HEADER_SIZE), name=key)
             stored = self.storage.size(key)
+            check_header(hdr, name=key, expect_hash=h, expect_len=size, object_len=stored)
         except FileNotFoundError:
             return None
         except CorruptCheckpointError:
             return None  # a damaged copy: write a good one over it
-        if hdr.digest != h or hdr.raw_len != size or stored != HEADER_SIZE + hdr.payload_len:
-            return None
         return mf.ChunkInfo(size, stored, f"{hdr.codec}/1")
 
     # -- one rank's part of a save, on the commit thread -----------------------------------------
-    def write_part(self, job: SaveJob) -> mf.Manifest:
-        """Write this rank's chunks durably, then its rank report; return the report."""
-        plan, pool, m = job.plan, job.pool, job.metrics
+    def write_part(self, job: SaveJob, rank: int) -> mf.Manifest:
+        """Write this rank's chunks durably, then its rank report; return the report. The host
+        buffer is released as soon as every chunk is durable."""
+        snap, m = job.snapshot, job.metrics
+        buf = snap.buffer
+        layout = buf.layout
         try:
-            if job.cuda_event is not None:
-                job.cuda_event.synchronize()
-            hashes = job.hashes or [None] * len(plan.chunks)
-            futures = [self.io.submit(self._put_chunk, pool.view(c.offset, c.length), h, pool.address(c.offset),
-                                      pool.cpu_core) for c, h in zip(plan.chunks, hashes)]
+            if snap.cuda is not None:
+                snap.cuda.synchronize()
+            hashes = snap.hashes or [None] * len(layout.chunks)
+            futures = [self.io.submit(self._put_chunk, buf.view(c.offset, c.length), h, buf.address(c.offset),
+                                      buf.cpu_core) for c, h in zip(layout.chunks, hashes)]
             results, first_error = [], None
             for f in futures:  # wait for every chunk, even after a failure: they all read the buffer
                 try:
@@ -124,7 +110,7 @@ class Writer:
             if first_error is not None:
                 raise first_error
         finally:
-            pool.release()
+            buf.release()
         self.storage.flush()
         if job.on_local is not None:
             job.on_local()
@@ -148,63 +134,45 @@ class Writer:
         m.chunks_written = sum(1 for _, _, new in results if new)
         m.chunks_reused = m.chunks - m.chunks_written
         m.written_bytes = sum(info.stored for _, info, new in results if new)
-        m.raw_bytes = sum(s.nbytes for s in plan.slots)
+        m.raw_bytes = sum(s.nbytes for s in layout.slots)
 
         tensors = []
-        for slot in plan.slots:
-            segs = [mf.Segment(hashes[i], off, ln) for i, off, ln in plan.segments(slot)]
-            leaf = job.leaves[slot.key]
-            (offs, lens), owner = leaf.box, (job.rank if leaf.kind == "rank" else None)
+        for slot in layout.slots:
+            segs = [mf.Segment(hashes[i], off, ln) for i, off, ln in layout.segments(slot)]
+            leaf = snap.leaves[slot.key]
+            (offs, lens), owner = leaf.box, (rank if leaf.kind == "rank" else None)
             tensors.append(mf.TensorEntry(slot.key, dtype_name(slot.dtype), list(leaf.global_shape), [
-                mf.Shard(job.rank, list(offs), list(lens), segs)], owner))
+                mf.Shard(rank, list(offs), list(lens), segs)], owner))
         stats = {"raw_bytes": m.raw_bytes, "written_bytes": m.written_bytes, "chunks": m.chunks,
                  "chunks_written": m.chunks_written, "chunks_reused": m.chunks_reused}
-        part = mf.Manifest(step=job.step, kind="rank", rank=job.rank, structure=job.structure, tensors=tensors,
+        part = mf.Manifest(step=job.step, kind="rank", rank=rank, structure=job.structure, tensors=tensors,
                            chunks=chunk_table, stats=stats)
-        self.storage.write(mf.rank_key(job.step, job.rank), [part.to_json()])
+        self.storage.write(mf.rank_key(job.step, rank), [part.to_json()])
         return part
 
-    def commit(self, job: SaveJob, parts: list[mf.Manifest]) -> mf.Manifest:
+    def commit(self, step: int, parts: list[mf.Manifest], per_rank: frozenset[str]) -> mf.Manifest:
         """Merge every rank's report into the step manifest and commit it (create-only)."""
-        step_manifest = mf.merge(job.step, parts, job.per_rank)
+        step_manifest = mf.merge(step, parts, per_rank)
         try:
-            self.storage.commit(mf.manifest_key(job.step), step_manifest.to_json())
+            self.storage.commit(mf.manifest_key(step), step_manifest.to_json())
         except FileExistsError:
             raise StepExistsError(
-                f"step {job.step} is already committed in {self.storage.describe()}; committed steps are never "
+                f"step {step} is already committed in {self.storage.describe()}; committed steps are never "
                 "overwritten. Save under a new step number (or delete the old one with retention/`ckpt gc`).") from None
-        m = job.metrics
-        m.duration_s = time.perf_counter() - job.started
-        log.info("ckpt: step %d committed in %.2fs: %.1f MiB state, %.1f MiB written (%d new chunks, %d reused) "
-                 "by %d rank(s); save() blocked %.3fs", job.step, m.duration_s,
-                 step_manifest.stats.get("raw_bytes", 0) / 2**20, step_manifest.stats.get("written_bytes", 0) / 2**20,
-                 step_manifest.stats.get("chunks_written", 0), step_manifest.stats.get("chunks_reused", 0),
-                 len(parts), m.stall_s)
         return step_manifest
 
-    def reset_known(self, chunks: dict[str, mf.ChunkInfo]) -> None:
-        """Trust only ``chunks`` from now on (other ranks' retention may have deleted the rest)."""
-        with self._lock:
-            self.known = dict(chunks)
-
-    def forget(self, hashes) -> None:
-        with self._lock:
-            for h in hashes:
-                self.known.pop(h, None)
-
+    # -- what the writer trusts to be stored --------------------------------------------------------
     def learn(self, chunks: dict[str, mf.ChunkInfo]) -> None:
+        """The chunks of a step this process loaded: stored, and kept (retention protects that step)."""
         with self._lock:
+            self._loaded = dict(chunks)
             self.known.update(chunks)
 
-    def shutdown(self) -> None:
-        self.commit_thread.shutdown(wait=True)
-        self.io.shutdown(wait=True)
-
-
-def describe_failure(step: int, e: BaseException) -> CheckpointError:
-    """Background failures reach the caller as CheckpointErrors that keep the original cause."""
-    if isinstance(e, CheckpointError):
-        return e
-    err = StorageError(f"saving step {step} failed: {type(e).__name__}: {e}")
-    err.__cause__ = e
-    return err
+    def settle(self, committed: mf.Manifest | None) -> None:
+        """After a save's decision: trust only the chunks of the loaded step and of this rank's last
+        committed part (``committed``, when this save committed). Retention, on this rank or the
+        coordinator, may delete anything else before the next save."""
+        with self._lock:
+            if committed is not None:
+                self._committed = dict(committed.chunks)
+            self.known = {**self._loaded, **self._committed}

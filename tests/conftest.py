@@ -88,3 +88,8 @@ def chunk_files(root: str) -> list[str]:
 def _fresh_rng():
     torch.manual_seed(1234)
     yield
+
+
+def tensor_entry(m, key: str, rank: int | None = None):
+    """The manifest entry of tensor ``key`` (``rank``: that rank's per-rank tensor)."""
+    return next(t for t in m.tensors if t.key == key and t.rank == rank)

@@ -185,14 +185,14 @@ def test_plan_is_reused_and_rebuilt_when_the_structure_changes(ckdir):
     state = {"model": model, "optim": opt}
     c = ckpt.Checkpointer(ckdir)
     c.save(0, state).wait()  # before the first step the optimizer holds no tensors
-    pool0 = c._pool
+    buf0 = c._snapshots.buffer
     c.save(1, state).wait()
-    assert c._pool is pool0  # same structure: same plan, same buffer
+    assert c._snapshots.buffer is buf0 and c.layouts_made == 1  # same structure: same layout, same buffer
     model(torch.randn(4, 32)).sum().backward()
     opt.step()  # now exp_avg / exp_avg_sq / step exist: a new structure
     want = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
     c.save(2, state).wait()
-    assert c._pool is not pool0 and len(c._pool.plan.slots) > len(pool0.plan.slots)
+    assert c.layouts_made == 2 and len(c._snapshots.buffer.layout.slots) > len(buf0.layout.slots)
     c.close()
     fresh_model = torch.nn.Linear(32, 32)
     fresh = {"model": fresh_model, "optim": torch.optim.Adam(fresh_model.parameters())}

@@ -24,7 +24,7 @@ from ckpt import manifest as mf
 from ckpt.codec import CodecSpec, chunk_hash, encode
 from ckpt.storage.local import LocalStorage
 
-from conftest import chunk_files
+from conftest import chunk_files, tensor_entry
 from dist_helpers import run_ranks
 
 KiB = 1024
@@ -124,7 +124,7 @@ def test_ls_reports_sizes_new_bytes_incomplete_and_damaged_steps(ckdir, run, mon
 def test_ls_verify_marks_the_steps_that_reference_a_bad_chunk(ckdir, run):
     save_steps(ckdir)
     m1 = ckpt.Checkpointer(ckdir).manifest(1)
-    only_1 = m1.tensor("moving").shards[0].segments[0].chunk
+    only_1 = tensor_entry(m1, "moving").shards[0].segments[0].chunk
     os.remove(chunk_path(ckdir, only_1))
     rc, out, err = run("ls", ckdir, "--verify")
     assert rc == 1
@@ -253,9 +253,9 @@ def test_verify_names_each_corrupt_or_missing_object_and_the_steps_using_it(ckdi
     save_steps(ckdir)
     c = ckpt.Checkpointer(ckdir)
     m1, m3 = c.manifest(1), c.manifest(3)
-    shared = m1.tensor("frozen").shards[0].segments[1].chunk  # used by every step
-    only_1 = m1.tensor("moving").shards[0].segments[0].chunk
-    latest = m3.tensor("moving").shards[0].segments[-1].chunk
+    shared = tensor_entry(m1, "frozen").shards[0].segments[1].chunk  # used by every step
+    only_1 = tensor_entry(m1, "moving").shards[0].segments[0].chunk
+    latest = tensor_entry(m3, "moving").shards[0].segments[-1].chunk
 
     rc, out, err = run("verify", ckdir, "--all")
     assert rc == 0 and out.startswith("OK: step(s) 1, 2, 3") and "verify [" not in err
@@ -496,7 +496,7 @@ def test_memory_url_end_to_end(run, tmp_path):
         rc, _, _ = run("export", url, "--to", tmp_path / "m.pt")
         got = torch.load(tmp_path / "m.pt", weights_only=True)
         assert rc == 0 and torch.equal(got["moving"], states[2]["moving"])
-        h = next(iter(ckpt.Checkpointer(url).manifest(1).tensor("moving").shards[0].segments)).chunk
+        h = next(iter(tensor_entry(ckpt.Checkpointer(url).manifest(1), "moving").shards[0].segments)).chunk
         fs.rm(f"/cli-test/run/{mf.chunk_key(h)}")
         rc, out, _ = run("verify", url, "--all")
         assert rc == 1 and mf.chunk_key(h) in out and "missing" in out

@@ -14,9 +14,11 @@ import torch.distributed as dist
 
 import ckpt
 from ckpt import manifest as mf
+from ckpt.dist import Inventory, InventoryRow
 from ckpt.storage.local import LocalStorage
 
 from dist_helpers import run_ranks
+from conftest import tensor_entry
 
 KiB = 1024
 CHUNK = 64 * KiB
@@ -110,7 +112,7 @@ def expected_chunks(m: mf.Manifest, world: int, rank: int, src_rank: int) -> set
             dbox = box_of(name, world, rank)
         else:
             dbox = ((0,) * len(e.shape), tuple(e.shape))
-        item = ckpt.state.DTYPES[e.dtype].itemsize
+        item = ckpt.structure.DTYPES[e.dtype].itemsize
         for s in e.shards:
             mask = np.zeros(s.lengths, dtype=bool)
             sl = []
@@ -147,7 +149,7 @@ def matrix_body(rank: int, world: int, root: str) -> int:
                     assert c.load("latest", state, rank_map=lambda r, n=n: r % n) == 7
                     check_state(state, m, rank, rank % n)
                     want = expected_chunks(c.manifest(7), m, rank, rank % n)
-                    assert set(c.last_load["chunks"]) == want, (n, m, rank)
+                    assert set(c.last_load.chunks) == want, (n, m, rank)
                     if m > 1:  # a rank of several reads only part of the checkpoint
                         assert want < set(c.manifest(7).chunks), (n, m, rank)
                     checks += 1
@@ -167,7 +169,7 @@ def test_every_world_size_loads_every_other(tmp_path):
         c.load(7, state, rank_map=lambda r: 0)
         check_state(state, 1, 0, 0)
         # a sharded tensor is written once: its shards' bytes add up to the tensor
-        big = m.tensor("shards/big")
+        big = tensor_entry(m, "shards/big")
         assert sum(g.length for s in big.shards for g in s.segments) == 100 * 2000 * 4
         c.close()
 
@@ -254,10 +256,10 @@ def test_fsdp2_and_2d_mesh_dtensors_reshard(tmp_path):
     for r in range(1, 4):
         assert all(np.array_equal(want[k], saved[r][k]) for k in want)
     m = ckpt.Checkpointer(tmp_path).manifest(3)
-    a = m.tensor("dt/a")
+    a = tensor_entry(m, "dt/a")
     assert a.shape == [6, 10] and len(a.shards) == 4  # 2x2 blocks
-    assert len(m.tensor("dt/c").shards) == 2  # replicated on one mesh dim: written once per box
-    assert len(m.tensor("model/0.weight").shards) == 4
+    assert len(tensor_entry(m, "dt/c").shards) == 2  # replicated on one mesh dim: written once per box
+    assert len(tensor_entry(m, "model/0.weight").shards) == 4
 
     # 4 -> 2 ranks with FSDP2: same values (checked through a step of training on both sides)
     loaded = run_ranks(2, fsdp_load_body, str(tmp_path), timeout=300)
@@ -310,7 +312,7 @@ def failure_body(rank: int, world: int, root: str):
         h.wait()
     LocalStorage.write = original
     assert c.save(3, small_state(rank, world, 3)).wait().step == 3  # the next save works
-    assert c.plans_made == 1  # steady-state saves reuse the plan
+    assert c.layouts_made == 1  # steady-state saves reuse the plan
     c.close()
     return {"ranks": info.value.ranks, "message": str(info.value)}
 
@@ -369,7 +371,7 @@ def retention_body(rank: int, world: int, root: str):
         for step in range(1, 7):
             c.save(step, small_state(rank, world, step % 4))  # steps 4 and 5 repeat the values of 0 and 1
         c.wait()
-        plans = c.plans_made
+        plans = c.layouts_made
     return plans
 
 
@@ -391,21 +393,21 @@ def test_retention_across_ranks_keeps_exactly_what_is_referenced(tmp_path):
 # -- the planner and the box arithmetic, without processes ---------------------------------------------
 
 def inv(tensors, tops=None, per_rank=()):
-    return {"tops": tops or {"m": "same"}, "per_rank": list(per_rank), "tensors": tensors}
+    return Inventory(tops or {"m": "same"}, list(per_rank), [InventoryRow(*t) for t in tensors])
 
 
 def test_replicated_tensors_are_written_once_with_balanced_bytes():
     tensors = [[f"m/t{i}", "replicated", "float32", [n], [0], [n], 4 * n]
                for i, n in enumerate([1000, 900, 800, 700, 600, 500, 400, 300])]
     plans = ckpt.dist.assign([inv(tensors) for _ in range(3)])
-    writes = [p["write"] for p in plans]
+    writes = [p.write for p in plans]
     assert sorted(i for w in writes for i in w) == list(range(8))  # each written exactly once
-    loads = [p["bytes"] for p in plans]
+    loads = [p.bytes for p in plans]
     assert max(loads) - min(loads) <= 4 * 1000
     # shards with one holder are forced, and a Replicate placement's duplicate boxes written once
     sh = [[["m/s", "shard", "float32", [10, 4], [r * 5, 0], [5, 4], 80]] for r in (0, 1, 0, 1)]
     plans = ckpt.dist.assign([inv(t) for t in sh])
-    assert sum(len(p["write"]) for p in plans) == 2
+    assert sum(len(p.write) for p in plans) == 2
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -416,20 +418,20 @@ def test_replicated_tensors_are_written_once_with_balanced_bytes():
 def test_inconsistent_states_are_refused_with_the_key(bad, match):
     good = [["m/x", "replicated", "float32", [4], [0], [4], 16]]
     plans = ckpt.dist.assign([inv(good), inv(bad)])
-    assert all("error" in p for p in plans) and match in plans[0]["error"]
+    assert all(p.error for p in plans) and match in plans[0].error
 
 
 def test_shards_must_tile_the_tensor():
     a = [["m/s", "shard", "float32", [10], [0], [6], 24]]
     b = [["m/s", "shard", "float32", [10], [5], [5], 20]]  # overlaps a
     plans = ckpt.dist.assign([inv(a), inv(b)])
-    assert "do not tile" in plans[0]["error"]
+    assert "do not tile" in plans[0].error
 
 
 def test_plain_values_that_differ_make_the_key_per_rank():
     a = inv([], tops={"m": "1", "pos": "x"})
     b = inv([], tops={"m": "1", "pos": "y"})
-    assert ckpt.dist.assign([a, b])[0]["per_rank"] == ["pos"]
+    assert ckpt.dist.assign([a, b])[0].per_rank == ["pos"]
 
 
 def test_next_needed_and_contiguous_run_match_brute_force():

@@ -13,8 +13,8 @@ import xxhash
 import ckpt
 from ckpt import _ext
 from ckpt.codec import chunk_hash
-from ckpt.plan import make_plan
-from ckpt.snapshot import HostPool
+from ckpt.layout import make_layout
+from ckpt.snapshot import HostBuffer
 
 core = _ext.cpu()
 needs_core = pytest.mark.skipif(core is None, reason="compiled core not built (no C++ compiler, or CKPT_NO_EXT)")
@@ -73,19 +73,19 @@ def _state() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("threads", [1, 3])
 def test_fused_copy_hash_equals_the_python_path(chunk_size, threads):
     state = _state()
-    plan = make_plan(state, chunk_size)
-    native = HostPool(plan, native=True, threads=threads)
-    plain = HostPool(plan, native=False)
+    layout = make_layout(state, chunk_size)
+    native = HostBuffer(layout, native=True, threads=threads)
+    plain = HostBuffer(layout, native=False)
     _, hashes = native.copy_in(state)
     _, none = plain.copy_in(state)
     assert none is None and native.last_used["cpu"].startswith("native")
     assert torch.equal(native.buffer, plain.buffer)
-    for slot in plan.slots:  # and the bytes are the tensors' values
+    for slot in layout.slots:  # and the bytes are the tensors' values
         got = native.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
         want = state[slot.key].resolve_conj().resolve_neg()
         assert torch.equal(got, want), slot.key
-    assert len(hashes) == len(plan.chunks)
-    for c, h in zip(plan.chunks, hashes):
+    assert len(hashes) == len(layout.chunks)
+    for c, h in zip(layout.chunks, hashes):
         want = chunk_hash(native.view(c.offset, c.length))
         assert h == want if c.length > 240 else h is None
 

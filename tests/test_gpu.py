@@ -7,8 +7,8 @@ import torch
 
 import ckpt
 from ckpt import _ext, snapshot
-from ckpt.plan import make_plan
-from ckpt.snapshot import HostPool
+from ckpt.layout import make_layout
+from ckpt.snapshot import HostBuffer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -36,7 +36,7 @@ def test_optimizer_step_right_after_save_does_not_reach_the_snapshot(ckdir):
     opt.step()  # queued at once, no host sync: the pre-step hook orders it after the copy on the device
     model(torch.randn(32, 256, device="cuda"))  # forward in train mode updates BatchNorm stats in place
     h.wait()
-    assert c._pool.pinned
+    assert c._snapshots.buffer.pinned
     after = {k: v.cpu() for k, v in model.state_dict().items()}
     assert any(not torch.equal(after[k], want_model[k]) for k in after)  # the step did change things
     c.close()
@@ -88,9 +88,9 @@ def test_batched_copy_equals_torch_copy(kernel_max, monkeypatch):
         "int64": torch.arange(5000, device="cuda"),
         "cpu_too": torch.randn(1000),
     }
-    plan = make_plan(state, 1 << 20)
-    pool = HostPool(plan, native=True)
-    ref = HostPool(plan, native=False)
+    layout = make_layout(state, 1 << 20)
+    pool = HostBuffer(layout, native=True)
+    ref = HostBuffer(layout, native=False)
     pool.buffer.fill_(0x5A)
     ref.buffer.fill_(0x5A)
     snap, _ = pool.copy_in(state)
@@ -99,7 +99,7 @@ def test_batched_copy_equals_torch_copy(kernel_max, monkeypatch):
     rsnap.synchronize()
     assert pool.last_used["cuda"].startswith("native")
     assert torch.equal(pool.buffer, ref.buffer)
-    for slot in plan.slots:
+    for slot in layout.slots:
         got = pool.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
         assert torch.equal(got, state[slot.key].cpu()), slot.key
 

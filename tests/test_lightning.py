@@ -148,8 +148,12 @@ def test_options_are_checked():
         AsyncCheckpoint("x", local_dir=3)
     with pytest.raises(ckpt.ConfigError, match="every_n_train_steps"):
         AsyncCheckpoint("x", every_n_train_steps=0)
-    with pytest.raises(ckpt.ConfigError, match="unknown"):
+    with pytest.raises(ckpt.ConfigError, match="does not take .'keep_last'"):
         CkptCheckpointIO(keep_last=3)
+    with pytest.raises(ckpt.ConfigError, match="unknown option.*'chunksize'"):
+        CkptCheckpointIO(chunksize=3)
+    with pytest.raises(ckpt.ConfigError, match="chunk_size"):
+        AsyncCheckpoint("x", chunk_size=3)  # every Checkpointer option is checked when the callback is made
 
 
 def _fit_with_model_checkpoint(dirpath: str, plugins) -> tuple[ModelCheckpoint, "L.Trainer", Tiny]:

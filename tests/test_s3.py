@@ -269,8 +269,8 @@ def test_restore_prefers_local_and_ignores_damaged_copy(moto_server, tmp_path, c
     with ckpt.Checkpointer(url, local_dir=local, storage_options=so, chunk_size=4 * MiB, codec="raw") as c:
         c.save(1, s1).wait()
         assert_loaded(c, 1, s1)
-        n = c.last_load["chunks_read"]
-        assert c.last_load["local_chunks"] == n and c.last_load["remote_chunks"] == 0
+        n = c.last_load.chunks_read
+        assert c.last_load.local_chunks == n and c.last_load.remote_chunks == 0
     chunks = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(local, "chunks")) for f in fs)
     with open(chunks[0], "r+b") as f:  # flip a payload byte of one local copy
         f.seek(100)
@@ -281,8 +281,8 @@ def test_restore_prefers_local_and_ignores_damaged_copy(moto_server, tmp_path, c
     with ckpt.Checkpointer(url, local_dir=local, storage_options=so) as c:
         with caplog.at_level(logging.WARNING, logger="ckpt"):
             assert_loaded(c, 1, s1)
-        assert c.last_load["local_rejected"] == [mf.chunk_key(os.path.basename(chunks[0]))]
-        assert c.last_load["remote_chunks"] == 2 and c.last_load["local_chunks"] == n - 2
+        assert c.last_load.local_rejected == [mf.chunk_key(os.path.basename(chunks[0]))]
+        assert c.last_load.remote_chunks == 2 and c.last_load.local_chunks == n - 2
         assert "damaged" in caplog.text
 
 
@@ -340,11 +340,13 @@ def test_to_delete_keep_every_rules():
 
 RETENTION_CHILD = r"""
 import os, signal, sys
+from ckpt.codec import verify_object
+from ckpt.manifest import ManifestCache, committed_steps
+from ckpt.retention import delete_steps, to_delete
 from ckpt.storage import open_tiered
-from ckpt.retention import ManifestCache, committed_steps, delete_steps, to_delete
 url, local, endpoint, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 so = {"key": "ckpttest", "secret": "ckpttestsecret", "client_kwargs": {"endpoint_url": endpoint}}
-st = open_tiered(url, local, so)
+st = open_tiered(url, local, so, verify=verify_object)
 count = [0]
 for tier in (st.local, st.remote):
     orig = tier.delete

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.state import decode, flatten
+from ckpt.state import flatten
+from ckpt.structure import decode
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.uint8]
 

@@ -1,4 +1,4 @@
-"""Pure pieces, tested without any I/O: plan layout, codec framing, manifest validation."""
+"""Pure pieces, tested without any I/O: layout layout, codec framing, manifest validation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from ckpt import CorruptCheckpointError, IncompatibleFormatError
 from ckpt import codec, manifest as mf
-from ckpt.plan import ALIGN, make_plan
+from ckpt.layout import ALIGN, make_layout
 
 
 def _tensors(sizes):
@@ -17,25 +17,25 @@ def _tensors(sizes):
 @pytest.mark.parametrize("sizes", [[10], [0, 5, 0], [100] * 50, [1 << 20, 7, 3 << 20, 9, 9], [65, 63, 1, 300000]])
 def test_plan_chunks_tile_the_buffer_and_segments_cover_each_tensor(sizes):
     cs = 256 * 1024
-    plan = make_plan(_tensors(sizes), cs)
+    layout = make_layout(_tensors(sizes), cs)
     pos = 0
-    for c in plan.chunks:
+    for c in layout.chunks:
         assert c.offset == pos and 0 < c.length <= cs + ALIGN
         pos += c.length
-    assert pos == plan.nbytes
-    for slot in plan.slots:
+    assert pos == layout.nbytes
+    for slot in layout.slots:
         assert slot.offset % ALIGN == 0 or slot.nbytes == 0
-        assert sum(n for _, _, n in plan.segments(slot)) == slot.nbytes
+        assert sum(n for _, _, n in layout.segments(slot)) == slot.nbytes
         if slot.nbytes >= cs // 4:  # large tensors start their own chunk
-            first, off, _ = plan.segments(slot)[0]
-            assert off == 0 and plan.chunks[first].offset == slot.offset
+            first, off, _ = layout.segments(slot)[0]
+            assert off == 0 and layout.chunks[first].offset == slot.offset
 
 
 def test_plan_is_stable_for_the_same_structure():
-    a = make_plan(_tensors([5, 1 << 20, 17]), 1 << 20)
-    b = make_plan(_tensors([5, 1 << 20, 17]), 1 << 20)
+    a = make_layout(_tensors([5, 1 << 20, 17]), 1 << 20)
+    b = make_layout(_tensors([5, 1 << 20, 17]), 1 << 20)
     assert a == b
-    assert make_plan(_tensors([5, 1 << 20, 18]), 1 << 20).signature != a.signature
+    assert make_layout(_tensors([5, 1 << 20, 18]), 1 << 20) != a
 
 
 def test_codec_roundtrip_and_header_checks():

@@ -1,7 +1,55 @@
-"""Where checkpoint objects live: a local directory or any fsspec URL, behind one small surface."""
+"""Where checkpoint objects live: a local directory or any fsspec URL, behind one small surface.
 
-from .base import Storage, open_storage, open_tiered
+:class:`Storage` (``base.py``) is the surface; ``local.py``, ``remote.py`` (any fsspec URL),
+``s3.py`` and ``tiered.py`` (a local tier staged in front of a remote one) implement it. This
+module is the factory: it picks the backend from the URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+from ..errors import ConfigError
+from .base import RootState, Storage, TierCounters
 from .local import LocalStorage
 from .remote import FsspecStorage
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage", "open_tiered"]
+__all__ = ["Storage", "RootState", "TierCounters", "LocalStorage", "FsspecStorage", "open_storage", "open_tiered"]
+
+
+def open_storage(url: str, storage_options: dict | None = None) -> Storage:
+    """Open a local path, ``file://`` URL, or any fsspec URL (``memory://``, ``s3://`` …)."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"checkpoint path must be a non-empty string or os.PathLike, got {url!r}")
+    scheme = urlparse(url).scheme
+    if scheme in ("", "file") or (len(scheme) == 1 and url[1:3] in (":\\", ":/")):  # windows drive
+        if storage_options:
+            raise ConfigError("storage_options apply to fsspec URLs only, not to a local directory")
+        return LocalStorage(url[len("file://"):] if scheme == "file" else url)
+    if scheme in ("s3", "s3a"):
+        try:
+            from .s3 import S3Storage
+        except ImportError as e:
+            raise ConfigError(f"{url!r} needs s3fs: pip install 'ckpt[s3]' ({e})") from e
+        return S3Storage(url, storage_options or {})
+    return FsspecStorage(url, storage_options or {})
+
+
+def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = None, *,
+                verify: Callable[[str, memoryview, memoryview], None], upload_threads: int = 8) -> Storage:
+    """The storage of a Checkpointer: ``url`` alone, or ``local_dir`` staged in front of it.
+
+    ``verify(key, header, payload)`` checks a chunk object before the local tier serves it (raises
+    a ``CheckpointError`` for a copy that must not be trusted)."""
+    from .tiered import TieredStorage
+
+    remote = open_storage(url, storage_options)
+    if local_dir is None:
+        return remote
+    local = open_storage(local_dir)
+    if not isinstance(local, LocalStorage):
+        raise ConfigError(f"local_dir must be a local directory, got {local_dir!r}")
+    if isinstance(remote, LocalStorage) and remote.root == local.root:
+        raise ConfigError(f"local_dir {local_dir!r} is the checkpoint path itself; leave local_dir out")
+    return TieredStorage(local, remote, verify=verify, upload_threads=upload_threads)

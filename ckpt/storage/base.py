@@ -10,9 +10,20 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from urllib.parse import urlparse
+from dataclasses import dataclass, field
+from typing import Literal
 
-from ..errors import ConfigError
+RootState = Literal["missing", "file", "empty", "nonempty"]
+
+
+@dataclass
+class TierCounters:
+    """Where a tiered storage served chunk reads from (since the last reset), and what it uploaded."""
+
+    local_hits: int = 0  # chunks read from the local tier after their hash matched
+    remote_reads: int = 0  # chunks read from the remote tier
+    local_rejected: list[str] = field(default_factory=list)  # local copies that failed their check
+    uploaded: int = 0
 
 
 class Storage(abc.ABC):
@@ -46,6 +57,18 @@ class Storage(abc.ABC):
     def delete(self, key: str) -> None:
         """Delete ``key``; a missing key is not an error."""
 
+    @abc.abstractmethod
+    def root_state(self) -> RootState:
+        """``"missing"``, ``"file"``, ``"empty"`` or ``"nonempty"``: tells a new run from a wrong path.
+
+        Backends without directories say ``"missing"`` for a root that holds no object."""
+
+    @abc.abstractmethod
+    def remove_root(self) -> None:
+        """Delete every object under the root, and the root itself (a whole checkpoint dropped at
+        once). Callers delete the step manifests first, so a removal cut short never leaves a step
+        that looks committed but lacks its chunks (see :func:`ckpt.retention.remove_checkpoint`)."""
+
     def size(self, key: str) -> int:
         return len(self.read(key))
 
@@ -73,40 +96,13 @@ class Storage(abc.ABC):
     def describe(self) -> str:
         return self.url
 
+    def tier_counters(self) -> TierCounters | None:
+        """Where chunk reads came from since :meth:`reset_tier_counters`, for a storage with a local
+        tier in front of a remote one; None for a single tier."""
+        return None
 
-def open_storage(url: str, storage_options: dict | None = None) -> Storage:
-    """Open a local path, ``file://`` URL, or any fsspec URL (``memory://``, ``s3://`` …)."""
-    from .local import LocalStorage
-    from .remote import FsspecStorage
+    def reset_tier_counters(self) -> None:
+        """Start counting :meth:`tier_counters` afresh (a no-op for a single tier)."""
 
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"checkpoint path must be a non-empty string or os.PathLike, got {url!r}")
-    scheme = urlparse(url).scheme
-    if scheme in ("", "file") or (len(scheme) == 1 and url[1:3] in (":\\", ":/")):  # windows drive
-        if storage_options:
-            raise ConfigError("storage_options apply to fsspec URLs only, not to a local directory")
-        return LocalStorage(url[len("file://"):] if scheme == "file" else url)
-    if scheme in ("s3", "s3a"):
-        try:
-            from .s3 import S3Storage
-        except ImportError as e:
-            raise ConfigError(f"{url!r} needs s3fs: pip install 'ckpt[s3]' ({e})") from e
-        return S3Storage(url, storage_options or {})
-    return FsspecStorage(url, storage_options or {})
-
-
-def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = None,
-                upload_threads: int = 8) -> Storage:
-    """The storage of a Checkpointer: ``url`` alone, or ``local_dir`` staged in front of it."""
-    remote = open_storage(url, storage_options)
-    if local_dir is None:
-        return remote
-    from .local import LocalStorage
-    from .tiered import TieredStorage
-
-    local = open_storage(local_dir)
-    if not isinstance(local, LocalStorage):
-        raise ConfigError(f"local_dir must be a local directory, got {local_dir!r}")
-    if isinstance(remote, LocalStorage) and remote.root == local.root:
-        raise ConfigError(f"local_dir {local_dir!r} is the checkpoint path itself; leave local_dir out")
-    return TieredStorage(local, remote, upload_threads)
+    def close(self) -> None:
+        """Release threads and connections; waits for background uploads where there are any."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import threading
 import uuid
 from collections.abc import Sequence
 
 from ..errors import StorageError
-from .base import Storage
+from .base import RootState, Storage
 
 
 def _fsync_dir(path: str) -> None:
@@ -209,10 +210,23 @@ class LocalStorage(Storage):
         with self._lock:
             self._dirty_dirs.add(os.path.dirname(path))
 
-    def root_state(self) -> str:
-        """'missing', 'file', 'empty' or 'nonempty' — for telling a new run from a wrong path."""
+    def root_state(self) -> RootState:
         if not os.path.exists(self.root):
             return "missing"
         if not os.path.isdir(self.root):
             return "file"
         return "nonempty" if os.listdir(self.root) else "empty"
+
+    def remove_root(self) -> None:
+        try:
+            if os.path.islink(self.root) or os.path.isfile(self.root):
+                os.unlink(self.root)  # a link to a checkpoint (Lightning's save_last="link"), not its target
+            elif os.path.isdir(self.root):
+                shutil.rmtree(self.root)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(f"removing {self.root} failed: {e}") from e
+        with self._lock:
+            self._made_dirs.clear()
+            self._dirty_dirs.clear()

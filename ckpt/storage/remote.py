@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import fsspec
 
 from ..errors import ConfigError, StorageError
-from .base import Storage
+from .base import RootState, Storage
 
 
 class FsspecStorage(Storage):
@@ -107,8 +107,17 @@ class FsspecStorage(Storage):
         except Exception as e:
             raise self._fail("deleting", key, e) from e
 
-    def root_state(self) -> str:
+    def root_state(self) -> RootState:
         return "nonempty" if self.list("") else "missing"
+
+    def remove_root(self) -> None:
+        try:
+            if self.fs.exists(self.root):
+                self.fs.rm(self.root, recursive=True)
+        except FileNotFoundError:
+            return
+        except Exception as e:
+            raise StorageError(f"removing {self.url} failed: {type(e).__name__}: {e}") from e
 
 
 def _timestamp(v) -> float | None:

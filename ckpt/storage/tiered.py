@@ -11,8 +11,9 @@ truth: a step exists when its MANIFEST.json exists there.
   chunk it names.
 * ``exists(chunk)`` answers for the durable tier; a chunk only staged locally (its earlier upload
   failed) is uploaded then, so dedup never commits a manifest naming a chunk the remote lacks.
-* Reading a chunk tries the local copy and checks its hash; a copy that fails is ignored, reported
-  (``counters["local_rejected"]``, a warning) and read from the remote instead.
+* Reading a chunk tries the local copy and checks it with the ``verify`` function it was given (the
+  chunk format is the codec's business, not the storage's); a copy that fails is ignored, reported
+  (``tier_counters().local_rejected``, a warning) and read from the remote instead.
 * Deletes go to both tiers (local first), so retention and GC apply to both.
 """
 
@@ -20,12 +21,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..codec import HEADER_SIZE, chunk_hash, decode, parse_header
 from ..errors import CheckpointError, StorageError
-from .base import Storage
+from .base import RootState, Storage, TierCounters
 from .local import LocalStorage
 
 log = logging.getLogger("ckpt")
@@ -37,30 +37,41 @@ def _is_chunk(key: str) -> bool:
 
 _MISS = object()  # a local copy that was there but failed its check
 
+# A chunk object's check: (storage key, its first 64 bytes, the rest); raises CheckpointError.
+Verify = Callable[[str, memoryview, memoryview], None]
+_HEADER = 64  # bytes of a chunk object's header, the first of the two buffers a raw read fills
+
+
 class TieredStorage(Storage):
-    def __init__(self, local: LocalStorage, remote: Storage, upload_threads: int = 8):
+    def __init__(self, local: LocalStorage, remote: Storage, *, verify: Verify, upload_threads: int = 8):
         self.local = local
         self.remote = remote
         self.url = remote.url
+        self._verify = verify
         self._uploads = ThreadPoolExecutor(upload_threads, thread_name_prefix="ckpt-upload")
         self._pending: list[Future] = []
         self._bad: set[str] = set()  # keys whose local copy failed its check: served by the remote
         self._lock = threading.Lock()
-        self.counters = {"local_hits": 0, "remote_reads": 0, "local_rejected": [], "uploaded": 0}
+        self._counters = TierCounters()
 
     def describe(self) -> str:
         return f"{self.remote.describe()} (staged in {self.local.root})"
 
-    def reset_counters(self) -> None:
+    def tier_counters(self) -> TierCounters:
         with self._lock:
-            self.counters = {"local_hits": 0, "remote_reads": 0, "local_rejected": [], "uploaded": 0}
+            c = self._counters
+            return TierCounters(c.local_hits, c.remote_reads, list(c.local_rejected), c.uploaded)
+
+    def reset_tier_counters(self) -> None:
+        with self._lock:
+            self._counters = TierCounters()
 
     # -- writing --------------------------------------------------------------------------------
     def _upload(self, key: str) -> None:
         data = self.local.read(key)
         self.remote.write(key, [data])
         with self._lock:
-            self.counters["uploaded"] += 1
+            self._counters.uploaded += 1
 
     def write(self, key: str, buffers: Sequence) -> int:
         if not _is_chunk(key):
@@ -108,17 +119,17 @@ class TieredStorage(Storage):
 
     # -- reading --------------------------------------------------------------------------------
     def _local_ok(self, key: str, blob: bytes) -> bool:
-        h = key.rsplit("/", 1)[-1]
+        view = memoryview(blob)
         try:
-            decode(blob, name=key, expect_hash=h)
+            self._verify(key, view[:_HEADER], view[_HEADER:])
             return True
         except CheckpointError as e:
             self._reject(key, e)
             return False
 
-    def _reject(self, key: str, why) -> None:
+    def _reject(self, key: str, why: object) -> None:
         with self._lock:
-            self.counters["local_rejected"].append(key)
+            self._counters.local_rejected.append(key)
             self._bad.add(key)
         log.warning("ckpt: local copy of %s is damaged (%s); reading it from %s instead", key, why,
                     self.remote.describe())
@@ -136,12 +147,12 @@ class TieredStorage(Storage):
             except CheckpointError as e:
                 self._reject(key, e)
             with self._lock:
-                self.counters["remote_reads"] += 1
+                self._counters.remote_reads += 1
         return remote()
 
     def _hit(self, value):
         with self._lock:
-            self.counters["local_hits"] += 1
+            self._counters.local_hits += 1
         return value
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -157,14 +168,14 @@ class TieredStorage(Storage):
         def local():
             n = self.local.readv(key, buffers)
             views = [memoryview(b).cast("B") for b in buffers]
-            if len(views) != 2 or len(views[0]) != HEADER_SIZE:
+            if len(views) != 2 or len(views[0]) != _HEADER:
                 return n
-            hdr = parse_header(views[0], name=key)
-            if (hdr.digest == key.rsplit("/", 1)[-1] and n == HEADER_SIZE + hdr.payload_len
-                    and chunk_hash(views[1][:hdr.payload_len]) == hdr.digest):
-                return self._hit(n)
-            self._reject(key, "hash or size mismatch")
-            return _MISS
+            try:  # the payload part that was filled must be a whole, valid chunk
+                self._verify(key, views[0], views[1][: max(0, n - _HEADER)])
+            except CheckpointError as e:
+                self._reject(key, e)
+                return _MISS
+            return self._hit(n)
 
         return self._local_first(key, local, lambda: self.remote.readv(key, buffers))
 
@@ -196,8 +207,13 @@ class TieredStorage(Storage):
         self.local.delete(key)
         self.remote.delete(key)
 
-    def root_state(self) -> str:
-        return getattr(self.remote, "root_state", lambda: "nonempty")()
+    def root_state(self) -> RootState:
+        return self.remote.root_state()
+
+    def remove_root(self) -> None:
+        self.local.remove_root()
+        self.remote.remove_root()
 
     def close(self) -> None:
         self._uploads.shutdown(wait=True)
+        self.remote.close()

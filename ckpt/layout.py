@@ -1,7 +1,7 @@
-"""The save plan: where every tensor goes in the host buffer, and how that buffer is cut into chunks.
+"""The buffer layout: where every tensor goes in the host buffer, and how that buffer is cut into chunks.
 
-A plan depends only on the state's structure (keys, dtypes, shapes, devices), so it is computed on
-the first save and reused while the structure is unchanged. Its layout is what makes dedup work:
+A layout depends only on the state's structure (keys, dtypes, shapes, devices), so it is computed on
+the first save and reused while the structure is unchanged. It is what makes dedup work:
 the same tensor lands at the same place in the same chunk on every save, so an unchanged tensor
 produces unchanged chunks.
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .state import dtype_name
+from .structure import dtype_name
 
 ALIGN = 64
 
@@ -41,8 +41,10 @@ class ChunkSlot:
 
 
 @dataclass(frozen=True)
-class Plan:
-    signature: tuple
+class BufferLayout:
+    """Tensors laid out in one buffer of ``nbytes`` (``slots``, in state order) and the buffer cut
+    into ``chunks`` that tile it without gaps."""
+
     slots: tuple[TensorSlot, ...]
     chunks: tuple[ChunkSlot, ...]
     nbytes: int
@@ -74,11 +76,7 @@ class Plan:
         return range(left, end)
 
 
-def signature(tensors: dict[str, torch.Tensor]) -> tuple:
-    return tuple((k, t.dtype, tuple(t.shape), t.device.type) for k, t in tensors.items())
-
-
-def make_plan(tensors: dict[str, torch.Tensor], chunk_size: int) -> Plan:
+def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int) -> BufferLayout:
     """Lay out ``tensors`` (in order) in one buffer and cut it into chunks."""
     slots: list[TensorSlot] = []
     chunks: list[ChunkSlot] = []
@@ -118,4 +116,4 @@ def make_plan(tensors: dict[str, torch.Tensor], chunk_size: int) -> Plan:
         tiled.append(ChunkSlot(c.offset, end - c.offset))
     if tiled and tiled[0].offset != 0:
         tiled[0] = ChunkSlot(0, tiled[0].offset + tiled[0].length)
-    return Plan(signature(tensors), tuple(slots), tuple(tiled), pos)
+    return BufferLayout(tuple(slots), tuple(tiled), pos)

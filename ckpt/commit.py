@@ -1,0 +1,238 @@
+"""The commit protocol: how one save becomes a committed step on every rank, or fails on every rank.
+
+Why it is shaped this way: a step must exist only when every rank's part of it is durable, every
+rank must learn the same outcome, and no rank may wait forever on one that died. Collectives on the
+training's process group cannot be used from a background thread, so ranks talk through the
+group's store (:class:`~ckpt.dist.Comm`), with deadlines. For one save, on each rank's commit thread:
+
+1. wait until the coordinator has finished the previous save's retention (``free``), so a chunk
+   this rank is about to reuse by hash is not deleted under it;
+2. write this rank's chunks durably, then its rank report (:meth:`Writer.write_part`);
+3. report ``ok`` or ``fail`` (or ``skip``, from ``save()`` itself) to the coordinator;
+4. the coordinator (rank 0) gathers every report, reads the rank reports, merges them and commits
+   ``MANIFEST.json`` create-only: that write is the commit point. It publishes a :class:`Decision`
+   (ok, fail naming the ranks, skip, or exists) that every other rank waits for;
+5. the coordinator runs what comes after a commit (retention) and then publishes ``free``.
+
+A process saving alone runs exactly this, with a :class:`~ckpt.dist.LocalComm`; its own error is
+then the save's error, instead of a :class:`DistributedSaveError` naming rank 0.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+
+from . import manifest as mf
+from .dist import Comm
+from .errors import CheckpointError, DistributedSaveError, StepExistsError
+from .handle import SaveMetrics
+from .writer import SaveJob, Writer
+
+log = logging.getLogger("ckpt")
+
+
+class Status(str, enum.Enum):
+    OK = "ok"  # committed
+    FAIL = "fail"  # some rank failed or did not answer; nothing was committed
+    SKIP = "skip"  # some rank skipped the save (busy="skip"); nothing was committed
+    EXISTS = "exists"  # the step was already committed; it is left as it is
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The coordinator's verdict on one save, the same on every rank."""
+
+    status: Status
+    ranks: tuple[int, ...] = ()  # the ranks that failed, skipped or did not answer
+    message: str = ""
+
+    def to_json(self) -> dict:
+        return {"status": self.status.value, "ranks": list(self.ranks), "message": self.message}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Decision:
+        return cls(Status(doc["status"]), tuple(doc.get("ranks", ())), doc.get("message", ""))
+
+
+@dataclass(frozen=True)
+class Report:
+    """One rank's word on one save: ``ok`` (its chunks and rank report are durable), ``fail`` or ``skip``."""
+
+    status: Status
+    step: int
+    message: str = ""
+
+    def to_json(self) -> dict:
+        return {"status": self.status.value, "step": self.step, "message": self.message}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Report:
+        return cls(Status(doc["status"]), doc["step"], doc.get("message", ""))
+
+
+class CommitProtocol:
+    """Runs the background half of each save on ``commit_thread`` (one thread: saves commit in order).
+
+    ``after_commit(manifest)`` runs on the coordinator after a step is committed and its handle has
+    resolved, before other ranks may start the next save's writes (retention goes there)."""
+
+    def __init__(self, comm: Comm, writer: Writer, io: Executor, commit_thread: Executor,
+                 after_commit: Callable[[mf.Manifest], None]):
+        self.comm = comm
+        self.writer = writer
+        self.io = io
+        self.commit_thread = commit_thread
+        self.after_commit = after_commit
+
+    # -- entry points, from save() --------------------------------------------------------------------
+    def submit(self, job: SaveJob, future: Future) -> None:
+        """Queue ``job``; ``future`` resolves with its metrics once committed, or with its error."""
+        self.commit_thread.submit(self._run, job, future)
+
+    def skip(self, seq: int, step: int) -> None:
+        """This rank skipped save ``seq`` (busy="skip"): tell the coordinator, so every rank skips it."""
+        self.comm.report(seq, Report(Status.SKIP, step).to_json())
+        if self.comm.rank == 0:
+            self.commit_thread.submit(self._decide_alone, seq, Decision(Status.SKIP, (0,)))
+
+    def abandon(self, seq: int, step: int, error: BaseException) -> None:
+        """``save()`` failed on this rank before its job existed: tell the others at once."""
+        msg = f"{type(error).__name__}: {error}"
+        self.comm.fail_plan(seq, msg)
+        try:
+            self.comm.report(seq, Report(Status.FAIL, step, msg).to_json())
+            if self.comm.rank == 0:
+                self.commit_thread.submit(self._decide_alone, seq, Decision(Status.FAIL, (0,), f"rank 0: {msg}"))
+        except DistributedSaveError:
+            pass
+
+    def drain(self) -> None:
+        """Wait until everything queued so far (saves and what follows their commits) has run."""
+        self.commit_thread.submit(lambda: None).result()
+
+    # -- on the commit thread -------------------------------------------------------------------------
+    def _run(self, job: SaveJob, future: Future) -> None:
+        try:
+            try:
+                committed = self._save(job)
+            except BaseException as e:
+                log.error("ckpt: saving step %d failed: %s", job.step, e)
+                future.set_exception(e)
+                return
+            future.set_result(job.metrics)
+            if committed is not None:
+                self.after_commit(committed)
+        finally:
+            self._release(job.seq)
+
+    def _save(self, job: SaveJob) -> mf.Manifest | None:
+        comm, seq = self.comm, job.seq
+        part: mf.Manifest | None = None
+        error: BaseException | None = None
+        try:
+            if comm.rank != 0 and seq > 0 and not comm.wait_free(seq - 1):
+                raise DistributedSaveError(
+                    f"rank 0 did not finish the previous save within {2 * comm.timeout:.0f}s", ranks=[0])
+            part = self.writer.write_part(job, comm.rank)
+        except BaseException as e:
+            job.snapshot.buffer.release()
+            error = e
+        if error is None:
+            comm.report(seq, Report(Status.OK, job.step).to_json())
+        else:
+            comm.report(seq, Report(Status.FAIL, job.step, f"{type(error).__name__}: {error}").to_json())
+        committed = None
+        if comm.rank == 0:
+            decision, committed, commit_error = self._coordinate(job, part)
+            error = error or commit_error
+        else:
+            doc = comm.decision(seq)
+            decision = Decision.from_json(doc) if doc is not None else Decision(
+                Status.FAIL, (0,), f"rank 0 (the coordinator) gave no decision within {2 * comm.timeout:.0f}s")
+        self.writer.settle(part if decision.status is Status.OK else None)
+        if decision.status is Status.OK:
+            job.metrics.duration_s = time.perf_counter() - job.started
+            if committed is not None:
+                _log_commit(committed, job.metrics)
+            return committed
+        if decision.status is Status.SKIP:
+            job.metrics.skipped = True
+            log.info("ckpt: step %d was not saved: rank(s) %s skipped it (busy='skip')", job.step, list(decision.ranks))
+            return None
+        if comm.world == 1 and error is not None:
+            raise error  # alone, this process's own error is the save's error
+        message = f"step {job.step} was not committed: {decision.message or 'unknown failure'}"
+        if decision.status is Status.EXISTS:
+            raise StepExistsError(decision.message or message) from error
+        raise DistributedSaveError(message, ranks=list(decision.ranks)) from error
+
+    def _coordinate(self, job: SaveJob, part: mf.Manifest | None
+                    ) -> tuple[Decision, mf.Manifest | None, BaseException | None]:
+        """Rank 0: wait for every rank's report, commit the step if all succeeded, tell everyone."""
+        comm, seq = self.comm, job.seq
+        committed, error = None, None
+        try:
+            docs, missing = comm.gather(seq)
+            reports = {r: Report.from_json(d) for r, d in docs.items()}
+            failed = sorted(r for r, v in reports.items() if v.status is Status.FAIL)
+            skipped = sorted(r for r, v in reports.items() if v.status is Status.SKIP)
+            steps = {v.step for v in reports.values()}
+            if failed or missing:
+                why = [f"rank {r}: {reports[r].message or 'failed'}" for r in failed]
+                why += [f"rank {r} did not report within {comm.timeout:.0f}s (died or hung?)" for r in missing]
+                decision = Decision(Status.FAIL, tuple(failed + missing), "; ".join(why))
+            elif skipped:
+                decision = Decision(Status.SKIP, tuple(skipped))
+            elif len(steps) > 1:
+                decision = Decision(Status.FAIL, (), "ranks saved different step numbers in the same save() call: "
+                                                     f"{sorted(steps)}")
+            else:
+                assert part is not None  # this rank reported ok
+                parts = [part] + list(self.io.map(lambda r: _read_part(self.writer, job.step, r), range(1, comm.world)))
+                committed = self.writer.commit(job.step, parts, job.snapshot.per_rank)
+                decision = Decision(Status.OK)
+        except StepExistsError as e:
+            decision, error = Decision(Status.EXISTS, (), str(e)), e
+        except BaseException as e:
+            ranks = tuple(e.ranks) if isinstance(e, DistributedSaveError) and e.ranks else (0,)
+            decision, error = Decision(Status.FAIL, ranks, f"rank 0 could not commit: {type(e).__name__}: {e}"), e
+        comm.publish(seq, decision.to_json())
+        return decision, committed, error
+
+    def _decide_alone(self, seq: int, decision: Decision) -> None:
+        """Coordinator, for a save it took no part in: publish the decision, then the go-ahead."""
+        try:
+            self.comm.publish(seq, decision.to_json())
+        except DistributedSaveError as e:
+            log.error("ckpt: %s", e)
+        self._release(seq)
+
+    def _release(self, seq: int) -> None:
+        """Coordinator: everything queued up to save ``seq`` is done; other ranks may write again."""
+        if self.comm.rank != 0:
+            return
+        try:
+            self.comm.free(seq)
+            self.comm.forget(seq)
+        except DistributedSaveError as e:
+            log.error("ckpt: %s", e)
+
+
+def _read_part(writer: Writer, step: int, rank: int) -> mf.Manifest:
+    try:
+        return mf.read_rank_part(writer.storage, step, rank)
+    except (CheckpointError, FileNotFoundError, OSError) as e:
+        key = mf.rank_key(step, rank)
+        raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
+
+
+def _log_commit(m: mf.Manifest, metrics: SaveMetrics) -> None:
+    log.info("ckpt: step %d committed in %.2fs: %.1f MiB state, %.1f MiB written (%d new chunks, %d reused) "
+             "by %d rank(s); save() blocked %.3fs", m.step, metrics.duration_s or 0.0,
+             m.stats.get("raw_bytes", 0) / 2**20, m.stats.get("written_bytes", 0) / 2**20,
+             m.stats.get("chunks_written", 0), m.stats.get("chunks_reused", 0), m.world_size, metrics.stall_s)

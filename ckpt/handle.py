@@ -1,0 +1,163 @@
+"""What ``Checkpointer.save`` returns: a :class:`SaveHandle` on a save going on in the background."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import CheckpointError, ConfigError, StorageError
+
+Stage = Literal["snapshot", "local", "committed"]
+
+
+@dataclass
+class SaveMetrics:
+    """What one save cost. ``stall_s`` is the time the caller was blocked inside ``save()``."""
+
+    step: int
+    stall_s: float = 0.0
+    raw_bytes: int = 0
+    written_bytes: int = 0  # bytes this save put in storage (new chunks, headers included)
+    chunks: int = 0
+    chunks_written: int = 0
+    chunks_reused: int = 0  # chunks already stored (dedup): not written again
+    duration_s: float | None = None  # from the save() call until the step was committed
+    skipped: bool = False  # busy="skip" dropped this save
+    local_s: float | None = None  # from the save() call until every chunk was durable in the first tier
+
+
+def as_checkpoint_error(step: int, e: BaseException) -> CheckpointError:
+    """Background failures reach the caller as CheckpointErrors that keep the original cause."""
+    if isinstance(e, CheckpointError):
+        return e
+    err = StorageError(f"saving step {step} failed: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
+
+
+class SaveHandle:
+    """The result of :meth:`Checkpointer.save`: the save goes on in the background.
+
+    Example::
+
+        h = ckptr.save(step, state)
+        ...                       # train on; the snapshot is already taken
+        h.wait()                  # optional: blocks until committed, raises if the save failed
+        print(h.metrics.stall_s, h.metrics.written_bytes)
+
+    Stages, in order (``handle.stage`` says which one the save has reached):
+
+    * ``"snapshot"``: ``save()`` returned; the state is copied and may change.
+    * ``"local"``: every chunk is durable in the first tier (``local_dir`` when given; otherwise the
+      checkpoint storage itself). The step is not committed yet.
+    * ``"committed"``: every chunk is durable in the checkpoint storage (remote) and the manifest is
+      committed; the step loads from anywhere.
+
+    ``handle.wait("local")`` returns at the second stage, e.g. to let an NVMe-only job move on::
+
+        h = ckptr.save(step, state)          # Checkpointer("s3://b/run", local_dir="/nvme/ckpt")
+        h.wait("local")                      # on NVMe; upload to S3 still running
+        h.wait()                             # committed on S3
+    """
+
+    STAGES: tuple[Stage, ...] = ("snapshot", "local", "committed")
+
+    def __init__(self, step: int, metrics: SaveMetrics, future: Future | None = None, *,
+                 started: float | None = None):
+        """``future`` resolves when the save is committed (or fails); None for a save that was
+        skipped before it started. ``started`` is the ``time.perf_counter()`` of the ``save()``
+        call: stage times count from it."""
+        self.step = step
+        self._started = time.perf_counter() if started is None else started
+        self.metrics = metrics
+        self._future = future
+        self._observed = False  # the caller has seen the failure (through wait() or exception())
+        self._local = threading.Event()
+        self._settled = threading.Event()  # durable locally, or finished either way: what wait("local") needs
+        if future is None:
+            self._local.set()
+            self._settled.set()
+        else:
+            future.add_done_callback(lambda _: self._settled.set())
+
+    def mark_local(self) -> None:
+        """Called by the writer once every chunk is durable in the first tier."""
+        self.metrics.local_s = time.perf_counter() - self._started
+        self._local.set()
+        self._settled.set()
+
+    @property
+    def stage(self) -> str:
+        """``"snapshot"``, ``"local"``, ``"committed"``, ``"failed"`` or ``"skipped"``."""
+        if self.skipped:
+            return "skipped"
+        if self._future is not None and self._future.done():
+            return "failed" if self._future.exception() is not None else "committed"
+        return "local" if self._local.is_set() else "snapshot"
+
+    def done(self) -> bool:
+        """True once the save is committed or has failed (or was skipped)."""
+        return self._future is None or self._future.done()
+
+    def wait(self, stage: Stage = "committed", timeout: float | None = None) -> SaveMetrics:
+        """Block until the save reaches ``stage`` (default: committed); raise its
+        :class:`CheckpointError` if it failed first.
+
+        Raises ``TimeoutError`` if ``timeout`` seconds pass first (the save goes on)."""
+        if stage not in self.STAGES:
+            raise ConfigError(f"stage must be one of {self.STAGES}, got {stage!r}")
+        if stage == "snapshot" or self._future is None:
+            return self.metrics
+        if stage == "local":
+            if not self._settled.wait(timeout):
+                raise TimeoutError(f"save of step {self.step} not durable locally after {timeout}s")
+            if self._local.is_set():
+                return self.metrics  # else it failed before that stage: raised below
+        try:
+            self._future.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"save of step {self.step} not finished after {timeout}s") from None
+        except BaseException as e:
+            self._observed = True
+            err = as_checkpoint_error(self.step, e)
+            if err is e:
+                raise  # keeps the original traceback and __cause__
+            raise err from e
+        return self.metrics
+
+    def exception(self) -> CheckpointError | None:
+        """The failure of a finished save, or None (also None while it is still running)."""
+        if self._future is None or not self._future.done():
+            return None
+        e = self._future.exception()
+        if e is None:
+            return None
+        self._observed = True
+        return as_checkpoint_error(self.step, e)
+
+    def failure_unseen(self) -> CheckpointError | None:
+        """The failure of a finished save that nobody has looked at yet (marks it seen)."""
+        return None if self._observed else self.exception()
+
+    def succeeded(self) -> bool:
+        """Committed (or skipped) without error; does not count as looking at an error."""
+        return self._future is None or (self._future.done() and self._future.exception() is None)
+
+    def settle(self) -> None:
+        """Wait until the save has finished either way, without raising."""
+        if self._future is not None:
+            try:
+                self._future.result()
+            except BaseException:
+                pass
+
+    @property
+    def skipped(self) -> bool:
+        return self.metrics.skipped
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else ("done" if self.done() else "writing")
+        return f"<SaveHandle step={self.step} {state}>"

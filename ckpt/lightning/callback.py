@@ -1,0 +1,248 @@
+"""The :class:`AsyncCheckpoint` callback: saves the full trainer state with ckpt, resumes from it."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from ..checkpointer import Checkpointer
+from ..errors import CheckpointError, ConfigError, StepExistsError, UnsupportedValueError
+from ..handle import SaveHandle
+from ..options import Options
+from ..state import RNGState
+from ._common import KEY, PICKLE_HINT, CheckpointBase, CheckpointIOBase, load_kwargs, locate, log, read
+from .io import CkptCheckpointIO
+
+
+def _inject(trainer: Any, checkpoint: dict) -> None:
+    """Make Lightning restore ``checkpoint`` as if ``fit(ckpt_path=...)`` had loaded it.
+
+    Lightning (2.x) restores in two phases from ``_checkpoint_connector._loaded_checkpoint``: modules
+    and callbacks, then (after the strategy set up the optimizers) precision, loops, optimizers and
+    schedulers. This runs the first phase here and leaves the dict for the second."""
+    conn = trainer._checkpoint_connector
+    conn._loaded_checkpoint = checkpoint
+    conn.restore_model()
+    conn.restore_datamodule()
+    conn.restore_callbacks()
+
+
+class AsyncCheckpoint(CheckpointBase):
+    """Saves the full trainer state asynchronously with ckpt, and resumes from it.
+
+    Example::
+
+        trainer = Trainer(callbacks=[AsyncCheckpoint("runs/exp1", every_n_train_steps=100, keep_last=3)])
+        trainer.fit(model)      # resumes from the newest committed step of runs/exp1, if there is one
+
+    Each save is step ``trainer.global_step`` of the ckpt checkpoint at ``url``: the training loop
+    waits only for the snapshot (one copy of the state into ckpt's host buffer); hashing and
+    writing go on behind it. A failed save is raised at the next save or when fit ends.
+
+    Args:
+        url: a directory or fsspec URL (``file://``, ``memory://``).
+        every_n_train_steps: save after every N optimizer steps.
+        every_n_epochs: save at the end of every N-th training epoch (the default, with N=1, when
+            no trigger is given).
+        train_time_interval: save when this much time (``timedelta`` or seconds) has passed since
+            the last save, checked after each training batch.
+        keep_last: keep only the newest N committed steps (the step a run resumed from is kept too).
+        local_dir: a fast local directory staged in front of ``url`` (e.g. NVMe in front of
+            ``s3://``): chunks are written there first, uploaded behind, and read from there on
+            resume when their hash matches.
+        resume: at the start of a fit with no ``ckpt_path`` on a fresh trainer (global step 0), load
+            the newest committed step. A ``ckpt_path`` given to ``fit`` wins; it may also name a ckpt
+            checkpoint (this url, or ``<url>/steps/<step:012d>``).
+        save_rng: also save and restore the Python, NumPy and torch random generators (per rank),
+            so a resumed run draws the same random numbers (shuffling, dropout) as an uninterrupted one.
+        allow_pickle: store non-plain objects in the checkpoint dict with pickle (off: refused).
+        **checkpointer_options: any other :class:`~ckpt.Options` (``codec``, ``chunk_size``, ``busy``,
+            ``io_threads``, ``storage_options``, ``timeout``, ``keep_every`` …), checked here.
+    """
+
+    best_model_path = ""  # read by Trainer.validate/test(ckpt_path="best") on the first Checkpoint callback
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        train_time_interval: timedelta | float | None = None,
+        keep_last: int | None = None,
+        local_dir: str | os.PathLike | None = None,
+        resume: bool = True,
+        save_rng: bool = True,
+        allow_pickle: bool = False,
+        **checkpointer_options: Any,
+    ):
+        super().__init__()
+        for name, n in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if n is not None and (type(n) is not int or n < 1):
+                raise ConfigError(f"{name} must be a positive integer or None, got {n!r}")
+        if isinstance(train_time_interval, timedelta):
+            train_time_interval = train_time_interval.total_seconds()
+        if train_time_interval is not None and (not isinstance(train_time_interval, (int, float))
+                                                or not train_time_interval > 0):
+            raise ConfigError(f"train_time_interval must be a positive timedelta or number of seconds, "
+                              f"got {train_time_interval!r}")
+        if every_n_train_steps is None and every_n_epochs is None and train_time_interval is None:
+            every_n_epochs = 1
+        # checked now, so a bad option fails where the callback is made, not when fit starts
+        self.options = Options.build(keep_last=keep_last, local_dir=local_dir, allow_pickle=allow_pickle,
+                                     **checkpointer_options)
+        self.url = os.fspath(url)
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_epochs = every_n_epochs
+        self.train_time_interval = train_time_interval
+        self.resume = resume
+        self.save_rng = save_rng
+        self.allow_pickle = self.options.allow_pickle
+        self.checkpointer: Checkpointer | None = None
+        self.resumed_step: int | None = None  # the step the last fit resumed from, if any
+        self.handles: list[SaveHandle] = []  # this fit's saves (skipped ones excluded)
+        self._last_step: int | None = None
+        self._last_time = time.monotonic()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(url=self.url)
+
+    # -- lifetime ------------------------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.checkpointer is None:  # a second fit gets a fresh one: the last teardown closed it
+            self.checkpointer = Checkpointer.from_options(self.url, self.options)
+        self.handles = []
+        self._last_time = time.monotonic()
+        _ResumeShim.install(trainer.strategy, self.allow_pickle)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.resumed_step = None
+        if not self.resume or trainer.ckpt_path is not None or trainer.global_step != 0:
+            # fit(ckpt_path=...) was restored by Lightning, or this trainer has already trained (a
+            # second fit continues from memory, as Lightning does)
+            return
+        assert self.checkpointer is not None
+        step = self.checkpointer.latest()
+        if step is None:
+            return
+        saved = self.checkpointer.manifest(step).top_keys
+        state: dict[str, Any] = {KEY: {}}
+        if self.save_rng and "rng" in saved:
+            state["rng"] = RNGState()
+        try:
+            self.checkpointer.load(step, state, strict=False)
+        except UnsupportedValueError as e:
+            raise UnsupportedValueError(f"{e} (AsyncCheckpoint(allow_pickle=True) allows it.)") from e
+        _inject(trainer, state[KEY])
+        self.resumed_step = self._last_step = step
+        log.info("ckpt: resumed from step %d of %s", step, self.url)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        _ResumeShim.uninstall(trainer.strategy)
+        c, self.checkpointer = self.checkpointer, None
+        if c is not None:
+            c.close()  # waits for in-flight saves; raises one that failed
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Whatever was snapshotted becomes durable; a save failure must not hide the training error.
+        _ResumeShim.uninstall(trainer.strategy)
+        c, self.checkpointer = self.checkpointer, None
+        if c is not None:
+            try:
+                c.close()
+            except CheckpointError as e:
+                log.error("ckpt: %s", e)
+
+    def wait(self) -> None:
+        """Block until every save so far is committed; raise the first failure."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    # -- triggers ------------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._skip(trainer):
+            return
+        step = trainer.global_step
+        due = self.every_n_train_steps is not None and step > 0 and step % self.every_n_train_steps == 0
+        if not due and self.train_time_interval is not None:
+            elapsed = time.monotonic() - self._last_time >= self.train_time_interval
+            due = bool(trainer.strategy.broadcast(elapsed))  # every rank saves, so every rank must agree
+        if due:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._skip(trainer) or self.every_n_epochs is None:
+            return
+        if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._save(trainer)
+
+    def _skip(self, trainer: Any) -> bool:
+        return bool(trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit"
+                    or self.checkpointer is None or self._last_step == trainer.global_step)
+
+    def _save(self, trainer: Any) -> None:
+        assert self.checkpointer is not None
+        for h in self.handles:  # surface a failed background save on the training thread
+            if h.done() and h.exception() is not None:
+                h.wait()
+        self.handles = [h for h in self.handles if not h.done()]
+        step = trainer.global_step
+        state: dict[str, Any] = {KEY: trainer._checkpoint_connector.dump_checkpoint(weights_only=False)}
+        if self.save_rng:
+            state["rng"] = RNGState()
+        try:
+            h = self.checkpointer.save(step, state)
+        except UnsupportedValueError as e:
+            raise UnsupportedValueError(str(e) + PICKLE_HINT.format(who="AsyncCheckpoint")) from e
+        except StepExistsError:
+            log.warning("ckpt: step %d is already committed in %s; not saving it again", step, self.url)
+            self._last_step = step
+            return
+        self._last_step = step
+        self._last_time = time.monotonic()
+        if not h.skipped:
+            self.handles.append(h)
+
+
+class _ResumeShim(CheckpointIOBase):
+    """Wraps the strategy's CheckpointIO during fit so ``fit(ckpt_path=...)`` may name a ckpt
+    checkpoint; every other path, and all saving, goes to the wrapped plugin unchanged."""
+
+    def __init__(self, inner: Any, allow_pickle: bool):
+        self.inner = inner
+        self.allow_pickle = allow_pickle
+
+    @classmethod
+    def install(cls, strategy: Any, allow_pickle: bool) -> None:
+        io = strategy.checkpoint_io
+        if not isinstance(io, (cls, CkptCheckpointIO)):
+            strategy.checkpoint_io = cls(io, allow_pickle)
+
+    @staticmethod
+    def uninstall(strategy: Any) -> None:
+        io = strategy.checkpoint_io
+        if isinstance(io, _ResumeShim):
+            strategy.checkpoint_io = io.inner
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict:
+        where = locate(path)
+        if where is None:
+            return self.inner.load_checkpoint(path, **load_kwargs(map_location, weights_only))
+        # fit(ckpt_path=<a ckpt step>) is a resume: the random generators continue too
+        return read(*where, allow_pickle=self.allow_pickle, who="AsyncCheckpoint", restore_rng=True)[0]
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()

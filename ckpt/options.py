@@ -1,0 +1,115 @@
+"""A Checkpointer's options: one record, validated once, before anything is opened or written.
+
+:class:`Options` is what ``Checkpointer(path, **options)`` accepts; the Lightning callback and IO
+plugin build one from their own arguments too, so a bad option fails when the callback is created,
+with the same message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .codec import CodecSpec
+from .errors import ConfigError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a Checkpointer saves, loads and keeps checkpoints.
+
+    keep_last: keep only the newest N committed steps (None keeps all). The step this run loaded
+        from is never deleted.
+    keep_every: also keep, for good, every step whose number is a multiple of K (with or without
+        ``keep_last``). Retention runs after each commit, in the background.
+    local_dir: a fast local directory (NVMe) staged in front of the checkpoint path: chunks are
+        written and fsynced there first, then uploaded; restores read a chunk there when its hash
+        matches.
+    chunk_size: bytes per chunk (default 16 MiB); the unit of dedup, verification and partial reads.
+    codec: ``"auto"`` (zstd where it saves ≥8%, else raw), ``"raw"``, ``"zstd"`` or ``"zstd:<level>"``.
+    busy: what a save does while the previous one is still writing from the host buffer: ``"wait"``
+        for it, or ``"skip"`` this save (logged; the handle says ``skipped``).
+    strict: default for ``load``: refuse keys missing on either side.
+    allow_pickle: store objects that are not plain values with pickle (off: they are refused).
+        Loading such a checkpoint needs ``allow_pickle=True`` too.
+    io_threads: threads for hashing, compression and I/O (default: 2 × cores, 8 to 16;
+        fsync-bound writes need several in flight to reach the disk's bandwidth).
+    storage_options: passed to fsspec for URLs; for ``s3://`` also ckpt's own S3 options
+        (``multipart_threshold``, ``multipart_chunksize``, ``upload_concurrency``, ``retry_deadline``,
+        ``max_attempts``, ``connect_timeout``, ``read_timeout``).
+    timeout: seconds a rank waits for the others (plan, reports, the commit) before the save fails
+        with :class:`~ckpt.DistributedSaveError` naming the ranks that did not answer.
+    native: use the compiled core when it is built (fused multi-threaded copy + hash on CPU, batched
+        device-to-host copies on GPU); ``False`` uses torch's copies (same bytes, same hashes).
+    snapshot_threads: threads for the CPU copy + hash (default: cores, at most 8).
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    local_dir: str | None = None
+    chunk_size: int = 16 * MiB
+    codec: CodecSpec = field(default_factory=CodecSpec)
+    busy: Literal["wait", "skip"] = "wait"
+    strict: bool = True
+    allow_pickle: bool = False
+    io_threads: int | None = None
+    storage_options: dict[str, Any] | None = None
+    timeout: float = 600.0
+    native: bool = True
+    snapshot_threads: int | None = None
+
+    @classmethod
+    def build(cls, **options: Any) -> Options:
+        """Check every option (raising :class:`ConfigError` naming the bad one) and normalise them:
+        ``codec`` strings are parsed, paths become strings."""
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown option(s) {unknown}; the options are "
+                              f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        o = dict(options)
+        for name in ("keep_last", "keep_every", "io_threads", "snapshot_threads"):
+            v = o.get(name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
+        chunk = o.get("chunk_size", 16 * MiB)
+        if type(chunk) is not int or not (64 * 1024 <= chunk <= 1 << 31):
+            raise ConfigError(f"chunk_size must be an integer between 64 KiB and 2 GiB, got {chunk!r}")
+        if o.get("busy", "wait") not in ("wait", "skip"):
+            raise ConfigError(f"busy must be 'wait' or 'skip', got {o['busy']!r}")
+        timeout = o.get("timeout", 600.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        o["timeout"] = float(timeout)
+        codec = o.get("codec", "auto")
+        if not isinstance(codec, CodecSpec):
+            if not isinstance(codec, str):
+                raise ConfigError(f"codec must be a string such as 'auto' or 'zstd:3', got {codec!r}")
+            o["codec"] = CodecSpec.parse(codec)
+        local_dir = o.get("local_dir")
+        if local_dir is not None:
+            if not isinstance(local_dir, (str, os.PathLike)):
+                raise ConfigError(f"local_dir must be a local directory path, got {local_dir!r}")
+            o["local_dir"] = os.fspath(local_dir)
+        so = o.get("storage_options")
+        if so is not None and not isinstance(so, dict):
+            raise ConfigError(f"storage_options must be a dict, got {type(so).__name__}")
+        for name in ("strict", "allow_pickle", "native"):
+            if name in o:
+                o[name] = bool(o[name])
+        return cls(**o)
+
+    def replace(self, **changes: Any) -> Options:
+        """A copy with ``changes`` applied (and checked)."""
+        return Options.build(**{**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def threads(self) -> int:
+        """I/O threads: ``io_threads``, else twice the cores within 8..16."""
+        return self.io_threads or min(16, max(8, 2 * (os.cpu_count() or 2)))
