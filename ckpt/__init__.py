@@ -9,9 +9,20 @@
 
 from ._version import __version__
 from .checkpointer import Checkpointer
-from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                     DistributedSaveError, IncompatibleFormatError, NotACheckpointError, ReshardError,
-                     StateMismatchError, StepExistsError, StorageError, UnsupportedValueError)
+from .errors import (
+                     CheckpointError,
+                     CheckpointNotFoundError,
+                     ConfigError,
+                     CorruptCheckpointError,
+                     DistributedSaveError,
+                     IncompatibleFormatError,
+                     NotACheckpointError,
+                     ReshardError,
+                     StateMismatchError,
+                     StepExistsError,
+                     StorageError,
+                     UnsupportedValueError,
+)
 from .handle import SaveHandle, SaveMetrics
 from .loader import LoadStats
 from .options import Options

@@ -12,7 +12,6 @@ import math
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -257,6 +256,7 @@ def diff(catalog: Catalog, a: int, b: int, *, max_diff: bool = False, threads: i
         x, y = ea.get(k), eb.get(k)
         if x is None or y is None:
             t = x or y
+            assert t is not None  # k is a key of ea or of eb
             changes.append(TensorChange(k[0], k[1], "removed" if y is None else "added", "-",
                                         f"{t.dtype}{tuple(t.shape)}"))
             continue
@@ -275,12 +275,12 @@ def diff(catalog: Catalog, a: int, b: int, *, max_diff: bool = False, threads: i
     if to_read:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-diff") as io:
             for c in to_read:
-                [x] = read_tensors(catalog.storage, ma, [ea[(c.key, c.rank)]], io)
-                [y] = read_tensors(catalog.storage, mb, [eb[(c.key, c.rank)]], io)
+                [ta] = read_tensors(catalog.storage, ma, [ea[(c.key, c.rank)]], io)
+                [tb] = read_tensors(catalog.storage, mb, [eb[(c.key, c.rank)]], io)
                 if c.how == "bytes":
-                    c.status = "same" if _same_bytes(x, y) else "changed"
+                    c.status = "same" if _same_bytes(ta, tb) else "changed"
                 if c.status == "changed" and max_diff:
-                    c.max_abs_diff = _max_abs_diff(x, y)
+                    c.max_abs_diff = _max_abs_diff(ta, tb)
     va = dict(st.value_nodes(ma.structure))
     vb = dict(st.value_nodes(mb.structure))
     values = [(p, st.preview(va[p]) if p in va else "(absent)", st.preview(vb[p]) if p in vb else "(absent)")

@@ -66,7 +66,8 @@ class Out:
             return "-"
         return human_bytes(n) if self.tty else str(n)
 
-    def table(self, header: list[str], rows: list[list[Any]], right: set[int] = frozenset()) -> None:
+    def table(self, header: list[str], rows: list[list[Any]], right: set[int] | frozenset[int] = frozenset()
+              ) -> None:
         rows = [[str(c) for c in r] for r in rows]
         if not self.tty:
             for r in [header] + rows:
@@ -75,7 +76,8 @@ class Out:
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
 
         def line(r: list[str]) -> str:
-            return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))).rstrip()
         for r in [header, ["-" * w for w in widths]] + rows:
             self.write(line(r))
 
@@ -148,7 +150,8 @@ def _step_doc(cat: Catalog, s: int, earlier: set[str]) -> dict:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     cat = _catalog(args)
-    docs, earlier = [], set()
+    docs: list[dict] = []
+    earlier: set[str] = set()
     for s in cat.committed:
         docs.append(_step_doc(cat, s, earlier))
         m = cat.manifest(s)
@@ -266,7 +269,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace, cat: Catalog, steps: list[int]):
     """verify() with a progress bar on stderr when it is a terminal."""
-    total = len({h for s in steps if cat.manifest(s) is not None for h in cat.manifest(s).chunks})
+    total = len({h for s in steps if (m := cat.manifest(s)) is not None for h in m.chunks})
     bar = Progress(total, "verify")
     try:
         return verify(cat, steps, threads=args.jobs, progress=bar.update)
@@ -484,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     gcp = add("gc", "remove orphan chunks, temp files and incomplete steps older than a grace period", cmd_gc)
     gcp.add_argument("--dry-run", action="store_true", help="only list what would be removed, with sizes")
     gcp.add_argument("--grace", type=_duration, default=3600.0, metavar="AGE",
-                     help="leave garbage younger than this (a running save may commit it): 90s, 30m, 1h (default), 2d, 0")
+                     help="leave garbage younger than this (a running save may commit it): "
+                          "90s, 30m, 1h (default), 2d, 0")
     gcp.add_argument("--keep-last", type=_positive, metavar="N",
                      help="also delete all but the newest N committed steps (and chunks only they use)")
     gcp.add_argument("--json", action="store_true", help="print one machine-readable JSON document")

@@ -64,7 +64,7 @@ class CodecSpec:
     level: int = 1
 
     @classmethod
-    def parse(cls, codec: str, level: int | None = None) -> "CodecSpec":
+    def parse(cls, codec: str, level: int | None = None) -> CodecSpec:
         """Accept ``"raw"``, ``"auto"``, ``"zstd"`` or ``"zstd:<level>"``."""
         name, _, lvl = codec.partition(":")
         if name not in ("raw", "zstd", "auto"):
@@ -108,7 +108,7 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec) -> tuple[str, list
     """
     n = len(raw)
     codec = "raw"
-    payload = raw
+    payload: memoryview | bytes = raw
     if spec.name != "raw" and n >= _MIN_COMPRESS_SIZE:
         cctx = _compressor(spec.level)
         worth_trying = True
@@ -213,7 +213,14 @@ def decode(blob, *, name: str, expect_hash: str, expect_len: int | None = None) 
     return verify(name, expect_hash, view[:HEADER_SIZE], view[HEADER_SIZE:], expect_len=expect_len)
 
 
-def verify_object(key: str, header, payload) -> None:
-    """:func:`verify` for a chunk object read by its storage key, which ends in its hash (the
-    check a storage tier uses before trusting a copy it holds)."""
+def verify_object(key: str, parts: list[memoryview]) -> None:
+    """:func:`verify` for a chunk object read by its storage key, which ends in its hash: the check
+    a storage tier uses before trusting a copy it holds. ``parts`` are the object's bytes in order,
+    as read (one buffer, or the header and payload buffers of a read straight into place)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    if len(views) == 2 and len(views[0]) == HEADER_SIZE:
+        header, payload = views
+    else:
+        whole = views[0] if len(views) == 1 else memoryview(b"".join(views))
+        header, payload = whole[:HEADER_SIZE], whole[HEADER_SIZE:]
     verify(key, key.rsplit("/", 1)[-1], header, payload)

@@ -175,7 +175,8 @@ class CommitProtocol:
                     ) -> tuple[Decision, mf.Manifest | None, BaseException | None]:
         """Rank 0: wait for every rank's report, commit the step if all succeeded, tell everyone."""
         comm, seq = self.comm, job.seq
-        committed, error = None, None
+        committed: mf.Manifest | None = None
+        error: BaseException | None = None
         try:
             docs, missing = comm.gather(seq)
             reports = {r: Report.from_json(d) for r, d in docs.items()}

@@ -310,7 +310,7 @@ class StoreComm(Comm):
 
             base = self._base
             try:
-                base = base.clone()
+                base = base.clone()  # type: ignore[attr-defined]  # in torch, missing from its stubs
             except Exception:  # stores without clone() are shared
                 pass
             s = self._local.store = dist.PrefixStore(self._prefix, base)

@@ -56,7 +56,7 @@ def _safetensors_dtypes_refused(dtypes: set[str]) -> set[str]:
     for d in dtypes:
         try:
             save({"x": torch.zeros(1, dtype=DTYPES[d])})
-        except Exception:  # noqa: BLE001 - this safetensors cannot hold the dtype
+        except Exception:  # this safetensors cannot hold the dtype
             bad.add(d)
     return bad
 
@@ -69,7 +69,8 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
         raise ConfigError(f"{path} exists; pass --force to overwrite it")
     m = catalog.require(step)
     if m.per_rank_keys and not 0 <= rank < m.world_size:
-        raise ConfigError(f"--rank {rank}: step {step} was saved on {m.world_size} rank(s); use 0 to {m.world_size - 1}")
+        raise ConfigError(f"--rank {rank}: step {step} was saved on {m.world_size} rank(s); "
+                          f"use 0 to {m.world_size - 1}")
 
     def wanted(key: str) -> bool:
         return not prefixes or any(key.startswith(p) for p in prefixes)

@@ -20,13 +20,12 @@ step loadable.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import manifest as mf
 from .catalog import Catalog
 from .codec import is_chunk_hash
-from .retention import delete_steps, to_delete
+from .retention import DeleteMany, delete_steps, to_delete
 from .storage import Storage
 
 TMP_MARK = ".tmp-"
@@ -111,8 +110,8 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
         for h, info in (m.chunks.items() if m is not None else ()):
             if h not in referenced:
                 retired[h] = info.stored
-    for h, n in sorted(retired.items()):
-        p.remove.append(Item("chunk", mf.chunk_key(h), n, None))
+    for h, stored in sorted(retired.items()):
+        p.remove.append(Item("chunk", mf.chunk_key(h), stored, None))
     referenced |= retired.keys()  # removed by retention, not as orphans
 
     # Incomplete steps, and temp files in committed step directories.
@@ -120,7 +119,7 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
         d = mf.step_dir(s)
         names = storage.list(d)
         ages = [_age(storage, f"{d}/{n}", now) for n in names] or [_age(storage, d, now)]
-        youngest = None if any(a is None for a in ages) else min(ages)
+        youngest = None if any(a is None for a in ages) else min(a for a in ages if a is not None)
         classify(Item("incomplete", d, sum(_size(storage, f"{d}/{n}") for n in names), youngest, s))
     for s in steps:
         if s in p.retention:
@@ -147,7 +146,7 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
     return p
 
 
-def run(catalog: Catalog, p: GcPlan, delete_many: Callable[[list[str]], None] | None = None) -> list[Item]:
+def run(catalog: Catalog, p: GcPlan, delete_many: DeleteMany | None = None) -> list[Item]:
     """Remove what ``p`` lists, in a crash-safe order: retention (manifests first), incomplete
     steps, temp files, then orphan chunks after re-reading which steps are committed now.
     Returns the items removed."""
@@ -162,6 +161,7 @@ def run(catalog: Catalog, p: GcPlan, delete_many: Callable[[list[str]], None] | 
         if item.kind != "incomplete":
             continue
         d = item.key
+        assert item.step is not None  # plan() gives every incomplete item its step
         if storage.exists(mf.manifest_key(item.step)):
             continue  # it committed since the plan was made: it is a step now, not garbage
         names = storage.list(d)

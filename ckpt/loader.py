@@ -25,10 +25,19 @@ import torch
 
 from . import manifest as mf
 from . import structure as st
-from .codec import HEADER_SIZE, decode as decode_chunk, verify
+from .codec import HEADER_SIZE, verify
+from .codec import decode as decode_chunk
 from .dist import Comm
-from .errors import (CheckpointError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                     NotACheckpointError, ReshardError, StateMismatchError, UnsupportedValueError)
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    ReshardError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
 from .sharding import Box, contiguous_run, intersect, is_dtensor, next_needed, volume
 from .state import apply, flatten
 from .storage import Storage
@@ -191,7 +200,8 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
             miss = missing_top + missing_tensors
             parts.append(f"missing from the checkpoint: {miss[:8]}{' …' if len(miss) > 8 else ''}")
         if unexpected:
-            parts.append(f"in the checkpoint but not in the state: {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}")
+            parts.append(f"in the checkpoint but not in the state: {unexpected[:8]}"
+                         f"{' …' if len(unexpected) > 8 else ''}")
         raise StateMismatchError(
             f"step {m.step} does not match the state: " + "; ".join(parts) +
             ". Pass strict=False to load what matches and leave the rest as it is.")
@@ -294,8 +304,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
             local[_slices(in_d)].copy_(src[_slices(in_stage)])
         for t, src in copy_back:
             t.copy_(src)
-    decoded = st.decode(structure, values, allow_pickle=allow_pickle)
-    apply(state, decoded)
+    apply(state, st.rebuild(structure, values, allow_pickle=allow_pickle))
     return stats
 
 

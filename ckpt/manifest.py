@@ -19,8 +19,14 @@ from typing import TYPE_CHECKING, Any
 from . import structure as st
 from ._version import __version__
 from .codec import CODEC_VERSIONS, is_chunk_hash
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompatibleFormatError,
-                     NotACheckpointError, StateMismatchError)
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleFormatError,
+    NotACheckpointError,
+    StateMismatchError,
+)
 from .sharding import intersect, volume
 from .structure import DTYPES
 
@@ -148,7 +154,7 @@ class Manifest:
 
 
 def _entry_json(t: TensorEntry) -> dict:
-    doc = {"key": t.key, "dtype": t.dtype, "shape": t.shape, "shards": [
+    doc: dict[str, Any] = {"key": t.key, "dtype": t.dtype, "shape": t.shape, "shards": [
         {"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths,
          "segments": [[g.chunk, g.offset, g.length] for g in s.segments]}
         for s in t.shards]}
@@ -176,7 +182,7 @@ def parse(data: bytes, *, name: str) -> Manifest:
             "(or pass fallback=True to load('latest'))", object=name) from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise NotACheckpointError(f"{name} is not a ckpt manifest (no \"format\": \"ckpt\" field)")
-    version = doc.get("format_version")
+    version: Any = doc.get("format_version")  # untrusted JSON until _check says otherwise
     _check(_is_int(version, 1), name, "format_version must be a positive integer")
     if version > FORMAT_VERSION:
         raise IncompatibleFormatError(
@@ -189,7 +195,8 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
     _check(doc.get("kind") in ("step", "rank"), name, "kind must be 'step' or 'rank'")
     _check(_is_int(doc.get("step")), name, "step must be a non-negative integer")
     _check(_is_int(doc.get("world_size"), 1), name, "world_size must be a positive integer")
-    structure = doc.get("structure")
+    # Fields of untrusted JSON: Any, each checked by _check before it is used.
+    structure: Any = doc.get("structure")
     _check(st.kind(structure) == "dict" and isinstance(structure.get("k"), list)
            and isinstance(structure.get("v"), list) and len(structure["k"]) == len(structure["v"]),
            name, "structure must be a dict node")
@@ -197,7 +204,7 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
         if st.is_per_rank(v):
             _check(doc.get("kind") == "step" and isinstance(v.get("v"), list) and len(v["v"]) == doc.get("world_size"),
                    name, f"per-rank key {k!r} must hold one value per rank ({doc.get('world_size')})")
-    raw_chunks = doc.get("chunks")
+    raw_chunks: Any = doc.get("chunks")
     _check(isinstance(raw_chunks, dict), name, "chunks must be an object")
     chunks: dict[str, ChunkInfo] = {}
     for h, c in raw_chunks.items():
@@ -211,7 +218,7 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
                 f"{name}: chunk {h} uses codec {c[2]!r}, which this ckpt ({__version__}) cannot decode; upgrade ckpt")
         chunks[h] = ChunkInfo(c[0], c[1], c[2])
     tensors: list[TensorEntry] = []
-    seen: set[str] = set()
+    seen: set[tuple[str, int | None]] = set()  # (key, owning rank)
     _check(isinstance(doc.get("tensors"), list), name, "tensors must be a list")
     for t in doc["tensors"]:
         _check(isinstance(t, dict) and isinstance(t.get("key"), str), name, "tensor entry without a key")
@@ -238,10 +245,11 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
             segs = []
             total = 0
             for g in s.get("segments", []):
-                _check(isinstance(g, list) and len(g) == 3 and isinstance(g[0], str) and _is_int(g[1]) and _is_int(g[2]),
-                       name, f"tensor {key!r}: segment must be [chunk, offset, length]")
+                _check(isinstance(g, list) and len(g) == 3 and isinstance(g[0], str) and _is_int(g[1])
+                       and _is_int(g[2]), name, f"tensor {key!r}: segment must be [chunk, offset, length]")
                 _check(g[0] in chunks, name, f"tensor {key!r} names chunk {g[0][:40]!r} missing from the chunk table")
-                _check(g[1] + g[2] <= chunks[g[0]].size, name, f"tensor {key!r}: segment runs past the end of chunk {g[0]}")
+                _check(g[1] + g[2] <= chunks[g[0]].size, name,
+                       f"tensor {key!r}: segment runs past the end of chunk {g[0]}")
                 segs.append(Segment(g[0], g[1], g[2]))
                 total += g[2]
             _check(total == math.prod(lens) * itemsize, name,
@@ -254,11 +262,12 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
                 name, f"the shards of tensor {key!r} do not tile its shape {shape}")
         tensors.append(TensorEntry(key, t["dtype"], shape, shards, owner))
     created = doc.get("created", 0.0)
+    stats = doc.get("stats")
     return Manifest(
         step=doc["step"], kind=doc["kind"], structure=doc["structure"], tensors=tensors, chunks=chunks,
         world_size=doc["world_size"], rank=doc.get("rank"),
         created=float(created) if isinstance(created, (int, float)) else 0.0,
-        writer=str(doc.get("writer", "")), stats=doc.get("stats") if isinstance(doc.get("stats"), dict) else {},
+        writer=str(doc.get("writer", "")), stats=stats if isinstance(stats, dict) else {},
         format_version=doc["format_version"],
     )
 
@@ -276,7 +285,7 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
     parts = sorted(parts, key=lambda p: p.rank or 0)
     by_key: dict[tuple[str, int | None], TensorEntry] = {}
     chunks: dict[str, ChunkInfo] = {}
-    stats: dict[str, int] = {}
+    stats: dict[str, int | float] = {}
     for part in parts:
         chunks.update(part.chunks)
         for k, v in part.stats.items():

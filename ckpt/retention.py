@@ -16,7 +16,7 @@ from .storage import Storage
 
 log = logging.getLogger("ckpt")
 
-DeleteMany = Callable[[list[str]], None]
+DeleteMany = Callable[[list[str]], object]  # deletes the keys; what it returns is ignored
 
 
 def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int],

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from .errors import ConfigError, UnsupportedValueError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
 
@@ -91,15 +94,15 @@ class PerRank:
         return f"PerRank({self.value!r})"
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     cls = type(t)
     return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
 
 
-def dtensor_box(t: torch.Tensor, where: str) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
+def dtensor_box(t: DTensor, where: str) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
     """(local tensor, box of it in the global tensor, global shape) of a DTensor."""
-    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 - only when DTensors are used
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415
+    from torch.distributed.tensor import Replicate, Shard  # only when DTensors are used
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for p in t.placements:
         if type(p) not in (Shard, Replicate):
@@ -131,10 +134,6 @@ def intersect(a: Box, b: Box) -> Box | None:
         offs.append(lo)
         lens.append(hi - lo)
     return tuple(offs), tuple(lens)
-
-
-def overlaps(a: Box, b: Box) -> bool:
-    return intersect(a, b) is not None and volume(a[1]) > 0 and volume(b[1]) > 0
 
 
 def contiguous_run(inner: Box, outer_lengths: Sequence[int]) -> tuple[int, int] | None:

@@ -180,7 +180,7 @@ class HostBuffer:
 
     def view(self, offset: int, length: int) -> memoryview:
         """A zero-copy view of buffer bytes, for hashing and writing."""
-        return memoryview(self.buffer.numpy())[offset : offset + length]
+        return self.buffer.numpy().data[offset : offset + length]  # .data is memoryview(array)
 
     def address(self, offset: int) -> int:
         return self.buffer.data_ptr() + offset
@@ -206,7 +206,8 @@ class HostBuffer:
         Returns the pending CUDA copy (None if no tensor is on a GPU) and, per chunk, its xxh3-128
         when the compiled core hashed it during the copy (else None: the writer hashes). ``guarded``
         holds the data pointers of CUDA tensors an optimizer pre-step hook protects."""
-        cpu_slots, cuda_slots = [], []
+        cpu_slots: list[tuple[TensorSlot, torch.Tensor]] = []
+        cuda_slots: list[tuple[TensorSlot, torch.Tensor]] = []
         for slot in self.layout.slots:
             if slot.nbytes:
                 src = tensors[slot.key]
@@ -250,7 +251,7 @@ class HostBuffer:
         return want
 
     # -- CUDA -------------------------------------------------------------------------------------
-    def _copy_cuda(self, slots: list, guarded: set[int]) -> "CudaSnapshot":
+    def _copy_cuda(self, slots: list, guarded: set[int] | frozenset[int]) -> CudaSnapshot:
         device = slots[0][1].device
         compute = torch.cuda.current_stream(device)
         side = _side_stream(device)
@@ -275,7 +276,8 @@ class HostBuffer:
 
     def _launch(self, slots: list, stream: torch.cuda.Stream, keep: list) -> None:
         core = self.cuda_core
-        small, large = [], []
+        small: list[tuple[int, int, int]] = []  # (source address, destination address, bytes)
+        large: list[tuple[int, int, int]] = []
         for slot, src in slots:
             src.record_stream(stream)  # the caching allocator must not reuse it before the copy ran
             if core is None or not src.is_contiguous() or src.dtype != slot.dtype:
@@ -327,7 +329,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 # -- the optimizer pre-step fence -------------------------------------------------------------------
-_pending: "weakref.WeakSet[CudaSnapshot]" = weakref.WeakSet()
+_pending: weakref.WeakSet[CudaSnapshot] = weakref.WeakSet()
 _pending_lock = threading.Lock()
 _hook_handle = None
 

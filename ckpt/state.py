@@ -27,6 +27,7 @@ from . import structure as st
 from .errors import ConfigError, StateMismatchError, UnsupportedValueError
 from .sharding import Box, LocalShard, dtensor_box, is_dtensor
 
+
 def is_stateful(obj: Any) -> bool:
     """True for objects following the Stateful protocol (``state_dict`` and ``load_state_dict``)."""
     return (

@@ -21,7 +21,7 @@ field naming its kind:
 ==============  ======================================================================
 
 This module is the one place that knows these kinds: the constructors the flattener uses, and
-every walker over the tree (decoding it back into values, finding its tensors, previews).
+every walker over the tree (rebuilding the values, finding its tensors, previews).
 """
 
 from __future__ import annotations
@@ -133,10 +133,10 @@ def digest(node: Node) -> str:
     return hashlib.blake2b(json.dumps(node, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
-# -- decoding --------------------------------------------------------------------------------------
+# -- rebuilding values --------------------------------------------------------------------------------------
 
 class StatefulValue:
-    """A decoded ``stateful`` node: the saved state_dict, to hand to ``load_state_dict``."""
+    """A rebuilt ``stateful`` node: the saved state_dict, to hand to ``load_state_dict``."""
 
     __slots__ = ("state_dict",)
 
@@ -144,25 +144,25 @@ class StatefulValue:
         self.state_dict = sd
 
 
-def decode(node: Node, tensors: dict[str, Any], *, allow_pickle: bool) -> Any:
+def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool) -> Any:
     """Rebuild the value a node describes, taking tensors from ``tensors`` by key."""
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if isinstance(node, list):
-        return [decode(v, tensors, allow_pickle=allow_pickle) for v in node]
+        return [rebuild(v, tensors, allow_pickle=allow_pickle) for v in node]
     t = kind(node)
     if t == "dict":
-        return {decode(k, tensors, allow_pickle=allow_pickle): decode(v, tensors, allow_pickle=allow_pickle)
+        return {rebuild(k, tensors, allow_pickle=allow_pickle): rebuild(v, tensors, allow_pickle=allow_pickle)
                 for k, v in zip(node["k"], node["v"])}
     if t == "tensor":
         value = tensors[node["key"]]
         return value.numpy() if node.get("numpy") else value
     if t == "tuple":
-        return tuple(decode(v, tensors, allow_pickle=allow_pickle) for v in node["v"])
+        return tuple(rebuild(v, tensors, allow_pickle=allow_pickle) for v in node["v"])
     if t == "float":
         return float(node["v"])
     if t == "npscalar":
-        return np.dtype(node["dtype"]).type(decode(node["v"], tensors, allow_pickle=allow_pickle))
+        return np.dtype(node["dtype"]).type(rebuild(node["v"], tensors, allow_pickle=allow_pickle))
     if t == "size":
         return torch.Size(node["v"])
     if t == "dtype":
@@ -172,7 +172,7 @@ def decode(node: Node, tensors: dict[str, Any], *, allow_pickle: bool) -> Any:
     if t == "bytes":
         return base64.b64decode(node["v"])
     if t == "stateful":
-        return StatefulValue(decode(node["v"], tensors, allow_pickle=allow_pickle))
+        return StatefulValue(rebuild(node["v"], tensors, allow_pickle=allow_pickle))
     if t == "pickle":
         if not allow_pickle:
             raise UnsupportedValueError(

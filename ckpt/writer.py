@@ -98,14 +98,15 @@ class Writer:
         try:
             if snap.cuda is not None:
                 snap.cuda.synchronize()
-            hashes = snap.hashes or [None] * len(layout.chunks)
+            snap_hashes = snap.hashes or [None] * len(layout.chunks)
             futures = [self.io.submit(self._put_chunk, buf.view(c.offset, c.length), h, buf.address(c.offset),
-                                      buf.cpu_core) for c, h in zip(layout.chunks, hashes)]
-            results, first_error = [], None
+                                      buf.cpu_core) for c, h in zip(layout.chunks, snap_hashes)]
+            results: list[tuple[str, mf.ChunkInfo, bool]] = []
+            first_error: BaseException | None = None
             for f in futures:  # wait for every chunk, even after a failure: they all read the buffer
                 try:
                     results.append(f.result())
-                except BaseException as e:  # noqa: BLE001 - re-raised below
+                except BaseException as e:  # re-raised below
                     first_error = first_error or e
             if first_error is not None:
                 raise first_error

@@ -21,7 +21,8 @@ class CkptCheckpointIO(CheckpointIOBase):
     Example::
 
         trainer = Trainer(plugins=[CkptCheckpointIO()],
-                          callbacks=[ModelCheckpoint(dirpath="ckpts", monitor="val_loss", save_top_k=3, save_last=True)])
+                          callbacks=[ModelCheckpoint(dirpath="ckpts", monitor="val_loss", save_top_k=3,
+                                                     save_last=True)])
 
     Each path ``ModelCheckpoint`` chooses (``ckpts/epoch=3-step=400.ckpt``) becomes a directory
     holding a ckpt checkpoint. ``save_checkpoint`` returns after the snapshot; the write goes on
@@ -151,7 +152,7 @@ class CkptCheckpointIO(CheckpointIOBase):
     def teardown(self) -> None:
         """Wait for every save and removal (Lightning calls this when fit ends); raise a failure."""
         first: BaseException | None = None
-        for key, (c, _) in list(self._open.items()):
+        for _key, (c, _) in list(self._open.items()):
             try:
                 c.close()
             except CheckpointError as e:

@@ -37,11 +37,11 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
 
 
 def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = None, *,
-                verify: Callable[[str, memoryview, memoryview], None], upload_threads: int = 8) -> Storage:
+                verify: Callable[[str, list[memoryview]], None], upload_threads: int = 8) -> Storage:
     """The storage of a Checkpointer: ``url`` alone, or ``local_dir`` staged in front of it.
 
-    ``verify(key, header, payload)`` checks a chunk object before the local tier serves it (raises
-    a ``CheckpointError`` for a copy that must not be trusted)."""
+    ``verify(key, parts)`` checks a chunk object (its bytes, in order as read) before the local tier
+    serves it, raising a ``CheckpointError`` for a copy that must not be trusted."""
     from .tiered import TieredStorage
 
     remote = open_storage(url, storage_options)

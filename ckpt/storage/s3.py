@@ -28,7 +28,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import ConfigError, StorageError
@@ -44,17 +44,18 @@ _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout
                 "XAmzContentSHA256Mismatch", "BadDigest", "IncompleteBody"}
 
 
-def _chain(e: BaseException):
+def _chain(e: BaseException) -> Iterator[BaseException]:
     seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        yield x
+        x = x.__cause__ or x.__context__
 
 
 def _client_error(e: BaseException):
     for x in _chain(e):
-        if hasattr(x, "response") and isinstance(getattr(x, "response"), dict) and "Error" in x.response:
+        if hasattr(x, "response") and isinstance(x.response, dict) and "Error" in x.response:
             return x
     return None
 
@@ -98,8 +99,8 @@ class S3Storage(FsspecStorage):
             raise ConfigError(f"multipart_chunksize must be at least 5 MiB (S3's smallest part), got {self.part_size}")
         if self.upload_concurrency < 1 or self.max_attempts < 1 or not self.retry_deadline > 0:
             raise ConfigError(
-                f"storage_options: upload_concurrency ({self.upload_concurrency}) and max_attempts ({self.max_attempts}) "
-                f"must be at least 1 and retry_deadline ({self.retry_deadline}) above 0 seconds")
+                f"storage_options: upload_concurrency ({self.upload_concurrency}) and max_attempts "
+                f"({self.max_attempts}) must be at least 1 and retry_deadline ({self.retry_deadline}) above 0 seconds")
         # Our retry loop is the only one, so its time bound is real.
         opts.setdefault("use_listings_cache", False)
         config = dict(opts.get("config_kwargs") or {})
@@ -136,7 +137,7 @@ class S3Storage(FsspecStorage):
             attempt += 1
             try:
                 return self.fs.call_s3(method, **kw)
-            except Exception as e:  # noqa: BLE001 - classified below
+            except Exception as e:  # classified below
                 if not is_retryable(e):
                     raise
                 elapsed = time.monotonic() - start
@@ -197,7 +198,7 @@ class S3Storage(FsspecStorage):
         for f in futures:  # wait for all, so nothing is still uploading when we abort
             try:
                 parts.append(f.result())
-            except Exception as e:  # noqa: BLE001 - re-raised after the abort
+            except Exception as e:  # re-raised after the abort
                 first = first or e
         try:
             if first is not None:
@@ -214,7 +215,7 @@ class S3Storage(FsspecStorage):
                        Key=s3key, UploadId=upload_id, _attempts=max(self.max_attempts, 6))
             with self._lock:
                 self.counters["aborted"] += 1
-        except Exception as e:  # noqa: BLE001 - the upload error matters more; say what is left
+        except Exception as e:  # the upload error matters more; say what is left
             log.error("ckpt: could not abort multipart upload %s of %s/%s (%s); its parts stay on the server "
                       "until aborted (e.g. by a bucket lifecycle rule for incomplete uploads)", upload_id,
                       self.url, key, e)
@@ -272,8 +273,9 @@ class S3Storage(FsspecStorage):
             attempt += 1
             try:
                 return once()
-            except Exception as e:  # noqa: BLE001
-                if not is_retryable(e) or attempt >= self.max_attempts or time.monotonic() - start > self.retry_deadline:
+            except Exception as e:
+                if (not is_retryable(e) or attempt >= self.max_attempts
+                        or time.monotonic() - start > self.retry_deadline):
                     if is_retryable(e):
                         raise StorageError(f"reading {self.url}/{key} failed after {attempt} attempt(s): "
                                            f"{type(e).__name__}: {e}") from e
@@ -320,7 +322,7 @@ class S3Storage(FsspecStorage):
                 try:
                     self._call("probing", key, "put_object", **kw)
                     self._conditional = False
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     self._conditional = _status(e)[1] == 412 or _status(e)[0] == "PreconditionFailed"
                     if not self._conditional:
                         raise

@@ -37,9 +37,8 @@ def _is_chunk(key: str) -> bool:
 
 _MISS = object()  # a local copy that was there but failed its check
 
-# A chunk object's check: (storage key, its first 64 bytes, the rest); raises CheckpointError.
-Verify = Callable[[str, memoryview, memoryview], None]
-_HEADER = 64  # bytes of a chunk object's header, the first of the two buffers a raw read fills
+# A chunk object's check: (storage key, its bytes in order as read); raises CheckpointError.
+Verify = Callable[[str, list[memoryview]], None]
 
 
 class TieredStorage(Storage):
@@ -99,7 +98,7 @@ class TieredStorage(Storage):
         for f in pending:
             try:
                 f.result()
-            except BaseException as e:  # noqa: BLE001 - re-raised below
+            except BaseException as e:  # re-raised below
                 first = first or e
         if first is not None:
             if isinstance(first, CheckpointError):
@@ -119,9 +118,8 @@ class TieredStorage(Storage):
 
     # -- reading --------------------------------------------------------------------------------
     def _local_ok(self, key: str, blob: bytes) -> bool:
-        view = memoryview(blob)
         try:
-            self._verify(key, view[:_HEADER], view[_HEADER:])
+            self._verify(key, [memoryview(blob)])
             return True
         except CheckpointError as e:
             self._reject(key, e)
@@ -167,11 +165,13 @@ class TieredStorage(Storage):
     def readv(self, key: str, buffers: Sequence) -> int:
         def local():
             n = self.local.readv(key, buffers)
-            views = [memoryview(b).cast("B") for b in buffers]
-            if len(views) != 2 or len(views[0]) != _HEADER:
-                return n
-            try:  # the payload part that was filled must be a whole, valid chunk
-                self._verify(key, views[0], views[1][: max(0, n - _HEADER)])
+            views, left = [], n
+            for b in buffers:  # the bytes that were filled must be a whole, valid chunk
+                v = memoryview(b).cast("B")
+                views.append(v[: max(0, left)])
+                left -= len(v)
+            try:
+                self._verify(key, views)
             except CheckpointError as e:
                 self._reject(key, e)
                 return _MISS
@@ -211,6 +211,10 @@ class TieredStorage(Storage):
         return self.remote.root_state()
 
     def remove_root(self) -> None:
+        try:  # an upload still running would bring objects back after the removal
+            self.drain()
+        except CheckpointError:
+            pass  # what failed to upload is being removed anyway
         self.local.remove_root()
         self.remote.remove_root()
 
