@@ -421,14 +421,14 @@ def _rank_entry(rank: int, world: int, port: int, phase: str, kwargs: dict, outb
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
         payload = PHASES[phase](rank, world, **kwargs)
-    except BaseException:  # noqa: BLE001 - sent to the driver
+    except BaseException:  # sent to the driver
         status, payload = "error", traceback.format_exc()
     outbox.put((rank, status, payload))
     try:
         if status == "ok":
             dist.barrier()
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
 
 
@@ -462,7 +462,7 @@ def run_phase(phase: str, world: int, timeout: float = 900.0, **kwargs) -> dict:
                 if dead or time.monotonic() > deadline:
                     which = dead or sorted(set(range(world)) - set(got))
                     raise SystemExit(f"{phase} on {world} ranks: rank(s) {which} "
-                                     f"{'died' if dead else f'gave no result in {timeout:.0f}s'}")
+                                     f"{'died' if dead else f'gave no result in {timeout:.0f}s'}") from None
                 continue
             got[r] = (status, payload)
             if status == "error":

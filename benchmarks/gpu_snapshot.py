@@ -25,10 +25,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import ckpt  # noqa: E402
-from ckpt import snapshot  # noqa: E402
-from ckpt.layout import make_layout  # noqa: E402
-from ckpt.snapshot import HostBuffer  # noqa: E402
+import ckpt
+from ckpt import snapshot
+from ckpt.layout import make_layout
+from ckpt.snapshot import HostBuffer
 
 GiB = 1 << 30
 
@@ -80,7 +80,7 @@ def throughput(gib: float, reps: int) -> list[dict]:
     layout = make_layout(state, 16 << 20)
     rows = [{"method": "floor: one cudaMemcpyAsync (flat)", "s": floor_copy(nbytes, reps), "host_s": float("nan")}]
     pool = HostBuffer(layout, native=True)
-    ways = [("ckpt (kernel < %d KiB, else memcpy)" % (snapshot.KERNEL_MAX_BYTES >> 10), snapshot.KERNEL_MAX_BYTES),
+    ways = [(f"ckpt (kernel < {snapshot.KERNEL_MAX_BYTES >> 10} KiB, else memcpy)", snapshot.KERNEL_MAX_BYTES),
             ("ckpt, kernel only", 1 << 62), ("ckpt, cudaMemcpyAsync only", 0)]
     default = snapshot.KERNEL_MAX_BYTES
     for name, k in ways:
@@ -200,7 +200,8 @@ def main() -> None:
     print(f"device: {dev}; torch {torch.__version__}; ckpt core: {ckpt._ext.info()}", flush=True)
     thr = throughput(args.gib, args.reps)
     lines = [f"## Snapshot throughput, {args.gib:g} GiB bf16/fp32 parameters ({dev})", "",
-             "| method | time (s) | GiB/s | ÷ one cudaMemcpyAsync | host time in the call (ms) |", "|---|---:|---:|---:|---:|"]
+             "| method | time (s) | GiB/s | ÷ one cudaMemcpyAsync | host time in the call (ms) |",
+             "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['method']} | {r['s']:.3f} | {r['GiB/s']:.1f} | {r['vs_floor']:.2f} | {1e3 * r['host_s']:.1f} |"
               for r in thr]
     print("\n".join(lines), flush=True)
@@ -208,7 +209,8 @@ def main() -> None:
     lines2 = ["", "## Per size class: GiB/s (host ms in the call)", "",
               "| tensor size | tensors | kernel | cudaMemcpyAsync | torch copy_ |", "|---:|---:|---:|---:|---:|"]
     lines2 += [f"| {r['tensor'] >> 10} KiB | {r['count']} | {r['kernel_GiBs']:.1f} ({1e3 * r['kernel_host']:.1f}) | "
-               f"{r['memcpy_GiBs']:.1f} ({1e3 * r['memcpy_host']:.1f}) | {r['torch_GiBs']:.1f} ({1e3 * r['torch_host']:.1f}) |"
+               f"{r['memcpy_GiBs']:.1f} ({1e3 * r['memcpy_host']:.1f}) | "
+               f"{r['torch_GiBs']:.1f} ({1e3 * r['torch_host']:.1f}) |"
                for r in sc]
     print("\n".join(lines2), flush=True)
     with tempfile.TemporaryDirectory() as root:
@@ -225,7 +227,8 @@ def main() -> None:
         json.dump({"device": dev, "torch": torch.__version__, "throughput": thr, "size_classes": sc,
                    "training": tr, "args": vars(args)}, f, indent=1)
     with open(os.path.join(args.out, "gpu_snapshot.md"), "w") as f:
-        f.write(f"`python benchmarks/gpu_snapshot.py --gib {args.gib:g}` on {dev}\n\n" + "\n".join(lines + lines2 + lines3) + "\n")
+        f.write(f"`python benchmarks/gpu_snapshot.py --gib {args.gib:g}` on {dev}\n\n"
+                + "\n".join(lines + lines2 + lines3) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")

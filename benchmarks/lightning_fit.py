@@ -37,7 +37,7 @@ from torch import nn
 
 warnings.filterwarnings("ignore")
 
-import lightning as L  # noqa: E402,N812
+import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins import AsyncCheckpointIO  # noqa: E402
 
@@ -124,7 +124,8 @@ def main() -> None:
         for rep in range(args.repeats + 1):  # round 0 warms up and is not reported
             for m in METHODS:
                 dt, saves[m] = fit_once(m, root, args)
-                print(f"  {'warm-up ' if rep == 0 else f'repeat {rep}/{args.repeats}'} {m:38s} fit {dt:7.2f}s", flush=True)
+                which = "warm-up " if rep == 0 else f"repeat {rep}/{args.repeats}"
+                print(f"  {which} {m:38s} fit {dt:7.2f}s", flush=True)
                 if rep > 0:
                     times[m].append(dt)
     finally:
@@ -149,7 +150,8 @@ def report(med: dict, overhead: dict, times: dict, saves: dict, params: int, arg
     for m in METHODS:
         over = overhead[m]
         per = f"{over / saves[m]:.3f}" if saves.get(m) else "–"
-        lines.append(f"| {m} | {med[m]:.2f} | {over:+.2f} | {per} |" if m != "none" else f"| {m} | {med[m]:.2f} | – | – |")
+        lines.append(f"| {m} | {med[m]:.2f} | {over:+.2f} | {per} |" if m != "none"
+                     else f"| {m} | {med[m]:.2f} | – | – |")
     ours = overhead["ckpt AsyncCheckpoint"]
     checks = [(f"ckpt overhead < {m} overhead", ours < overhead[m], overhead[m])
               for m in ("ModelCheckpoint + TorchCheckpointIO", "ModelCheckpoint + AsyncCheckpointIO")]

@@ -39,8 +39,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 warnings.filterwarnings("ignore")
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
-import ckpt  # noqa: E402
 from s3_servers import MotoS3, RcloneS3, storage_options  # noqa: E402
+
+import ckpt  # noqa: E402
 
 BUCKET = "ckpt-bench"
 
@@ -78,7 +79,8 @@ def main() -> None:
     target = {k: torch.empty_like(v) for k, v in state.items()}
     size = nbytes(state)
     import s3fs
-    from torch.distributed.checkpoint import load as dcp_load, save as dcp_save
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     fs = s3fs.S3FileSystem(key=so["key"], secret=so["secret"], client_kwargs=so["client_kwargs"],
@@ -168,7 +170,8 @@ def main() -> None:
     print(table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "s3.md"), "w") as f:
-        f.write(f"`python benchmarks/s3.py --size-gib {args.size_gib} --repeats {args.repeats} --server {args.server}`\n\n")
+        f.write(f"`python benchmarks/s3.py --size-gib {args.size_gib} --repeats {args.repeats} "
+                f"--server {args.server}`\n\n")
         f.write(table + "\n")
     with open(os.path.join(args.out, "s3.json"), "w") as f:
         json.dump({"args": vars(args), "bytes": size, "times": times, "median": med,

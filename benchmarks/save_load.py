@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -334,7 +334,8 @@ def report(med: dict, nbytes: int, args, first_stall: float | None) -> None:
                            c["durable"] / dcp_async["durable"]))
         if dcp_load:
             checks.append(("load ≤ DCP load", c["load"] <= dcp_load, c["load"] / dcp_load))
-        lines += [""] + [f"- {'MET' if ok else 'NOT MET'}: ckpt {what} (ratio {ratio:.2f})" for what, ok, ratio in checks]
+        lines += [""] + [f"- {'MET' if ok else 'NOT MET'}: ckpt {what} (ratio {ratio:.2f})"
+                         for what, ok, ratio in checks]
     text = "\n".join(lines)
     print("\n" + text)
     os.makedirs(args.out, exist_ok=True)

@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import ckpt  # noqa: E402
-from save_load import copy_into, make_state  # noqa: E402
+from save_load import copy_into, make_state
+
+import ckpt
 
 
 def main() -> None:
@@ -49,7 +50,7 @@ def main() -> None:
     copy_into(floor_buf, state)
     ckptrs = {"ckpt native": ckpt.Checkpointer(os.path.join(root, "native"), native=True, keep_last=1),
               "ckpt fallback": ckpt.Checkpointer(os.path.join(root, "fallback"), native=False, keep_last=1)}
-    for name, c in ckptrs.items():  # warm-up: host buffer allocation and plan are first-save costs
+    for c in ckptrs.values():  # warm-up: host buffer allocation and layout are first-save costs
         c.save(0, {"model": state}).wait()
     times: dict[str, dict[str, list[float]]] = {n: {"blocked": [], "durable": []} for n in ["memcpy floor", *ckptrs]}
     try:
@@ -77,12 +78,14 @@ def main() -> None:
     med = {n: {k: (statistics.median(v) if v else float("nan")) for k, v in d.items()} for n, d in times.items()}
     floor = med["memcpy floor"]["blocked"]
     fb = med["ckpt fallback"]["durable"]
+    cpu = platform.processor() or platform.machine()
     lines = [f"`python benchmarks/snapshot_cpu.py --size-gib {args.size_gib:g} --repeats {args.repeats}` "
-             f"({os.cpu_count()} cores, {platform.processor() or platform.machine()}, SIMD {info['simd']}; medians)", "",
-             "| method | blocked (s) | blocked ÷ memcpy | durable (s) | durable ÷ fallback |", "|---|---:|---:|---:|---:|"]
+             f"({os.cpu_count()} cores, {cpu}, SIMD {info['simd']}; medians)", "",
+             "| method | blocked (s) | blocked ÷ memcpy | durable (s) | durable ÷ fallback |",
+             "|---|---:|---:|---:|---:|"]
     for n, d in med.items():
-        lines.append(f"| {n} | {d['blocked']:.3f} | {d['blocked'] / floor:.2f} | "
-                     + (f"{d['durable']:.3f} | {d['durable'] / fb:.2f} |" if d["durable"] == d["durable"] else "– | – |"))
+        durable = f"{d['durable']:.3f} | {d['durable'] / fb:.2f} |" if d["durable"] == d["durable"] else "– | – |"
+        lines.append(f"| {n} | {d['blocked']:.3f} | {d['blocked'] / floor:.2f} | " + durable)
     nat = med["ckpt native"]
     lines += ["", f"Targets: native blocked ≤ 1.2 × memcpy (hashing included): {nat['blocked'] / floor:.2f} "
               f"({'met' if nat['blocked'] <= 1.2 * floor else 'NOT met'}); native durable < fallback durable: "

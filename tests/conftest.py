@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import uuid
 
 import pytest
 import torch
+from s3_servers import MotoS3, RcloneS3, storage_options
 from torch import nn
 
 from ckpt.storage.local import LocalStorage
@@ -93,3 +96,40 @@ def _fresh_rng():
 def tensor_entry(m, key: str, rank: int | None = None):
     """The manifest entry of tensor ``key`` (``rank``: that rank's per-rank tensor)."""
     return next(t for t in m.tensors if t.key == key and t.rank == rank)
+
+
+# -- real S3-compatible servers on 127.0.0.1, one of each per test session -------------------------------
+BUCKET = "ckpt-test"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def rclone_server(tmp_path_factory):
+    srv = RcloneS3(str(tmp_path_factory.mktemp("rclone"))).start()
+    srv.make_bucket(BUCKET)
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    srv = MotoS3().start()
+    srv.make_bucket(BUCKET)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["rclone", "moto"])
+def server(request):
+    return request.getfixturevalue(f"{request.param}_server")
+
+
+def s3_url() -> str:
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:10]}"
+
+
+def fast(endpoint: str, **extra) -> dict:
+    """Storage options with short timeouts so failures surface quickly in tests."""
+    return storage_options(endpoint, retry_deadline=extra.pop("retry_deadline", 20), connect_timeout=2,
+                           read_timeout=extra.pop("read_timeout", 5), **extra)

@@ -37,7 +37,7 @@ def _entry(fn, rank: int, world: int, port: int, results, args, hard_exit: bool)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
         payload = fn(rank, world, *args)
-    except BaseException:  # noqa: BLE001 - sent to the test
+    except BaseException:  # sent to the test
         status, payload = "error", traceback.format_exc()
     results.put((rank, status, payload))
     if hard_exit:  # a peer may be dead: leave without the shutdown handshakes
@@ -47,7 +47,7 @@ def _entry(fn, rank: int, world: int, port: int, results, args, hard_exit: bool)
     try:
         dist.barrier()
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
 
 

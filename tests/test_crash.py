@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from crash_child import expected
 
 import ckpt
-from crash_child import expected
 
 HERE = os.path.dirname(__file__)
 

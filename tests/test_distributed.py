@@ -11,14 +11,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import tensor_entry
+from dist_helpers import run_ranks
 
 import ckpt
 from ckpt import manifest as mf
-from ckpt.dist import Inventory, InventoryRow
 from ckpt.storage.local import LocalStorage
-
-from dist_helpers import run_ranks
-from conftest import tensor_entry
 
 KiB = 1024
 CHUNK = 64 * KiB
@@ -388,74 +386,6 @@ def test_retention_across_ranks_keeps_exactly_what_is_referenced(tmp_path):
         state = {"w": ckpt.LocalShard(torch.zeros(30, 50), (0, 0), (30, 50)), "bias": torch.zeros(40), "step": 0}
         c.load(s, state)
         assert state["step"] == s % 4
-
-
-# -- the planner and the box arithmetic, without processes ---------------------------------------------
-
-def inv(tensors, tops=None, per_rank=()):
-    return Inventory(tops or {"m": "same"}, list(per_rank), [InventoryRow(*t) for t in tensors])
-
-
-def test_replicated_tensors_are_written_once_with_balanced_bytes():
-    tensors = [[f"m/t{i}", "replicated", "float32", [n], [0], [n], 4 * n]
-               for i, n in enumerate([1000, 900, 800, 700, 600, 500, 400, 300])]
-    plans = ckpt.dist.assign([inv(tensors) for _ in range(3)])
-    writes = [p.write for p in plans]
-    assert sorted(i for w in writes for i in w) == list(range(8))  # each written exactly once
-    loads = [p.bytes for p in plans]
-    assert max(loads) - min(loads) <= 4 * 1000
-    # shards with one holder are forced, and a Replicate placement's duplicate boxes written once
-    sh = [[["m/s", "shard", "float32", [10, 4], [r * 5, 0], [5, 4], 80]] for r in (0, 1, 0, 1)]
-    plans = ckpt.dist.assign([inv(t) for t in sh])
-    assert sum(len(p.write) for p in plans) == 2
-
-
-@pytest.mark.parametrize("bad, match", [
-    ([["m/x", "replicated", "float32", [3], [0], [3], 12]], "differs between ranks"),
-    ([["m/y", "replicated", "float32", [4], [0], [4], 16]], "missing on rank"),
-    ([["m/x", "shard", "float32", [4], [1], [3], 12]], "differs between ranks"),
-])
-def test_inconsistent_states_are_refused_with_the_key(bad, match):
-    good = [["m/x", "replicated", "float32", [4], [0], [4], 16]]
-    plans = ckpt.dist.assign([inv(good), inv(bad)])
-    assert all(p.error for p in plans) and match in plans[0].error
-
-
-def test_shards_must_tile_the_tensor():
-    a = [["m/s", "shard", "float32", [10], [0], [6], 24]]
-    b = [["m/s", "shard", "float32", [10], [5], [5], 20]]  # overlaps a
-    plans = ckpt.dist.assign([inv(a), inv(b)])
-    assert "do not tile" in plans[0].error
-
-
-def test_plain_values_that_differ_make_the_key_per_rank():
-    a = inv([], tops={"m": "1", "pos": "x"})
-    b = inv([], tops={"m": "1", "pos": "y"})
-    assert ckpt.dist.assign([a, b])[0].per_rank == ["pos"]
-
-
-def test_next_needed_and_contiguous_run_match_brute_force():
-    from ckpt.sharding import contiguous_run, next_needed
-
-    g = torch.Generator().manual_seed(0)
-    for _ in range(400):
-        nd = int(torch.randint(1, 4, (1,), generator=g))
-        outer = [int(torch.randint(1, 6, (1,), generator=g)) for _ in range(nd)]
-        offs = [int(torch.randint(0, d, (1,), generator=g)) for d in outer]
-        lens = [int(torch.randint(0, d - o + 1, (1,), generator=g)) for o, d in zip(offs, outer)]
-        mask = np.zeros(outer, dtype=bool)
-        mask[tuple(slice(o, o + n) for o, n in zip(offs, lens))] = True
-        flat = mask.reshape(-1)
-        idx = np.flatnonzero(flat)
-        for pos in range(flat.size + 1):
-            later = idx[idx >= pos]
-            assert next_needed(pos, outer, (tuple(offs), tuple(lens))) == (int(later[0]) if later.size else None)
-        run = contiguous_run((tuple(offs), tuple(lens)), outer)
-        if idx.size:
-            is_run = idx[-1] - idx[0] + 1 == idx.size
-            assert (run is not None) == is_run, (outer, offs, lens)
-            if run is not None:
-                assert run == (int(idx[0]), int(idx.size))
 
 
 def skip_body(rank: int, world: int, root: str):

@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
+from conftest import chunk_files, make_state
 
 import ckpt
 from ckpt import manifest as mf
-from conftest import chunk_files, make_state
 
 
 def _save_steps(ckdir, steps=(1, 2), **kw):

@@ -13,9 +13,10 @@ import torch
 
 L = pytest.importorskip("lightning")
 
+from lightning_child import Batches, Tiny  # noqa: E402
+
 import ckpt  # noqa: E402
 from ckpt.lightning import AsyncCheckpoint, CkptCheckpointIO, load_checkpoint  # noqa: E402
-from lightning_child import Batches, Tiny  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -33,7 +34,7 @@ def run_child(ckdir: str, out: str, max_steps: int) -> dict:
     return torch.load(out)
 
 
-def trainer(max_steps: int, callbacks=(), plugins=None, **kw) -> "L.Trainer":
+def trainer(max_steps: int, callbacks=(), plugins=None, **kw) -> L.Trainer:
     return L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=list(callbacks), plugins=plugins, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw)
 
@@ -156,7 +157,7 @@ def test_options_are_checked():
         AsyncCheckpoint("x", chunk_size=3)  # every Checkpointer option is checked when the callback is made
 
 
-def _fit_with_model_checkpoint(dirpath: str, plugins) -> tuple[ModelCheckpoint, "L.Trainer", Tiny]:
+def _fit_with_model_checkpoint(dirpath: str, plugins) -> tuple[ModelCheckpoint, L.Trainer, Tiny]:
     torch.manual_seed(0)
     mc = ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=2, every_n_train_steps=2, save_last=True)
     t = trainer(16, [mc], plugins=plugins)
@@ -222,7 +223,8 @@ def test_import_picks_lightning_then_pytorch_lightning_then_explains(tmp_path):
     code = ("import sys\n"
             "for name in sys.argv[1:]: sys.modules[name] = None\n"
             "try:\n"
-            "    import ckpt.lightning as m; print('ok', m.LIGHTNING_PACKAGE, m.AsyncCheckpoint.__mro__[1].__module__)\n"
+            "    import ckpt.lightning as m\n"
+            "    print('ok', m.LIGHTNING_PACKAGE, m.AsyncCheckpoint.__mro__[1].__module__)\n"
             "except ImportError as e: print('ImportError', e)\n")
 
     def run(*blocked):

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import assert_same_tensors, clone_tensors, make_model, make_state, train_steps
 
 import ckpt
-from conftest import assert_same_tensors, clone_tensors, make_model, make_state, train_steps
 
 
 def test_model_optimizer_scheduler_roundtrip(ckdir):

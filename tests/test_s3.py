@@ -1,7 +1,7 @@
-"""Object storage and tiers (issue 4), against real S3-compatible servers on 127.0.0.1.
+"""Checkpoints on object storage and with a local tier, against real S3-compatible servers on 127.0.0.1.
 
-``rclone serve s3`` (a separate process, killed for real) and moto's ThreadedMotoServer; the same
-storage conformance class also runs against a local directory and memory://.
+``rclone serve s3`` (a separate process, killed for real) and moto's ThreadedMotoServer, started by the
+fixtures in conftest.py. The storage conformance suite every backend passes is tests/test_storage.py.
 """
 
 from __future__ import annotations
@@ -12,53 +12,16 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import pytest
 import torch
+from conftest import BUCKET, MiB, fast, s3_url
+from s3_servers import FaultProxy, RcloneS3
 
 import ckpt
 from ckpt import manifest as mf
-from ckpt.storage import LocalStorage, open_storage
+from ckpt.storage import open_storage
 from ckpt.storage.s3 import S3Storage
-
-sys.path.insert(0, os.path.dirname(__file__))
-from s3_servers import FaultProxy, MotoS3, RcloneS3, storage_options  # noqa: E402
-
-BUCKET = "ckpt-test"
-MiB = 1 << 20
-
-
-@pytest.fixture(scope="session")
-def rclone_server(tmp_path_factory):
-    srv = RcloneS3(str(tmp_path_factory.mktemp("rclone"))).start()
-    srv.make_bucket(BUCKET)
-    yield srv
-    srv.kill()
-
-
-@pytest.fixture(scope="session")
-def moto_server():
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    srv = MotoS3().start()
-    srv.make_bucket(BUCKET)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(params=["rclone", "moto"])
-def server(request):
-    return request.getfixturevalue(f"{request.param}_server")
-
-
-def s3_url() -> str:
-    return f"s3://{BUCKET}/{uuid.uuid4().hex[:10]}"
-
-
-def fast(endpoint: str, **extra) -> dict:
-    """Storage options with short timeouts so failures surface quickly in tests."""
-    return storage_options(endpoint, retry_deadline=extra.pop("retry_deadline", 20), connect_timeout=2,
-                           read_timeout=extra.pop("read_timeout", 5), **extra)
 
 
 def state_of(n: int = 3_000_000, seed: int = 0) -> dict:
@@ -74,65 +37,6 @@ def assert_loaded(c: ckpt.Checkpointer, step, expected: dict) -> None:
     got = zeros_like(expected)
     assert c.load(step, got) == (step if step != "latest" else got["step"])
     assert torch.equal(got["w"], expected["w"]) and torch.equal(got["b"], expected["b"])
-
-
-# -- one conformance suite for every backend ------------------------------------------------------
-@pytest.fixture(params=["local", "memory", "rclone", "moto"])
-def backend(request, tmp_path):
-    kind = request.param
-    if kind == "local":
-        return LocalStorage(str(tmp_path / "root"))
-    if kind == "memory":
-        return open_storage(f"memory://conf-{uuid.uuid4().hex}")
-    srv = request.getfixturevalue(f"{kind}_server")
-    return open_storage(s3_url(), fast(srv.endpoint))
-
-
-class TestStorageConformance:
-    def test_write_read_ranges(self, backend):
-        data = os.urandom(300_000)
-        assert backend.write("chunks/ab/obj", [data[:1000], memoryview(data[1000:])]) == len(data)
-        assert backend.read("chunks/ab/obj") == data
-        assert backend.read("chunks/ab/obj", 10, 5000) == data[10:5000]
-        assert backend.size("chunks/ab/obj") == len(data)
-        head, rest = bytearray(64), bytearray(len(data) - 64)
-        assert backend.readv("chunks/ab/obj", [head, rest]) == len(data)
-        assert bytes(head) + bytes(rest) == data
-
-    def test_missing_is_file_not_found(self, backend):
-        assert not backend.exists("chunks/zz/none")
-        with pytest.raises(FileNotFoundError):
-            backend.read("chunks/zz/none")
-        backend.delete("chunks/zz/none")  # not an error
-        assert backend.list("nothing-here") == []
-
-    def test_list_and_delete(self, backend):
-        for name in ("a", "b", "c"):
-            backend.write(f"steps/000000000001/{name}", [name.encode()])
-        assert backend.list("steps/000000000001") == ["a", "b", "c"]
-        assert backend.list("steps") == ["000000000001"]
-        backend.delete("steps/000000000001/b")
-        assert backend.list("steps/000000000001") == ["a", "c"]
-        assert not backend.exists("steps/000000000001/b")
-
-    def test_overwrite_is_whole(self, backend):
-        backend.write("x", [b"1" * 1000])
-        backend.write("x", [b"2" * 10])
-        assert backend.read("x") == b"2" * 10
-
-    def test_commit_is_create_only(self, backend):
-        backend.commit("steps/000000000002/MANIFEST.json", b"{}")
-        with pytest.raises(FileExistsError):
-            backend.commit("steps/000000000002/MANIFEST.json", b"{other}")
-        assert backend.read("steps/000000000002/MANIFEST.json") == b"{}"
-
-    def test_multipart_object(self, backend):
-        data = os.urandom(11 * MiB)
-        backend.write("big", [data])
-        assert backend.read("big") == data
-        if isinstance(backend, S3Storage):
-            assert backend.counters["multipart"] == 1
-            assert backend.multipart_uploads() == []
 
 
 def test_which_servers_give_true_create_only(rclone_server, moto_server):
@@ -163,23 +67,38 @@ def test_save_load_on_s3(server, tmp_path, tiered):
         assert ckpt.Checkpointer(local).steps() == [1, 2]
 
 
-def test_commit_waits_for_uploads_and_stage_order(rclone_server, tmp_path):
-    """The manifest PUT comes after every chunk upload: a stalled upload holds the commit, while the
-    handle already reports 'local'."""
-    proxy = FaultProxy(rclone_server.port, stall_s=2.0)
+def test_commit_waits_for_uploads_and_stage_order(rclone_server, tmp_path, monkeypatch):
+    """The manifest PUT comes after every chunk upload: while the uploads are held, the handle already
+    reports 'local' and the step is not committed; once they go through, it commits.
+
+    The uploads are held by a gate in this process, not by timing: checking "the manifest is not
+    there yet" against a stalled connection raced the commit (the stall could end first)."""
+    gate, entered = threading.Event(), threading.Event()
+    upload = S3Storage.write
+
+    def held(self, key, buffers):
+        if key.startswith("chunks/"):
+            entered.set()
+            assert gate.wait(60), "the gate never opened"
+        return upload(self, key, buffers)
+
+    monkeypatch.setattr(S3Storage, "write", held)
+    url, so = s3_url(), fast(rclone_server.endpoint)
+    direct = open_storage(url, so)
     try:
-        url = s3_url()
-        so = fast(proxy.endpoint, read_timeout=1)
         with ckpt.Checkpointer(url, local_dir=str(tmp_path / "nvme"), storage_options=so, chunk_size=1 * MiB) as c:
-            proxy.arm("stall", 2)
             h = c.save(1, state_of(1_000_000))
             h.wait("local")
-            assert not open_storage(url, fast(rclone_server.endpoint)).exists(mf.manifest_key(1)) or h.done()
+            assert entered.wait(60)  # an upload is under way, and held
+            assert h.stage == "local" and not h.done()
+            assert not direct.exists(mf.manifest_key(1))
+            gate.set()
             h.wait()
-            assert proxy.injected["stall"] == 2
+            assert h.stage == "committed" and direct.exists(mf.manifest_key(1))
             assert h.metrics.local_s < h.metrics.duration_s
     finally:
-        proxy.close()
+        gate.set()
+        direct.close()
 
 
 # -- faults -----------------------------------------------------------------------------------------
@@ -325,17 +244,6 @@ def test_retention_keep_last_and_keep_every_on_both_tiers(rclone_server, tmp_pat
     with ckpt.Checkpointer(url, storage_options=so) as c:
         for s in (1, 3, 6, 7):
             assert_loaded(c, s, states[s])
-
-
-def test_to_delete_keep_every_rules():
-    from ckpt.retention import to_delete
-
-    steps = list(range(1, 11))
-    assert to_delete(steps, 2, (), 4) == [1, 2, 3, 5, 6, 7]
-    assert to_delete(steps, None, (), 5) == [1, 2, 3, 4, 6, 7, 8, 9]
-    assert to_delete(steps, 3, (2,), None) == [1, 3, 4, 5, 6, 7]
-    with pytest.raises(ckpt.ConfigError, match="keep_every"):
-        ckpt.Checkpointer("x", keep_every=0)
 
 
 RETENTION_CHILD = r"""

@@ -12,7 +12,7 @@ import torch
 
 import ckpt
 from ckpt.state import flatten
-from ckpt.structure import decode
+from ckpt.structure import rebuild
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.uint8]
 
@@ -81,7 +81,7 @@ def test_structure_roundtrip_without_io(seed):
     flat = flatten(state)
     structure = json.loads(json.dumps(flat.structure, allow_nan=False))  # what the manifest stores
     tensors = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in flat.tensors.items()}
-    back = decode(structure, tensors, allow_pickle=False)
+    back = rebuild(structure, tensors, allow_pickle=False)
     assert same(back, state)
 
 

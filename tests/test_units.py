@@ -1,13 +1,24 @@
-"""Pure pieces, tested without any I/O: layout layout, codec framing, manifest validation."""
+"""Pure pieces, tested without storage or processes: the buffer layout, chunk framing and its one
+validity check, manifests, the structure tree's walkers, the planner and box arithmetic (against brute
+force), retention rules, options, and the records ranks exchange."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from ckpt import CorruptCheckpointError, IncompatibleFormatError
-from ckpt import codec, manifest as mf
+import ckpt
+from ckpt import CorruptCheckpointError, IncompatibleFormatError, codec
+from ckpt import manifest as mf
+from ckpt import structure as st
+from ckpt.commit import Decision, Report, Status
+from ckpt.dist import Inventory, InventoryRow, LocalComm, WriteAssignment
 from ckpt.layout import ALIGN, make_layout
+from ckpt.options import Options
+from ckpt.retention import to_delete
+from ckpt.sharding import contiguous_run, next_needed
+from ckpt.state import flatten
 
 
 def _tensors(sizes):
@@ -15,7 +26,7 @@ def _tensors(sizes):
 
 
 @pytest.mark.parametrize("sizes", [[10], [0, 5, 0], [100] * 50, [1 << 20, 7, 3 << 20, 9, 9], [65, 63, 1, 300000]])
-def test_plan_chunks_tile_the_buffer_and_segments_cover_each_tensor(sizes):
+def test_layout_chunks_tile_the_buffer_and_segments_cover_each_tensor(sizes):
     cs = 256 * 1024
     layout = make_layout(_tensors(sizes), cs)
     pos = 0
@@ -31,7 +42,7 @@ def test_plan_chunks_tile_the_buffer_and_segments_cover_each_tensor(sizes):
             assert off == 0 and layout.chunks[first].offset == slot.offset
 
 
-def test_plan_is_stable_for_the_same_structure():
+def test_layout_is_stable_for_the_same_structure():
     a = make_layout(_tensors([5, 1 << 20, 17]), 1 << 20)
     b = make_layout(_tensors([5, 1 << 20, 17]), 1 << 20)
     assert a == b
@@ -56,6 +67,33 @@ def test_codec_roundtrip_and_header_checks():
         codec.decode(bytes(future), name="x", expect_hash=h)
 
 
+def test_one_validity_check_for_stored_chunks():
+    """codec.verify is the check every reader uses: in one buffer or as header + payload read in place."""
+    raw = memoryview(bytes(range(256)) * 1024)
+    h = codec.chunk_hash(raw)
+    _, bufs = codec.encode(raw, h, codec.CodecSpec("raw"))
+    header, payload = bytes(bufs[0]), bytes(bufs[1])
+    assert bytes(codec.verify("k", h, header, payload, expect_len=len(raw), object_len=64 + len(raw))) == bytes(raw)
+    with pytest.raises(CorruptCheckpointError, match="raw bytes, the manifest says"):
+        codec.verify("k", h, header, payload, expect_len=len(raw) + 1)
+    with pytest.raises(CorruptCheckpointError, match="truncated or padded"):
+        codec.verify("k", h, header, payload, object_len=64 + len(raw) + 1)
+    with pytest.raises(CorruptCheckpointError, match="truncated or padded"):
+        codec.verify("k", h, header, payload[:-1])
+    flipped = bytearray(payload)
+    flipped[7] ^= 1
+    with pytest.raises(CorruptCheckpointError, match="hash check"):
+        codec.verify("k", h, header, flipped)
+    _, zbufs = codec.encode(raw, h, codec.CodecSpec("zstd"))
+    with pytest.raises(CorruptCheckpointError, match="stored as zstd"):  # read in place as raw: refused
+        codec.verify("k", h, bytes(zbufs[0]), bytes(zbufs[1]), raw_only=True)
+    key = f"chunks/{h[:2]}/{h}"
+    codec.verify_object(key, [memoryview(header + payload)])
+    codec.verify_object(key, [memoryview(header), memoryview(payload)])
+    with pytest.raises(CorruptCheckpointError):
+        codec.verify_object(f"chunks/00/{'0' * 32}", [memoryview(header + payload)])
+
+
 def test_manifest_json_roundtrip():
     m = mf.Manifest(step=3, kind="step", structure={"t": "dict", "k": ["w"], "v": [{"t": "tensor", "key": "w"}]},
                     tensors=[mf.TensorEntry("w", "float32", [2, 2], [mf.Shard(0, [0, 0], [2, 2], [
@@ -74,3 +112,155 @@ def test_merge_combines_rank_reports():
     m = mf.merge(1, [part(1, (2, 2)), part(0, (0, 2))])
     assert m.world_size == 2 and m.stats["chunks"] == 2
     assert [s.rank for s in m.tensors[0].shards] == [0, 1] and len(m.chunks) == 2
+
+
+# -- the planner, against what every rank holds --------------------------------------------------------
+
+def inv(tensors, tops=None, per_rank=()):
+    return Inventory(tops or {"m": "same"}, list(per_rank), [InventoryRow(*t) for t in tensors])
+
+
+def test_replicated_tensors_are_written_once_with_balanced_bytes():
+    tensors = [[f"m/t{i}", "replicated", "float32", [n], [0], [n], 4 * n]
+               for i, n in enumerate([1000, 900, 800, 700, 600, 500, 400, 300])]
+    plans = ckpt.dist.assign([inv(tensors) for _ in range(3)])
+    writes = [p.write for p in plans]
+    assert sorted(i for w in writes for i in w) == list(range(8))  # each written exactly once
+    loads = [p.bytes for p in plans]
+    assert max(loads) - min(loads) <= 4 * 1000
+    # shards with one holder are forced, and a Replicate placement's duplicate boxes written once
+    sh = [[["m/s", "shard", "float32", [10, 4], [r * 5, 0], [5, 4], 80]] for r in (0, 1, 0, 1)]
+    plans = ckpt.dist.assign([inv(t) for t in sh])
+    assert sum(len(p.write) for p in plans) == 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([["m/x", "replicated", "float32", [3], [0], [3], 12]], "differs between ranks"),
+    ([["m/y", "replicated", "float32", [4], [0], [4], 16]], "missing on rank"),
+    ([["m/x", "shard", "float32", [4], [1], [3], 12]], "differs between ranks"),
+])
+def test_inconsistent_states_are_refused_with_the_key(bad, match):
+    good = [["m/x", "replicated", "float32", [4], [0], [4], 16]]
+    plans = ckpt.dist.assign([inv(good), inv(bad)])
+    assert all(p.error for p in plans) and match in plans[0].error
+
+
+def test_shards_must_tile_the_tensor():
+    a = [["m/s", "shard", "float32", [10], [0], [6], 24]]
+    b = [["m/s", "shard", "float32", [10], [5], [5], 20]]  # overlaps a
+    plans = ckpt.dist.assign([inv(a), inv(b)])
+    assert "do not tile" in plans[0].error
+
+
+def test_plain_values_that_differ_make_the_key_per_rank():
+    a = inv([], tops={"m": "1", "pos": "x"})
+    b = inv([], tops={"m": "1", "pos": "y"})
+    assert ckpt.dist.assign([a, b])[0].per_rank == ["pos"]
+
+
+def test_next_needed_and_contiguous_run_match_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        nd = int(torch.randint(1, 4, (1,), generator=g))
+        outer = [int(torch.randint(1, 6, (1,), generator=g)) for _ in range(nd)]
+        offs = [int(torch.randint(0, d, (1,), generator=g)) for d in outer]
+        lens = [int(torch.randint(0, d - o + 1, (1,), generator=g)) for o, d in zip(offs, outer)]
+        mask = np.zeros(outer, dtype=bool)
+        mask[tuple(slice(o, o + n) for o, n in zip(offs, lens))] = True
+        flat = mask.reshape(-1)
+        idx = np.flatnonzero(flat)
+        for pos in range(flat.size + 1):
+            later = idx[idx >= pos]
+            assert next_needed(pos, outer, (tuple(offs), tuple(lens))) == (int(later[0]) if later.size else None)
+        run = contiguous_run((tuple(offs), tuple(lens)), outer)
+        if idx.size:
+            is_run = idx[-1] - idx[0] + 1 == idx.size
+            assert (run is not None) == is_run, (outer, offs, lens)
+            if run is not None:
+                assert run == (int(idx[0]), int(idx.size))
+
+
+# -- retention rules -----------------------------------------------------------------------------------
+
+def test_to_delete_keep_every_rules():
+    steps = list(range(1, 11))
+    assert to_delete(steps, 2, (), 4) == [1, 2, 3, 5, 6, 7]
+    assert to_delete(steps, None, (), 5) == [1, 2, 3, 4, 6, 7, 8, 9]
+    assert to_delete(steps, 3, (2,), None) == [1, 3, 4, 5, 6, 7]
+    with pytest.raises(ckpt.ConfigError, match="keep_every"):
+        ckpt.Checkpointer("x", keep_every=0)
+
+
+# -- the structure tree ------------------------------------------------------------------------------
+
+def test_structure_walkers():
+    state = {"model": torch.nn.Linear(2, 3), "step": 7, "cfg": {"lr": float("nan"), 3: (1, "a")},
+             "blob": b"xyz", "pos": ckpt.PerRank({"i": 4})}
+    flat = flatten(state)
+    s = flat.structure
+    assert st.kind(s) == "dict" and [k for k, _ in st.top_items(s)] == list(state)
+    assert st.tensor_keys(s) == ["model/weight", "model/bias"] == list(flat.tensors)
+    values = dict(st.value_nodes(s))
+    assert values["step"] == 7 and values["cfg/3"] == st.tuple_node([1, "a"]) and values["pos/i"] == 4
+    assert st.preview(values["cfg/lr"]) == "nan" and st.preview(values["blob"]) == "<3 bytes>"
+    assert not st.has_pickle(s)
+    assert st.digest(s) == st.digest(flatten(state).structure)
+    pickled = st.dict_node(["x"], [st.pickle_node({1, 2})])
+    assert st.has_pickle(pickled) and st.strip_pickles(pickled) == st.dict_node(["x"], [{"t": "pickle"}])
+    assert st.preview(pickled) == "{'x': <pickled object: not loaded>}"
+    with pytest.raises(ckpt.UnsupportedValueError, match="allow_pickle=True"):
+        st.rebuild(pickled, {}, allow_pickle=False)
+    assert st.rebuild(pickled, {}, allow_pickle=True) == {"x": {1, 2}}
+    back = st.rebuild(s, flat.tensors, allow_pickle=False)
+    assert back["cfg"][3] == (1, "a") and back["blob"] == b"xyz" and back["model"].state_dict["weight"] is not None
+    per = st.dict_node(["pos"], [st.per_rank_node([{"t": "tuple", "v": [1]}, 2])])
+    assert st.is_per_rank(per["v"][0])
+    assert list(st.value_nodes(per)) == [("pos[rank 0]", {"t": "tuple", "v": [1]}), ("pos[rank 1]", 2)]
+    assert list(st.value_nodes(per, rank=1)) == [("pos", 2)]
+
+
+# -- options ---------------------------------------------------------------------------------------------
+
+def test_options_are_checked_once_and_normalised():
+    o = Options.build(codec="zstd:3", local_dir=__import__("pathlib").Path("/tmp/x"), timeout=5)
+    assert o.codec == codec.CodecSpec("zstd", 3) and o.local_dir == "/tmp/x" and o.timeout == 5.0
+    assert o.replace(keep_last=2).keep_last == 2 and o.keep_last is None
+    for bad, match in [({"keep_last": 0}, "keep_last"), ({"chunk_size": 10}, "chunk_size"),
+                       ({"busy": "later"}, "busy"), ({"timeout": -1}, "timeout"), ({"codec": "lz4"}, "codec"),
+                       ({"storage_options": "x"}, "storage_options"), ({"io_thread": 2}, "unknown option.*io_thread"),
+                       ({"local_dir": 3}, "local_dir"), ({"snapshot_threads": 0}, "snapshot_threads")]:
+        with pytest.raises(ckpt.ConfigError, match=match):
+            Options.build(**bad)
+
+
+# -- what ranks tell each other ----------------------------------------------------------------------------
+
+def test_records_survive_the_store():
+    d = Decision(Status.FAIL, (1, 3), "rank 1: boom")
+    assert Decision.from_json(d.to_json()) == d
+    r = Report(Status.SKIP, 12)
+    assert Report.from_json(r.to_json()) == r
+    inv = Inventory({"m": "d"}, ["pos"], [InventoryRow("m/w", "shard", "float32", [4, 2], [0, 0], [2, 2], 16)])
+    assert Inventory.from_json(inv.to_json()) == inv
+    w = WriteAssignment([0, 2], ["pos"], 16)
+    assert WriteAssignment.from_json(w.to_json()) == w
+    w.raise_error()  # no error: nothing raised
+    with pytest.raises(ckpt.StateMismatchError):
+        WriteAssignment(error="shapes differ", mismatch=True).raise_error()
+    with pytest.raises(ckpt.DistributedSaveError) as e:
+        WriteAssignment(error="rank 2 died", ranks=[2]).raise_error()
+    assert e.value.ranks == [2]
+
+
+def test_a_process_alone_is_its_own_coordinator():
+    comm = LocalComm()
+    inv = Inventory({"m": "d"}, [], [InventoryRow("m/w", "replicated", "float32", [4], [0], [4], 16)])
+    assert comm.exchange_plan(0, inv).write == [0]
+    comm.report(0, Report(Status.OK, 5).to_json())
+    reports, missing = comm.gather(0)
+    assert missing == [] and Report.from_json(reports[0]).step == 5
+    assert comm.agree({"latest": 5}) == [{"latest": 5}]
+    assert comm.decision(1) is None  # nobody decided save 1: the answer comes at once, no waiting
+    bad = Inventory({"m": "d"}, [], [InventoryRow("m/w", "shard", "float32", [4], [1], [2], 8)])
+    with pytest.raises(ckpt.StateMismatchError, match="do not tile"):
+        comm.exchange_plan(1, bad)

@@ -1,0 +1,146 @@
+"""One conformance suite for every storage backend: a local directory, memory://, two real S3-compatible
+servers (rclone serve s3, moto) and the tiered storage (a local tier staged in front of memory:// and of
+rclone). What ckpt relies on from storage is written down here once, and every backend must pass it."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+from conftest import MiB, fast, s3_url
+
+from ckpt.codec import CodecSpec, chunk_hash, encode, verify_object
+from ckpt.storage import LocalStorage, Storage, open_storage, open_tiered
+from ckpt.storage.s3 import S3Storage
+from ckpt.storage.tiered import TieredStorage
+
+
+@pytest.fixture(params=["local", "memory", "rclone", "moto", "tiered-memory", "tiered-rclone"])
+def backend(request, tmp_path):
+    kind = request.param
+    if kind == "local":
+        st: Storage = LocalStorage(str(tmp_path / "root"))
+    elif kind == "memory":
+        st = open_storage(f"memory://conf-{uuid.uuid4().hex}")
+    elif kind == "tiered-memory":
+        st = open_tiered(f"memory://conf-{uuid.uuid4().hex}", str(tmp_path / "nvme"), verify=verify_object)
+    elif kind == "tiered-rclone":
+        srv = request.getfixturevalue("rclone_server")
+        st = open_tiered(s3_url(), str(tmp_path / "nvme"), fast(srv.endpoint), verify=verify_object)
+    else:
+        srv = request.getfixturevalue(f"{kind}_server")
+        st = open_storage(s3_url(), fast(srv.endpoint))
+    yield st
+    st.close()
+
+
+def chunk(nbytes: int, seed: int = 0) -> tuple[str, bytes]:
+    """A real chunk object (64-byte header + raw payload) and its key: tiered storage checks what it serves."""
+    raw = os.urandom(nbytes) if seed == 0 else bytes([seed % 251]) * nbytes
+    h = chunk_hash(raw)
+    _, bufs = encode(memoryview(raw), h, CodecSpec("raw"))
+    return f"chunks/{h[:2]}/{h}", b"".join(bytes(b) for b in bufs)
+
+
+def test_write_read_ranges(backend):
+    key, data = chunk(300_000)
+    assert backend.write(key, [data[:1000], memoryview(data[1000:])]) == len(data)
+    assert backend.read(key) == data
+    assert backend.read(key, 10, 5000) == data[10:5000]
+    assert backend.size(key) == len(data)
+    head, rest = bytearray(64), bytearray(len(data) - 64)
+    assert backend.readv(key, [head, rest]) == len(data)
+    assert bytes(head) + bytes(rest) == data
+    backend.flush()
+    assert backend.exists(key)
+
+
+def test_missing_is_file_not_found(backend):
+    assert not backend.exists("chunks/zz/none")
+    with pytest.raises(FileNotFoundError):
+        backend.read("chunks/zz/none")
+    with pytest.raises(FileNotFoundError):
+        backend.readv("chunks/zz/none", [bytearray(64)])
+    backend.delete("chunks/zz/none")  # not an error
+    assert backend.list("nothing-here") == []
+
+
+def test_list_and_delete(backend):
+    for name in ("a", "b", "c"):
+        backend.write(f"steps/000000000001/{name}", [name.encode()])
+    assert backend.list("steps/000000000001") == ["a", "b", "c"]
+    assert backend.list("steps") == ["000000000001"]
+    backend.delete("steps/000000000001/b")
+    assert backend.list("steps/000000000001") == ["a", "c"]
+    assert not backend.exists("steps/000000000001/b")
+
+
+def test_overwrite_is_whole(backend):
+    backend.write("x", [b"1" * 1000])
+    backend.write("x", [b"2" * 10])
+    assert backend.read("x") == b"2" * 10
+
+
+def test_commit_is_create_only(backend):
+    key, data = chunk(1000, seed=3)
+    backend.write(key, [data])
+    backend.commit("steps/000000000002/MANIFEST.json", b"{}")  # after every chunk written before it
+    assert backend.exists(key)
+    with pytest.raises(FileExistsError):
+        backend.commit("steps/000000000002/MANIFEST.json", b"{other}")
+    assert backend.read("steps/000000000002/MANIFEST.json") == b"{}"
+
+
+def test_mtime_is_recent_or_unknown(backend):
+    import time
+
+    backend.write("steps/000000000003/rank-00000.json", [b"{}"])
+    t = backend.mtime("steps/000000000003/rank-00000.json")
+    assert t is None or abs(time.time() - t) < 600
+    with pytest.raises(FileNotFoundError):
+        backend.mtime("steps/000000000003/none")
+
+
+def test_root_state_and_remove_root(backend):
+    assert backend.root_state() in ("missing", "empty")
+    key, data = chunk(5000, seed=4)
+    backend.write(key, [data])
+    backend.commit("steps/000000000001/MANIFEST.json", b"{}")
+    assert backend.root_state() == "nonempty"
+    backend.remove_root()
+    assert backend.root_state() in ("missing", "empty")
+    assert not backend.exists(key) and backend.list("steps") == []
+    with pytest.raises(FileNotFoundError):
+        backend.read(key)
+
+
+def test_multipart_object(backend):
+    data = os.urandom(11 * MiB)
+    backend.write("big", [data])
+    assert backend.read("big") == data
+    s3 = backend.remote if isinstance(backend, TieredStorage) else backend
+    if isinstance(s3, S3Storage):
+        assert s3.counters["multipart"] == 1
+        assert s3.multipart_uploads() == []
+
+
+def test_tiered_serves_only_verified_local_copies(tmp_path):
+    """A local copy that fails its check is rejected, counted, and read from the remote instead."""
+    st = open_tiered(f"memory://conf-{uuid.uuid4().hex}", str(tmp_path / "nvme"), verify=verify_object)
+    assert isinstance(st, TieredStorage)
+    key, data = chunk(100_000)
+    st.write(key, [data])
+    st.drain()  # uploaded
+    st.reset_tier_counters()
+    assert st.read(key) == data
+    path = os.path.join(st.local.root, key)
+    with open(path, "r+b") as f:  # damage the local copy's payload
+        f.seek(1000)
+        f.write(b"\x00" * 8)
+    head, rest = bytearray(64), bytearray(len(data) - 64)
+    assert st.readv(key, [head, rest]) == len(data) and bytes(head) + bytes(rest) == data
+    c = st.tier_counters()
+    assert c.local_hits == 1 and c.remote_reads == 1 and c.local_rejected == [key]
+    assert open_storage(str(tmp_path / "plain")).tier_counters() is None  # a single tier has no counters
+    st.close()

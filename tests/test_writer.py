@@ -1,0 +1,131 @@
+"""The writer alone, over memory://: one rank's part of a save (chunks, then the rank report) and the
+commit, with no Checkpointer, no commit thread and no process group around it."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import manifest as mf
+from ckpt.codec import CodecSpec, decode
+from ckpt.commit import CommitProtocol
+from ckpt.dist import LocalComm
+from ckpt.handle import SaveMetrics
+from ckpt.snapshot import Snapshotter
+from ckpt.state import flatten
+from ckpt.storage import open_storage
+from ckpt.writer import SaveJob, Writer
+
+CHUNK = 64 * 1024
+
+
+@pytest.fixture
+def io():
+    pool = ThreadPoolExecutor(4)
+    yield pool
+    pool.shutdown()
+
+
+def memory_storage():
+    return open_storage(f"memory://writer-{uuid.uuid4().hex}")
+
+
+def job_for(snapshotter: Snapshotter, step: int, state: dict, seq: int = 0) -> SaveJob:
+    flat = flatten(state)
+    snap = snapshotter.take(seq, flat, state)
+    assert snap is not None
+    return SaveJob(step=step, seq=seq, snapshot=snap, structure=flat.structure, metrics=SaveMetrics(step),
+                   started=0.0)
+
+
+def state_of(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"big": torch.randn(50_000, generator=g), "small": torch.arange(10), "frozen": torch.linspace(0, 1, 40_000)}
+
+
+def test_part_chunks_and_report_then_create_only_commit(io):
+    storage = memory_storage()
+    w = Writer(storage, CodecSpec("auto"), io)
+    snaps = Snapshotter(LocalComm(), CHUNK, native=False)
+    local = []
+    job = job_for(snaps, 1, state_of(1))
+    job.on_local = lambda: local.append(True)
+    part = w.write_part(job, rank=0)
+    assert local == [True] and not job.snapshot.buffer.busy  # the buffer is free once chunks are durable
+    assert part.kind == "rank" and mf.read_rank_part(storage, 1, 0).chunks == part.chunks
+    for h, info in part.chunks.items():  # every chunk stored, whole and verifiable
+        raw = decode(storage.read(mf.chunk_key(h)), name=h, expect_hash=h, expect_len=info.size)
+        assert len(raw) == info.size
+    assert job.metrics.chunks == len(part.chunks) == job.metrics.chunks_written
+    committed = w.commit(1, [part], frozenset())
+    assert mf.read_step(storage, 1).chunks == committed.chunks
+    with pytest.raises(ckpt.StepExistsError):
+        w.commit(1, [part], frozenset())
+
+
+def test_unchanged_chunks_are_reused_known_or_found_by_their_header(io):
+    storage = memory_storage()
+    snaps = Snapshotter(LocalComm(), CHUNK, native=False)
+    w = Writer(storage, CodecSpec("raw"), io)
+    s1 = state_of(1)
+    p1 = w.write_part(job_for(snaps, 1, s1), 0)
+    w.settle(p1)
+    s1["big"][:10] += 1  # one chunk of "big" changes
+    j2 = job_for(snaps, 2, s1, seq=1)
+    w.write_part(j2, 0)
+    assert j2.metrics.chunks_written == 1 and j2.metrics.chunks_reused == j2.metrics.chunks - 1
+    fresh = Writer(storage, CodecSpec("raw"), io)  # knows nothing: probes each chunk's header
+    j3 = job_for(snaps, 3, s1, seq=2)
+    fresh.write_part(j3, 0)
+    assert j3.metrics.chunks_written == 0
+
+
+def test_settle_trusts_only_the_loaded_and_last_committed_chunks(io):
+    w = Writer(memory_storage(), CodecSpec("raw"), io)
+    snaps = Snapshotter(LocalComm(), CHUNK, native=False)
+    p1 = w.write_part(job_for(snaps, 1, state_of(1)), 0)
+    w.learn({"a" * 32: mf.ChunkInfo(1, 65, "raw/1")})
+    w.settle(None)  # the save failed: what it wrote is not trusted
+    assert set(w.known) == {"a" * 32}
+    w.settle(p1)
+    assert set(w.known) == {"a" * 32} | set(p1.chunks)
+
+
+def test_a_storage_failure_releases_the_buffer_and_raises(io, monkeypatch):
+    storage = memory_storage()
+    w = Writer(storage, CodecSpec("raw"), io)
+    snaps = Snapshotter(LocalComm(), CHUNK, native=False)
+    job = job_for(snaps, 1, state_of(1))
+
+    def full(key, buffers):
+        raise ckpt.StorageError("disk full")
+    monkeypatch.setattr(storage, "write", full)
+    with pytest.raises(ckpt.StorageError, match="disk full"):
+        w.write_part(job, 0)
+    assert not job.snapshot.buffer.busy
+
+
+def test_commit_protocol_alone_commits_retains_and_raises_its_own_error(io):
+    """The single-process path is the multi-rank one with a LocalComm: decision, then after_commit."""
+    storage = memory_storage()
+    w = Writer(storage, CodecSpec("raw"), io)
+    comm = LocalComm()
+    snaps = Snapshotter(comm, CHUNK, native=False)
+    after = []
+    with ThreadPoolExecutor(1) as commit_thread:
+        proto = CommitProtocol(comm, w, io, commit_thread, lambda m: after.append(m.step))
+        futures = []
+        for seq, step in enumerate((1, 2, 2)):
+            from concurrent.futures import Future
+            f: Future = Future()
+            proto.submit(job_for(snaps, step, state_of(step), seq=seq), f)
+            futures.append(f)
+        assert futures[0].result().duration_s is not None and futures[1].result().step == 2
+        with pytest.raises(ckpt.StepExistsError):  # alone, the rank's own error is the save's error
+            futures[2].result()
+        proto.drain()
+    assert after == [1, 2] and mf.committed_steps(storage) == [1, 2]
