@@ -65,7 +65,11 @@ class Options:
     @classmethod
     def build(cls, **options: Any) -> Options:
         """Check every option (raising :class:`ConfigError` naming the bad one) and normalise them:
-        ``codec`` strings are parsed, paths become strings."""
+        ``codec`` strings are parsed, paths become strings. Example::
+
+            opts = ckpt.Options.build(keep_last=3, codec="zstd:3")     # ConfigError here if one is bad
+            ckptr = ckpt.Checkpointer.from_options("runs/exp1", opts)
+        """
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError(f"unknown option(s) {unknown}; the options are "
