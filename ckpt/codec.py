@@ -154,6 +154,29 @@ def parse_header(blob, *, name: str) -> ChunkHeader:
     return ChunkHeader(CODEC_NAMES[codec_id], raw_len, digest.hex(), payload_len)
 
 
+def _decompress_bounded(payload: memoryview, raw_len: int, *, name: str, expect_hash: str) -> memoryview:
+    """Decompress into a buffer of the declared size, and no further: a frame that holds more than
+    the header says is refused without ever producing it (python-zstandard's one-shot decompress
+    trusts a size written in the frame over ``max_output_size``)."""
+    out = bytearray(raw_len + 1)  # one spare byte tells "more than declared" from "exactly"
+    n = 0
+    try:
+        with _decompressor().stream_reader(payload, read_across_frames=True) as reader, memoryview(out) as view:
+            while n < len(out):
+                k = reader.readinto(view[n:])
+                if k == 0:
+                    break
+                n += k
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpointError(f"chunk object {name} does not decompress: {e}",
+                                     object=name, chunk=expect_hash) from e
+    if n != raw_len:
+        raise CorruptCheckpointError(
+            f"chunk object {name} decompresses to {f'more than {raw_len}' if n > raw_len else n} bytes, its header "
+            f"says {raw_len}; it is damaged", object=name, chunk=expect_hash)
+    return memoryview(out)[:raw_len]
+
+
 def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: int | None = None,
                  object_len: int | None = None) -> None:
     """Does a parsed header describe the chunk a manifest names? ``object_len`` is the stored
@@ -194,11 +217,7 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
             f"chunk object {name} is stored as {hdr.codec}, its manifest entry says raw; it is damaged. "
             "Load an older step (or pass fallback=True to load('latest')).", object=name, chunk=expect_hash)
     else:
-        try:
-            raw = memoryview(_decompressor().decompress(payload, max_output_size=hdr.raw_len))
-        except zstandard.ZstdError as e:
-            raise CorruptCheckpointError(f"chunk object {name} does not decompress: {e}",
-                                         object=name, chunk=expect_hash) from e
+        raw = _decompress_bounded(payload, hdr.raw_len, name=name, expect_hash=expect_hash)
     if len(raw) != hdr.raw_len or chunk_hash(raw) != expect_hash:
         raise CorruptCheckpointError(
             f"chunk object {name} failed its hash check (content does not match {expect_hash}); "

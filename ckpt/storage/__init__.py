@@ -11,11 +11,12 @@ from collections.abc import Callable
 from urllib.parse import urlparse
 
 from ..errors import ConfigError
-from .base import RootState, Storage, TierCounters
+from .base import Blob, RootState, Storage, TierCounters
 from .local import LocalStorage
 from .remote import FsspecStorage
 
-__all__ = ["Storage", "RootState", "TierCounters", "LocalStorage", "FsspecStorage", "open_storage", "open_tiered"]
+__all__ = ["Storage", "Blob", "RootState", "TierCounters", "LocalStorage", "FsspecStorage", "open_storage",
+           "open_tiered"]
 
 
 def open_storage(url: str, storage_options: dict | None = None) -> Storage:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 RootState = Literal["missing", "file", "empty", "nonempty"]
+Blob = bytes | bytearray  # what reads return: a local read fills a bytearray and hands it over, no copy
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Storage(abc.ABC):
         Raises ``FileExistsError`` if it does. This is the commit point of a step."""
 
     @abc.abstractmethod
-    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> Blob:
         """Bytes ``[start, end)`` of ``key`` (the whole object by default)."""
 
     @abc.abstractmethod
@@ -77,11 +78,11 @@ class Storage(abc.ABC):
         say. ``ckpt gc`` uses it so it never deletes what a running save may be about to commit."""
         return None
 
-    def readv(self, key: str, buffers: Sequence) -> int:
-        """Fill ``buffers`` in order from the start of ``key``; returns the bytes filled.
+    def readv(self, key: str, buffers: Sequence, offset: int = 0) -> int:
+        """Fill ``buffers`` in order from byte ``offset`` of ``key``; returns the bytes filled.
 
         Backends that can read straight into caller memory override this to skip a copy."""
-        data = memoryview(self.read(key))
+        data = memoryview(self.read(key, offset, offset + sum(memoryview(b).nbytes for b in buffers)))
         pos = 0
         for buf in buffers:
             view = memoryview(buf).cast("B")
@@ -90,11 +91,22 @@ class Storage(abc.ABC):
             pos += n
         return pos
 
+    def read_object(self, key: str, limit: int) -> Blob:
+        """The whole object, read only up to ``limit + 1`` bytes: a result longer than ``limit``
+        means the object is larger than its describer said (memory stays bounded by ``limit``).
+        A storage with a local tier checks its local copy before serving it."""
+        return self.read(key, 0, limit + 1)
+
     def flush(self) -> None:
         """Make directory entries created by :meth:`write` durable (a no-op where that is implied)."""
 
     def describe(self) -> str:
         return self.url
+
+    def durable_tier(self) -> Storage:
+        """The tier that is the truth: this storage, or the remote behind a local staging tier.
+        Small control objects (leases) go straight there."""
+        return self
 
     def tier_counters(self) -> TierCounters | None:
         """Where chunk reads came from since :meth:`reset_tier_counters`, for a storage with a local

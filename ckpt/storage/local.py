@@ -5,12 +5,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Sequence
 
 from ..errors import StorageError
-from .base import RootState, Storage
+from .base import Blob, RootState, Storage
 
 
 def _fsync_dir(path: str) -> None:
@@ -123,39 +124,62 @@ class LocalStorage(Storage):
             except OSError as e:
                 raise StorageError(f"fsync of directory {d} failed: {e}") from e
 
-    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+    def _open(self, key: str) -> int:
+        """A descriptor for reading ``key``, which must be a regular file inside the root: never a
+        link (to a file outside, say), a FIFO (which would block) or a directory. Anything else is
+        reported as missing: it is not an object ckpt wrote."""
         path = self._path(key)
+        if not self._inside(os.path.dirname(path)):
+            raise FileNotFoundError(f"{path}: a directory on its way leaves the checkpoint root (a link?)")
         try:
-            with open(path, "rb", buffering=0) as f:
-                if start:
-                    f.seek(start)
-                if end is None:
-                    return f.read()
-                return f.read(end - (start or 0))
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise
-        except IsADirectoryError as e:
-            raise FileNotFoundError(path) from e
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):  # a link, or a file on the way
+                raise FileNotFoundError(f"{path} is a link, not a ckpt object") from e
             raise StorageError(f"reading {path} failed: {e}") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise FileNotFoundError(f"{path} is not a regular file (a directory, FIFO or device): not a ckpt object")
+        return fd
 
-    def readv(self, key: str, buffers: Sequence) -> int:
-        path = self._path(key)
-        views = [memoryview(b).cast("B") for b in buffers]
+    def _inside(self, directory: str) -> bool:
+        real = os.path.realpath(directory)
+        root = os.path.realpath(self.root)
+        return real == root or real.startswith(root + os.sep)
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> Blob:
+        fd = self._open(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise
+            pos = start or 0
+            size = os.fstat(fd).st_size
+            end = size if end is None else min(end, size)  # never allocate past the end of the file
+            out = bytearray(max(0, end - pos))
+            n = 0
+            with memoryview(out) as view:
+                while n < len(out):
+                    k = os.preadv(fd, [view[n:]], pos + n)
+                    if k == 0:
+                        break
+                    n += k
+            del out[n:]
+            return out  # bytes-like; no second copy of a large chunk
         except OSError as e:
-            raise StorageError(f"reading {path} failed: {e}") from e
+            raise StorageError(f"reading {self._path(key)} failed: {e}") from e
+        finally:
+            os.close(fd)
+
+    def readv(self, key: str, buffers: Sequence, offset: int = 0) -> int:
+        views = [memoryview(b).cast("B") for b in buffers]
+        fd = self._open(key)
         try:
-            total, offset = 0, 0
+            total = 0
             while views:
-                n = os.preadv(fd, views, offset)
+                n = os.preadv(fd, views, offset + total)
                 if n == 0:
                     break
                 total += n
-                offset += n
                 while views and n >= len(views[0]):  # drop the buffers that are full
                     n -= len(views[0])
                     views.pop(0)
@@ -163,26 +187,35 @@ class LocalStorage(Storage):
                     views[0] = views[0][n:]
             return total
         except OSError as e:
-            raise StorageError(f"reading {path} failed: {e}") from e
+            raise StorageError(f"reading {self._path(key)} failed: {e}") from e
         finally:
             os.close(fd)
 
-    def _stat(self, key: str) -> os.stat_result:
+    def _stat(self, key: str, *, directory_ok: bool = False) -> os.stat_result:
+        path = self._path(key)
         try:
-            return os.stat(self._path(key))
+            st = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:
             raise
         except OSError as e:
             raise StorageError(f"stat of {key} failed: {e}") from e
+        regular = stat.S_ISREG(st.st_mode) or (directory_ok and stat.S_ISDIR(st.st_mode))
+        if not regular or not self._inside(os.path.dirname(path)):
+            raise FileNotFoundError(f"{path} is not a regular file inside the checkpoint root")
+        return st
 
     def size(self, key: str) -> int:
         return self._stat(key).st_size
 
     def mtime(self, key: str) -> float | None:
-        return self._stat(key).st_mtime
+        return self._stat(key, directory_ok=True).st_mtime
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self._path(key))
+        try:
+            self._stat(key)
+            return True
+        except FileNotFoundError:
+            return False
 
     def list(self, prefix: str) -> list[str]:
         try:

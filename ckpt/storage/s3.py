@@ -28,11 +28,14 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from ..errors import ConfigError, StorageError
 from .remote import FsspecStorage
+
+T = TypeVar("T")
 
 log = logging.getLogger("ckpt")
 
@@ -121,6 +124,7 @@ class S3Storage(FsspecStorage):
         self._parts = ThreadPoolExecutor(self.upload_concurrency, thread_name_prefix="ckpt-s3-part")
         self._conditional: bool | None = None
         self._lock = threading.Lock()
+        self._gave_up_at: float | None = None  # when a request last gave up on the server (monotonic)
         self.counters = {"retries": 0, "multipart": 0, "aborted": 0}
 
     def _s3key(self, key: str) -> str:
@@ -128,24 +132,38 @@ class S3Storage(FsspecStorage):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     # -- the retry loop -------------------------------------------------------------------------
-    def _call(self, what: str, key: str, method: str, _attempts: int | None = None, **kw):
+    def _call(self, what: str, key: str, method: str, _attempts: int | None = None, **kw: Any) -> Any:
         """One S3 call with jittered exponential backoff on retryable errors, bounded in time."""
-        max_attempts = _attempts or self.max_attempts
+        return self._retrying(what, key, lambda: self.fs.call_s3(method, **kw), _attempts)
+
+    def _retrying(self, what: str, key: str, once: Callable[[], T], attempts: int | None = None) -> T:
+        """``once()`` until it succeeds, with full-jitter backoff on retryable errors: at most
+        ``max_attempts`` tries, never sleeping past ``retry_deadline``. When one request gives up on
+        the server, the others already retrying give up at their next try instead of each waiting
+        out a deadline of its own: a save's failure time is bounded as a whole."""
+        max_attempts = attempts or self.max_attempts
         start = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
             try:
-                return self.fs.call_s3(method, **kw)
+                return once()
             except Exception as e:  # classified below
                 if not is_retryable(e):
                     raise
-                elapsed = time.monotonic() - start
-                if attempt >= max_attempts or elapsed >= self.retry_deadline:
+                now = time.monotonic()
+                elapsed = now - start
+                exhausted = attempt >= max_attempts or elapsed >= self.retry_deadline
+                gave_up = self._gave_up_at
+                if exhausted or (gave_up is not None and gave_up >= start):
+                    with self._lock:
+                        self._gave_up_at = now
+                    why = (f"after {attempt} attempt(s) in {elapsed:.1f}s" if exhausted
+                           else "another request to it just gave up")
                     raise StorageError(
-                        f"{what} {self.url}/{key} failed after {attempt} attempt(s) in {elapsed:.1f}s: "
-                        f"{type(e).__name__}: {e}. The server is throttling, failing or unreachable; "
-                        "check it (and retry_deadline/max_attempts in storage_options).") from e
+                        f"{what} {self.url}/{key} failed ({why}): {type(e).__name__}: {e}. The server is "
+                        "throttling, failing or unreachable; check it (and retry_deadline/max_attempts in "
+                        "storage_options).") from e
                 # full jitter: uniform in [0, min(cap, base·2^n)], never past the deadline
                 delay = random.uniform(0, min(5.0, 0.05 * 2 ** attempt))
                 delay = min(delay, max(0.0, self.retry_deadline - elapsed))
@@ -265,24 +283,10 @@ class S3Storage(FsspecStorage):
 
     def _get(self, key: str, kw: dict) -> bytes:
         # The body is read inside the retried call: a reset mid-body is retried like any other.
-        def once():
+        def once() -> bytes:
             r = self.fs.call_s3("get_object", **kw)
             return _read_body(self.fs, r)
-        start, attempt = time.monotonic(), 0
-        while True:
-            attempt += 1
-            try:
-                return once()
-            except Exception as e:
-                if (not is_retryable(e) or attempt >= self.max_attempts
-                        or time.monotonic() - start > self.retry_deadline):
-                    if is_retryable(e):
-                        raise StorageError(f"reading {self.url}/{key} failed after {attempt} attempt(s): "
-                                           f"{type(e).__name__}: {e}") from e
-                    raise
-                with self._lock:
-                    self.counters["retries"] += 1
-                time.sleep(random.uniform(0, min(5.0, 0.05 * 2 ** attempt)))
+        return self._retrying("reading", key, once)
 
     def _read_parallel(self, key: str, kw: dict) -> bytes:
         """Whole object: one GET when small, else ranged GETs in parallel (part-size ranges)."""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import CheckpointError, StorageError
-from .base import RootState, Storage, TierCounters
+from .base import Blob, RootState, Storage, TierCounters
 from .local import LocalStorage
 
 log = logging.getLogger("ckpt")
@@ -36,6 +36,10 @@ def _is_chunk(key: str) -> bool:
 
 
 _MISS = object()  # a local copy that was there but failed its check
+
+
+class _NotUploaded(StorageError):
+    """An upload given up because an earlier one of the same save failed."""
 
 # A chunk object's check: (storage key, its bytes in order as read); raises CheckpointError.
 Verify = Callable[[str, list[memoryview]], None]
@@ -52,9 +56,13 @@ class TieredStorage(Storage):
         self._bad: set[str] = set()  # keys whose local copy failed its check: served by the remote
         self._lock = threading.Lock()
         self._counters = TierCounters()
+        self._failed: str | None = None  # the first upload failure since the last drain
 
     def describe(self) -> str:
         return f"{self.remote.describe()} (staged in {self.local.root})"
+
+    def durable_tier(self) -> Storage:
+        return self.remote
 
     def tier_counters(self) -> TierCounters:
         with self._lock:
@@ -67,8 +75,16 @@ class TieredStorage(Storage):
 
     # -- writing --------------------------------------------------------------------------------
     def _upload(self, key: str) -> None:
-        data = self.local.read(key)
-        self.remote.write(key, [data])
+        failed = self._failed
+        if failed is not None:  # an upload already failed: the rest would only wait out their own retries
+            raise _NotUploaded(f"not uploading {key}: an earlier upload to {self.remote.describe()} failed "
+                               f"({failed})")
+        try:
+            data = self.local.read(key)
+            self.remote.write(key, [data])
+        except BaseException as e:
+            self._failed = self._failed or f"{type(e).__name__}: {e}"
+            raise
         with self._lock:
             self._counters.uploaded += 1
 
@@ -94,13 +110,15 @@ class TieredStorage(Storage):
         """Wait for every pending upload; raise the first failure (after all have finished)."""
         with self._lock:
             pending, self._pending = self._pending, []
-        first = None
+        errors = []
         for f in pending:
             try:
                 f.result()
             except BaseException as e:  # re-raised below
-                first = first or e
-        if first is not None:
+                errors.append(e)
+        self._failed = None  # the next save tries the remote afresh
+        if errors:
+            first = next((e for e in errors if not isinstance(e, _NotUploaded)), errors[0])
             if isinstance(first, CheckpointError):
                 raise first
             raise StorageError(f"uploading to {self.remote.describe()} failed: {first}") from first
@@ -117,7 +135,7 @@ class TieredStorage(Storage):
             log.warning("ckpt: committed %s remotely but not in the local tier: %s", key, e)
 
     # -- reading --------------------------------------------------------------------------------
-    def _local_ok(self, key: str, blob: bytes) -> bool:
+    def _local_ok(self, key: str, blob: Blob) -> bool:
         try:
             self._verify(key, [memoryview(blob)])
             return True
@@ -132,9 +150,10 @@ class TieredStorage(Storage):
         log.warning("ckpt: local copy of %s is damaged (%s); reading it from %s instead", key, why,
                     self.remote.describe())
 
-    def _local_first(self, key: str, local, remote):
+    def _local_first(self, key: str, local, remote, *, count: bool = True):
         """``local()`` for a chunk, unless it is missing or damaged (it returns _MISS after rejecting
-        the copy): then ``remote()``. Every other key goes to the remote directly."""
+        the copy): then ``remote()``. Every other key goes to the remote directly. ``count``: a
+        read of the chunk's contents (not of its header alone), for the tier counters."""
         if _is_chunk(key):
             try:
                 got = local()
@@ -144,8 +163,9 @@ class TieredStorage(Storage):
                 pass
             except CheckpointError as e:
                 self._reject(key, e)
-            with self._lock:
-                self._counters.remote_reads += 1
+            if count:
+                with self._lock:
+                    self._counters.remote_reads += 1
         return remote()
 
     def _hit(self, value):
@@ -153,20 +173,30 @@ class TieredStorage(Storage):
             self._counters.local_hits += 1
         return value
 
-    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        def local():
-            if start is not None or end is not None:  # a header probe: cheap, and the caller checks it
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> Blob:
+        def local() -> object:
+            if start is not None or end is not None:  # a part, e.g. a header probe: the caller checks it
                 return self.local.read(key, start, end)
             blob = self.local.read(key)
             return self._hit(blob) if self._local_ok(key, blob) else _MISS
 
-        return self._local_first(key, local, lambda: self.remote.read(key, start, end))
+        return self._local_first(key, local, lambda: self.remote.read(key, start, end),
+                                 count=start is None and end is None)
 
-    def readv(self, key: str, buffers: Sequence) -> int:
-        def local():
-            n = self.local.readv(key, buffers)
+    def read_object(self, key: str, limit: int) -> Blob:
+        def local() -> object:
+            blob = self.local.read(key, 0, limit + 1)
+            return self._hit(blob) if self._local_ok(key, blob) else _MISS
+
+        return self._local_first(key, local, lambda: self.remote.read_object(key, limit))
+
+    def readv(self, key: str, buffers: Sequence, offset: int = 0) -> int:
+        def local() -> object:
+            # the bytes before `offset` are read too, into a scratch buffer: the copy is checked whole
+            prefix = bytearray(offset)
+            n = self.local.readv(key, [prefix, *buffers])
             views, left = [], n
-            for b in buffers:  # the bytes that were filled must be a whole, valid chunk
+            for b in [prefix, *buffers]:
                 v = memoryview(b).cast("B")
                 views.append(v[: max(0, left)])
                 left -= len(v)
@@ -175,9 +205,9 @@ class TieredStorage(Storage):
             except CheckpointError as e:
                 self._reject(key, e)
                 return _MISS
-            return self._hit(n)
+            return self._hit(max(0, n - offset))
 
-        return self._local_first(key, local, lambda: self.remote.readv(key, buffers))
+        return self._local_first(key, local, lambda: self.remote.readv(key, buffers, offset))
 
     def size(self, key: str) -> int:
         if _is_chunk(key) and key not in self._bad:
