@@ -158,11 +158,14 @@ def verify(catalog: Catalog, steps: Iterable[int], *, threads: int = 8,
     def check(h: str, info: mf.ChunkInfo) -> tuple[int, Problem | None]:
         key = mf.chunk_key(h)
         try:
-            blob = catalog.storage.read(key)
-        except FileNotFoundError:
-            return 0, Problem(key, "missing", f"chunk object {key} is missing", [], h)
+            blob = catalog.storage.read_object(key, info.stored)  # never more than the manifest says
+        except FileNotFoundError as e:
+            return 0, Problem(key, "missing", f"chunk object {key} is missing ({e})", [], h)
         except CheckpointError as e:
             return 0, Problem(key, "unreadable", str(e), [], h)
+        if len(blob) > info.stored:
+            return len(blob), Problem(key, "corrupt", f"chunk object {key} is larger than the {info.stored} bytes "
+                                      "its manifest entry says", [], h)
         try:
             decode_chunk(blob, name=key, expect_hash=h, expect_len=info.size)
         except CheckpointError as e:

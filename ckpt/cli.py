@@ -363,7 +363,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                "retention_steps": plan.retention, "removed" if not args.dry_run else "would_remove":
                [i.to_json() for i in removed], "bytes": sum(i.bytes for i in removed),
                "kept_younger_than_grace": [i.to_json() for i in plan.young],
-               "damaged_steps": {str(s): e for s, e in plan.unreadable.items()}})
+               "damaged_steps": {str(s): e for s, e in plan.unreadable.items()},
+               "live_writers": [{"id": w.id, "pid": w.pid, "host": w.host} for w in plan.writers]})
         return status
     out = Out()
     verb = "would remove" if args.dry_run else "removed"
@@ -381,6 +382,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if plan.young:
         out.write(f"kept: {len(plan.young)} object(s) younger than the grace period ({_age(args.grace)}); "
                   "a running save may still commit them")
+    if plan.writers:
+        out.write(f"deferred: {plan.writers[0].describe()} is saving into {args.url}; no chunk, temp file or "
+                  "unfinished step was touched, and the chunks of removed steps are left for it (or a later gc) "
+                  "to delete")
     for s, e in plan.unreadable.items():
         print(f"ckpt: gc: step {s} has a damaged manifest, so which chunks it needs is unknown: no chunk "
               f"was removed and retention was skipped ({e})", file=sys.stderr)
@@ -428,8 +433,8 @@ def _step(s: str) -> int | str:
         n = int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a step is a non-negative integer or 'latest', got {s!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, got {s!r}")
+    if not 0 <= n <= mf.MAX_STEP:
+        raise argparse.ArgumentTypeError(f"a step is an integer from 0 to 2**63 - 1, got {s!r}")
     return n
 
 

@@ -23,7 +23,7 @@ import torch
 
 from . import manifest as mf
 from .catalog import Catalog, read_tensors
-from .errors import ConfigError, UnsupportedValueError
+from .errors import ConfigError, StorageError, UnsupportedValueError
 from .structure import DTYPES, has_pickle, strip_pickles, value_nodes
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
@@ -67,6 +67,9 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
     fmt = format_of(path)
     if os.path.exists(path) and not overwrite:
         raise ConfigError(f"{path} exists; pass --force to overwrite it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"cannot write {path}: the directory {folder} does not exist (create it first)")
     m = catalog.require(step)
     if m.per_rank_keys and not 0 <= rank < m.world_size:
         raise ConfigError(f"--rank {rank}: step {step} was saved on {m.world_size} rank(s); "
@@ -109,21 +112,29 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
 
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        if fmt == "safetensors":
-            from safetensors.torch import save_file
-
-            meta = {"format": "pt", "ckpt.step": str(step), "ckpt.source": catalog.storage.describe(),
-                    "ckpt.values": json.dumps(values, separators=(",", ":"), allow_nan=False)}
-            if result.rank is not None:
-                meta["ckpt.rank"] = str(rank)
-            save_file(out, tmp, metadata=meta)
-        else:
-            torch.save(out, tmp)
-        os.replace(tmp, path)
+        _write(fmt, out, tmp, path, step, catalog, values, result)
+    except OSError as e:
+        raise StorageError(f"writing {path} failed: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return result
+
+
+def _write(fmt: str, out: dict, tmp: str, path: str, step: int, catalog: Catalog, values: dict,
+           result: ExportResult) -> None:
+    """Write the file under a temporary name, then rename it into place (never a half-written file)."""
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        meta = {"format": "pt", "ckpt.step": str(step), "ckpt.source": catalog.storage.describe(),
+                "ckpt.values": json.dumps(values, separators=(",", ":"), allow_nan=False)}
+        if result.rank is not None:
+            meta["ckpt.rank"] = str(result.rank)
+        save_file(out, tmp, metadata=meta)
+    else:
+        torch.save(out, tmp)
+    os.replace(tmp, path)
 
 
 def per_rank_note(m: mf.Manifest, rank: int) -> str | None:

@@ -13,6 +13,7 @@ import math
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +35,14 @@ if TYPE_CHECKING:
     from .storage import Storage
 
 FORMAT = "ckpt"
-FORMAT_VERSION = 2  # 2 adds per-rank entries and per_rank structure nodes; plain saves still write 1
+FORMAT_VERSION = 3  # 2 adds per-rank entries and nodes, 3 numpy values as raw bytes; saves write the lowest that fits
 MAX_CHUNK_BYTES = 1 << 34  # 16 GiB: a sanity bound on what a manifest may claim for one chunk
+MAX_MANIFEST_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
+MAX_STEP = (1 << 63) - 1  # steps are non-negative 64-bit integers
+MAX_WORLD = 1 << 24
 
 
-STEP_DIR_RE = re.compile(r"^\d{12}$")
+STEP_DIR_RE = re.compile(r"^\d{12,19}$")  # step_dir's own names: 12 digits, more for steps >= 10**12
 
 
 def step_dir(step: int) -> str:
@@ -165,86 +169,115 @@ def _entry_json(t: TensorEntry) -> dict:
 
 def _check(cond: bool, name: str, what: str) -> None:
     if not cond:
-        raise CorruptCheckpointError(f"manifest {name} is invalid: {what}", object=name)
+        raise CorruptCheckpointError(f"manifest {name} is invalid: {what}; the step is damaged: load another step "
+                                     "(or pass fallback=True to load('latest'))", object=name)
 
 
-def _is_int(v: Any, lo: int = 0) -> bool:
-    return type(v) is int and v >= lo
+def _is_int(v: Any, lo: int = 0, hi: int = MAX_STEP) -> bool:
+    return type(v) is int and lo <= v <= hi
 
 
-def parse(data: bytes, *, name: str) -> Manifest:
-    """Parse and validate a manifest read from storage object ``name``."""
+def _ints(v: Any, n: int | None = None) -> bool:
+    return isinstance(v, list) and (n is None or len(v) == n) and all(_is_int(x) for x in v)
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def parse(data: bytes | bytearray, *, name: str) -> Manifest:
+    """Parse and validate a manifest read from storage object ``name``.
+
+    Whatever the bytes hold, the outcome is a :class:`Manifest` every field of which has been checked,
+    or a :class:`CorruptCheckpointError` (:class:`IncompatibleFormatError` for a newer format): never
+    a ``RecursionError``, ``ValueError``, ``KeyError`` or ``TypeError`` from deep, huge or
+    ill-typed JSON."""
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        doc = json.loads(data, parse_constant=_no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, ints of 4300+ digits
         raise CorruptCheckpointError(
-            f"manifest {name} is not valid JSON ({e}); the step is damaged: load another step "
-            "(or pass fallback=True to load('latest'))", object=name) from e
+            f"manifest {name} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); the step is damaged: load "
+            "another step (or pass fallback=True to load('latest'))", object=name) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise NotACheckpointError(f"{name} is not a ckpt manifest (no \"format\": \"ckpt\" field)")
     version: Any = doc.get("format_version")  # untrusted JSON until _check says otherwise
     _check(_is_int(version, 1), name, "format_version must be a positive integer")
     if version > FORMAT_VERSION:
         raise IncompatibleFormatError(
-            f"{name} was written by {doc.get('writer', 'a newer ckpt')} in format v{version}; this ckpt "
+            f"{name} was written by {str(doc.get('writer', 'a newer ckpt'))[:100]} in format v{version}; this ckpt "
             f"({__version__}) reads up to v{FORMAT_VERSION}. Upgrade: pip install -U ckpt")
     return _PARSERS[version](doc, name)
 
 
 def _parse_v1(doc: dict, name: str) -> Manifest:
-    _check(doc.get("kind") in ("step", "rank"), name, "kind must be 'step' or 'rank'")
-    _check(_is_int(doc.get("step")), name, "step must be a non-negative integer")
-    _check(_is_int(doc.get("world_size"), 1), name, "world_size must be a positive integer")
-    # Fields of untrusted JSON: Any, each checked by _check before it is used.
+    # Every field is untrusted JSON (Any) until _check has looked at it.
+    kind: Any = doc.get("kind")
+    _check(kind in ("step", "rank"), name, "kind must be 'step' or 'rank'")
+    _check(_is_int(doc.get("step")), name, f"step must be an integer from 0 to {MAX_STEP}")
+    world: Any = doc.get("world_size")
+    _check(_is_int(world, 1, MAX_WORLD), name, f"world_size must be an integer from 1 to {MAX_WORLD}")
+    rank: Any = doc.get("rank")
+    _check(rank is None or _is_int(rank, 0, MAX_WORLD), name, "rank must be a non-negative integer")
+    created: Any = doc.get("created", 0.0)
+    _check(type(created) in (int, float) and 0 <= created < 1e11, name, "created must be a time in seconds")
+    writer: Any = doc.get("writer", "")
+    _check(isinstance(writer, str) and len(writer) < 1000, name, "writer must be a short string")
+    stats: Any = doc.get("stats", {})
+    _check(isinstance(stats, dict) and all(isinstance(k, str) and type(v) in (int, float) for k, v in stats.items()),
+           name, "stats must map names to numbers")
     structure: Any = doc.get("structure")
     _check(st.kind(structure) == "dict" and isinstance(structure.get("k"), list)
-           and isinstance(structure.get("v"), list) and len(structure["k"]) == len(structure["v"]),
-           name, "structure must be a dict node")
+           and isinstance(structure.get("v"), list) and len(structure["k"]) == len(structure["v"])
+           and all(isinstance(k, str) for k in structure["k"]) and len(set(structure["k"])) == len(structure["k"]),
+           name, "structure must be a dict node of distinct string keys")
     for k, v in st.top_items(structure):
         if st.is_per_rank(v):
-            _check(doc.get("kind") == "step" and isinstance(v.get("v"), list) and len(v["v"]) == doc.get("world_size"),
-                   name, f"per-rank key {k!r} must hold one value per rank ({doc.get('world_size')})")
+            _check(kind == "step" and isinstance(v.get("v"), list) and len(v["v"]) == world,
+                   name, f"per-rank key {k!r} must hold one value per rank ({world})")
     raw_chunks: Any = doc.get("chunks")
     _check(isinstance(raw_chunks, dict), name, "chunks must be an object")
     chunks: dict[str, ChunkInfo] = {}
     for h, c in raw_chunks.items():
         _check(is_chunk_hash(h), name, f"chunk name {h[:40]!r} is not a 32-digit hex hash")
-        _check(isinstance(c, list) and len(c) == 3 and _is_int(c[0]) and _is_int(c[1]) and isinstance(c[2], str),
-               name, f"chunk {h} entry must be [size, stored, codec]")
-        _check(c[0] <= MAX_CHUNK_BYTES and c[1] <= MAX_CHUNK_BYTES + 4096, name, f"chunk {h} claims an absurd size")
+        _check(isinstance(c, list) and len(c) == 3 and _is_int(c[0], 0, MAX_CHUNK_BYTES)
+               and _is_int(c[1], 0, MAX_CHUNK_BYTES + 4096) and isinstance(c[2], str),
+               name, f"chunk {h} entry must be [size, stored, codec] within bounds")
         codec, _, cver = c[2].partition("/")
-        if codec not in CODEC_VERSIONS or not cver.isdigit() or int(cver) > CODEC_VERSIONS[codec]:
+        if codec not in CODEC_VERSIONS or not cver.isdigit() or len(cver) > 4 or int(cver) > CODEC_VERSIONS[codec]:
             raise IncompatibleFormatError(
-                f"{name}: chunk {h} uses codec {c[2]!r}, which this ckpt ({__version__}) cannot decode; upgrade ckpt")
+                f"{name}: chunk {h} uses codec {c[2][:40]!r}, which this ckpt ({__version__}) cannot decode; "
+                "upgrade ckpt")
         chunks[h] = ChunkInfo(c[0], c[1], c[2])
     tensors: list[TensorEntry] = []
     seen: set[tuple[str, int | None]] = set()  # (key, owning rank)
-    _check(isinstance(doc.get("tensors"), list), name, "tensors must be a list")
-    for t in doc["tensors"]:
+    raw_tensors: Any = doc.get("tensors")
+    _check(isinstance(raw_tensors, list), name, "tensors must be a list")
+    for t in raw_tensors:
         _check(isinstance(t, dict) and isinstance(t.get("key"), str), name, "tensor entry without a key")
         key = t["key"]
         owner = t.get("rank")
-        _check(owner is None or (_is_int(owner) and owner < doc["world_size"]) or doc["kind"] == "rank",
-               name, f"tensor {key!r} names rank {owner!r} outside the world size")
+        _check(owner is None or _is_int(owner, 0, world - 1 if kind == "step" else MAX_WORLD),
+               name, f"tensor {key!r} names rank {str(owner)[:20]} outside the world size")
         _check((key, owner) not in seen, name, f"tensor {key!r} is listed twice")
         seen.add((key, owner))
-        _check(t.get("dtype") in DTYPES, name, f"tensor {key!r} has unknown dtype {t.get('dtype')!r}")
+        _check(t.get("dtype") in DTYPES, name, f"tensor {key!r} has unknown dtype {str(t.get('dtype'))[:40]!r}")
         shape = t.get("shape")
-        _check(isinstance(shape, list) and all(_is_int(d) for d in shape), name, f"tensor {key!r} has a bad shape")
+        _check(_ints(shape) and len(shape) <= 64, name, f"tensor {key!r} has a bad shape")
         itemsize = DTYPES[t["dtype"]].itemsize
         shards = []
         _check(isinstance(t.get("shards"), list), name, f"tensor {key!r} has no shard list")
         for s in t["shards"]:
             _check(isinstance(s, dict), name, f"tensor {key!r}: shard must be an object")
             offs, lens = s.get("offsets"), s.get("lengths")
-            _check(isinstance(offs, list) and isinstance(lens, list) and len(offs) == len(shape) == len(lens)
-                   and all(_is_int(o) for o in offs) and all(_is_int(n) for n in lens)
+            _check(_ints(offs, len(shape)) and _ints(lens, len(shape))
                    and all(o + n <= d for o, n, d in zip(offs, lens, shape)),
-                   name, f"tensor {key!r}: shard box {offs}+{lens} does not fit shape {shape}")
-            _check(_is_int(s.get("rank")), name, f"tensor {key!r}: shard rank must be a non-negative integer")
+                   name, f"tensor {key!r}: a shard box does not fit shape {shape}")
+            _check(_is_int(s.get("rank"), 0, MAX_WORLD), name, f"tensor {key!r}: shard rank must be a rank")
+            raw_segs = s.get("segments", [])
+            _check(isinstance(raw_segs, list), name, f"tensor {key!r}: segments must be a list")
             segs = []
             total = 0
-            for g in s.get("segments", []):
+            for g in raw_segs:
                 _check(isinstance(g, list) and len(g) == 3 and isinstance(g[0], str) and _is_int(g[1])
                        and _is_int(g[2]), name, f"tensor {key!r}: segment must be [chunk, offset, length]")
                 _check(g[0] in chunks, name, f"tensor {key!r} names chunk {g[0][:40]!r} missing from the chunk table")
@@ -255,26 +288,23 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
             _check(total == math.prod(lens) * itemsize, name,
                    f"tensor {key!r}: segments hold {total} bytes, the shard box needs {math.prod(lens) * itemsize}")
             shards.append(Shard(s["rank"], offs, lens, segs))
-        if doc["kind"] == "step":
+        if kind == "step":
             boxes = [(tuple(s.offsets), tuple(s.lengths)) for s in shards if volume(s.lengths) > 0]
             _check(sum(volume(b[1]) for b in boxes) == volume(shape) and (
                 len(boxes) > 512 or not any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])),
                 name, f"the shards of tensor {key!r} do not tile its shape {shape}")
         tensors.append(TensorEntry(key, t["dtype"], shape, shards, owner))
-    created = doc.get("created", 0.0)
-    stats = doc.get("stats")
-    return Manifest(
-        step=doc["step"], kind=doc["kind"], structure=doc["structure"], tensors=tensors, chunks=chunks,
-        world_size=doc["world_size"], rank=doc.get("rank"),
-        created=float(created) if isinstance(created, (int, float)) else 0.0,
-        writer=str(doc.get("writer", "")), stats=stats if isinstance(stats, dict) else {},
-        format_version=doc["format_version"],
-    )
+    why = st.problem(structure, {t.key for t in tensors} if kind == "step" else None)
+    _check(why is None, name, f"its structure holds {why}")
+    return Manifest(step=doc["step"], kind=kind, structure=structure, tensors=tensors, chunks=chunks, world_size=world,
+                    rank=rank, created=float(created), writer=writer, stats=stats, format_version=doc["format_version"])
 
 
 # One parser per format version: a new version adds an entry instead of growing an if-chain.
 # Version 2 only adds optional fields (per-rank entries and nodes) that version 1 never wrote.
-_PARSERS = {1: _parse_v1, 2: _parse_v1}
+# Version 3 only adds numpy values stored as raw bytes (tensor nodes with a numpy dtype string,
+# npscalar nodes with "b"), which a version-2 reader would hand back as bytes.
+_PARSERS = {1: _parse_v1, 2: _parse_v1, 3: _parse_v1}
 
 
 def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = frozenset()) -> Manifest:
@@ -313,20 +343,31 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
     tensors = list(by_key.values())
     # Version 1 readers load anything without per-rank parts (they refuse multi-shard tensors clearly).
     simple = all(t.rank is None for t in tensors) and not any(st.is_per_rank(v) for v in values)
-    return Manifest(step=step, kind="step", structure=st.dict_node(tops, values), tensors=tensors,
-                    chunks=chunks, world_size=len(parts), stats=stats, format_version=1 if simple else FORMAT_VERSION)
+    structure = st.dict_node(tops, values)
+    version = max(1 if simple else 2, st.newest_feature(structure))  # the lowest that holds it: older readers read it
+    return Manifest(step=step, kind="step", structure=structure, tensors=tensors,
+                    chunks=chunks, world_size=len(parts), stats=stats, format_version=version)
 
 
 # -- reading manifests from storage ---------------------------------------------------------------
 
 def step_candidates(storage: Storage) -> list[int]:
     """Step numbers that have a directory (committed or not), ascending."""
-    return sorted(int(n) for n in storage.list("steps") if STEP_DIR_RE.match(n))
+    steps = (int(n) for n in storage.list("steps") if STEP_DIR_RE.match(n) and f"{int(n):012d}" == n)
+    return sorted(s for s in steps if s <= MAX_STEP)
 
 
 def committed_steps(storage: Storage) -> list[int]:
     """Steps whose MANIFEST.json exists, ascending. (Whether it parses is checked when it is read.)"""
     return [s for s in step_candidates(storage) if storage.exists(manifest_key(s))]
+
+
+def _read_bounded(storage: Storage, key: str) -> bytes | bytearray:
+    data = storage.read_object(key, MAX_MANIFEST_BYTES)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"manifest {key} is larger than {MAX_MANIFEST_BYTES >> 20} MiB; it is damaged",
+                                     object=key)
+    return data
 
 
 def read_step(storage: Storage, step: int) -> Manifest:
@@ -336,7 +377,7 @@ def read_step(storage: Storage, step: int) -> Manifest:
     if it does not parse or check."""
     key = manifest_key(step)
     try:
-        data = storage.read(key)
+        data = _read_bounded(storage, key)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"step {step} has no manifest in {storage.describe()}") from None
     m = parse(data, name=key)
@@ -348,7 +389,7 @@ def read_step(storage: Storage, step: int) -> Manifest:
 def read_rank_part(storage: Storage, step: int, rank: int) -> Manifest:
     """Rank ``rank``'s report for ``step`` (what it wrote), parsed and checked to be that report."""
     key = rank_key(step, rank)
-    m = parse(storage.read(key), name=key)
+    m = parse(_read_bounded(storage, key), name=key)
     if m.kind != "rank" or m.rank != rank or m.step != step:
         raise CorruptCheckpointError(f"{key} describes rank {m.rank} step {m.step}, not rank {rank} step {step}",
                                      object=key)
@@ -356,21 +397,27 @@ def read_rank_part(storage: Storage, step: int, rank: int) -> Manifest:
 
 
 class ManifestCache:
-    """Parsed step manifests by step, each read and checked at most once per process.
+    """Parsed step manifests by step, each read and checked once while it stays in the cache.
 
     ``get`` raises on a missing or damaged manifest; ``find`` returns None instead and keeps the
-    reason in ``errors`` (for tools that report every step, damaged or not)."""
+    reason in ``errors`` (for tools that report every step, damaged or not). ``maxsize`` bounds how
+    many manifests are kept (the least recently used go first; None keeps all), so a long run's
+    memory does not grow with its number of steps."""
 
-    def __init__(self, storage: Storage):
+    def __init__(self, storage: Storage, maxsize: int | None = None):
         self.storage = storage
-        self._by_step: dict[int, Manifest] = {}
+        self.maxsize = maxsize
+        self._by_step: OrderedDict[int, Manifest] = OrderedDict()
         self.errors: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def put(self, m: Manifest) -> None:
         with self._lock:
             self._by_step[m.step] = m
+            self._by_step.move_to_end(m.step)
             self.errors.pop(m.step, None)
+            while self.maxsize is not None and len(self._by_step) > self.maxsize:
+                self._by_step.popitem(last=False)
 
     def drop(self, step: int) -> None:
         with self._lock:
@@ -380,6 +427,8 @@ class ManifestCache:
     def get(self, step: int) -> Manifest:
         with self._lock:
             m = self._by_step.get(step)
+            if m is not None:
+                self._by_step.move_to_end(step)
         if m is None:
             m = read_step(self.storage, step)
             self.put(m)

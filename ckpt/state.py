@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import structure as st
-from .errors import ConfigError, StateMismatchError, UnsupportedValueError
+from .errors import CheckpointError, ConfigError, StateMismatchError, UnsupportedValueError
 from .sharding import Box, LocalShard, dtensor_box, is_dtensor
 
 
@@ -61,14 +61,16 @@ class Flat:
     leaves: dict[str, Leaf] = field(default_factory=dict)  # key -> its box in the global tensor
     targets: dict[str, Any] = field(default_factory=dict)  # key -> the object found (DTensor, LocalShard)
     statefuls: dict[str, Any] = field(default_factory=dict)  # key path -> object, for load
+    paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> its typed path (structure.path_component)
     per_rank: set[str] = field(default_factory=set)  # top-level keys holding per-rank state
 
 
 class _Flattener:
     def __init__(self, allow_pickle: bool, for_target: bool):
         self.allow_pickle = allow_pickle
-        self.for_target = for_target  # walking the caller's state on load: never refuse anything
+        self.for_target = for_target  # walking the caller's state on load: never refuse a value
         self.flat = Flat(structure={})
+        self.depth = 0
 
     def tensor_key(self, path: tuple) -> str:
         key = "/".join(_component(p) for p in path)
@@ -78,35 +80,56 @@ class _Flattener:
             key = f"{base}#{n}"
         return key
 
-    def node(self, obj: Any, path: tuple) -> Any:
+    def node(self, obj: Any, path: tuple, tpath: tuple[str, ...]) -> Any:
+        """The structure node of ``obj`` at ``path`` (printed key path) / ``tpath`` (typed path)."""
+        self.depth += 1
+        try:
+            if self.depth > st.MAX_DEPTH:
+                raise UnsupportedValueError(
+                    f"{_where(path)}: the state is nested more than {st.MAX_DEPTH} levels deep, more than ckpt "
+                    "stores (and than its manifest may hold); flatten that part, or keep it as bytes or a tensor")
+            return self._node(obj, path, tpath)
+        finally:
+            self.depth -= 1
+
+    def _node(self, obj: Any, path: tuple, tpath: tuple[str, ...]) -> Any:
         if obj is None or isinstance(obj, (bool, str)):
             return obj
+        if isinstance(obj, np.generic) and not isinstance(obj, (np.bytes_, np.object_, np.void)):
+            return self.npscalar(obj, path, tpath)
         if isinstance(obj, int):
-            return obj if type(obj) is int else self.other(obj, path)  # IntEnum etc. are objects
+            if type(obj) is not int:
+                return self.other(obj, path)  # IntEnum etc. are objects
+            if obj.bit_length() > 14_000:  # JSON, like str(), refuses ints of more than 4300 digits
+                try:
+                    repr(obj)
+                except ValueError:
+                    raise UnsupportedValueError(
+                        f"{_where(path)}: an int of {obj.bit_length()} bits is too long to store as a number; "
+                        "store it as a string (str(x)) or bytes") from None
+            return obj
         if isinstance(obj, float):
             if type(obj) is not float:
                 return self.other(obj, path)
             return st.float_node(obj)
         if isinstance(obj, torch.Tensor):
-            return self.tensor(obj, path, numpy=False)
+            return self.tensor(obj, path, tpath, numpy=False)
         if isinstance(obj, LocalShard):
-            return self.tensor(obj.tensor, path, numpy=False, shard=obj)
+            return self.tensor(obj.tensor, path, tpath, numpy=False, shard=obj)
         if isinstance(obj, np.ndarray):
-            if obj.dtype.hasobject:
-                return self.other(obj, path)
-            return self.tensor(torch.from_numpy(np.ascontiguousarray(obj)), path, numpy=True)
-        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
-            return st.npscalar_node(obj.dtype, self.node(obj.item(), path))
+            return self.array(obj, path, tpath)
         if isinstance(obj, dict):
             keys = list(obj.keys())
-            return st.dict_node([self.node(k, path + ("<key>",)) for k in keys],
-                                [self.node(obj[k], path + (k,)) for k in keys])
+            knodes = [self.node(k, path + ("<key>",), tpath + ("<key>",)) for k in keys]
+            return st.dict_node(knodes, [self.node(obj[k], path + (k,), tpath + (st.path_component(kn),))
+                                         for k, kn in zip(keys, knodes)])
         if isinstance(obj, torch.Size):
             return st.size_node(obj)
         if isinstance(obj, tuple) and type(obj) is tuple:
-            return st.tuple_node([self.node(v, path + (i,)) for i, v in enumerate(obj)])
+            return st.tuple_node([self.node(v, path + (i,), tpath + (st.path_component(i),))
+                                  for i, v in enumerate(obj)])
         if isinstance(obj, list) and type(obj) is list:
-            return [self.node(v, path + (i,)) for i, v in enumerate(obj)]
+            return [self.node(v, path + (i,), tpath + (st.path_component(i),)) for i, v in enumerate(obj)]
         if isinstance(obj, torch.dtype):
             return st.dtype_node(obj)
         if isinstance(obj, torch.device):
@@ -117,11 +140,32 @@ class _Flattener:
             if getattr(obj, "ckpt_per_rank", False) and path:
                 self.flat.per_rank.add(path[0])
             self.flat.statefuls["/".join(_component(p) for p in path)] = obj
-            return st.stateful_node(obj, self.node(obj.state_dict(), path))
+            return st.stateful_node(obj, self.node(obj.state_dict(), path, tpath))
         return self.other(obj, path)
 
-    def tensor(self, t: torch.Tensor, path: tuple, numpy: bool, shard: LocalShard | None = None) -> dict:
-        where = "/".join(map(_component, path))
+    def npscalar(self, obj: np.generic, path: tuple, tpath: tuple[str, ...]) -> Any:
+        value = obj.item()
+        if type(value) in (bool, int, float):  # stored as the number it is, with its dtype
+            return st.npscalar_node(obj.dtype, self.node(value, path, tpath))
+        # longdouble, complex, datetime64 …: their exact bytes, with the dtype that reads them back
+        return st.npscalar_bytes_node(obj.dtype, obj.tobytes())
+
+    def array(self, arr: np.ndarray, path: tuple, tpath: tuple[str, ...]) -> Any:
+        if arr.dtype.hasobject or arr.dtype.fields is not None or arr.dtype.kind == "V":
+            return self.other(arr, path)  # objects, structured and void records: no plain layout to restore
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.isnative:
+            try:
+                return self.tensor(torch.from_numpy(arr), path, tpath, numpy=True)
+            except TypeError:
+                pass  # a dtype torch has no tensor for (str, datetime64, longdouble …)
+        # Stored as its raw bytes (one trailing axis of itemsize), with the numpy dtype to read them back.
+        raw = arr.reshape(-1).view(np.uint8).reshape(arr.shape + (arr.dtype.itemsize,))
+        return self.tensor(torch.from_numpy(raw), path, tpath, numpy=arr.dtype.str)
+
+    def tensor(self, t: torch.Tensor, path: tuple, tpath: tuple[str, ...], numpy: bool | str,
+               shard: LocalShard | None = None) -> dict:
+        where = _where(path)
         target: Any = t if shard is None else shard
         if is_dtensor(t):
             t, box, gshape = dtensor_box(t, where)
@@ -141,19 +185,23 @@ class _Flattener:
         self.flat.tensors[key] = t
         self.flat.leaves[key] = leaf
         self.flat.targets[key] = target
+        self.flat.paths[key] = tpath
         return st.tensor_node(key, numpy)
 
     def other(self, obj: Any, path: tuple) -> Any:
-        where = "/".join(_component(p) for p in path) or "<root>"
         if self.for_target:
             return None
         if not self.allow_pickle:
             raise UnsupportedValueError(
-                f"cannot store {type(obj).__module__}.{type(obj).__qualname__} at {where!r} without pickle: "
-                "convert it to plain values (numbers, strings, lists, dicts, tensors), give it "
-                "state_dict()/load_state_dict(), or pass allow_pickle=True to the Checkpointer "
-                "(loading it will then need allow_pickle=True too)")
+                f"cannot store {type(obj).__module__}.{type(obj).__qualname__} at {_where(path)!r} without pickle: "
+                "convert it to plain values (numbers, strings, lists, dicts, tensors, numpy arrays of numbers, "
+                "text or dates), give it state_dict()/load_state_dict(), or pass allow_pickle=True to the "
+                "Checkpointer (loading it will then need allow_pickle=True too)")
         return st.pickle_node(obj)
+
+
+def _where(path: tuple) -> str:
+    return "/".join(_component(p) for p in path) or "<root>"
 
 
 def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False) -> Flat:
@@ -167,7 +215,7 @@ def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False
     nodes, tops = [], {}
     for k, v in state.items():
         before = len(f.flat.tensors)
-        nodes.append(f.node(v, (k,)))
+        nodes.append(f.node(v, (k,), (st.path_component(k),)))
         tops[k] = list(f.flat.tensors)[before:]
     f.flat.structure = st.dict_node(list(state.keys()), nodes)
     for k in f.flat.per_rank:  # every tensor under a per-rank key is this rank's own
@@ -192,7 +240,13 @@ def _apply_into(container: Any, key: Any, value: Any, where: str) -> None:
             raise StateMismatchError(
                 f"{where!r} was saved from an object with state_dict(); the state passed to load has "
                 f"{type(current).__name__} there. Pass the same kind of object (model, optimizer, …).")
-        current.load_state_dict(_unwrap(value.state_dict))
+        try:
+            current.load_state_dict(_unwrap(value.state_dict))
+        except CheckpointError:
+            raise
+        except Exception as e:  # the object's own check: typed, with the object named
+            raise StateMismatchError(f"{where!r}: {type(current).__name__}.load_state_dict refused the saved state: "
+                                     f"{type(e).__name__}: {e}") from e
         return
     if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
         if value is not current:

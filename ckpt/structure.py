@@ -27,6 +27,7 @@ every walker over the tree (rebuilding the values, finding its tensors, previews
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 import math
@@ -71,10 +72,12 @@ def tuple_node(values: list[Node]) -> dict:
     return {"t": "tuple", "v": values}
 
 
-def tensor_node(key: str, numpy: bool = False) -> dict:
+def tensor_node(key: str, numpy: bool | str = False) -> dict:
+    """``numpy``: True for a numpy array stored as a tensor of its own dtype; a numpy dtype string
+    (``"<U5"``, ``">f4"``, ``"<M8[ns]"`` …) for one stored as raw bytes (a trailing axis of itemsize)."""
     node: dict[str, Any] = {"t": "tensor", "key": key}
     if numpy:
-        node["numpy"] = True
+        node["numpy"] = numpy
     return node
 
 
@@ -84,6 +87,11 @@ def float_node(x: float) -> Node:
 
 def npscalar_node(dtype: np.dtype, value: Node) -> dict:
     return {"t": "npscalar", "dtype": dtype.str, "v": value}
+
+
+def npscalar_bytes_node(dtype: np.dtype, data: bytes) -> dict:
+    """A numpy scalar with no exact Python number (longdouble, complex, datetime64 …): its bytes."""
+    return {"t": "npscalar", "dtype": dtype.str, "b": base64.b64encode(data).decode("ascii")}
 
 
 def size_node(size: torch.Size) -> dict:
@@ -156,12 +164,17 @@ def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool) -> Any:
                 for k, v in zip(node["k"], node["v"])}
     if t == "tensor":
         value = tensors[node["key"]]
-        return value.numpy() if node.get("numpy") else value
+        np_dtype = node.get("numpy")
+        if isinstance(np_dtype, str):  # raw bytes with a trailing axis of itemsize
+            return value.numpy().reshape(-1).view(np.dtype(np_dtype)).reshape(tuple(value.shape[:-1]))
+        return value.numpy() if np_dtype else value
     if t == "tuple":
         return tuple(rebuild(v, tensors, allow_pickle=allow_pickle) for v in node["v"])
     if t == "float":
         return float(node["v"])
     if t == "npscalar":
+        if "b" in node:
+            return np.frombuffer(base64.b64decode(node["b"]), dtype=np.dtype(node["dtype"]))[0]
         return np.dtype(node["dtype"]).type(rebuild(node["v"], tensors, allow_pickle=allow_pickle))
     if t == "size":
         return torch.Size(node["v"])
@@ -183,6 +196,34 @@ def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool) -> Any:
 
 
 # -- walkers ---------------------------------------------------------------------------------------
+
+MAX_DEPTH = 100  # containers nested deeper than this are refused at save (and in a manifest)
+
+
+def path_component(key: Node) -> str:
+    """One step of a tensor's path: a dict key's node, or a list index, as canonical JSON. Unlike
+    the printed key path, it keeps types apart: 0 and "0", "a/b" and "a" then "b"."""
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def tensor_paths(node: Node, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:
+    """(path, key) of every tensor a node refers to, in order; paths as :func:`path_component` makes them."""
+    out: list[tuple[tuple[str, ...], str]] = []
+    stack: list[tuple[Node, tuple[str, ...]]] = [(node, prefix)]
+    while stack:
+        n, path = stack.pop()
+        t = kind(n)
+        if t == "tensor":
+            out.append((path, n["key"]))
+        elif t == "dict":
+            stack.extend((v, path + (path_component(k),)) for k, v in reversed(list(zip(n["k"], n["v"]))))
+        elif t == "stateful":
+            stack.append((n["v"], path))
+        elif t == "tuple" or isinstance(n, list):
+            items = n["v"] if t == "tuple" else n
+            stack.extend((v, path + (path_component(i),)) for i, v in reversed(list(enumerate(items))))
+    return out
+
 
 def tensor_keys(node: Node) -> list[str]:
     """Keys of the tensors a node refers to, in order."""
@@ -263,3 +304,131 @@ def preview(node: Node, limit: int = 80) -> str:
         return f"<{t}>"
     s = render(node)
     return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+# -- checking a tree read from a manifest -----------------------------------------------------------
+
+_KEY_KINDS = {None, "tuple", "float", "npscalar", "size", "dtype", "device", "bytes", "pickle", "tensor"}  # hashable
+
+
+def _np_dtype(s: Any) -> np.dtype | None:
+    """The numpy dtype a manifest names, if it is one ckpt writes (no objects, no records)."""
+    if not isinstance(s, str) or len(s) > 32:
+        return None
+    try:
+        dt = np.dtype(s)
+    except (TypeError, ValueError):
+        return None
+    return None if dt.hasobject or dt.kind == "V" or dt.itemsize == 0 else dt
+
+
+def problem(root: Node, tensor_keys: set[str] | None, *, max_depth: int = MAX_DEPTH + 2) -> str | None:
+    """What is wrong with a structure tree read from a manifest, or None. Checked without recursion
+    (a tree may be arbitrarily deep) before anything is rebuilt from it, so rebuilding cannot fail
+    halfway with a KeyError or TypeError: every node has the fields its kind needs, every tensor
+    node names a tensor of the manifest (of ``tensor_keys``; None: any string, for a rank's report,
+    whose structure also names tensors other ranks wrote), every dict key rebuilds to something hashable."""
+    stack: list[tuple[Node, int, bool]] = [(root, 0, False)]  # (node, depth, is a dict key)
+    while stack:
+        n, depth, as_key = stack.pop()
+        if depth > max_depth:
+            return f"nested deeper than {max_depth} levels"
+        if n is None or isinstance(n, (bool, int, str)):
+            continue
+        if isinstance(n, float):
+            if not math.isfinite(n):
+                return "a non-finite number outside a float node"
+            continue
+        if isinstance(n, list):
+            if as_key:
+                return "a list used as a dict key"
+            stack.extend((v, depth + 1, False) for v in n)
+            continue
+        if not isinstance(n, dict):
+            return f"a value of type {type(n).__name__}"
+        t = n.get("t")
+        if as_key and t not in _KEY_KINDS:
+            return f"a {str(t)[:40]!r} node used as a dict key"
+        v: Any = n.get("v")
+        if t == "dict":
+            k = n.get("k")
+            if not (isinstance(k, list) and isinstance(v, list) and len(k) == len(v)):
+                return "a dict node without keys and values of the same length"
+            stack.extend((x, depth + 1, True) for x in k)
+            stack.extend((x, depth + 1, False) for x in v)
+        elif t == "tuple":
+            if not isinstance(v, list):
+                return "a tuple node without a list of values"
+            stack.extend((x, depth + 1, as_key) for x in v)
+        elif t == "tensor":
+            key = n.get("key")
+            if not isinstance(key, str) or (tensor_keys is not None and key not in tensor_keys):
+                return f"a tensor node naming no tensor of the manifest ({str(n.get('key'))[:60]!r})"
+            np_dtype = n.get("numpy", False)
+            if not isinstance(np_dtype, bool) and _np_dtype(np_dtype) is None:
+                return f"a tensor node with an unknown numpy dtype {str(np_dtype)[:40]!r}"
+        elif t == "float":
+            try:
+                float(v)
+            except (TypeError, ValueError):
+                return "a float node that is not a number"
+        elif t == "npscalar":
+            dt = _np_dtype(n.get("dtype"))
+            if dt is None:
+                return f"a numpy scalar of unknown dtype {str(n.get('dtype'))[:40]!r}"
+            if "b" in n:
+                try:
+                    if len(base64.b64decode(n["b"], validate=True)) != dt.itemsize:
+                        return "a numpy scalar whose bytes do not fit its dtype"
+                except (TypeError, ValueError, binascii.Error):
+                    return "a numpy scalar with bad bytes"
+            elif dt.kind not in "biuf" or not (v is None or isinstance(v, (bool, int, float)) or kind(v) == "float"):
+                return "a numpy scalar without a number"
+        elif t == "size":
+            if not (isinstance(v, list) and all(type(d) is int and d >= 0 for d in v)):
+                return "a size node that is not a list of sizes"
+        elif t == "dtype":
+            if v not in DTYPES:
+                return f"a dtype node naming an unknown dtype {str(v)[:40]!r}"
+        elif t == "device":
+            try:
+                if not isinstance(v, str) or len(v) > 64:
+                    raise TypeError(v)
+                torch.device(v)
+            except (TypeError, RuntimeError, ValueError):
+                return f"a device node naming no device ({str(v)[:40]!r})"
+        elif t == "bytes":
+            try:
+                base64.b64decode(v, validate=True)
+            except (TypeError, ValueError, binascii.Error):
+                return "a bytes node that is not base64"
+        elif t == "stateful":
+            if "v" not in n:
+                return "a stateful node without its state"
+            stack.append((v, depth + 1, False))
+        elif t == "pickle":
+            if not isinstance(v, str):
+                return "a pickle node without its payload"
+        elif t == "per_rank":
+            if depth != 1 or not isinstance(v, list):
+                return "a per-rank node that is not a top-level value"
+            stack.extend((x, depth + 1, False) for x in v)
+        else:
+            return f"a node of unknown kind {str(t)[:40]!r}"
+    return None
+
+
+def newest_feature(node: Node) -> int:
+    """The lowest manifest format version that can hold ``node``: 3 for numpy values stored as raw
+    bytes (older readers would return those bytes as they are), else 1."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, list):
+            stack.extend(n)
+        elif isinstance(n, dict):
+            t = n.get("t")
+            if (t == "tensor" and isinstance(n.get("numpy"), str)) or (t == "npscalar" and "b" in n):
+                return 3
+            stack.extend(n.values())
+    return 1
