@@ -12,6 +12,7 @@ falling back past damaged steps when asked, with every rank agreeing on the outc
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections import defaultdict
@@ -25,7 +26,8 @@ import torch
 
 from . import manifest as mf
 from . import structure as st
-from .codec import HEADER_SIZE, verify
+from ._tasks import run_all
+from .codec import HEADER_SIZE, check_header, parse_header, verify
 from .codec import decode as decode_chunk
 from .dist import Comm
 from .errors import (
@@ -89,8 +91,8 @@ class Loader:
         """Load ``step`` (or the newest committed one) into ``state``; None when ``"latest"`` finds
         no committed step (a new run)."""
         if step != "latest":
-            if type(step) is not int or step < 0:
-                raise ConfigError(f"step must be a non-negative integer or 'latest', got {step!r}")
+            if type(step) is not int or not 0 <= step <= mf.MAX_STEP:
+                raise ConfigError(f"step must be 'latest' or an integer from 0 to 2**63 - 1, got {step!r}")
             if not self.storage.exists(mf.manifest_key(step)):
                 steps = self.steps()
                 raise CheckpointNotFoundError(
@@ -170,29 +172,33 @@ def short_list(steps: list[int]) -> str:
 
 def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict: bool, allow_pickle: bool,
               io: Executor, rank: int = 0, world: int = 1, rank_map: RankMap | None = None) -> LoadStats:
-    """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read."""
+    """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
+
+    Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
+    layout of modules and optimizers, pickles, the values themselves); then the chunks are read,
+    every read finished or cancelled before this returns, and the values put in place."""
     _init_optimizers(state, m)
     target = flatten(state, for_target=True)
-    saved_top = m.top_keys
     saved_nodes = dict(st.top_items(m.structure))
-    unexpected = [k for k in saved_top if k not in state]
+    unexpected = [k for k in m.top_keys if k not in state]
     missing_top = [k for k in state if k not in saved_nodes]
-    wanted_top = [k for k in saved_top if k in state]
+    wanted_top = [k for k in m.top_keys if k in state]
 
     # Per-rank state: which saved rank this rank takes it from.
     per_rank = [k for k in wanted_top if st.is_per_rank(saved_nodes[k])]
-    src_rank = None
-    if per_rank:
-        src_rank = _source_rank(m, per_rank, rank, world, rank_map)
+    src_rank = _source_rank(m, per_rank, rank, world, rank_map) if per_rank else None
     nodes = {k: saved_nodes[k]["v"][src_rank] if k in per_rank else saved_nodes[k] for k in wanted_top}
     entries = {(t.key, t.rank): t for t in m.tensors}
-    wanted: list[tuple[str, int | None]] = []
+    # Saved tensors meet the state's by their path in the structure (keys with their types), never
+    # by their printed names: {"a/b": x, "a": {"b": y}} or {0: x, "0": y} cannot be swapped.
+    target_key = {path: key for key, path in target.paths.items()}
+    wanted: list[tuple[str, int | None, str | None]] = []  # (saved key, saved rank, the state's key)
     for top in wanted_top:
-        for key in st.tensor_keys(nodes[top]):
+        for path, key in st.tensor_paths(nodes[top], (st.path_component(top),)):
             owner = src_rank if top in per_rank and (key, src_rank) in entries else None
-            wanted.append((key, owner))
-    wanted_set = {k for k, _ in wanted}
-    missing_tensors = [k for k in target.tensors if k not in wanted_set and k.split("/", 1)[0] in saved_nodes]
+            wanted.append((key, owner, target_key.get(path)))
+    found = {tk for _, _, tk in wanted if tk is not None}
+    missing_tensors = [k for k in target.tensors if k not in found and k.split("/", 1)[0] in saved_nodes]
 
     if strict and (unexpected or missing_top or missing_tensors):
         parts = []
@@ -205,6 +211,14 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
         raise StateMismatchError(
             f"step {m.step} does not match the state: " + "; ".join(parts) +
             ". Pass strict=False to load what matches and leave the rest as it is.")
+    misfits: list[str] = []
+    for top in wanted_top:
+        _misfits(nodes[top], target_nodes(target, top), state[top], top, strict, misfits)
+    if misfits:
+        raise StateMismatchError(
+            f"step {m.step} does not fit the state: " + "; ".join(misfits[:6]) + (" …" if len(misfits) > 6 else "") +
+            ". Build the state as the run that saved it did (or load with strict=False where only nested keys "
+            "differ); nothing was changed.")
     if unexpected or missing_top or missing_tensors:
         log.warning("ckpt: loading step %d non-strictly: %d key(s) not in the state, %d missing from the checkpoint",
                     m.step, len(unexpected), len(missing_top) + len(missing_tensors))
@@ -219,24 +233,28 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     dests: dict[str, tuple[torch.Tensor, Box]] = {}
     values: dict[str, Any] = {}
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-    mismatches = []
-    for key, owner in wanted:
+    mismatches, on_meta = [], []
+    for key, owner, tkey in wanted:
         e = entries.get((key, owner))
         if e is None:
             raise CorruptCheckpointError(f"step {m.step}: structure names tensor {key!r} that has no entry", object=key)
         dtype, shape = DTYPES[e.dtype], tuple(e.shape)
-        t = target.tensors.get(key)
+        t = target.tensors.get(tkey) if tkey is not None else None
         if t is None:
             local = torch.empty(shape, dtype=dtype)
             dests[key] = (local, ((0,) * len(shape), shape))
             values[key] = local
             continue
-        leaf = target.leaves[key]
+        assert tkey is not None
+        leaf = target.leaves[tkey]
         gshape = tuple(t.shape) if owner is not None else tuple(leaf.global_shape)
         if gshape != shape or t.dtype != dtype:
             what = "" if gshape == tuple(t.shape) else " (global)"
             mismatches.append(f"{key}: checkpoint has {e.dtype}{_shape_str(shape)}, state has "
                               f"{str(t.dtype).removeprefix('torch.')}{_shape_str(gshape)}{what}")
+            continue
+        if t.device.type == "meta":
+            on_meta.append(tkey)
             continue
         box = ((0,) * len(shape), shape) if owner is not None else leaf.box
         if t.device.type == "cpu" and t.is_contiguous():
@@ -245,18 +263,23 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
             local = torch.empty(tuple(t.shape), dtype=dtype)
             copy_back.append((t, local))
         dests[key] = (local, box)
-        values[key] = target.targets[key]
+        values[key] = target.targets[tkey]
     if mismatches:
         raise StateMismatchError(
             f"step {m.step} does not fit the state ({len(mismatches)} tensor(s)): " + "; ".join(mismatches[:6]) +
             (" …" if len(mismatches) > 6 else "") + ". Build the model/optimizer with the same shapes and dtypes "
             "as the run that saved it (cast after loading if you need another dtype).")
+    if on_meta:
+        raise StateMismatchError(
+            f"{len(on_meta)} tensor(s) of the state are on the meta device, which holds no data to load into "
+            f"({on_meta[:4]}{' …' if len(on_meta) > 4 else ''}). Materialise the model first, e.g. "
+            "model.to_empty(device='cpu'), then load; nothing was changed.")
 
     # What each chunk feeds: (offset in chunk, length, destination bytes, offset there). Boxes that
     # are not one contiguous run on both sides go through a staging buffer and a strided copy.
     feeds: dict[str, list[tuple[int, int, np.ndarray, int]]] = defaultdict(list)
     strided: list[tuple[torch.Tensor, Box, np.ndarray, tuple, Box]] = []
-    for key, owner in wanted:
+    for key, owner, _ in wanted:
         e = entries[(key, owner)]
         local, dbox = dests[key]
         need = volume(dbox[1])
@@ -294,9 +317,16 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
                 "needs; the manifest is damaged. Load another step (or pass fallback=True to load('latest'))",
                 object=mf.manifest_key(m.step))
 
+    # The values are rebuilt before any read: unpickling, or a node that cannot be rebuilt, fails now.
+    try:
+        decoded = st.rebuild(structure, values, allow_pickle=allow_pickle)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CorruptCheckpointError(f"step {m.step}: its values cannot be rebuilt ({type(e).__name__}: {e})",
+                                     object=mf.manifest_key(m.step)) from e
+
     stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
-    for n in io.map(lambda item: _read_chunk(storage, m, item[0], item[1]), feeds.items()):
-        stats.bytes_read += n
+    reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()))
+    stats.bytes_read = sum(reads)
 
     with torch.no_grad():
         for local, in_d, stage, rows_shape, in_stage in strided:
@@ -304,8 +334,69 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
             local[_slices(in_d)].copy_(src[_slices(in_stage)])
         for t, src in copy_back:
             t.copy_(src)
-    apply(state, st.rebuild(structure, values, allow_pickle=allow_pickle))
+    apply(state, decoded)
     return stats
+
+
+def target_nodes(target: Any, top: str) -> Any:
+    """The state's own structure node for top-level key ``top``."""
+    return dict(st.top_items(target.structure))[top]
+
+
+def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: list[str]) -> None:
+    """What would make ``load_state_dict`` fail, or (``strict``) leave nested keys unloaded, found
+    by comparing the saved structure with the state's own, before anything is changed."""
+    if isinstance(live, torch.nn.Module):
+        if st.kind(saved) != "stateful" or st.kind(saved["v"]) != "dict":
+            out.append(f"{where}: the checkpoint holds no module state there")
+            return
+        have, want = set(saved["v"]["k"]), set(target["v"]["k"])
+        if have != want:
+            miss, extra = sorted(want - have, key=str), sorted(have - want, key=str)
+            more = (" …" if len(miss) > 4 else "", " …" if len(extra) > 4 else "")
+            out.append(f"{where} ({type(live).__name__}): missing from the checkpoint {miss[:4]}{more[0]}, "
+                       f"not in the module {extra[:4]}{more[1]}")
+        return
+    if isinstance(live, torch.optim.Optimizer):
+        groups = _param_groups(saved)
+        if groups is None:
+            out.append(f"{where}: the checkpoint holds no optimizer state there")
+            return
+        sizes = [len(g["params"]) for g in live.param_groups]
+        if groups != sizes:
+            out.append(f"{where} ({type(live).__name__}): the checkpoint has {len(groups)} parameter group(s) of "
+                       f"{groups} parameters, the optimizer {len(sizes)} of {sizes}")
+        return
+    if strict and isinstance(live, dict) and live and st.kind(saved) == "dict" and st.kind(target) == "dict":
+        saved_keys = {st.path_component(k): (k, v) for k, v in zip(saved["k"], saved["v"])}
+        mine = {st.path_component(k): v for k, v in zip(target["k"], target["v"])}
+        missing = [k for k in mine if k not in saved_keys]
+        extra = [saved_keys[k][0] for k in saved_keys if k not in mine]
+        if missing or extra:
+            out.append(f"{where}: keys missing from the checkpoint {[json.loads(k) for k in missing][:4]}, "
+                       f"keys not in the state {extra[:4]}")
+        for (c, tv), lv in zip(mine.items(), live.values()):
+            if c in saved_keys:
+                _misfits(saved_keys[c][1], tv, lv, f"{where}/{st.preview(json.loads(c), 40)}", strict, out)
+
+
+def _param_groups(saved: Any) -> list[int] | None:
+    """Parameters per group of a saved optimizer state_dict node, or None if it is not one."""
+    if st.kind(saved) != "stateful" or st.kind(saved["v"]) != "dict":
+        return None
+    sd = dict(zip(saved["v"]["k"], saved["v"]["v"]))
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list):
+        return None
+    out = []
+    for g in groups:
+        if st.kind(g) != "dict":
+            return None
+        params = dict(zip(g["k"], g["v"])).get("params")
+        if not isinstance(params, list):
+            return None
+        out.append(len(params))
+    return out
 
 
 def _slices(box: Box) -> tuple:
@@ -373,19 +464,31 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
     key = mf.chunk_key(h)
     try:
         if info.codec.startswith("raw/") and len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size:
-            # the whole chunk feeds one contiguous run: read its payload straight into the tensor
+            # The whole chunk feeds one contiguous run: its payload is read straight into the tensor,
+            # but only after its header was read and checked (a wrong object never reaches the tensor).
             _, length, flat, pos = feeds[0]
+            header = storage.read(key, 0, HEADER_SIZE)
+            hdr = parse_header(header, name=key)
+            check_header(hdr, name=key, expect_hash=h, expect_len=info.size)
+            if hdr.codec != "raw" or hdr.payload_len != info.size:
+                raise CorruptCheckpointError(
+                    f"chunk object {key} is stored as {hdr.codec} ({hdr.payload_len} bytes), its manifest entry "
+                    f"says raw ({info.size}); it is damaged. Load an older step (or pass fallback=True to "
+                    "load('latest')).", object=key, chunk=h)
             target = memoryview(flat)[pos : pos + length]
-            header = bytearray(HEADER_SIZE)
-            n = storage.readv(key, [header, target])
-            verify(key, h, header, target, expect_len=info.size, object_len=storage.size(key), raw_only=True)
-            return n
-        blob = storage.read(key)
-    except FileNotFoundError:
+            n = storage.readv(key, [target], offset=HEADER_SIZE)
+            verify(key, h, header, target[:n], expect_len=info.size, raw_only=True)
+            return HEADER_SIZE + n
+        blob = storage.read_object(key, info.stored)
+    except FileNotFoundError as e:
         raise CorruptCheckpointError(
-            f"chunk object {key} referenced by step {m.step} is missing from {storage.describe()}; "
+            f"chunk object {key} referenced by step {m.step} is missing from {storage.describe()} ({e}); "
             "the step is damaged. Load an older step (or pass fallback=True to load('latest')).",
             object=key, chunk=h) from None
+    if len(blob) > info.stored:
+        raise CorruptCheckpointError(
+            f"chunk object {key} is larger than the {info.stored} bytes its manifest entry says; it is damaged. "
+            "Load an older step (or pass fallback=True to load('latest')).", object=key, chunk=h)
     raw = decode_chunk(blob, name=key, expect_hash=h, expect_len=info.size)
     src = np.frombuffer(raw, dtype=np.uint8)
     for off, length, flat, pos in feeds:
