@@ -20,11 +20,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from . import manifest as mf
+from ._tasks import run_all
 from .codec import verify_object
 from .commit import CommitProtocol
 from .dist import make_comm
 from .errors import CheckpointError, ConfigError, StepExistsError
 from .handle import SaveHandle, SaveMetrics
+from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
 from .options import MiB, Options
 from .retention import Retention
@@ -94,13 +96,16 @@ class Checkpointer:
         # The threads every stage runs on, owned here and handed to the stages.
         self._io = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-io")
         self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
-        manifests = mf.ManifestCache(self.storage)
+        manifests = mf.ManifestCache(self.storage, maxsize=64)
         self._manifests = manifests
-        self._writer = Writer(self.storage, options.codec, self._io)
+        # Held from the first save to close(), so other processes' deletions keep out of the way.
+        self._leases = Leases(self.storage.durable_tier(), wait_s=options.timeout)
+        self._writer = Writer(self.storage, options.codec, self._io, self._leases)
         self._retention = Retention(self.storage, manifests, options.keep_last, options.keep_every,
-                                    lambda keys: list(self._io.map(self.storage.delete, keys)))
+                                    lambda keys: run_all(self._io, self.storage.delete, keys), self._leases,
+                                    in_use=self._writer.in_use)
         self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
-                                        self._retention.after_commit)
+                                        self._retention.after_commit, self._leases)
         self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads)
         self._loader = Loader(self.storage, self._comm, self._io, manifests)
         self.last_load: LoadStats | None = None  # what the last load read
@@ -134,8 +139,8 @@ class Checkpointer:
         every rank's part is durable."""
         started = time.perf_counter()
         self._check_open()
-        if type(step) is not int or step < 0:
-            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        if type(step) is not int or not 0 <= step <= mf.MAX_STEP:
+            raise ConfigError(f"step must be an integer from 0 to 2**63 - 1, got {step!r}")
         if step in self._submitted:
             raise StepExistsError(f"step {step} was already saved by this Checkpointer; use a new step number")
         seq, self._seq = self._seq, self._seq + 1
@@ -254,6 +259,7 @@ class Checkpointer:
             self._closed = True
             self._commit_thread.shutdown(wait=True)
             self._io.shutdown(wait=True)
+            self._leases.release()
             self.storage.close()  # the host buffer goes with this object (adopt_buffer may still take it)
 
     def _check_open(self) -> None:

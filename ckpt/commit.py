@@ -5,14 +5,17 @@ rank must learn the same outcome, and no rank may wait forever on one that died.
 training's process group cannot be used from a background thread, so ranks talk through the
 group's store (:class:`~ckpt.dist.Comm`), with deadlines. For one save, on each rank's commit thread:
 
-1. wait until the coordinator has finished the previous save's retention (``free``), so a chunk
-   this rank is about to reuse by hash is not deleted under it;
+1. the coordinator (rank 0) holds the job's writer lease (:mod:`ckpt.lease`: no other process
+   deletes chunks meanwhile) and publishes ``go``; the other ranks wait for it, so nothing they
+   reuse by hash can be deleted under them, by the coordinator's retention of the previous save
+   (which ran before ``go``) or by anyone else;
 2. write this rank's chunks durably, then its rank report (:meth:`Writer.write_part`);
-3. report ``ok`` or ``fail`` (or ``skip``, from ``save()`` itself) to the coordinator;
-4. the coordinator (rank 0) gathers every report, reads the rank reports, merges them and commits
+3. report ``ok``, ``fail`` or ``exists`` (or ``skip``, from ``save()`` itself) to the coordinator;
+4. the coordinator gathers every report, reads the rank reports, merges them and commits
    ``MANIFEST.json`` create-only: that write is the commit point. It publishes a :class:`Decision`
    (ok, fail naming the ranks, skip, or exists) that every other rank waits for;
-5. the coordinator runs what comes after a commit (retention) and then publishes ``free``.
+5. on the coordinator, what comes after a commit (retention) runs before the next save's ``go``.
+   A save that was not committed deletes the chunks each rank alone created for it.
 
 A process saving alone runs exactly this, with a :class:`~ckpt.dist.LocalComm`; its own error is
 then the save's error, instead of a :class:`DistributedSaveError` naming rank 0.
@@ -31,6 +34,7 @@ from . import manifest as mf
 from .dist import Comm
 from .errors import CheckpointError, DistributedSaveError, StepExistsError
 from .handle import SaveMetrics
+from .lease import Leases
 from .writer import SaveJob, Writer
 
 log = logging.getLogger("ckpt")
@@ -82,12 +86,13 @@ class CommitProtocol:
     resolved, before other ranks may start the next save's writes (retention goes there)."""
 
     def __init__(self, comm: Comm, writer: Writer, io: Executor, commit_thread: Executor,
-                 after_commit: Callable[[mf.Manifest], None]):
+                 after_commit: Callable[[mf.Manifest], None], leases: Leases):
         self.comm = comm
         self.writer = writer
         self.io = io
         self.commit_thread = commit_thread
         self.after_commit = after_commit
+        self.leases = leases
 
     # -- entry points, from save() --------------------------------------------------------------------
     def submit(self, job: SaveJob, future: Future) -> None:
@@ -118,26 +123,44 @@ class CommitProtocol:
     # -- on the commit thread -------------------------------------------------------------------------
     def _run(self, job: SaveJob, future: Future) -> None:
         try:
-            try:
-                committed = self._save(job)
-            except BaseException as e:
-                log.error("ckpt: saving step %d failed: %s", job.step, e)
-                future.set_exception(e)
-                return
-            future.set_result(job.metrics)
-            if committed is not None:
-                self.after_commit(committed)
+            committed = self._save(job)
+        except BaseException as e:
+            log.error("ckpt: saving step %d failed: %s", job.step, e)
+            future.set_exception(e)
+            return
         finally:
-            self._release(job.seq)
+            self._forget(job.seq)
+        future.set_result(job.metrics)
+        if committed is not None:
+            self.after_commit(committed)
+
+    def _go(self, seq: int) -> None:
+        """Every rank, before a save writes anything: the coordinator holds the lease and says go;
+        the others wait for that."""
+        comm = self.comm
+        if comm.rank == 0:
+            try:
+                self.leases.hold()
+            except BaseException as e:  # the others must not wait for a go that never comes
+                comm.go(seq, {"error": f"{type(e).__name__}: {e}"})
+                raise
+            comm.go(seq, {"lease": self.leases.writer_id})
+            return
+        doc = comm.wait_go(seq)
+        if doc is None:
+            raise DistributedSaveError(
+                f"rank 0 did not start save {seq} within {2 * comm.timeout:.0f}s (still busy with the previous "
+                "one, or dead)", ranks=[0])
+        if "error" in doc:
+            raise DistributedSaveError(f"rank 0 could not start save {seq}: {doc['error']}", ranks=[0])
+        self.leases.own.add(doc["lease"])  # the job's own lease never stands in its way
 
     def _save(self, job: SaveJob) -> mf.Manifest | None:
         comm, seq = self.comm, job.seq
         part: mf.Manifest | None = None
         error: BaseException | None = None
         try:
-            if comm.rank != 0 and seq > 0 and not comm.wait_free(seq - 1):
-                raise DistributedSaveError(
-                    f"rank 0 did not finish the previous save within {2 * comm.timeout:.0f}s", ranks=[0])
+            self._go(seq)
             part = self.writer.write_part(job, comm.rank)
         except BaseException as e:
             job.snapshot.buffer.release()
@@ -145,7 +168,8 @@ class CommitProtocol:
         if error is None:
             comm.report(seq, Report(Status.OK, job.step).to_json())
         else:
-            comm.report(seq, Report(Status.FAIL, job.step, f"{type(error).__name__}: {error}").to_json())
+            status = Status.EXISTS if isinstance(error, StepExistsError) else Status.FAIL
+            comm.report(seq, Report(status, job.step, f"{type(error).__name__}: {error}").to_json())
         committed = None
         if comm.rank == 0:
             decision, committed, commit_error = self._coordinate(job, part)
@@ -155,6 +179,8 @@ class CommitProtocol:
             decision = Decision.from_json(doc) if doc is not None else Decision(
                 Status.FAIL, (0,), f"rank 0 (the coordinator) gave no decision within {2 * comm.timeout:.0f}s")
         self.writer.settle(part if decision.status is Status.OK else None)
+        if decision.status is not Status.OK:
+            self.writer.discard(job)  # this save's own new chunks: nothing committed refers to them
         if decision.status is Status.OK:
             job.metrics.duration_s = time.perf_counter() - job.started
             if committed is not None:
@@ -182,8 +208,11 @@ class CommitProtocol:
             reports = {r: Report.from_json(d) for r, d in docs.items()}
             failed = sorted(r for r, v in reports.items() if v.status is Status.FAIL)
             skipped = sorted(r for r, v in reports.items() if v.status is Status.SKIP)
+            exists = sorted(r for r, v in reports.items() if v.status is Status.EXISTS)
             steps = {v.step for v in reports.values()}
-            if failed or missing:
+            if exists:
+                decision = Decision(Status.EXISTS, tuple(exists), reports[exists[0]].message.partition(": ")[2])
+            elif failed or missing:
                 why = [f"rank {r}: {reports[r].message or 'failed'}" for r in failed]
                 why += [f"rank {r} did not report within {comm.timeout:.0f}s (died or hung?)" for r in missing]
                 decision = Decision(Status.FAIL, tuple(failed + missing), "; ".join(why))
@@ -206,22 +235,20 @@ class CommitProtocol:
         return decision, committed, error
 
     def _decide_alone(self, seq: int, decision: Decision) -> None:
-        """Coordinator, for a save it took no part in: publish the decision, then the go-ahead."""
+        """Coordinator, for a save it took no part in: let the others run it, and publish its fate."""
         try:
+            self._go(seq)
             self.comm.publish(seq, decision.to_json())
-        except DistributedSaveError as e:
+        except Exception as e:
             log.error("ckpt: %s", e)
-        self._release(seq)
+        self._forget(seq)
 
-    def _release(self, seq: int) -> None:
-        """Coordinator: everything queued up to save ``seq`` is done; other ranks may write again."""
-        if self.comm.rank != 0:
-            return
-        try:
-            self.comm.free(seq)
-            self.comm.forget(seq)
-        except DistributedSaveError as e:
-            log.error("ckpt: %s", e)
+    def _forget(self, seq: int) -> None:
+        if self.comm.rank == 0:
+            try:
+                self.comm.forget(seq)
+            except DistributedSaveError as e:
+                log.error("ckpt: %s", e)
 
 
 def _read_part(writer: Writer, step: int, rank: int) -> mf.Manifest:

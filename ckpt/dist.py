@@ -13,8 +13,8 @@ same on every rank because every rank calls ``save`` in the same order:
 ``p/<seq>/plan/<rank>``    the coordinator's answer: which tensors that rank writes
 ``q/<seq>/r/<rank>``       a rank's report for the save (see :mod:`ckpt.commit`)
 ``q/<seq>/result``         the coordinator's decision
-``q/<seq>/free``           the coordinator finished everything queued up to this save (retention),
-                           so other ranks may start writing the next save's chunks
+``q/<seq>/go``             the coordinator holds the lease and finished everything queued before this
+                           save (retention): the other ranks may write its chunks
 ``l/<n>/<rank>``           agreement on which step a ``load`` ends up loading
 =========================  =====================================================================
 
@@ -209,18 +209,18 @@ class Comm(abc.ABC):
     def decision(self, seq: int) -> dict | None:
         return self.get(f"q/{seq}/result", self._deadline(2))
 
-    def free(self, seq: int) -> None:
-        self.set(f"q/{seq}/free", {})
+    def go(self, seq: int, doc: dict) -> None:
+        self.set(f"q/{seq}/go", doc)
 
-    def wait_free(self, seq: int) -> bool:
-        return self.get(f"q/{seq}/free", self._deadline(2)) is not None
+    def wait_go(self, seq: int) -> dict | None:
+        return self.get(f"q/{seq}/go", self._deadline(2))
 
     def forget(self, seq: int) -> None:
         """Delete the keys of save ``seq - KEEP_SEQS`` (coordinator only)."""
         old = seq - KEEP_SEQS
         if old < 0:
             return
-        keys = [f"q/{old}/result", f"q/{old}/free"] + [f"q/{old}/r/{r}" for r in range(self.world)]
+        keys = [f"q/{old}/result", f"q/{old}/go"] + [f"q/{old}/r/{r}" for r in range(self.world)]
         keys += [f"p/{old}/inv/{r}" for r in range(self.world)] + [f"p/{old}/plan/{r}" for r in range(self.world)]
         for k in keys:
             if not self._delete(k):

@@ -14,7 +14,11 @@ running right now (in another process) may be about to commit it:
 Optionally, retention (``keep_last``) deletes committed steps too, in the crash-safe order of
 :func:`ckpt.retention.delete_steps`. Nothing referenced by a committed manifest is ever deleted
 (except by that retention, manifest first), so a gc killed at any point leaves every committed
-step loadable.
+step loadable. Chunks that retention elsewhere *parked* (``retired/``) are deleted too.
+
+While a writer holds a live lease on the root (:mod:`ckpt.lease`), gc deletes no chunk, temp file
+or unfinished step: they may be that writer's, and a chunk it is about to reuse must not go. It
+still applies retention, parking the chunks of the steps it removes for the writer (or a later gc).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from dataclasses import dataclass, field
 from . import manifest as mf
 from .catalog import Catalog
 from .codec import is_chunk_hash
-from .retention import DeleteMany, delete_steps, to_delete
+from .lease import LeaseInfo, Leases, list_leases
+from .retention import DeleteMany, delete_steps, parked, to_delete
 from .storage import Storage
 
 TMP_MARK = ".tmp-"
@@ -35,7 +40,7 @@ TMP_MARK = ".tmp-"
 class Item:
     """One object (or incomplete step directory) gc removes or keeps."""
 
-    kind: str  # "step" (retention), "chunk" (of a retained-away step), "orphan", "temp", "incomplete"
+    kind: str  # "step" (retention), "chunk" (of a retained-away step, or parked), "orphan", "temp", "incomplete"
     key: str
     bytes: int
     age_s: float | None  # None: the backend does not report modification times
@@ -53,6 +58,7 @@ class GcPlan:
     young: list[Item] = field(default_factory=list)  # garbage younger than the grace period: kept
     retention: list[int] = field(default_factory=list)  # committed steps keep_last removes
     unreadable: dict[int, str] = field(default_factory=dict)  # committed steps whose manifest is damaged
+    writers: list[LeaseInfo] = field(default_factory=list)  # live writers: no chunk is deleted, chunks are parked
 
     @property
     def bytes(self) -> int:
@@ -83,7 +89,7 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
     """What :func:`run` would remove (nothing is deleted here)."""
     storage = catalog.storage
     now = time.time() if now is None else now
-    p = GcPlan(grace_s=grace_s)
+    p = GcPlan(grace_s=grace_s, writers=[x for x in list_leases(storage) if x.kind == "writer" and x.live(now)])
 
     def classify(item: Item) -> None:
         (p.remove if _old(item.age_s, grace_s) else p.young).append(item)
@@ -110,8 +116,15 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
         for h, info in (m.chunks.items() if m is not None else ()):
             if h not in referenced:
                 retired[h] = info.stored
-    for h, stored in sorted(retired.items()):
-        p.remove.append(Item("chunk", mf.chunk_key(h), stored, None))
+    if p.writers:  # a live writer: its chunks and unfinished work are not ours to judge
+        return p
+    if not p.unreadable:
+        for chunks in parked(storage).values():
+            for h in chunks:
+                if h not in referenced and h not in retired:
+                    retired[h] = _size(storage, mf.chunk_key(h))
+    for h, nbytes in sorted(retired.items()):
+        p.remove.append(Item("chunk", mf.chunk_key(h), nbytes, None))
     referenced |= retired.keys()  # removed by retention, not as orphans
 
     # Incomplete steps, and temp files in committed step directories.
@@ -119,7 +132,8 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
         d = mf.step_dir(s)
         names = storage.list(d)
         ages = [_age(storage, f"{d}/{n}", now) for n in names] or [_age(storage, d, now)]
-        youngest = None if any(a is None for a in ages) else min(a for a in ages if a is not None)
+        known = [a for a in ages if a is not None]
+        youngest = min(known) if len(known) == len(ages) else None  # an unknown age is never old
         classify(Item("incomplete", d, sum(_size(storage, f"{d}/{n}") for n in names), youngest, s))
     for s in steps:
         if s in p.retention:
@@ -147,45 +161,63 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
 
 
 def run(catalog: Catalog, p: GcPlan, delete_many: DeleteMany | None = None) -> list[Item]:
-    """Remove what ``p`` lists, in a crash-safe order: retention (manifests first), incomplete
-    steps, temp files, then orphan chunks after re-reading which steps are committed now.
-    Returns the items removed."""
+    """Remove what ``p`` lists, in a crash-safe order: retention (manifests first), parked chunks,
+    incomplete steps, temp files, then orphan chunks after re-reading which steps are committed now.
+    Under a deletion lease; if a writer holds a live lease by then, only retention runs (its chunks
+    parked) and ``p.writers`` names the writers. Returns the items removed."""
     storage = catalog.storage
     delete_many = delete_many or (lambda keys: [storage.delete(k) for k in keys])
     done: list[Item] = []
-    if p.retention:
+    leases = Leases(storage)
+    leases.sweep()  # leases of processes that died without removing them
+    with leases.deleting() as writers:
+        p.writers = writers
         remaining = [s for s in catalog.committed if s not in p.retention]
-        delete_steps(storage, catalog.manifests, p.retention, remaining, delete_many)
-        done += [i for i in p.remove if i.kind in ("step", "chunk")]
-    for item in p.remove:
-        if item.kind != "incomplete":
-            continue
-        d = item.key
-        assert item.step is not None  # plan() gives every incomplete item its step
-        if storage.exists(mf.manifest_key(item.step)):
-            continue  # it committed since the plan was made: it is a step now, not garbage
-        names = storage.list(d)
-        # rank reports before anything else, so a half-removed step never looks more complete
-        delete_many([f"{d}/{n}" for n in sorted(names, key=lambda n: not n.startswith("rank-"))])
-        storage.delete(d)
-        done.append(item)
-    temps = [i for i in p.remove if i.kind == "temp"]
-    delete_many([i.key for i in temps])
-    done += temps
-    orphans = [i for i in p.remove if i.kind == "orphan"]
-    if orphans:
-        # A step committed while gc ran may reference a chunk that looked orphaned: re-check.
-        referenced: set[str] = set()
-        for s in mf.committed_steps(storage):
-            if s in catalog.committed:
+        if p.retention:
+            delete_steps(storage, catalog.manifests, p.retention, remaining, delete_many, park=bool(writers))
+            done += [i for i in p.remove if i.kind == "step" or (i.kind == "chunk" and not writers)]
+        if writers:
+            return done
+        lists = list(parked(storage)) if not p.unreadable else []
+        # parked chunks a step committed since the plan may use again are spared below
+        _delete_unreferenced(storage, catalog, [i for i in p.remove if i.kind == "chunk" and i not in done],
+                             delete_many, done)
+        for key in lists:
+            storage.delete(key)
+        for item in p.remove:
+            if item.kind != "incomplete":
                 continue
-            try:
-                referenced |= mf.read_step(storage, s).chunks.keys()
-            except Exception:  # unknown references: delete no chunk at all
-                orphans = []
-                break
-        orphans = [i for i in orphans if i.key.rsplit("/", 1)[-1] not in referenced]
-        delete_many([i.key for i in orphans])
-        done += orphans
-    storage.flush()
+            d = item.key
+            assert item.step is not None
+            if storage.exists(mf.manifest_key(item.step)):
+                continue  # it committed since the plan was made: it is a step now, not garbage
+            names = storage.list(d)
+            # rank reports before anything else, so a half-removed step never looks more complete
+            delete_many([f"{d}/{n}" for n in sorted(names, key=lambda n: not n.startswith("rank-"))])
+            storage.delete(d)
+            done.append(item)
+        temps = [i for i in p.remove if i.kind == "temp"]
+        delete_many([i.key for i in temps])
+        done += temps
+        _delete_unreferenced(storage, catalog, [i for i in p.remove if i.kind == "orphan"], delete_many, done)
+        storage.flush()
     return done
+
+
+def _delete_unreferenced(storage: Storage, catalog: Catalog, items: list[Item], delete_many: DeleteMany,
+                         done: list[Item]) -> None:
+    """Delete the chunk ``items`` no step committed since the plan references (a save may have
+    committed one that reuses a chunk that looked unreferenced)."""
+    if not items:
+        return
+    referenced: set[str] = set()
+    for s in mf.committed_steps(storage):
+        if s in catalog.committed:
+            continue
+        try:
+            referenced |= mf.read_step(storage, s).chunks.keys()
+        except Exception:  # unknown references: delete no chunk at all
+            return
+    items = [i for i in items if i.key.rsplit("/", 1)[-1] not in referenced]
+    delete_many([i.key for i in items])
+    done += items

@@ -3,20 +3,31 @@
 Order matters for crash safety: a step's MANIFEST.json goes first (the step stops existing), then
 its rank reports, then the chunks that no remaining committed manifest references. A run killed
 anywhere in between leaves only unreferenced objects behind; every step still committed is whole.
+
+Chunks are deleted only by a deleter that holds a deletion lease and sees no other live writer
+(:mod:`ckpt.lease`). Otherwise a retired step's chunks are *parked*: listed in
+``retired/<step>-<id>.json``, so whoever may delete chunks later (the writer once it is alone,
+``ckpt gc`` once no writer is live) deletes those still unreferenced, without listing every chunk.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import uuid
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from . import manifest as mf
+from .codec import is_chunk_hash
 from .errors import CheckpointError
+from .lease import Leases
 from .storage import Storage
 
 log = logging.getLogger("ckpt")
 
-DeleteMany = Callable[[list[str]], object]  # deletes the keys; what it returns is ignored
+DeleteMany = Callable[[list[str]], Any]  # deletes every key given; what it returns is ignored
+RETIRED = "retired"
 
 
 def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int],
@@ -35,9 +46,18 @@ def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int],
     return [s for s in steps if s not in keep]
 
 
+def _references(cache: mf.ManifestCache, steps: Iterable[int]) -> set[str]:
+    out: set[str] = set()
+    for s in steps:
+        out |= cache.get(s).chunks.keys()
+    return out
+
+
 def delete_steps(storage: Storage, cache: mf.ManifestCache, victims: list[int], remaining: list[int],
-                 delete_many: DeleteMany) -> tuple[int, list[str]]:
-    """Delete ``victims`` and the chunks only they reference. Returns (steps deleted, chunk hashes deleted)."""
+                 delete_many: DeleteMany, *, keep: Iterable[str] = (), park: bool = False) -> tuple[int, list[str]]:
+    """Delete ``victims`` and the chunks only they reference (never those in ``keep``); with
+    ``park``, list those chunks under ``retired/`` instead of deleting them. Returns (steps
+    deleted, chunk hashes deleted or parked)."""
     if not victims:
         return 0, []
     garbage: set[str] = set()
@@ -46,6 +66,7 @@ def delete_steps(storage: Storage, cache: mf.ManifestCache, victims: list[int], 
             garbage |= cache.get(s).chunks.keys()
         except CheckpointError as e:  # unreadable manifest: drop the step, leave its chunks to `ckpt gc`
             log.warning("ckpt: retention: step %d has an unreadable manifest (%s); its chunks are left for gc", s, e)
+    doomed = sorted(garbage - _references(cache, remaining) - set(keep))
     for s in victims:
         storage.delete(mf.manifest_key(s))  # the step stops existing here
         cache.drop(s)
@@ -53,12 +74,44 @@ def delete_steps(storage: Storage, cache: mf.ManifestCache, victims: list[int], 
             storage.delete(f"{mf.step_dir(s)}/{name}")
         storage.delete(mf.step_dir(s))
     storage.flush()
-    for s in remaining:
-        garbage -= cache.get(s).chunks.keys()
-    doomed = sorted(garbage)
-    delete_many([mf.chunk_key(h) for h in doomed])
+    if park:
+        if doomed:
+            doc = {"steps": victims, "chunks": doomed}
+            storage.write(f"{RETIRED}/{victims[0]:012d}-{uuid.uuid4().hex[:12]}.json", [json.dumps(doc).encode()])
+    else:
+        delete_many([mf.chunk_key(h) for h in doomed])
     storage.flush()
     return len(victims), doomed
+
+
+def parked(storage: Storage) -> dict[str, list[str]]:
+    """The retired-chunk lists waiting for a deleter: marker key -> chunk hashes (bad markers: [])."""
+    out: dict[str, list[str]] = {}
+    for name in storage.list(RETIRED):
+        key = f"{RETIRED}/{name}"
+        try:
+            doc = json.loads(storage.read(key))
+            chunks = [h for h in doc["chunks"] if isinstance(h, str) and is_chunk_hash(h)]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            chunks = []
+        out[key] = chunks
+    return out
+
+
+def collect_parked(storage: Storage, cache: mf.ManifestCache, committed: list[int], delete_many: DeleteMany,
+                   *, keep: Iterable[str] = ()) -> list[str]:
+    """Delete the parked chunks that no committed step references (and not in ``keep``), then the
+    lists. Returns the chunk hashes deleted. Only for a deleter that is alone (see the module docstring)."""
+    lists = parked(storage)
+    if not lists:
+        return []
+    candidates = set().union(*lists.values()) - _references(cache, committed) - set(keep)
+    doomed = sorted(candidates)
+    delete_many([mf.chunk_key(h) for h in doomed])
+    storage.flush()
+    for key in lists:
+        storage.delete(key)
+    return doomed
 
 
 def remove_checkpoint(storage: Storage) -> None:
@@ -71,18 +124,23 @@ def remove_checkpoint(storage: Storage) -> None:
 
 
 class Retention:
-    """``keep_last`` / ``keep_every`` for one Checkpointer, applied by the coordinator after each commit.
+    """What follows each commit on the coordinator: ``keep_last`` / ``keep_every``, and deleting
+    chunks that other processes retired while this writer held its lease.
 
-    Steps passed to :meth:`protect` (the step a run resumed from) are never deleted."""
+    Steps passed to :meth:`protect` (the step a run resumed from) are never deleted; chunks
+    ``in_use()`` returns (what the writer may reuse without asking storage) are never deleted."""
 
     def __init__(self, storage: Storage, manifests: mf.ManifestCache, keep_last: int | None,
-                 keep_every: int | None, delete_many: DeleteMany):
+                 keep_every: int | None, delete_many: DeleteMany, leases: Leases,
+                 in_use: Callable[[], Iterable[str]] = frozenset):
         self.storage = storage
         self.manifests = manifests
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.protected: set[int] = set()
+        self.leases = leases
         self._delete_many = delete_many
+        self._in_use = in_use
 
     def protect(self, step: int) -> None:
         self.protected.add(step)
@@ -91,15 +149,30 @@ class Retention:
         """Apply retention now that ``committed`` is; a failure is logged, never raised (the save
         itself succeeded, and retention tries again after the next one)."""
         self.manifests.put(committed)
-        if self.keep_last is None and self.keep_every is None:
-            return
         try:
-            steps = mf.committed_steps(self.storage)
-            victims = to_delete(steps, self.keep_last, self.protected, self.keep_every)
-            if not victims:
-                return
-            remaining = [s for s in steps if s not in victims]
-            _, chunks = delete_steps(self.storage, self.manifests, victims, remaining, self._delete_many)
-            log.info("ckpt: retention removed step(s) %s and %d unreferenced chunk(s)", victims, len(chunks))
+            self._apply(committed.step)
         except Exception as e:
             log.warning("ckpt: retention after step %d failed (nothing committed was lost): %s", committed.step, e)
+
+    def _apply(self, step: int) -> None:
+        retains = self.keep_last is not None or self.keep_every is not None
+        steps = mf.committed_steps(self.storage) if retains else []
+        victims = to_delete(steps, self.keep_last, self.protected, self.keep_every)
+        if not victims and not self.storage.list(RETIRED):
+            return
+        with self.leases.deleting() as writers:
+            steps = mf.committed_steps(self.storage)
+            victims = [s for s in victims if s in steps]
+            remaining = [s for s in steps if s not in victims]
+            keep = set(self._in_use())
+            _, chunks = delete_steps(self.storage, self.manifests, victims, remaining, self._delete_many,
+                                     keep=keep, park=bool(writers))
+            if writers:
+                if victims:
+                    log.info("ckpt: retention removed step(s) %s; their %d chunk(s) are left to delete until %s "
+                             "stops writing here", victims, len(chunks), writers[0].describe())
+                return
+            collected = collect_parked(self.storage, self.manifests, remaining, self._delete_many, keep=keep)
+            if victims or collected:
+                log.info("ckpt: retention removed step(s) %s and %d unreferenced chunk(s)", victims,
+                         len(chunks) + len(collected))
