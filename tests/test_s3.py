@@ -181,6 +181,27 @@ def test_server_killed_mid_upload(tmp_path):
         srv2.kill()
 
 
+def test_a_dead_server_fails_a_save_of_many_chunks_within_one_deadline(tmp_path):
+    """64 chunks against a server that died: the save fails in about one retry_deadline, not in one
+    per chunk (queued chunk writes are not started, and requests already retrying give up together)."""
+    srv = RcloneS3(str(tmp_path / "srv")).start()
+    srv.make_bucket(BUCKET)
+    deadline = 3.0
+    so = fast(srv.endpoint, retry_deadline=deadline, read_timeout=1)
+    c = ckpt.Checkpointer(s3_url(), storage_options=so, chunk_size=64 * 1024, codec="raw", io_threads=8)
+    try:
+        c.save(1, {"w": torch.ones(1000)}).wait()  # the lease is held: the next save goes straight to chunks
+        srv.kill()
+        t0 = time.monotonic()
+        with pytest.raises(ckpt.StorageError):
+            c.save(2, {"w": torch.randn(64 * 16 * 1024)}).wait()
+        elapsed = time.monotonic() - t0
+    finally:
+        srv.kill()
+        c.close()  # the lease removal meets the dead server too: logged, bounded
+    assert elapsed < 2 * deadline + 2  # before: about 64 / 8 deadlines
+
+
 # -- tier-aware restore -----------------------------------------------------------------------------
 def test_restore_prefers_local_and_ignores_damaged_copy(moto_server, tmp_path, caplog):
     url, so, local = s3_url(), fast(moto_server.endpoint), str(tmp_path / "nvme")

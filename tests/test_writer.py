@@ -3,6 +3,7 @@ commit, with no Checkpointer, no commit thread and no process group around it.""
 
 from __future__ import annotations
 
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +16,7 @@ from ckpt.codec import CodecSpec, decode
 from ckpt.commit import CommitProtocol
 from ckpt.dist import LocalComm
 from ckpt.handle import SaveMetrics
+from ckpt.lease import Leases
 from ckpt.snapshot import Snapshotter
 from ckpt.state import flatten
 from ckpt.storage import open_storage
@@ -117,7 +119,7 @@ def test_commit_protocol_alone_commits_retains_and_raises_its_own_error(io):
     snaps = Snapshotter(comm, CHUNK, native=False)
     after = []
     with ThreadPoolExecutor(1) as commit_thread:
-        proto = CommitProtocol(comm, w, io, commit_thread, lambda m: after.append(m.step))
+        proto = CommitProtocol(comm, w, io, commit_thread, lambda m: after.append(m.step), Leases(storage))
         futures = []
         for seq, step in enumerate((1, 2, 2)):
             from concurrent.futures import Future
@@ -129,3 +131,68 @@ def test_commit_protocol_alone_commits_retains_and_raises_its_own_error(io):
             futures[2].result()
         proto.drain()
     assert after == [1, 2] and mf.committed_steps(storage) == [1, 2]
+
+
+# -- leases: writers and deleters of other processes keep out of each other's way -----------------------
+
+def test_a_writer_waits_for_a_deletion_in_progress_then_holds_its_lease(caplog):
+    import logging
+    import threading
+
+    storage = memory_storage()
+    gc_side, writer = Leases(storage), Leases(storage)
+    waiting, held = threading.Event(), threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "waiting for" in record.getMessage():
+                waiting.set()
+
+    handler = Seen()
+    logging.getLogger("ckpt").addHandler(handler)
+    caplog.set_level(logging.INFO, logger="ckpt")
+    try:
+        with gc_side.deleting() as writers:
+            assert writers == []  # nobody writes yet: the deleter may delete chunks
+            t = threading.Thread(target=lambda: (writer.hold(), held.set()))
+            t.start()
+            assert waiting.wait(30) and not held.is_set()  # the writer saw the deletion and waits
+        t.join(30)
+        assert held.is_set()
+        with gc_side.deleting() as writers:  # now the writer is live: the deleter must not delete chunks
+            assert [w.id for w in writers] == [writer.writer_id]
+        assert not gc_side.exclusive()
+        writer.release()
+        assert gc_side.exclusive()
+    finally:
+        logging.getLogger("ckpt").removeHandler(handler)
+        writer.release()
+
+
+def test_leases_of_dead_or_expired_holders_count_for_nothing():
+    import json
+    import socket
+    import time
+
+    from ckpt.lease import list_leases
+
+    storage = memory_storage()
+    dead = subprocess_pid_that_has_exited()
+    for name, pid, host, expires in [("dead", dead, socket.gethostname(), time.time() + 60),
+                                     ("expired", os.getpid(), "elsewhere", time.time() - 600),
+                                     ("alive", os.getpid(), "elsewhere", time.time() + 60)]:
+        doc = {"id": name, "kind": "writer", "pid": pid, "host": host, "expires": expires}
+        storage.write(f"leases/{name}.json", [json.dumps(doc).encode()])
+    mine = Leases(storage)
+    assert [x.id for x in mine.others()] == ["alive"] and not mine.exclusive()
+    mine.sweep()
+    assert sorted(x.id for x in list_leases(storage)) == ["alive"]
+
+
+def subprocess_pid_that_has_exited() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                       check=True)
+    return int(p.stdout)

@@ -1,0 +1,86 @@
+"""Other processes deleting beside a live writer, with real processes: ``ckpt gc`` in a loop beside a
+training job, and two jobs with retention saving into one root. No save may fail, every committed step
+must verify and hold what its writer saved, and once the writers are gone nothing unreferenced stays."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from concurrent_child import CHUNK, digest
+
+import ckpt
+from ckpt import cli, gc
+from ckpt.catalog import Catalog
+from ckpt.storage import LocalStorage
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "concurrent_child.py"), *args], cwd=HERE, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(p: subprocess.Popen, timeout: float = 600) -> dict:
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, f"{out}\n{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def check_every_step(root: str, logs: list[str]) -> None:
+    saved: dict[str, str] = {}
+    for log in logs:
+        with open(log) as f:
+            saved.update(json.load(f))
+    assert cli.main(["verify", root, "--all"]) == 0
+    steps = ckpt.Checkpointer(root).steps()
+    assert steps
+    for s in steps:
+        state = {"frozen": torch.zeros(5 * CHUNK // 4), "moving": torch.zeros(3 * CHUNK // 4)}
+        ckpt.Checkpointer(root).load(s, state)
+        assert digest(state) == saved[str(s)], s
+
+
+def collect_and_check_clean(root: str) -> None:
+    """With no writer left, gc deletes what was parked for one: only referenced chunks remain."""
+    cat = Catalog(LocalStorage(root))
+    p = gc.plan(cat, grace_s=0, keep_last=1)
+    assert not p.writers
+    gc.run(cat, p)
+    cat = Catalog(LocalStorage(root))
+    referenced = set().union(*(cat.require(s).chunks.keys() for s in cat.committed))
+    stored = {n for d in os.listdir(os.path.join(root, "chunks")) for n in os.listdir(os.path.join(root, "chunks", d))}
+    assert stored == referenced
+    for folder in ("leases", "retired"):  # the writers removed their leases; the parked lists are done
+        assert not os.path.isdir(os.path.join(root, folder)) or not os.listdir(os.path.join(root, folder))
+
+
+def test_gc_in_a_loop_beside_a_training_process(tmp_path):
+    root, stop, log = str(tmp_path / "ck"), str(tmp_path / "stop"), str(tmp_path / "trainer.json")
+    looping = child("gc", root, "1", stop)
+    trainer = child("train", root, "0", "1", "150", "0", log)
+    try:
+        t = finish(trainer)
+    finally:
+        open(stop, "w").close()
+    g = finish(looping, timeout=120)
+    assert t["saved"] == 150 and not t["failures"]
+    assert g["runs"] >= 5 and g["deferred"] >= 1  # gc ran while the writer was live, and kept out of its way
+    check_every_step(root, [log])
+    collect_and_check_clean(root)
+
+
+def test_two_jobs_with_retention_share_a_root(tmp_path):
+    root = str(tmp_path / "ck")
+    logs = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    a = child("train", root, "0", "2", "80", "2", logs[0])
+    b = child("train", root, "1", "2", "80", "2", logs[1])
+    ra, rb = finish(a), finish(b)
+    assert ra["saved"] == rb["saved"] == 80
+    check_every_step(root, logs)
+    collect_and_check_clean(root)
