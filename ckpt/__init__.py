@@ -5,35 +5,40 @@
     ckptr.load("latest", state)        # in place; None on a new run
     h = ckptr.save(step, state)        # returns after the snapshot; writing goes on behind
     ckptr.close()                      # waits for in-flight saves, raises if one failed
+
+    with ckpt.open("runs/exp1") as ck:  # read from outside a run: steps, tensors, values, verify …
+        weights = ck.tensors(keys="model/")
 """
 
 from ._version import __version__
 from .checkpointer import Checkpointer
 from .errors import (
-                     CheckpointError,
-                     CheckpointNotFoundError,
-                     ConfigError,
-                     CorruptCheckpointError,
-                     DistributedSaveError,
-                     IncompatibleFormatError,
-                     NotACheckpointError,
-                     ReshardError,
-                     StateMismatchError,
-                     StepExistsError,
-                     StorageError,
-                     UnsupportedValueError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DistributedSaveError,
+    IncompatibleFormatError,
+    NotACheckpointError,
+    PartialStateError,
+    ReshardError,
+    StateMismatchError,
+    StepExistsError,
+    StorageError,
+    UnsupportedValueError,
 )
 from .handle import SaveHandle, SaveMetrics
 from .loader import LoadStats
 from .options import Options
+from .reader import Pickled, Reader, open
 from .sharding import LocalShard, PerRank
 from .snapshot import fence
 from .state import RNGState
 
 __all__ = [
     "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",
-    "PerRank", "fence",
+    "PerRank", "fence", "open", "Reader", "Pickled",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
-    "DistributedSaveError", "IncompatibleFormatError", "NotACheckpointError", "ReshardError",
+    "DistributedSaveError", "IncompatibleFormatError", "NotACheckpointError", "PartialStateError", "ReshardError",
     "StateMismatchError", "StepExistsError", "StorageError", "UnsupportedValueError",
 ]

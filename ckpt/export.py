@@ -61,9 +61,13 @@ def _safetensors_dtypes_refused(dtypes: set[str]) -> set[str]:
     return bad
 
 
-def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None = None, rank: int = 0,
-           overwrite: bool = False, threads: int = 8) -> ExportResult:
-    """Write step ``step`` to ``path`` as one unsharded file; see the module docstring."""
+def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None = None, strip_prefix: bool = False,
+           rank: int = 0, overwrite: bool = False, threads: int = 8) -> ExportResult:
+    """Write step ``step`` to ``path`` as one unsharded file; see the module docstring. With
+    ``strip_prefix``, the prefix a key matched is taken off its name (``model/0.weight`` with
+    ``--keys model/`` becomes ``0.weight``): what ``model.load_state_dict`` expects."""
+    if strip_prefix and not prefixes:
+        raise ConfigError("--strip-prefix needs --keys PREFIX: the prefix to take off each name (e.g. --keys model/)")
     fmt = format_of(path)
     if os.path.exists(path) and not overwrite:
         raise ConfigError(f"{path} exists; pass --force to overwrite it")
@@ -77,6 +81,12 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
 
     def wanted(key: str) -> bool:
         return not prefixes or any(key.startswith(p) for p in prefixes)
+
+    def name(key: str) -> str:
+        if not strip_prefix:
+            return key
+        prefix = max((p for p in prefixes or () if key.startswith(p)), key=len)
+        return key[len(prefix):].lstrip("/") or key
 
     entries = [t for t in m.tensors if wanted(t.key) and (t.rank is None or t.rank == rank)]
     result = ExportResult(path=path, step=step, format=fmt, rank=rank if m.per_rank_keys else None)
@@ -106,8 +116,13 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-export") as io:
         tensors = read_tensors(catalog.storage, m, entries, io)
-    out = {e.key: t for e, t in zip(entries, tensors)}
-    result.tensors = {e.key: (e.dtype, list(e.shape)) for e in entries}
+    names = [name(e.key) for e in entries]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        raise ConfigError(f"with --strip-prefix, several tensors would be named {clashes[:4]}; export them "
+                          "separately (one --keys prefix each) or without --strip-prefix")
+    out = dict(zip(names, tensors))
+    result.tensors = {n: (e.dtype, list(e.shape)) for n, e in zip(names, entries)}
     result.bytes = sum(e.nbytes for e in entries)
 
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"

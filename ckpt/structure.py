@@ -32,7 +32,7 @@ import hashlib
 import json
 import math
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -152,16 +152,21 @@ class StatefulValue:
         self.state_dict = sd
 
 
-def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool) -> Any:
-    """Rebuild the value a node describes, taking tensors from ``tensors`` by key."""
+def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool,
+            on_pickle: Callable[[dict], Any] | None = None) -> Any:
+    """Rebuild the value a node describes, taking tensors from ``tensors`` by key. A pickle node is
+    unpickled only with ``allow_pickle``; else ``on_pickle(node)`` stands in for it, if given, or
+    :class:`UnsupportedValueError` is raised."""
+    def go(n: Node) -> Any:
+        return rebuild(n, tensors, allow_pickle=allow_pickle, on_pickle=on_pickle)
+
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if isinstance(node, list):
-        return [rebuild(v, tensors, allow_pickle=allow_pickle) for v in node]
+        return [go(v) for v in node]
     t = kind(node)
     if t == "dict":
-        return {rebuild(k, tensors, allow_pickle=allow_pickle): rebuild(v, tensors, allow_pickle=allow_pickle)
-                for k, v in zip(node["k"], node["v"])}
+        return {go(k): go(v) for k, v in zip(node["k"], node["v"])}
     if t == "tensor":
         value = tensors[node["key"]]
         np_dtype = node.get("numpy")
@@ -169,13 +174,13 @@ def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool) -> Any:
             return value.numpy().reshape(-1).view(np.dtype(np_dtype)).reshape(tuple(value.shape[:-1]))
         return value.numpy() if np_dtype else value
     if t == "tuple":
-        return tuple(rebuild(v, tensors, allow_pickle=allow_pickle) for v in node["v"])
+        return tuple(go(v) for v in node["v"])
     if t == "float":
         return float(node["v"])
     if t == "npscalar":
         if "b" in node:
             return np.frombuffer(base64.b64decode(node["b"]), dtype=np.dtype(node["dtype"]))[0]
-        return np.dtype(node["dtype"]).type(rebuild(node["v"], tensors, allow_pickle=allow_pickle))
+        return np.dtype(node["dtype"]).type(go(node["v"]))
     if t == "size":
         return torch.Size(node["v"])
     if t == "dtype":
@@ -185,13 +190,15 @@ def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool) -> Any:
     if t == "bytes":
         return base64.b64decode(node["v"])
     if t == "stateful":
-        return StatefulValue(rebuild(node["v"], tensors, allow_pickle=allow_pickle))
+        return StatefulValue(go(node["v"]))
     if t == "pickle":
-        if not allow_pickle:
-            raise UnsupportedValueError(
-                "this checkpoint holds pickled objects, and unpickling can run code from the file. "
-                "Load it with allow_pickle=True only if you trust where it came from.")
-        return pickle.loads(base64.b64decode(node["v"]))
+        if allow_pickle:
+            return pickle.loads(base64.b64decode(node["v"]))
+        if on_pickle is not None:
+            return on_pickle(node)
+        raise UnsupportedValueError(
+            "this checkpoint holds pickled objects, and unpickling can run code from the file. "
+            "Load it with allow_pickle=True only if you trust where it came from.")
     raise ValueError(f"unknown node type {t!r}")
 
 
