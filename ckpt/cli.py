@@ -16,18 +16,27 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import io
 import json
+import os
 import re
+import shutil
 import sys
-import threading
 import time
 from typing import Any, TextIO
 
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TaskProgressColumn, TextColumn
+from rich.progress import Progress as RichProgress
+from rich.table import Table
+from rich.text import Text
+
 from . import __version__
 from . import manifest as mf
-from .catalog import Catalog, diff, tensor_kind, verify
+from .catalog import Catalog, tensor_kind, verify
 from .errors import CheckpointError, ConfigError
-from .storage import open_storage
+from .reader import Reader
 from .structure import preview, strip_pickles, value_nodes
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
@@ -50,16 +59,33 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-class Out:
-    """Where results go: aligned tables with human sizes on a terminal, tab-separated rows with
-    exact byte counts when piped (so ``cut``/``awk`` and spreadsheets read them)."""
+def terminal_width(stream: TextIO) -> int:
+    """Columns of the terminal ``stream`` is (``COLUMNS`` wins, as for every console program)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if "COLUMNS" not in os.environ else \
+            shutil.get_terminal_size().columns
+    except (OSError, AttributeError, ValueError):
+        return shutil.get_terminal_size().columns
 
-    def __init__(self, stream: TextIO | None = None, tty: bool | None = None):
+
+class Out:
+    """Where results go: on a terminal, tables (rich) that fit its width, long cells folded, sizes
+    for humans; piped, tab-separated rows with exact byte counts (so ``cut``/``awk`` and
+    spreadsheets read them)."""
+
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None, width: int | None = None):
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
+        self.width = width or (terminal_width(self.stream) if self.tty else 200)
+        real = self.tty and hasattr(self.stream, "fileno") and not isinstance(self.stream, io.StringIO)
+        self.console = Console(file=self.stream, width=self.width, highlight=False, soft_wrap=False,
+                               color_system="auto" if real else None, emoji=False)
 
     def write(self, text: str = "") -> None:
-        self.stream.write(text + "\n")
+        if self.tty:
+            self.console.print(text, markup=False)
+        else:
+            self.stream.write(text + "\n")
 
     def size(self, n: int | None) -> str:
         if n is None:
@@ -68,50 +94,43 @@ class Out:
 
     def table(self, header: list[str], rows: list[list[Any]], right: set[int] | frozenset[int] = frozenset()
               ) -> None:
-        rows = [[str(c) for c in r] for r in rows]
+        cells = [[str(c) for c in r] for r in rows]
         if not self.tty:
-            for r in [header] + rows:
-                self.write("\t".join(c.replace("\t", " ").replace("\n", " ") for c in r))
+            for r in [header] + cells:
+                self.stream.write("\t".join(c.replace("\t", " ").replace("\n", " ") for c in r) + "\n")
             return
-        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-
-        def line(r: list[str]) -> str:
-            return "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                             for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-        for r in [header, ["-" * w for w in widths]] + rows:
-            self.write(line(r))
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold", expand=False)
+        for i, h in enumerate(header):
+            t.add_column(h, justify="right" if i in right else "left", overflow="fold")
+        for r in cells:
+            t.add_row(*(Text(c) for c in r))
+        self.console.print(t)
 
 
 class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+    """A progress bar (rich) on stderr, drawn only when stderr is a terminal."""
 
     def __init__(self, total: int, what: str, stream: TextIO | None = None, enabled: bool | None = None):
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.total, self.what = total, what
-        self.started = self._last = time.monotonic()
-        self._lock = threading.Lock()
-        self._drawn = False
+        stream = stream or sys.stderr
+        self.enabled = stream.isatty() if enabled is None else enabled
+        self.started = time.monotonic()
+        self._bar: RichProgress | None = None
+        if self.enabled:
+            console = Console(file=stream, width=terminal_width(stream), highlight=False, color_system=None)
+            self._bar = RichProgress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
+                                     TextColumn("{task.fields[rate]}"), console=console, auto_refresh=False)
+            self._task = self._bar.add_task(what, total=total, rate="")
+            self._bar.start()
 
-    def update(self, done: int, nbytes: int, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        with self._lock:
-            now = time.monotonic()
-            if not force and now - self._last < 0.1 and done < self.total:
-                return
-            self._last = now
-            frac = done / self.total if self.total else 1.0
-            bar = "#" * int(frac * 30)
-            rate = nbytes / max(now - self.started, 1e-6)
-            self.stream.write(f"\r{self.what} [{bar:<30}] {done}/{self.total} {frac:4.0%} {human_bytes(rate)}/s ")
-            self.stream.flush()
-            self._drawn = True
+    def update(self, done: int, nbytes: int) -> None:
+        if self._bar is not None:
+            rate = nbytes / max(time.monotonic() - self.started, 1e-6)
+            self._bar.update(self._task, completed=done, rate=f"{human_bytes(rate)}/s")
+            self._bar.refresh()
 
     def close(self) -> None:
-        if self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def _iso(ts: float) -> str:
@@ -123,8 +142,14 @@ def _dump(doc: dict) -> None:
     sys.stdout.write("\n")
 
 
+def _open(args: argparse.Namespace) -> Reader:
+    r = Reader(args.url, dict(args.storage_option or []))
+    r.threads = args.jobs
+    return r
+
+
 def _catalog(args: argparse.Namespace) -> Catalog:
-    return Catalog(open_storage(args.url, dict(args.storage_option or [])))
+    return _open(args).catalog
 
 
 def _box(offsets: list[int], lengths: list[int]) -> str:
@@ -278,33 +303,38 @@ def _verify(args: argparse.Namespace, cat: Catalog, steps: list[int]):
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
-    steps = cat.committed if args.all else [cat.resolve(args.step)]
-    if not args.all and steps[0] not in cat.committed:
-        cat.require(steps[0])  # a step that is not committed is an error, not "nothing to check"
+    reader = _open(args)
+    cat = reader.catalog
+    steps = cat.committed if args.all else [reader.step(args.step)]  # a step not committed is an error
     res = _verify(args, cat, steps)
     if args.json:
         _dump({"schema": "ckpt-verify/1", "url": args.url, "steps": res.steps, "chunks": res.chunks,
                "bytes": res.bytes, "ok": res.ok, "problems": [p.to_json() for p in res.problems]})
         return EXIT_OK if res.ok else EXIT_FAILED
     out = Out()
-    what = f"step(s) {', '.join(map(str, steps))}" if len(steps) <= 8 else f"{len(steps)} steps"
     if res.ok:
+        what = f"step(s) {_steps(steps)}"
         out.write(f"OK: {what}: {res.chunks} chunk(s), {human_bytes(res.bytes)} read and verified")
         return EXIT_OK
     out.table(["problem", "object", "steps", "detail"],
               [[p.kind, p.object, ",".join(map(str, p.steps)), p.message] for p in res.problems])
-    print(f"ckpt: verify: {len(res.problems)} damaged or missing object(s) in {what} "
-          f"({res.chunks} chunk(s) checked)", file=sys.stderr)
+    bad = sorted({s for p in res.problems for s in p.steps})
+    good = [s for s in steps if s not in bad]
+    print(f"ckpt: verify: {len(res.problems)} damaged or missing object(s), used by step(s) {_steps(bad)}; "
+          + (f"step(s) {_steps(good)} verified clean" if good else "no step verified clean")
+          + f" ({res.chunks} chunk(s) checked)", file=sys.stderr)
     return EXIT_FAILED
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} … {steps[-1]} ({len(steps)} steps)"
 
 
 # -- diff ---------------------------------------------------------------------------------------------
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
-    a, b = cat.resolve(args.a), cat.resolve(args.b)
-    changes, values = diff(cat, a, b, max_diff=args.max_diff, threads=args.jobs)
+    d = _open(args).diff(args.a, args.b, max_diff=args.max_diff)
+    a, b, changes, values = d.a, d.b, d.tensors, d.values
     differ = [c for c in changes if c.status != "same"]
     if args.json:
         _dump({"schema": "ckpt-diff/1", "url": args.url, "a": a, "b": b,
@@ -395,12 +425,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
 # -- export -------------------------------------------------------------------------------------------
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export, per_rank_note
+    from .export import per_rank_note
 
-    cat = _catalog(args)
-    step = cat.resolve(args.step)
-    res = export(cat, step, args.to, prefixes=args.keys, rank=args.rank, overwrite=args.force, threads=args.jobs)
-    note = per_rank_note(cat.require(step), args.rank)
+    reader = _open(args)
+    step = reader.step(args.step)
+    res = reader.export(step, args.to, keys=args.keys, strip_prefix=args.strip_prefix, rank=args.rank,
+                        overwrite=args.force)
+    note = per_rank_note(reader.manifest(step), args.rank)
     if note:
         print(f"ckpt: note: {note}", file=sys.stderr)
     if res.pickled:
@@ -503,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--to", required=True, metavar="FILE", help="output file: *.safetensors, *.pt or *.pth")
     exp.add_argument("--keys", action="append", metavar="PREFIX",
                      help="export only keys starting with PREFIX (repeatable), e.g. --keys model/")
+    exp.add_argument("--strip-prefix", action="store_true",
+                     help="take the --keys prefix off each name (model/0.weight -> 0.weight), so that "
+                          "model.load_state_dict(load_file(FILE)) works as it is")
     exp.add_argument("--rank", type=int, default=0, metavar="R",
                      help="saved rank whose per-rank state to export (default 0)")
     exp.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
