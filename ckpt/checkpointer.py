@@ -24,7 +24,7 @@ from ._tasks import run_all
 from .codec import verify_object
 from .commit import CommitProtocol
 from .dist import make_comm
-from .errors import CheckpointError, ConfigError, StepExistsError
+from .errors import CheckpointError, ConfigError, PartialStateError, StepExistsError
 from .handle import SaveHandle, SaveMetrics
 from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
@@ -123,7 +123,7 @@ class Checkpointer:
 
     @property
     def world_size(self) -> int:
-        return self._comm.world
+        return self._comm.world  # the number of ranks saving together
 
     @property
     def layouts_made(self) -> int:
@@ -143,6 +143,10 @@ class Checkpointer:
             raise ConfigError(f"step must be an integer from 0 to 2**63 - 1, got {step!r}")
         if step in self._submitted:
             raise StepExistsError(f"step {step} was already saved by this Checkpointer; use a new step number")
+        if self._loader.partial is not None:
+            raise PartialStateError(f"not saving step {step}: the load of step {self._loader.partial} failed after it "
+                                    "had changed the state, now a mixture of two. Load a step first, or call "
+                                    "ckptr.accept_state() to save it as it is.")
         seq, self._seq = self._seq, self._seq + 1
         metrics = SaveMetrics(step=step)
         try:
@@ -176,6 +180,10 @@ class Checkpointer:
             with self._lock:
                 self._submitted.discard(step)
 
+    def accept_state(self) -> None:
+        """Save the state as it is, although a load failed after it had started changing it."""
+        self._loader.partial = None
+
     def protect(self, step: int) -> None:
         """Never let retention delete ``step`` (the step this run resumed from is protected already)."""
         self._retention.protect(step)
@@ -203,13 +211,21 @@ class Checkpointer:
         size needs ``rank_map``: a function (or dict/list) from this rank to the saved rank whose
         value it takes, e.g. ``rank_map=lambda r: r % 4``.
 
-        On :class:`CorruptCheckpointError` some tensors may already hold new values: load again
-        (another step) before training on."""
+        Everything that can be checked is checked before the state changes. If the load fails after
+        that (a chunk found damaged, a storage error), some tensors already hold new values: the
+        error says so, and :meth:`save` refuses (:class:`~ckpt.PartialStateError`) until a load
+        succeeds or you call :meth:`accept_state`."""
         self._check_open()
         self._wait_pending()
-        done = self._loader.load(step, state, strict=self.options.strict if strict is None else strict,
-                                 allow_pickle=self.options.allow_pickle if allow_pickle is None else allow_pickle,
-                                 fallback=fallback, rank_map=rank_map)
+        try:
+            done = self._loader.load(step, state, strict=self.options.strict if strict is None else strict,
+                                     allow_pickle=self.options.allow_pickle if allow_pickle is None else allow_pickle,
+                                     fallback=fallback, rank_map=rank_map)
+        except CheckpointError as e:
+            if self._loader.partial is not None:
+                e.args = (f"{e} (The state was partly overwritten before this failed: load a step before training "
+                          "on; saves are refused until then.)", *e.args[1:])
+            raise
         if done is None:
             return None
         m, self.last_load = done

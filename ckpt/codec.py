@@ -139,8 +139,7 @@ def parse_header(blob, *, name: str) -> ChunkHeader:
     """Parse and sanity-check a chunk header; ``name`` is the object for error messages."""
     if len(blob) < HEADER_SIZE:
         raise CorruptCheckpointError(
-            f"chunk object {name} is truncated ({len(blob)} bytes, shorter than its header); "
-            "run `ckpt verify` and load an older step", object=name)
+            f"chunk object {name} is truncated ({len(blob)} bytes, shorter than its header)", object=name)
     magic, version, codec_id, _flags, _res, raw_len, digest, _base, payload_len = HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptCheckpointError(f"{name} is not a ckpt chunk (bad magic)", object=name)
@@ -214,15 +213,14 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
         raw = payload
     elif raw_only:
         raise CorruptCheckpointError(
-            f"chunk object {name} is stored as {hdr.codec}, its manifest entry says raw; it is damaged. "
-            "Load an older step (or pass fallback=True to load('latest')).", object=name, chunk=expect_hash)
+            f"chunk object {name} is stored as {hdr.codec}, its manifest entry says raw; it is damaged",
+            object=name, chunk=expect_hash)
     else:
         raw = _decompress_bounded(payload, hdr.raw_len, name=name, expect_hash=expect_hash)
     if len(raw) != hdr.raw_len or chunk_hash(raw) != expect_hash:
         raise CorruptCheckpointError(
             f"chunk object {name} failed its hash check (content does not match {expect_hash}); "
-            "the stored bytes are damaged. Load an older step (or pass fallback=True to load('latest')).",
-            object=name, chunk=expect_hash)
+            "the stored bytes are damaged", object=name, chunk=expect_hash)
     return raw
 
 

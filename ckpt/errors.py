@@ -66,3 +66,9 @@ class DistributedSaveError(CheckpointError):
 
 class ReshardError(CheckpointError):
     """State saved per rank cannot be mapped onto the requested world size."""
+
+
+class PartialStateError(CheckpointError):
+    """A save was refused because a load failed after it had started changing the state: the
+    state is a mixture of what it was and the step that failed to load. Load a step (again), or
+    call ``Checkpointer.accept_state()`` if the state is what you want to save."""

@@ -79,6 +79,7 @@ class Loader:
         self.comm = comm
         self.io = io
         self.manifests = manifests
+        self.partial: int | None = None  # a step whose load failed after it had changed the state
 
     def steps(self) -> list[int]:
         """The committed steps, ascending (a path that is a file is not a checkpoint)."""
@@ -101,7 +102,8 @@ class Loader:
             done, err = self._attempt(step, state, strict, allow_pickle, rank_map)
             if done is None:
                 assert err is not None
-                raise err
+                raise _advise(err, "Load another step (ckptr.steps() lists them), or load('latest', state, "
+                                   "fallback=True) for the newest that verifies.")
             return done
         steps = self.steps()
         if self.comm.world > 1:  # every rank must pick the same step, even if listings lag
@@ -109,7 +111,7 @@ class Loader:
             newest = None if any(v is None for v in views) else min(views)
             steps = [s for s in steps if newest is not None and s <= newest]
         if not steps:
-            log.info("ckpt: no committed step in %s; starting fresh", self.storage.describe())
+            log.info("ckpt: no checkpoint at %s: starting fresh", self.storage.describe())
             return None
         first_error: CorruptCheckpointError | None = None
         for s in reversed(steps):
@@ -122,24 +124,27 @@ class Loader:
                 assert err is not None
                 raise err
             if not fallback:
-                raise CorruptCheckpointError(
-                    f"{err} (load('latest', state, fallback=True) would try older steps)",
-                    object=err.object, chunk=err.chunk) from err
-            log.warning("ckpt: step %d is damaged (%s); falling back to an older step", s, err)
+                raise _advise(err, "load('latest', state, fallback=True) loads the newest step that verifies.")
+            log.warning("ckpt: %s; falling back to an older step", err)
             first_error = first_error or err
         assert first_error is not None
         raise CorruptCheckpointError(f"no committed step in {self.storage.describe()} loads cleanly; "
-                                     f"the newest failed with: {first_error}",
+                                     f"the newest failed: {first_error}",
                                      object=first_error.object, chunk=first_error.chunk) from first_error
 
     def _attempt(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool, rank_map: RankMap | None
                  ) -> tuple[tuple[mf.Manifest, LoadStats] | None, CheckpointError | None]:
         """Load one step; with several ranks, agree on whether every rank managed."""
         done, err = None, None
+        changed = [False]
         try:
-            done = self._load_step(step, state, strict, allow_pickle, rank_map)
+            done = self._load_step(step, state, strict, allow_pickle, rank_map, changed)
         except CheckpointError as e:
-            err = e
+            err = _naming(e, step)
+        if err is None:
+            self.partial = None
+        elif changed[0]:
+            self.partial = step
         if self.comm.world > 1:
             views = self.comm.agree({"ok": err is None, "corrupt": isinstance(err, CorruptCheckpointError),
                                      "message": str(err)[:2000] if err is not None else ""})
@@ -150,20 +155,36 @@ class Loader:
         return done, err
 
     def _load_step(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool,
-                   rank_map: RankMap | None) -> tuple[mf.Manifest, LoadStats]:
+                   rank_map: RankMap | None, changed: list[bool]) -> tuple[mf.Manifest, LoadStats]:
         m = mf.read_step(self.storage, step)
         self.storage.reset_tier_counters()
         stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
-                          rank=self.comm.rank, world=self.comm.world, rank_map=rank_map)
+                          rank=self.comm.rank, world=self.comm.world, rank_map=rank_map,
+                          on_change=lambda: changed.__setitem__(0, True))
         self.manifests.put(m)
         tiers = self.storage.tier_counters()
         if tiers is not None:  # which tier each chunk came from; damaged local copies are named
             stats.local_chunks, stats.remote_chunks = tiers.local_hits, tiers.remote_reads
             stats.local_rejected = list(tiers.local_rejected)
-        log.info("ckpt: loaded step %d (saved on %d rank(s)) from %s as %s: %d chunks, %.1f MiB read",
-                 step, m.world_size, self.storage.describe(), self.comm.describe(), stats.chunks_read,
-                 stats.bytes_read / MiB)
+        log.info("ckpt: resumed from step %d of %s (%.1f MiB read and verified, %d chunk(s); saved on %d rank(s), "
+                 "loaded as %s)", step, self.storage.describe(), stats.bytes_read / MiB, stats.chunks_read,
+                 m.world_size, self.comm.describe())
         return m, stats
+
+
+def _naming(e: CheckpointError, step: int) -> CheckpointError:
+    """``e``, its message starting with the step it is about."""
+    if str(e).startswith(f"step {step}"):
+        return e
+    e.args = (f"step {step}: {e}", *e.args[1:])
+    return e
+
+
+def _advise(e: CheckpointError, advice: str) -> CheckpointError:
+    """``e`` with what to do next, said once, at the end (only for damage: other errors say their own)."""
+    if isinstance(e, CorruptCheckpointError) and advice not in str(e):
+        e.args = (f"{e}. {advice}", *e.args[1:])
+    return e
 
 
 def short_list(steps: list[int]) -> str:
@@ -171,13 +192,16 @@ def short_list(steps: list[int]) -> str:
 
 
 def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict: bool, allow_pickle: bool,
-              io: Executor, rank: int = 0, world: int = 1, rank_map: RankMap | None = None) -> LoadStats:
+              io: Executor, rank: int = 0, world: int = 1, rank_map: RankMap | None = None,
+              on_change: Callable[[], None] | None = None) -> LoadStats:
     """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
 
     Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
     layout of modules and optimizers, pickles, the values themselves); then the chunks are read,
-    every read finished or cancelled before this returns, and the values put in place."""
-    _init_optimizers(state, m)
+    every read finished or cancelled before this returns, and the values put in place. ``on_change``
+    is called just before the state is first changed (so a failure after it means a half-loaded state)."""
+    if _init_optimizers(state, m) and on_change is not None:
+        on_change()
     target = flatten(state, for_target=True)
     saved_nodes = dict(st.top_items(m.structure))
     unexpected = [k for k in m.top_keys if k not in state]
@@ -314,7 +338,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
         if covered != need:
             raise CorruptCheckpointError(
                 f"step {m.step}: the saved shards of {key!r} cover {covered} of the {need} elements this rank "
-                "needs; the manifest is damaged. Load another step (or pass fallback=True to load('latest'))",
+                "needs; the manifest is damaged",
                 object=mf.manifest_key(m.step))
 
     # The values are rebuilt before any read: unpickling, or a node that cannot be rebuilt, fails now.
@@ -325,6 +349,8 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
                                      object=mf.manifest_key(m.step)) from e
 
     stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
+    if on_change is not None:
+        on_change()
     reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()))
     stats.bytes_read = sum(reads)
 
@@ -430,10 +456,12 @@ def _source_rank(m: mf.Manifest, keys: list[str], rank: int, world: int, rank_ma
     return src
 
 
-def _init_optimizers(state: dict[str, Any], m: mf.Manifest) -> None:
+def _init_optimizers(state: dict[str, Any], m: mf.Manifest) -> bool:
     """An optimizer over DTensor parameters with no state yet gets its state created first, so the
-    saved state loads into sharded tensors of the right layout (a step with lr=0 and zero grads)."""
+    saved state loads into sharded tensors of the right layout (a step with lr=0 and zero grads).
+    Returns whether it changed any optimizer."""
     saved_keys = {t.key for t in m.tensors}
+    changed = False
     for top, obj in state.items():
         if not isinstance(obj, torch.optim.Optimizer) or len(obj.state) > 0:
             continue
@@ -451,12 +479,14 @@ def _init_optimizers(state: dict[str, Any], m: mf.Manifest) -> None:
                     p.grad = torch.zeros_like(p)
                     set_grads.append(p)
         try:
+            changed = True
             obj.step()
         finally:
             for g, lr in zip(obj.param_groups, lrs):
                 g["lr"] = lr
             for p in set_grads:
                 p.grad = None
+    return changed
 
 
 def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
@@ -473,8 +503,7 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
             if hdr.codec != "raw" or hdr.payload_len != info.size:
                 raise CorruptCheckpointError(
                     f"chunk object {key} is stored as {hdr.codec} ({hdr.payload_len} bytes), its manifest entry "
-                    f"says raw ({info.size}); it is damaged. Load an older step (or pass fallback=True to "
-                    "load('latest')).", object=key, chunk=h)
+                    f"says raw ({info.size}); it is damaged", object=key, chunk=h)
             target = memoryview(flat)[pos : pos + length]
             n = storage.readv(key, [target], offset=HEADER_SIZE)
             verify(key, h, header, target[:n], expect_len=info.size, raw_only=True)
@@ -483,12 +512,11 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
     except FileNotFoundError as e:
         raise CorruptCheckpointError(
             f"chunk object {key} referenced by step {m.step} is missing from {storage.describe()} ({e}); "
-            "the step is damaged. Load an older step (or pass fallback=True to load('latest')).",
-            object=key, chunk=h) from None
+            "the step is damaged", object=key, chunk=h) from None
     if len(blob) > info.stored:
         raise CorruptCheckpointError(
-            f"chunk object {key} is larger than the {info.stored} bytes its manifest entry says; it is damaged. "
-            "Load an older step (or pass fallback=True to load('latest')).", object=key, chunk=h)
+            f"chunk object {key} is larger than the {info.stored} bytes its manifest entry says; it is damaged",
+            object=key, chunk=h)
     raw = decode_chunk(blob, name=key, expect_hash=h, expect_len=info.size)
     src = np.frombuffer(raw, dtype=np.uint8)
     for off, length, flat, pos in feeds:

@@ -169,8 +169,7 @@ def _entry_json(t: TensorEntry) -> dict:
 
 def _check(cond: bool, name: str, what: str) -> None:
     if not cond:
-        raise CorruptCheckpointError(f"manifest {name} is invalid: {what}; the step is damaged: load another step "
-                                     "(or pass fallback=True to load('latest'))", object=name)
+        raise CorruptCheckpointError(f"manifest {name} is invalid: {what}; the step is damaged", object=name)
 
 
 def _is_int(v: Any, lo: int = 0, hi: int = MAX_STEP) -> bool:
@@ -196,8 +195,8 @@ def parse(data: bytes | bytearray, *, name: str) -> Manifest:
         doc = json.loads(data, parse_constant=_no_constants)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, ints of 4300+ digits
         raise CorruptCheckpointError(
-            f"manifest {name} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); the step is damaged: load "
-            "another step (or pass fallback=True to load('latest'))", object=name) from None
+            f"manifest {name} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); the step is damaged",
+            object=name) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise NotACheckpointError(f"{name} is not a ckpt manifest (no \"format\": \"ckpt\" field)")
     version: Any = doc.get("format_version")  # untrusted JSON until _check says otherwise

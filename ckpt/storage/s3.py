@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..errors import ConfigError, StorageError
+from .base import RootState
 from .remote import FsspecStorage
 
 T = TypeVar("T")
@@ -333,6 +334,19 @@ class S3Storage(FsspecStorage):
             finally:
                 self.delete(key)
         return self._conditional
+
+    def root_state(self) -> RootState:
+        """As for any fsspec URL, but a bucket that does not exist is an error, not a new run."""
+        try:
+            self._call("checking bucket", "", "head_bucket", Bucket=self.bucket)
+        except Exception as e:
+            code, status = _status(e)
+            if status == 404 or code in ("NoSuchBucket", "404", "NotFound") or isinstance(e, FileNotFoundError):
+                endpoint = (self.fs.client_kwargs or {}).get("endpoint_url", "AWS S3")
+                raise StorageError(f"bucket {self.bucket!r} does not exist at {endpoint}: create it, or fix the "
+                                   f"URL {self.url!r}") from e
+            raise self._wrap("checking bucket", "", e) from e
+        return super().root_state()
 
     def close(self) -> None:
         self._parts.shutdown(wait=False)
