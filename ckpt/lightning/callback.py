@@ -12,8 +12,10 @@ from ..errors import CheckpointError, ConfigError, StepExistsError, UnsupportedV
 from ..handle import SaveHandle
 from ..options import Options
 from ..state import RNGState
-from ._common import KEY, PICKLE_HINT, CheckpointBase, CheckpointIOBase, load_kwargs, locate, log, read
+from ._common import KEY, PICKLE_HINT, CheckpointBase, CheckpointIOBase, load_kwargs, locate, log, pl, read
 from .io import CkptCheckpointIO
+
+rank_zero_info = pl.utilities.rank_zero.rank_zero_info  # how Lightning reports its own resume
 
 
 def _inject(trainer: Any, checkpoint: dict) -> None:
@@ -57,6 +59,8 @@ class AsyncCheckpoint(CheckpointBase):
             checkpoint (this url, or ``<url>/steps/<step:012d>``).
         save_rng: also save and restore the Python, NumPy and torch random generators (per rank),
             so a resumed run draws the same random numbers (shuffling, dropout) as an uninterrupted one.
+        save_on_train_end: when training ends between two saves, save its last step too, so the
+            final weights are never lost (``False``: only the steps the triggers chose).
         allow_pickle: store non-plain objects in the checkpoint dict with pickle (off: refused).
         **checkpointer_options: any other :class:`~ckpt.Options` (``codec``, ``chunk_size``, ``busy``,
             ``io_threads``, ``storage_options``, ``timeout``, ``keep_every`` …), checked here.
@@ -75,6 +79,7 @@ class AsyncCheckpoint(CheckpointBase):
         local_dir: str | os.PathLike | None = None,
         resume: bool = True,
         save_rng: bool = True,
+        save_on_train_end: bool = True,
         allow_pickle: bool = False,
         **checkpointer_options: Any,
     ):
@@ -99,6 +104,7 @@ class AsyncCheckpoint(CheckpointBase):
         self.train_time_interval = train_time_interval
         self.resume = resume
         self.save_rng = save_rng
+        self.save_on_train_end = save_on_train_end
         self.allow_pickle = self.options.allow_pickle
         self.checkpointer: Checkpointer | None = None
         self.resumed_step: int | None = None  # the step the last fit resumed from, if any
@@ -140,7 +146,7 @@ class AsyncCheckpoint(CheckpointBase):
             raise UnsupportedValueError(f"{e} (AsyncCheckpoint(allow_pickle=True) allows it.)") from e
         _inject(trainer, state[KEY])
         self.resumed_step = self._last_step = step
-        log.info("ckpt: resumed from step %d of %s", step, self.url)
+        rank_zero_info(f"Restored all states from the checkpoint at {self.url} (ckpt step {step})")
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
@@ -176,6 +182,10 @@ class AsyncCheckpoint(CheckpointBase):
             due = bool(trainer.strategy.broadcast(elapsed))  # every rank saves, so every rank must agree
         if due:
             self._save(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.save_on_train_end and not self._skip(trainer) and trainer.global_step > 0:
+            self._save(trainer)  # the last step, unless a trigger just saved it (_skip says so)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._skip(trainer) or self.every_n_epochs is None:
