@@ -153,7 +153,12 @@ def test_retention_never_deletes_the_step_this_run_loaded(ckdir):
 
 
 def test_memory_is_stable_over_50_saves(ckdir):
-    """The host buffer is allocated once and reused: RSS after 50 saves ≈ RSS after the first."""
+    """The host buffer is allocated once and reused: RSS after 50 saves ≈ RSS after the first few.
+
+    The baseline is taken after five saves, not one: each I/O thread keeps a zstd context of its own
+    (a few MiB), made the first time that thread compresses, so the first saves grow RSS once by up
+    to io_threads contexts (measured: +25 MiB with codec="auto", nothing with codec="raw"). What must
+    not happen is growth per save."""
     state = {f"layer{i}": torch.randn(1024, 1024) for i in range(24)}  # 96 MiB
     proc = psutil.Process()
     c = ckpt.Checkpointer(ckdir, keep_last=2, chunk_size=4 << 20)
@@ -165,8 +170,8 @@ def test_memory_is_stable_over_50_saves(ckdir):
         for t in state.values():
             t.add_(1.0)
     c.close()
-    growth = (rss[-1] - rss[0]) / rss[0]
-    assert growth < 0.05, f"RSS grew {growth:.1%}: {rss[0] >> 20} MiB after save 1, {rss[-1] >> 20} MiB after 50"
+    growth = (rss[-1] - rss[4]) / rss[4]
+    assert growth < 0.05, f"RSS grew {growth:.1%}: {rss[4] >> 20} MiB after save 5, {rss[-1] >> 20} MiB after 50"
 
 
 def test_close_waits_for_in_flight_saves(ckdir):

@@ -296,7 +296,8 @@ def test_verify_draws_a_progress_bar_only_on_a_terminal(ckdir, run, monkeypatch)
     tty = Tty()
     monkeypatch.setattr(sys, "stderr", tty)
     assert cli.main(["verify", ckdir]) == 0
-    assert "\rverify [" in tty.getvalue() and "100%" in tty.getvalue() and "OK" not in tty.getvalue()
+    drawn = tty.getvalue()
+    assert "verify" in drawn and "100%" in drawn and "7/7" in drawn and "OK" not in drawn
     monkeypatch.undo()
     rc, out, err = run("verify", ckdir)
     assert rc == 0 and err == "" and "OK" in out
@@ -511,6 +512,7 @@ def test_memory_url_end_to_end(run, tmp_path):
 
 def test_tables_on_a_terminal_and_tsv_through_a_pipe_of_the_console_script(ckdir, monkeypatch, capsys):
     save_steps(ckdir, steps=(1, 2))
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: every row on one line
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -519,7 +521,7 @@ def test_tables_on_a_terminal_and_tsv_through_a_pipe_of_the_console_script(ckdir
     monkeypatch.setattr(sys, "stdout", tty)
     assert cli.main(["ls", ckdir]) == 0
     lines = tty.getvalue().splitlines()
-    assert "\t" not in tty.getvalue() and set(lines[1]) == {"-", " "} and "KiB" in lines[2]
+    assert "\t" not in tty.getvalue() and set(lines[1].strip()) == {"─"} and "KiB" in lines[2]
     assert lines[0].split() == ["step", "created", "(UTC)", "ranks", "tensors", "raw", "stored", "new", "status"]
     monkeypatch.undo()
 
@@ -550,3 +552,28 @@ def test_usage_errors_exit_2_and_help_documents_exit_codes(ckdir, run, capsys):
         assert cmd in out
     assert run("ls", ckdir, "--storage-option", "a=1")[0] == 2  # storage options on a local path
     assert run("diff", ckdir, 1, 7)[0] == 1  # a step that does not exist
+
+
+def test_tables_fit_the_terminal(ckdir, monkeypatch):
+    """Long keys are folded inside their column: no line is wider than the terminal."""
+    long = "model/" + "layers.0.attention.query_key_value." * 3
+    a = {long + "weight": torch.zeros(40_000), long + "bias": torch.zeros(10), "lr": 0.1}
+    b = {long + "weight": torch.ones(40_000), long + "bias": torch.zeros(10), "lr": 0.2}
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(1, a)
+        c.save(2, b)
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    for width in (60, 100):
+        monkeypatch.setenv("COLUMNS", str(width))
+        for args in (["ls", ckdir], ["inspect", ckdir], ["diff", ckdir, "1", "2", "--max-diff"],
+                     ["verify", ckdir, "--all"]):
+            tty = Tty()
+            monkeypatch.setattr(sys, "stdout", tty)
+            assert cli.main(args) == 0
+            monkeypatch.undo()
+            monkeypatch.setenv("COLUMNS", str(width))
+            lines = tty.getvalue().splitlines()
+            assert lines and max(len(line) for line in lines) <= width, (args, width)

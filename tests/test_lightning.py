@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import signal
@@ -239,3 +240,15 @@ def test_import_picks_lightning_then_pytorch_lightning_then_explains(tmp_path):
         pass
     out = run("lightning", "lightning.pytorch", "pytorch_lightning")
     assert out.startswith("ImportError") and "pip install" in out and "pytorch_lightning" in out
+
+
+def test_a_fit_that_ends_between_saves_keeps_its_last_step_and_reports_resume(tmp_path, caplog):
+    url, url2 = str(tmp_path / "ck"), str(tmp_path / "ck2")
+    trainer(7, [AsyncCheckpoint(url, every_n_train_steps=3)]).fit(Tiny(), Batches())
+    assert ckpt.Checkpointer(url).steps() == [3, 6, 7]  # the final weights are never lost
+    trainer(7, [AsyncCheckpoint(url2, every_n_train_steps=3, save_on_train_end=False)]).fit(Tiny(), Batches())
+    assert ckpt.Checkpointer(url2).steps() == [3, 6]
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer(9, [AsyncCheckpoint(url, every_n_train_steps=3)]).fit(Tiny(), Batches())
+    assert f"Restored all states from the checkpoint at {url} (ckpt step 7)" in caplog.text
+    assert ckpt.Checkpointer(url).steps() == [3, 6, 7, 9]
