@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
+from . import at_exit
 from . import manifest as mf
 from ._tasks import run_all
 from .codec import verify_object
 from .commit import CommitProtocol
 from .dist import make_comm
-from .errors import CheckpointError, ConfigError, PartialStateError, StepExistsError
-from .handle import SaveHandle, SaveMetrics
+from .errors import CheckpointError, ConfigError, PartialStateError
+from .handle import SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
 from .options import MiB, Options
@@ -110,10 +110,9 @@ class Checkpointer:
         self._loader = Loader(self.storage, self._comm, self._io, manifests)
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
-        self._handles: list[SaveHandle] = []  # saves in flight, and failures nobody has seen yet
-        self._submitted: set[int] = set()  # steps saved or being saved by this Checkpointer
-        self._lock = threading.Lock()
+        self._ledger = SaveLedger()  # steps taken, saves in flight, failures nobody has seen yet
         self._closed = False
+        at_exit.track(self)
 
     # -- saving ---------------------------------------------------------------------------------------
     @property
@@ -141,44 +140,35 @@ class Checkpointer:
         self._check_open()
         if type(step) is not int or not 0 <= step <= mf.MAX_STEP:
             raise ConfigError(f"step must be an integer from 0 to 2**63 - 1, got {step!r}")
-        if step in self._submitted:
-            raise StepExistsError(f"step {step} was already saved by this Checkpointer; use a new step number")
         if self._loader.partial is not None:
             raise PartialStateError(f"not saving step {step}: the load of step {self._loader.partial} failed after it "
                                     "had changed the state, now a mixture of two. Load a step first, or call "
                                     "ckptr.accept_state() to save it as it is.")
+        self._ledger.claim(step)
         seq, self._seq = self._seq, self._seq + 1
         metrics = SaveMetrics(step=step)
         try:
             flat = flatten(state, allow_pickle=self.options.allow_pickle)
             snap = self._snapshots.take(seq, flat, state, skip_if_busy=self.options.busy == "skip")
         except BaseException as e:
+            self._ledger.release(step)
             self._protocol.abandon(seq, step, e)
             raise
         metrics.stall_s = time.perf_counter() - started
         if snap is None:
             metrics.skipped = True
             log.info("ckpt: skipped the save of step %d: the previous save is still writing (busy='skip')", step)
+            self._ledger.release(step)
             self._protocol.skip(seq, step)
             return SaveHandle(step, metrics, None)
         future: Future = Future()
         handle = SaveHandle(step, metrics, future, started=started)
         job = SaveJob(step=step, seq=seq, snapshot=snap, structure=flat.structure, metrics=metrics, started=started,
                       on_local=handle.mark_local)
-        with self._lock:
-            self._submitted.add(step)
-        future.add_done_callback(lambda f: self._settled(step, f, metrics))
+        self._ledger.add(handle)
+        at_exit.saving(self, future)  # finished at interpreter exit, even if nobody closes this
         self._protocol.submit(job, future)
-        with self._lock:  # forget saves that succeeded; keep failures until someone has seen them
-            self._handles = [h for h in self._handles if not h.succeeded()] + [handle]
         return handle
-
-    def _settled(self, step: int, future: Future, metrics: SaveMetrics) -> None:
-        """A save finished: unless it committed (or found the step committed), the step may be saved again."""
-        e = future.exception()
-        if metrics.skipped or (e is not None and not isinstance(e, StepExistsError)):
-            with self._lock:
-                self._submitted.discard(step)
 
     def accept_state(self) -> None:
         """Save the state as it is, although a load failed after it had started changing it."""
@@ -248,22 +238,18 @@ class Checkpointer:
         return self._manifests.get(step)
 
     # -- lifetime -------------------------------------------------------------------------------------
-    def _wait_pending(self) -> list[SaveHandle]:
-        with self._lock:
-            handles = list(self._handles)
-        for h in handles:
-            h.settle()
+    def _wait_pending(self) -> None:
+        self._ledger.settle()
         if not self._closed:  # and the retention queued behind them
             self._protocol.drain()
-        return handles
 
     def wait(self) -> None:
         """Wait for every save so far (and the retention after them); raise the first failure not
         yet seen through its handle."""
-        for h in self._wait_pending():
-            err = h.failure_unseen()
-            if err is not None:
-                raise err
+        self._wait_pending()
+        err = self._ledger.unseen_failure()
+        if err is not None:
+            raise err
 
     def close(self) -> None:
         """Wait for in-flight saves, stop the background threads, and raise if a save failed."""

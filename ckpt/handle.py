@@ -161,3 +161,58 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else ("done" if self.done() else "writing")
         return f"<SaveHandle step={self.step} {state}>"
+
+
+class SaveLedger:
+    """The saves of one Checkpointer: which step numbers are taken, and the handles still in flight
+    or whose failure nobody has looked at yet (so ``wait``/``close`` can raise it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: list[SaveHandle] = []
+        self._steps: set[int] = set()
+
+    def claim(self, step: int) -> None:
+        """Take ``step`` for a save, or raise if this Checkpointer has saved (or is saving) it."""
+        from .errors import StepExistsError
+
+        with self._lock:
+            if step in self._steps:
+                raise StepExistsError(f"step {step} was already saved by this Checkpointer; use a new step number")
+            self._steps.add(step)
+
+    def release(self, step: int) -> None:
+        """The save of ``step`` never started: the number may be used again."""
+        with self._lock:
+            self._steps.discard(step)
+
+    def add(self, handle: SaveHandle) -> None:
+        """Track ``handle``; when its save ends without committing (other than finding the step
+        already committed) or is skipped, its step may be saved again."""
+        from .errors import StepExistsError
+
+        def settled(f: Future) -> None:
+            e = f.exception()
+            if handle.metrics.skipped or (e is not None and not isinstance(e, StepExistsError)):
+                self.release(handle.step)
+
+        if handle._future is not None:
+            handle._future.add_done_callback(settled)
+        with self._lock:  # forget saves that succeeded; keep failures until someone has seen them
+            self._handles = [h for h in self._handles if not h.succeeded()] + [handle]
+
+    def settle(self) -> list[SaveHandle]:
+        """Wait until every save so far has finished either way; returns their handles."""
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            h.settle()
+        return handles
+
+    def unseen_failure(self) -> CheckpointError | None:
+        """The first failure of a finished save nobody has looked at (marked seen now)."""
+        for h in self.settle():
+            err = h.failure_unseen()
+            if err is not None:
+                return err
+        return None
