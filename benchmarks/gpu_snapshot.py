@@ -53,7 +53,7 @@ def time_copy(pool: HostBuffer, state: dict, reps: int) -> tuple[float, float]:
     for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        snap, _ = pool.copy_in(state)
+        snap, _, _ = pool.copy_in(state)
         t1 = time.perf_counter()
         snap.synchronize()
         total.append(time.perf_counter() - t0)

@@ -19,6 +19,7 @@ from .errors import (
     CorruptCheckpointError,
     DistributedSaveError,
     IncompatibleFormatError,
+    NonFiniteStateError,
     NotACheckpointError,
     PartialStateError,
     ReshardError,
@@ -39,6 +40,7 @@ __all__ = [
     "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",
     "PerRank", "fence", "open", "Reader", "Pickled",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
-    "DistributedSaveError", "IncompatibleFormatError", "NotACheckpointError", "PartialStateError", "ReshardError",
-    "StateMismatchError", "StepExistsError", "StorageError", "UnsupportedValueError",
+    "DistributedSaveError", "IncompatibleFormatError", "NonFiniteStateError", "NotACheckpointError",
+    "PartialStateError", "ReshardError", "StateMismatchError", "StepExistsError", "StorageError",
+    "UnsupportedValueError",
 ]

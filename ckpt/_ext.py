@@ -20,7 +20,10 @@ log = logging.getLogger("ckpt")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # numpy layouts of the C structs (csrc/copyhash.cpp Seg, csrc/cuda/batched_copy.cu CopyDesc)
-SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8")])
+SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<u8")])
+ABI_VERSION = 2  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+# Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
+CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
 DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("nbytes", "<u8")])
 
 
@@ -39,12 +42,16 @@ class CpuCore:
     def __init__(self, lib: ctypes.CDLL, path: str):
         self.path = path
         self.lib = lib
+        lib.ckpt_abi_version.restype = ctypes.c_int
+        if lib.ckpt_abi_version() != ABI_VERSION:
+            raise OSError(f"built for ABI {lib.ckpt_abi_version()}, this ckpt needs {ABI_VERSION}")
         lib.ckpt_simd_level.restype = ctypes.c_int
         lib.ckpt_xxh3_128.restype = ctypes.c_int
         lib.ckpt_xxh3_128.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p]
         lib.ckpt_copy_hash.restype = ctypes.c_int
-        lib.ckpt_copy_hash.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p,
-                                       ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        ptr = ctypes.c_void_p
+        u64 = ctypes.c_uint64
+        lib.ckpt_copy_hash.argtypes = [ptr, ptr, u64, ptr, ptr, u64, ptr, ptr, ptr, ctypes.c_int]
         self.simd = {2: "avx2", 1: "sse2", 0: "portable"}.get(lib.ckpt_simd_level(), "?")
 
     def xxh3_128(self, ptr: int, length: int) -> str | None:
@@ -55,16 +62,18 @@ class CpuCore:
         return f"{int(out[1]):016x}{int(out[0]):016x}"
 
     def copy_hash(self, dst_ptr: int, segs: np.ndarray, chunk_offsets: np.ndarray, want: np.ndarray,
-                  threads: int) -> list[str | None]:
+                  threads: int) -> tuple[list[str | None], np.ndarray]:
         """Copy ``segs`` (SEG records sorted by dst_off) into the buffer at ``dst_ptr`` and hash the
-        chunks ``[offsets[c], offsets[c+1])`` with ``want[c]``; None where a chunk was not hashed."""
+        chunks ``[offsets[c], offsets[c+1])`` with ``want[c]``. Returns the hashes (None where a chunk
+        was not hashed) and, per segment, 1 where its ``check`` found a NaN or Inf."""
         n = len(chunk_offsets) - 1
         out = np.zeros(2 * max(n, 1), np.uint64)
         hashed = np.zeros(max(n, 1), np.uint8)
+        bad = np.zeros(max(len(segs), 1), np.uint8)
         self.lib.ckpt_copy_hash(dst_ptr, segs.ctypes.data, len(segs), chunk_offsets.ctypes.data, want.ctypes.data,
-                                n, out.ctypes.data, hashed.ctypes.data, threads)
+                                n, out.ctypes.data, hashed.ctypes.data, bad.ctypes.data, threads)
         lo, hi = out[0::2].tolist(), out[1::2].tolist()
-        return [f"{hi[c]:016x}{lo[c]:016x}" if hashed[c] else None for c in range(n)]
+        return [f"{hi[c]:016x}{lo[c]:016x}" if hashed[c] else None for c in range(n)], bad[:len(segs)]
 
 
 class CudaCore:
@@ -104,7 +113,7 @@ def _load(stem: str, cls):
         return None
     try:
         return cls(ctypes.CDLL(path), path)
-    except OSError as e:
+    except (OSError, AttributeError) as e:  # AttributeError: a symbol is missing (a build of an older ckpt)
         log.warning("ckpt: could not load %s (%s); using the pure-Python path", path, e)
         return None
 

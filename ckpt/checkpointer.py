@@ -30,6 +30,7 @@ from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
 from .options import MiB, Options
 from .retention import Retention
+from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, Interval, Schedule
 from .snapshot import Snapshotter
 from .state import flatten
 from .storage import open_tiered
@@ -53,13 +54,11 @@ class Checkpointer:
                 ckptr.save(step, state)             # returns after the snapshot
         ckptr.close()                               # waits for the last saves, raises if one failed
 
-    The options are those of :class:`~ckpt.options.Options` (``keep_last``, ``keep_every``,
-    ``local_dir``, ``chunk_size``, ``codec``, ``busy``, ``strict``, ``allow_pickle``, ``io_threads``,
-    ``storage_options``, ``timeout``, ``native``, ``snapshot_threads``), checked before anything is
-    opened. ``process_group`` is the ranks that save together (default: the default group, when
-    ``torch.distributed`` is initialised; otherwise this process alone). Every rank calls ``save``
-    and ``load`` in the same order; ranks coordinate through the group's store, never with
-    collectives from background threads.
+    The options are those of :class:`~ckpt.options.Options`, checked before anything is opened.
+    ``process_group``: the ranks that save together (default: the default group when
+    ``torch.distributed`` is initialised, else this process alone). Every rank calls ``save`` and
+    ``load`` in the same order; ranks talk through the group's store, never with collectives from
+    background threads.
 
     CUDA tensors: ``save()`` only launches their copy and returns. The next ``optimizer.step()`` of
     any optimizer waits for it on the device (a pre-step hook), so the host never blocks; tensors no
@@ -71,11 +70,15 @@ class Checkpointer:
                  local_dir: str | os.PathLike | None = None, chunk_size: int = 16 * MiB, codec: str = "auto",
                  busy: Literal["wait", "skip"] = "wait", strict: bool = True, allow_pickle: bool = False,
                  io_threads: int | None = None, storage_options: dict | None = None, process_group: Any = None,
-                 timeout: float = 600.0, native: bool = True, snapshot_threads: int | None = None):
+                 timeout: float = 600.0, native: bool = True, snapshot_threads: int | None = None,
+                 check_finite: bool | Literal["all"] = True, every: int | float | str | None = None,
+                 preemption: bool | list[int] = False, mtbf: float = DEFAULT_MTBF,
+                 max_overhead: float = DEFAULT_MAX_OVERHEAD):
         options = Options.build(
             keep_last=keep_last, keep_every=keep_every, local_dir=local_dir, chunk_size=chunk_size, codec=codec,
             busy=busy, strict=strict, allow_pickle=allow_pickle, io_threads=io_threads,
-            storage_options=storage_options, timeout=timeout, native=native, snapshot_threads=snapshot_threads)
+            storage_options=storage_options, timeout=timeout, native=native, snapshot_threads=snapshot_threads,
+            check_finite=check_finite, every=every, preemption=preemption, mtbf=mtbf, max_overhead=max_overhead)
         self._open(path, options, process_group)
 
     @classmethod
@@ -106,7 +109,10 @@ class Checkpointer:
                                     in_use=self._writer.in_use)
         self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
                                         self._retention.after_commit, self._leases)
-        self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads)
+        self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads,
+                                      options.check_finite)
+        self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead)
+        self._emergency: SaveHandle | None = None  # the save a preemption asked for
         self._loader = Loader(self.storage, self._comm, self._io, manifests)
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
@@ -147,9 +153,10 @@ class Checkpointer:
         self._ledger.claim(step)
         seq, self._seq = self._seq, self._seq + 1
         metrics = SaveMetrics(step=step)
+        emergency = step == self._schedule.emergency_step  # never skipped
         try:
             flat = flatten(state, allow_pickle=self.options.allow_pickle)
-            snap = self._snapshots.take(seq, flat, state, skip_if_busy=self.options.busy == "skip")
+            snap = self._snapshots.take(seq, flat, state, skip_if_busy=self.options.busy == "skip" and not emergency)
         except BaseException as e:
             self._ledger.release(step)
             self._protocol.abandon(seq, step, e)
@@ -168,7 +175,34 @@ class Checkpointer:
         self._ledger.add(handle)
         at_exit.saving(self, future)  # finished at interpreter exit, even if nobody closes this
         self._protocol.submit(job, future)
+        self._schedule.saved(handle)
+        if emergency:
+            self._emergency = handle
         return handle
+
+    # -- when to save ---------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """True if ``step`` is to be saved: the ``every`` interval says so, or a ``preemption`` signal
+        reached any rank (then it is the emergency save). Call it on every rank after every step;
+        every rank gets the same answer."""
+        self._check_open()
+        return self._schedule.should_save(step)
+
+    @property
+    def preempted(self) -> bool:
+        """True once the emergency save a preemption asked for is committed: leave the loop and
+        ``close()``. Waits for that save; raises its error if it failed (the last committed step is
+        still whole)."""
+        h = self._emergency
+        if h is None:
+            return False
+        h.wait()
+        return True
+
+    @property
+    def interval(self) -> Interval:
+        """The save interval in force (for ``every="auto"``: as last chosen, and why)."""
+        return self._schedule.interval
 
     def accept_state(self) -> None:
         """Save the state as it is, although a load failed after it had started changing it."""
@@ -259,6 +293,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._schedule.close()
             self._commit_thread.shutdown(wait=True)
             self._io.shutdown(wait=True)
             self._leases.release()

@@ -10,7 +10,8 @@ group's store (:class:`~ckpt.dist.Comm`), with deadlines. For one save, on each 
    reuse by hash can be deleted under them, by the coordinator's retention of the previous save
    (which ran before ``go``) or by anyone else;
 2. write this rank's chunks durably, then its rank report (:meth:`Writer.write_part`);
-3. report ``ok``, ``fail`` or ``exists`` (or ``skip``, from ``save()`` itself) to the coordinator;
+3. report ``ok``, ``fail``, ``exists`` or ``nonfinite`` (or ``skip``, from ``save()`` itself) to the
+   coordinator;
 4. the coordinator gathers every report, reads the rank reports, merges them and commits
    ``MANIFEST.json`` create-only: that write is the commit point. It publishes a :class:`Decision`
    (ok, fail naming the ranks, skip, or exists) that every other rank waits for;
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from . import manifest as mf
 from .dist import Comm
-from .errors import CheckpointError, DistributedSaveError, StepExistsError
+from .errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
 from .handle import SaveMetrics
 from .lease import Leases
 from .writer import SaveJob, Writer
@@ -45,6 +46,7 @@ class Status(str, enum.Enum):
     FAIL = "fail"  # some rank failed or did not answer; nothing was committed
     SKIP = "skip"  # some rank skipped the save (busy="skip"); nothing was committed
     EXISTS = "exists"  # the step was already committed; it is left as it is
+    NONFINITE = "nonfinite"  # some rank's state held NaN or Inf where it was checked; nothing was committed
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,8 @@ class CommitProtocol:
         if error is None:
             comm.report(seq, Report(Status.OK, job.step).to_json())
         else:
-            status = Status.EXISTS if isinstance(error, StepExistsError) else Status.FAIL
+            status = (Status.EXISTS if isinstance(error, StepExistsError) else
+                      Status.NONFINITE if isinstance(error, NonFiniteStateError) else Status.FAIL)
             comm.report(seq, Report(status, job.step, f"{type(error).__name__}: {error}").to_json())
         committed = None
         if comm.rank == 0:
@@ -195,6 +198,9 @@ class CommitProtocol:
         message = f"step {job.step} was not committed: {decision.message or 'unknown failure'}"
         if decision.status is Status.EXISTS:
             raise StepExistsError(decision.message or message) from error
+        if decision.status is Status.NONFINITE:
+            mine = error.tensors if isinstance(error, NonFiniteStateError) else []
+            raise NonFiniteStateError(decision.message, ranks=list(decision.ranks), tensors=mine) from error
         raise DistributedSaveError(message, ranks=list(decision.ranks)) from error
 
     def _coordinate(self, job: SaveJob, part: mf.Manifest | None
@@ -206,12 +212,17 @@ class CommitProtocol:
         try:
             docs, missing = comm.gather(seq)
             reports = {r: Report.from_json(d) for r, d in docs.items()}
-            failed = sorted(r for r, v in reports.items() if v.status is Status.FAIL)
+            failed = sorted(r for r, v in reports.items() if v.status in (Status.FAIL, Status.NONFINITE))
             skipped = sorted(r for r, v in reports.items() if v.status is Status.SKIP)
             exists = sorted(r for r, v in reports.items() if v.status is Status.EXISTS)
+            poisoned = sorted(r for r, v in reports.items() if v.status is Status.NONFINITE)
             steps = {v.step for v in reports.values()}
             if exists:
                 decision = Decision(Status.EXISTS, tuple(exists), reports[exists[0]].message.partition(": ")[2])
+            elif poisoned and poisoned == failed and not missing:
+                first = reports[poisoned[0]].message.partition(": ")[2]
+                also = f" (Ranks {poisoned} all hold such values.)" if len(poisoned) > 1 else ""
+                decision = Decision(Status.NONFINITE, tuple(poisoned), first + also)
             elif failed or missing:
                 why = [f"rank {r}: {reports[r].message or 'failed'}" for r in failed]
                 why += [f"rank {r} did not report within {comm.timeout:.0f}s (died or hung?)" for r in missing]

@@ -16,6 +16,8 @@ same on every rank because every rank calls ``save`` in the same order:
 ``q/<seq>/go``             the coordinator holds the lease and finished everything queued before this
                            save (retention): the other ranks may write its chunks
 ``l/<n>/<rank>``           agreement on which step a ``load`` ends up loading
+``s/<round>``              the next save the schedule asks for (a preemption or an interval; see
+                           :mod:`ckpt.schedule`): the first proposal wins
 =========================  =====================================================================
 
 :func:`assign` (the planner) is a pure function of every rank's :class:`Inventory`, so it is tested
@@ -137,7 +139,21 @@ class Comm(abc.ABC):
         """Delete ``key``; False if this store cannot delete."""
 
     @abc.abstractmethod
+    def _compare_set(self, key: str, value: bytes) -> bytes:
+        """Set ``key`` to ``value`` unless it is set already; return the value it holds then."""
+
+    @abc.abstractmethod
     def describe(self) -> str: ...
+
+    def peek(self, key: str) -> dict | None:
+        """The value of ``key`` if it is set now (no waiting)."""
+        raw = self._get(key, time.monotonic())
+        return None if raw is None else json.loads(raw)
+
+    def propose(self, key: str, value: dict) -> dict:
+        """Set ``key`` to ``value`` unless some rank set it first; return what it holds (the first
+        proposal wins, on every rank)."""
+        return json.loads(self._compare_set(key, json.dumps(value).encode()))
 
     def set(self, key: str, value: dict) -> None:
         self._put(key, json.dumps(value).encode())
@@ -199,7 +215,7 @@ class Comm(abc.ABC):
                 missing.append(r)
             else:
                 reports[r] = v
-                if v.get("status") == "fail":  # no need to wait long for the rest once one rank failed
+                if v.get("status") in ("fail", "nonfinite"):  # no need to wait long for the rest once one rank failed
                     deadline = min(deadline, time.monotonic() + min(self.timeout, 5.0))
         return reports, missing
 
@@ -267,6 +283,10 @@ class LocalComm(Comm):
         with self._lock:
             self._store.pop(key, None)
         return True
+
+    def _compare_set(self, key: str, value: bytes) -> bytes:
+        with self._lock:
+            return self._store.setdefault(key, value)
 
 
 class StoreComm(Comm):
@@ -338,6 +358,12 @@ class StoreComm(Comm):
         except Exception as e:
             if "timeout" in str(e).lower() or "timed out" in str(e).lower():
                 return None
+            raise self._unreachable(e) from e
+
+    def _compare_set(self, key: str, value: bytes) -> bytes:
+        try:  # an empty expected value: set it only if the key does not exist
+            return bytes(self.store.compare_set(key, "", value))
+        except Exception as e:
             raise self._unreachable(e) from e
 
     def _delete(self, key: str) -> bool:

@@ -72,3 +72,15 @@ class PartialStateError(CheckpointError):
     """A save was refused because a load failed after it had started changing the state: the
     state is a mixture of what it was and the step that failed to load. Load a step (again), or
     call ``Checkpointer.accept_state()`` if the state is what you want to save."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """A save was refused because the state holds NaN or Inf where it must not (model parameters or
+    optimizer state by default; see the ``check_finite`` option). Nothing was committed: ``latest``
+    is still the last healthy step. ``tensors`` names the offending tensors this process knows of,
+    ``ranks`` the ranks whose state held them."""
+
+    def __init__(self, message: str, *, tensors: list[str] | None = None, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.tensors = list(tensors or [])
+        self.ranks = list(ranks or [])

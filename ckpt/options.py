@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from .codec import CodecSpec
 from .errors import ConfigError
+from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, parse_every, parse_signals, positive
 
 MiB = 1 << 20
 
@@ -46,6 +47,18 @@ class Options:
     native: use the compiled core when it is built (fused multi-threaded copy + hash on CPU, batched
         device-to-host copies on GPU); ``False`` uses torch's copies (same bytes, same hashes).
     snapshot_threads: threads for the CPU copy + hash (default: cores, at most 8).
+    check_finite: refuse a save whose model parameters or optimizer state hold NaN or Inf
+        (:class:`~ckpt.NonFiniteStateError`; nothing is committed). ``"all"`` checks every floating
+        tensor (buffers and loose tensors too), ``False`` nothing.
+    every: the save interval ``should_save(step)`` follows: N steps (an int), a duration
+        (``"30min"``, ``"90s"``, ``"2h"``, or a float of seconds) or ``"auto"`` (Young/Daly from the
+        measured stall and ``mtbf``, within ``max_overhead``). None: ``should_save`` answers only
+        for preemption.
+    preemption: install handlers that make ``should_save`` ask for an emergency save when the job is
+        told to stop: ``True`` for SIGTERM, or a list of signals (e.g. ``[signal.SIGTERM,
+        signal.SIGUSR1]`` on SLURM). The handlers only set a flag.
+    mtbf: the mean time between failures, in seconds, ``every="auto"`` plans for (default 4 hours).
+    max_overhead: the share of training time saves may stall it under ``every="auto"`` (default 0.02).
     """
 
     keep_last: int | None = None
@@ -61,6 +74,11 @@ class Options:
     timeout: float = 600.0
     native: bool = True
     snapshot_threads: int | None = None
+    check_finite: bool | Literal["all"] = True
+    every: int | float | str | None = None  # steps (int), seconds (float) or "auto", once built
+    preemption: tuple[int, ...] = ()  # signal numbers, once built
+    mtbf: float = DEFAULT_MTBF
+    max_overhead: float = DEFAULT_MAX_OVERHEAD
 
     @classmethod
     def build(cls, **options: Any) -> Options:
@@ -104,6 +122,16 @@ class Options:
         for name in ("strict", "allow_pickle", "native"):
             if name in o:
                 o[name] = bool(o[name])
+        if o.get("check_finite", True) not in (True, False, "all"):
+            raise ConfigError(f"check_finite must be True, False or 'all', got {o['check_finite']!r}")
+        if "every" in o:
+            o["every"] = parse_every(o["every"])
+        if "preemption" in o:
+            o["preemption"] = parse_signals(o["preemption"])
+        if "mtbf" in o:
+            o["mtbf"] = positive("mtbf (seconds)", o["mtbf"])
+        if "max_overhead" in o:
+            o["max_overhead"] = positive("max_overhead", o["max_overhead"], upper=1.0)
         return cls(**o)
 
     def replace(self, **changes: Any) -> Options:

@@ -17,6 +17,11 @@ returns right after the launch; the host never waits:
   device, so nothing later on it can change them mid-copy;
 * the background writer waits on the copy's event before it reads the buffer.
 
+The same pass checks the state for NaN and Inf (:func:`finite_checked` says which tensors): on CPU
+the compiled core tests each element right after copying it, while it is in cache; without the core
+torch checks the copy; on a GPU a reduction per dtype runs on the side stream after the copy, and
+its verdict travels with the copy's event. The writer refuses the save before writing anything.
+
 :class:`Snapshotter` owns the buffer between saves: it remakes the layout (and asks the coordinator
 which tensors this rank writes) only when the state's structure changes.
 """
@@ -37,6 +42,7 @@ from . import _ext
 from .dist import Comm, Inventory
 from .layout import BufferLayout, TensorSlot, make_layout
 from .state import Flat, Leaf
+from .structure import dtype_name
 
 log = logging.getLogger("ckpt")
 
@@ -63,6 +69,12 @@ class Snapshot:
     per_rank: frozenset[str]
     hashes: list[str | None] | None  # per chunk, when the compiled core hashed it during the copy
     cuda: CudaSnapshot | None  # the device-to-host copy still in flight, if any
+    nonfinite: list[str]  # checked CPU tensors found holding NaN or Inf
+
+    def poisoned(self) -> list[str]:
+        """Every checked tensor holding NaN or Inf, in state order; call after the CUDA copy is done."""
+        bad = set(self.nonfinite) | set(self.cuda.nonfinite() if self.cuda is not None else ())
+        return [k for k in self.buffer.layout_keys if k in bad]
 
 
 class Snapshotter:
@@ -75,8 +87,10 @@ class Snapshotter:
         snap.buffer.release()
     """
 
-    def __init__(self, comm: Comm, chunk_size: int, native: bool = True, threads: int | None = None):
+    def __init__(self, comm: Comm, chunk_size: int, native: bool = True, threads: int | None = None,
+                 check_finite: bool | str = True):
         self.comm = comm
+        self.check_finite = check_finite
         self.chunk_size = chunk_size
         self.native = native
         self.threads = threads
@@ -109,13 +123,15 @@ class Snapshotter:
                       self.comm.describe(), len(buf.layout.slots), len(buf.layout.chunks), buf.nbytes / 2**20,
                       buf.pinned)
         share = self._share
+        check = finite_checked(state, flat, self.check_finite)
         buf.acquire()
         try:
-            cuda, hashes = buf.copy_in(flat.tensors, optimizer_guarded(state) if buf.has_cuda else frozenset())
+            cuda, hashes, bad = buf.copy_in(flat.tensors, optimizer_guarded(state) if buf.has_cuda else frozenset(),
+                                            check)
         except BaseException:
             buf.release()
             raise
-        return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda)
+        return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad)
 
     def adopt(self, other: Snapshotter) -> None:
         """Start from ``other``'s buffer and layout (both single-process): a save whose structure
@@ -129,6 +145,42 @@ def signature(flat: Flat) -> tuple:
     """Everything the layout and the share depend on: keys, dtypes, local shapes, devices, boxes, kinds."""
     return (tuple((k, t.dtype, tuple(t.shape), t.device.type, flat.leaves[k]) for k, t in flat.tensors.items()),
             tuple(sorted(flat.per_rank)))
+
+
+CHECKABLE = frozenset(_ext.CHECK_KINDS)  # dtypes whose NaN/Inf are checked (IEEE half, bfloat16, single, double)
+
+
+def finite_checked(state: dict[str, Any], flat: Flat, mode: bool | str) -> frozenset[str]:
+    """The keys of ``flat``'s tensors a save checks for NaN and Inf: with ``mode=True`` the floating
+    tensors that are model parameters or optimizer state (found by storage address among the
+    modules' parameters and the optimizers' parameters and state in ``state``); with ``"all"``
+    every floating tensor (buffers and loose tensors too: masks holding -inf are common there);
+    none with ``False``."""
+    if mode is False:
+        return frozenset()
+    floating = [k for k, t in flat.tensors.items() if t.numel() and dtype_name(t.dtype) in CHECKABLE]
+    if mode == "all":
+        return frozenset(floating)
+    ptrs: set[int] = set()
+    values = list(state.values())
+    while values:
+        v = values.pop()
+        if isinstance(v, (list, tuple)):
+            values.extend(v)
+        elif isinstance(v, dict):
+            values.extend(v.values())
+        elif isinstance(v, torch.nn.Module):
+            ptrs.update(_local(p).data_ptr() for p in v.parameters())
+        elif isinstance(v, torch.optim.Optimizer):
+            ptrs.update(_local(p).data_ptr() for g in v.param_groups for p in g["params"])
+            ptrs.update(_local(t).data_ptr() for pst in v.state.values() for t in pst.values()
+                        if isinstance(t, torch.Tensor))
+    return frozenset(k for k in floating if flat.tensors[k].data_ptr() in ptrs)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # a DTensor: its shard on this rank is what is saved
+    return to_local() if callable(to_local) else t
 
 
 def optimizer_guarded(state: dict[str, Any]) -> set[int]:
@@ -173,6 +225,7 @@ class HostBuffer:
         self.has_cuda = any(s.device == "cuda" for s in layout.slots)
         self._want = self._chunks_without_cuda()  # per chunk: no CUDA bytes, so hash it at snapshot time
         self.last_used = {"cpu": "none", "cuda": "none"}
+        self.layout_keys = [s.key for s in layout.slots]
 
     @property
     def nbytes(self) -> int:
@@ -199,47 +252,59 @@ class HostBuffer:
     def busy(self) -> bool:
         return not self._free.is_set()
 
-    def copy_in(self, tensors: dict[str, torch.Tensor], guarded: set[int] | frozenset[int] = frozenset()
-                ) -> tuple[CudaSnapshot | None, list[str | None] | None]:
-        """Copy every tensor into its slot.
+    def copy_in(self, tensors: dict[str, torch.Tensor], guarded: set[int] | frozenset[int] = frozenset(),
+                check: frozenset[str] = frozenset()
+                ) -> tuple[CudaSnapshot | None, list[str | None] | None, list[str]]:
+        """Copy every tensor into its slot, checking those in ``check`` for NaN and Inf.
 
-        Returns the pending CUDA copy (None if no tensor is on a GPU) and, per chunk, its xxh3-128
-        when the compiled core hashed it during the copy (else None: the writer hashes). ``guarded``
-        holds the data pointers of CUDA tensors an optimizer pre-step hook protects."""
+        Returns the pending CUDA copy (None if no tensor is on a GPU), per chunk its xxh3-128 when
+        the compiled core hashed it during the copy (else None: the writer hashes), and the checked
+        CPU tensors holding NaN or Inf (the CUDA ones are known once the copy is done).
+        ``guarded`` holds the data pointers of CUDA tensors an optimizer pre-step hook protects."""
         cpu_slots: list[tuple[TensorSlot, torch.Tensor]] = []
         cuda_slots: list[tuple[TensorSlot, torch.Tensor]] = []
         for slot in self.layout.slots:
             if slot.nbytes:
                 src = tensors[slot.key]
                 (cuda_slots if src.device.type == "cuda" else cpu_slots).append((slot, src))
-        pending = self._copy_cuda(cuda_slots, guarded) if cuda_slots else None
-        hashes = self._copy_cpu(cpu_slots)
-        return pending, hashes
+        pending = self._copy_cuda(cuda_slots, guarded, check) if cuda_slots else None
+        hashes, bad = self._copy_cpu(cpu_slots, check)
+        return pending, hashes, bad
 
     # -- CPU --------------------------------------------------------------------------------------
     def _dst(self, slot) -> torch.Tensor:
         return self.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
-    def _copy_cpu(self, slots: list) -> list[str | None] | None:
+    def _copy_cpu(self, slots: list, check: frozenset[str]) -> tuple[list[str | None] | None, list[str]]:
         core = self.cpu_core
+        bad: list[str] = []
         if core is None:
             with torch.no_grad():
                 for slot, src in slots:
-                    self._dst(slot).copy_(src)
+                    self._torch_copy(slot, src, check, bad)
             self.last_used["cpu"] = "torch" if slots else "none"
-            return None
+            return None, bad
         segs = np.empty(len(slots), _ext.SEG)
-        n = 0
+        keys: list[str] = []
         with torch.no_grad():
             for slot, src in slots:
                 if src.is_contiguous() and not (src.is_conj() or src.is_neg()) and src.dtype == slot.dtype:
-                    segs[n] = (src.data_ptr(), slot.offset, slot.nbytes)
-                    n += 1
+                    kind = _ext.CHECK_KINDS[dtype_name(src.dtype)] if slot.key in check else 0
+                    segs[len(keys)] = (src.data_ptr(), slot.offset, slot.nbytes, kind)
+                    keys.append(slot.key)
                 else:  # strided (or lazily conjugated) sources: torch lays them out first, the core hashes them
-                    self._dst(slot).copy_(src)
-        hashes = core.copy_hash(self.buffer.data_ptr(), segs[:n], self._offsets, self._want, self.threads)
+                    self._torch_copy(slot, src, check, bad)
+        hashes, flags = core.copy_hash(self.buffer.data_ptr(), segs[:len(keys)], self._offsets, self._want,
+                                       self.threads)
+        bad += [keys[i] for i in np.flatnonzero(flags)]
         self.last_used["cpu"] = f"native/{core.simd}"
-        return hashes
+        return hashes, bad
+
+    def _torch_copy(self, slot: TensorSlot, src: torch.Tensor, check: frozenset[str], bad: list[str]) -> None:
+        dst = self._dst(slot)
+        dst.copy_(src)
+        if slot.key in check and not bool(torch.isfinite(dst).all()):  # the copy is in cache
+            bad.append(slot.key)
 
     def _chunks_without_cuda(self) -> np.ndarray:
         # the structure signature includes devices, so this is fixed for the layout's lifetime
@@ -251,7 +316,7 @@ class HostBuffer:
         return want
 
     # -- CUDA -------------------------------------------------------------------------------------
-    def _copy_cuda(self, slots: list, guarded: set[int] | frozenset[int]) -> CudaSnapshot:
+    def _copy_cuda(self, slots: list, guarded: set[int] | frozenset[int], check: frozenset[str]) -> CudaSnapshot:
         device = slots[0][1].device
         compute = torch.cuda.current_stream(device)
         side = _side_stream(device)
@@ -267,9 +332,11 @@ class HostBuffer:
             compute.wait_event(fast_done)
             if slow:
                 self._launch(slow, side, keep)
+            checked = [(s.key, t) for s, t in slots if s.key in check]
+            verdict = _finite_on_device(checked) if checked else None
             done = torch.cuda.Event()
             done.record(side)
-        snap = CudaSnapshot(done, keep)
+        snap = CudaSnapshot(done, keep, verdict)
         if slow:
             fence_optimizers(snap)
         return snap
@@ -303,16 +370,44 @@ class HostBuffer:
         self.last_used["cuda"] = f"native (kernel {len(small)}, memcpy {len(large)})"
 
 
-class CudaSnapshot:
-    """A device-to-host copy in flight: ``event`` completes when the host buffer holds the snapshot."""
+def _finite_on_device(checked: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
+    """Enqueue, on the current (side) stream, a NaN/Inf test of ``checked`` (key, CUDA tensor): one
+    fused max-abs reduction per dtype (NaN propagates through it, Inf is its own maximum), its
+    verdicts copied into pinned host memory. Returns the keys and that host tensor (valid once the
+    stream has run)."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for key, t in checked:
+        by_dtype.setdefault(t.dtype, []).append((key, t))
+    keys: list[str] = []
+    verdicts = []
+    for group in by_dtype.values():
+        norms = torch._foreach_norm([t for _, t in group], float("inf"))
+        verdicts.append(torch.isfinite(torch.stack(norms)))
+        keys += [k for k, _ in group]
+    host = torch.empty(len(keys), dtype=torch.bool, pin_memory=True)
+    host.copy_(torch.cat(verdicts), non_blocking=True)
+    return keys, host
 
-    def __init__(self, event: torch.cuda.Event, keep: list):
+
+class CudaSnapshot:
+    """A device-to-host copy in flight: ``event`` completes when the host buffer holds the snapshot
+    (and the NaN/Inf verdicts of the checked CUDA tensors, if any)."""
+
+    def __init__(self, event: torch.cuda.Event, keep: list, verdict: tuple[list[str], torch.Tensor] | None = None):
         self.event = event
         self._keep = keep  # pinned piece lists the kernel reads
+        self._verdict = verdict
 
     def synchronize(self) -> None:
         self.event.synchronize()
         self._keep = []
+
+    def nonfinite(self) -> list[str]:
+        """The checked CUDA tensors holding NaN or Inf (after :meth:`synchronize`)."""
+        if self._verdict is None:
+            return []
+        keys, finite = self._verdict
+        return [k for k, ok in zip(keys, finite.tolist()) if not ok]
 
     def query(self) -> bool:
         return self.event.query()

@@ -19,7 +19,7 @@ from . import _ext
 from . import manifest as mf
 from ._tasks import run_all
 from .codec import HEADER_SIZE, CodecSpec, check_header, chunk_hash, encode, parse_header
-from .errors import CorruptCheckpointError, StepExistsError
+from .errors import CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from .handle import SaveMetrics
 from .lease import Leases
 from .snapshot import HostBuffer, Snapshot
@@ -173,6 +173,7 @@ class Writer:
                 self._check_not_committed(job.step)
                 if snap.cuda is not None:
                     snap.cuda.synchronize()
+                _refuse_poison(job.step, rank, snap.poisoned())
                 snap_hashes = snap.hashes or [None] * len(layout.chunks)
                 job.created = []
                 puts = run_all(self.io, lambda ch: self._put_chunk(job, buf.view(ch[0].offset, ch[0].length), ch[1],
@@ -267,3 +268,15 @@ class Writer:
             if committed is not None:
                 self._committed = dict(committed.chunks)
             self.known = {**self._loaded, **self._committed}
+
+
+def _refuse_poison(step: int, rank: int, bad: list[str]) -> None:
+    """Refuse the save, before anything of it is written, if a checked tensor holds NaN or Inf."""
+    if not bad:
+        return
+    names = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    raise NonFiniteStateError(
+        f"step {step} was not saved: rank {rank}'s state holds NaN or Inf in {names}. Nothing was committed; the "
+        "newest committed step is the last healthy one: resume from it (load('latest', state)) and find what "
+        "diverged (learning rate, loss scale, bad data, a faulty GPU). check_finite=False saves such a state anyway.",
+        tensors=bad, ranks=[rank])

@@ -6,6 +6,9 @@
 // (tests/test_ext.py checks every length class we compute and many offsets). Inputs of 240 bytes or
 // fewer use XXH3's short-input formulas, which we do not implement: those chunks are reported as not
 // hashed and Python hashes them (a chunk that small is rare and costs nothing).
+//
+// The same pass checks floating-point sources for NaN and Inf (ckpt refuses to save a poisoned
+// state): each element is tested once, right after the copy read it, while it is still in cache.
 
 #include <algorithm>
 #include <atomic>
@@ -171,7 +174,42 @@ struct Long128 {
 struct Seg {  // one contiguous source copied to [dst_off, dst_off + len) of the buffer
   const uint8_t* src;
   uint64_t dst_off, len;
+  uint64_t check;  // its elements, when checked for NaN/Inf: 0 not checked, 1 f16, 2 bf16, 3 f32, 4 f64
 };
+
+// True if any element of the `n` bytes at `p` (whole elements of type T) has every exponent bit set:
+// an Inf or a NaN in IEEE formats. Branch-free over 4 KiB blocks so the compiler vectorises it.
+template <typename T>
+inline __attribute__((always_inline)) bool any_nonfinite(const uint8_t* p, size_t n, T exponent) {
+  constexpr size_t BLK = 4096 / sizeof(T);
+  size_t count = n / sizeof(T);
+  for (size_t i = 0; i < count; i += BLK) {
+    size_t e = std::min(count, i + BLK);
+    T hit = 0;
+    for (size_t j = i; j < e; ++j) {
+      T v;
+      std::memcpy(&v, p + j * sizeof(T), sizeof(T));
+      hit |= static_cast<T>(-static_cast<T>((v & exponent) == exponent));
+    }
+    if (hit) return true;
+  }
+  return false;
+}
+
+#ifdef CKPT_X86
+__attribute__((target_clones("avx2", "default")))  // 32-byte compares where the CPU has them
+#endif
+bool nonfinite(uint64_t kind, const uint8_t* p, size_t n) {
+  switch (kind) {
+    case 1: return any_nonfinite<uint16_t>(p, n, 0x7C00);
+    case 2: return any_nonfinite<uint16_t>(p, n, 0x7F80);
+    case 3: return any_nonfinite<uint32_t>(p, n, 0x7F800000U);
+    case 4: return any_nonfinite<uint64_t>(p, n, 0x7FF0000000000000ULL);
+    default: return false;
+  }
+}
+
+constexpr size_t elem_size(uint64_t kind) { return kind <= 2 ? 2 : kind == 3 ? 4 : 8; }
 
 constexpr size_t PIECE = 64 * BLOCK;  // 64 KiB: copied, then hashed while it is still in L2
 
@@ -187,14 +225,87 @@ void copy_range(uint8_t* dst, const Seg* segs, size_t nsegs, uint64_t lo, uint64
   }
 }
 
+// Check the elements of segment `s` that start in [a, b) (offsets in the segment), reading its source
+// (an element straddling `b` is read whole from there). Returns true if one is NaN or Inf.
+bool check_elems(const Seg& s, uint64_t a, uint64_t b) {
+  uint64_t es = elem_size(s.check);
+  a = (a + es - 1) / es * es;
+  b = std::min<uint64_t>((b + es - 1) / es * es, s.len / es * es);
+  return a < b && nonfinite(s.check, s.src + a, b - a);
+}
+
+void mark(uint8_t* flag) { __atomic_store_n(flag, 1, __ATOMIC_RELAXED); }
+bool marked(const uint8_t* flag) { return __atomic_load_n(flag, __ATOMIC_RELAXED) != 0; }
+
+// Check the elements of checked segments that start in [lo, hi) of the buffer, from their sources
+// (the copy just read them, so they are in cache). bad[i] is set for a segment holding a NaN or Inf;
+// a segment found bad is not checked again.
+void check_range(const Seg* segs, size_t nsegs, uint64_t lo, uint64_t hi, uint8_t* bad) {
+  for (size_t i = first_seg(segs, nsegs, lo); i < nsegs && segs[i].dst_off < hi; ++i) {
+    const Seg& s = segs[i];
+    if (!s.check || marked(&bad[i])) continue;
+    if (check_elems(s, std::max(lo, s.dst_off) - s.dst_off, std::min(hi, s.dst_off + s.len) - s.dst_off)) mark(&bad[i]);
+  }
+}
+
+#ifdef CKPT_X86
+// The NaN/Inf test of 16 bytes held in a register: lanes whose exponent bits are all set. f64 is
+// tested on the high 32 bits of each element (where its exponent lives), the low lanes masked off.
+struct VecCheck {
+  __m128i exponent, lanes;
+  bool wide;  // 32-bit lanes (f32, f64) or 16-bit (f16, bf16)
+  explicit VecCheck(uint64_t kind) {
+    wide = kind >= 3;
+    lanes = _mm_set1_epi32(-1);
+    if (kind == 1) exponent = _mm_set1_epi16(0x7C00);
+    else if (kind == 2) exponent = _mm_set1_epi16(0x7F80);
+    else if (kind == 3) exponent = _mm_set1_epi32(0x7F800000);
+    else {
+      exponent = _mm_set_epi32(0x7FF00000, 0, 0x7FF00000, 0);
+      lanes = _mm_set_epi32(-1, 0, -1, 0);
+    }
+  }
+  __m128i hits(__m128i v) const {
+    __m128i e = _mm_and_si128(v, exponent);
+    return _mm_and_si128(wide ? _mm_cmpeq_epi32(e, exponent) : _mm_cmpeq_epi16(e, exponent), lanes);
+  }
+};
+#endif
+
 // memcpy with streaming (non-temporal) stores: the destination is not read back soon, so it should
-// not be pulled into cache first (that read-for-ownership is a third pass over memory).
-void copy_stream(uint8_t* dst, const uint8_t* src, size_t n) {
+// not be pulled into cache first (that read-for-ownership is a third pass over memory). When `seg`
+// is given (the source is that checked segment, `off` bytes in), the copy also tests every element
+// for NaN/Inf in the registers it copies through, and sets *bad if one is; it returns false if it
+// could not (elements not aligned with the vector lanes): the caller checks the bytes then.
+bool copy_stream(uint8_t* dst, const uint8_t* src, size_t n, const Seg* seg = nullptr, uint64_t off = 0,
+                 uint8_t* bad = nullptr) {
 #ifdef CKPT_X86
   size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
   if (head > n) head = n;
+  bool checking = seg != nullptr && seg->check && !marked(bad);
+  if (checking && (off + head) % elem_size(seg->check) != 0) checking = false;
   std::memcpy(dst, src, head);
   size_t i = head;
+  if (checking) {
+    VecCheck vc(seg->check);
+    __m128i acc = _mm_setzero_si128();
+    for (; i + 64 <= n; i += 64) {
+      __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+      acc = _mm_or_si128(acc, _mm_or_si128(_mm_or_si128(vc.hits(a), vc.hits(b)), _mm_or_si128(vc.hits(c), vc.hits(d))));
+    }
+    std::memcpy(dst + i, src + i, n - i);
+    // the elements starting in the unaligned head and in the tail were not in the registers
+    if (_mm_movemask_epi8(acc) != 0 || check_elems(*seg, off, off + head) || check_elems(*seg, off + i, off + n))
+      mark(bad);
+    return true;
+  }
   for (; i + 64 <= n; i += 64) {
     __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
@@ -206,28 +317,37 @@ void copy_stream(uint8_t* dst, const uint8_t* src, size_t n) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
   }
   std::memcpy(dst + i, src + i, n - i);
+  return seg == nullptr || !seg->check || marked(bad);
 #else
   std::memcpy(dst, src, n);
+  return seg == nullptr || !seg->check;
 #endif
 }
 
-// One piece [lo, hi): copy it and return where its bytes can be hashed from while they are in cache.
-// A piece inside one source (the common case: large tensors) is streamed to the buffer and hashed
-// from the source, which the copy just read; any other piece is copied plainly and hashed from the buffer.
-const uint8_t* copy_piece(uint8_t* dst, const Seg* segs, size_t nsegs, uint64_t lo, uint64_t hi) {
+// One piece [lo, hi): copy it, check its elements for NaN/Inf (segments with a `check` kind), and
+// return where its bytes can be hashed from while they are in cache. A piece inside one source (the
+// common case: large tensors) is streamed to the buffer, checked in the registers it passes through
+// and hashed from the source, which the copy just read; any other piece is copied plainly, checked
+// from its sources and hashed from the buffer.
+const uint8_t* copy_piece(uint8_t* dst, const Seg* segs, size_t nsegs, uint64_t lo, uint64_t hi, uint8_t* bad) {
   size_t i = first_seg(segs, nsegs, lo);
   if (i < nsegs && segs[i].dst_off <= lo && segs[i].dst_off + segs[i].len >= hi) {
     const uint8_t* src = segs[i].src + (lo - segs[i].dst_off);
-    copy_stream(dst + lo, src, hi - lo);
+    if (!copy_stream(dst + lo, src, hi - lo, &segs[i], lo - segs[i].dst_off, &bad[i]))
+      check_range(segs, nsegs, lo, hi, bad);
     return src;
   }
   copy_range(dst, segs, nsegs, lo, hi);
+  check_range(segs, nsegs, lo, hi, bad);
   return dst + lo;
 }
 
 }  // namespace
 
 extern "C" {
+
+// The layout of this library's calls; Python refuses a library built for another (a stale build).
+int ckpt_abi_version() { return 2; }
 
 // 2 = AVX2, 1 = SSE2, 0 = portable C: which accumulator loop this machine runs.
 int ckpt_simd_level() { return g_level; }
@@ -242,24 +362,30 @@ int ckpt_xxh3_128(const void* data, uint64_t len, uint64_t* out) {
 
 // Copy `nsegs` contiguous sources into `dst` and hash the chunks [offs[c], offs[c+1]) whose want[c] is
 // set, with `threads` threads, each chunk by one thread, each 64 KiB piece hashed right after it is
-// copied, from whichever copy of its bytes is in cache. hashed[c] is set to 1 where out[2c:2c+2] holds the chunk's hash (0: short chunk, hash it in
-// Python). Segments must be sorted by dst_off and must not overlap. Bytes outside every segment are
-// left as they are (the buffer's zero padding, or data copied in beforehand).
+// copied, from whichever copy of its bytes is in cache. hashed[c] is set to 1 where out[2c:2c+2] holds
+// the chunk's hash (0: short chunk, hash it in Python). bad[i] is set to 1 where segment i has a
+// `check` kind and holds a NaN or Inf (bad must come zeroed). Segments must be sorted by dst_off and
+// must not overlap. Bytes outside every segment are left as they are (the buffer's zero padding, or
+// data copied in beforehand).
 int ckpt_copy_hash(uint8_t* dst, const Seg* segs, uint64_t nsegs, const uint64_t* offs, const uint8_t* want,
-                   uint64_t nchunks, uint64_t* out, uint8_t* hashed, int threads) {
+                   uint64_t nchunks, uint64_t* out, uint8_t* hashed, uint8_t* bad, int threads) {
   std::atomic<uint64_t> next{0};
   auto work = [&]() {
     for (uint64_t c; (c = next.fetch_add(1)) < nchunks;) {
       uint64_t lo = offs[c], hi = offs[c + 1], n = hi - lo;
       hashed[c] = 0;
       if (!want[c] || n <= SHORT_MAX) {
-        copy_range(dst, segs, nsegs, lo, hi);
+        for (uint64_t p = lo; p < hi; p += PIECE) {
+          uint64_t e = std::min(hi, p + PIECE);
+          copy_range(dst, segs, nsegs, p, e);
+          check_range(segs, nsegs, p, e, bad);
+        }
         continue;
       }
       Long128 h(n);
       for (uint64_t p = lo; p < hi; p += PIECE) {
         uint64_t e = std::min(hi, p + PIECE);
-        h.blocks(copy_piece(dst, segs, nsegs, p, e), (e - p) / BLOCK);
+        h.blocks(copy_piece(dst, segs, nsegs, p, e, bad), (e - p) / BLOCK);
       }
 #ifdef CKPT_X86
       _mm_sfence();  // streaming stores are weakly ordered: make them visible before finish() reads the tail

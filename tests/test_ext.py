@@ -76,8 +76,8 @@ def test_fused_copy_hash_equals_the_python_path(chunk_size, threads):
     layout = make_layout(state, chunk_size)
     native = HostBuffer(layout, native=True, threads=threads)
     plain = HostBuffer(layout, native=False)
-    _, hashes = native.copy_in(state)
-    _, none = plain.copy_in(state)
+    _, hashes, _ = native.copy_in(state)
+    _, none, _ = plain.copy_in(state)
     assert none is None and native.last_used["cpu"].startswith("native")
     assert torch.equal(native.buffer, plain.buffer)
     for slot in layout.slots:  # and the bytes are the tensors' values
@@ -119,3 +119,41 @@ def test_second_save_after_in_place_change_rehashes(tmp_path):
     out = {"t": torch.zeros_like(t)}
     ckpt.Checkpointer(tmp_path).load(2, out)
     assert torch.equal(out["t"], t)
+
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("chunk_size", [64 * 1024, 65_538, 1 << 20])
+def test_the_nan_inf_check_finds_every_poisoned_element_and_nothing_else(native, chunk_size):
+    """One bad element anywhere (first, last, at a chunk or 64 KiB piece edge, in a source not aligned
+    to 16 bytes) of any checked dtype is found by the copy pass; finite extremes (max, subnormals,
+    -0.0) and unchecked tensors holding NaN are not reported."""
+    if native and core is None:
+        pytest.skip("compiled core not built")
+    rng = np.random.default_rng(chunk_size + native)
+    base = torch.zeros(1 << 20, dtype=torch.float64)
+    for trial in range(12):
+        state: dict[str, torch.Tensor] = {}
+        poisoned = set()
+        for i, dtype in enumerate(FLOATS * 2):
+            n = int(rng.integers(1, 200_000))
+            t = torch.randn(n + 3, dtype=torch.float64).to(dtype)[int(rng.integers(0, 3)):][:n]  # odd start
+            t[rng.integers(0, n, 3)] = torch.finfo(dtype).max
+            t[rng.integers(0, n, 3)] = torch.finfo(dtype).tiny / 4  # subnormal
+            key = f"{i}_{str(dtype)[6:]}"
+            if rng.random() < 0.5:
+                edges = [0, n - 1, n // 2] + [e for e in range(0, n, chunk_size // t.element_size())]
+                where = int(rng.choice(edges + [int(rng.integers(0, n))]))
+                t[where] = float(rng.choice([float("nan"), float("inf"), float("-inf")]))
+                poisoned.add(key)
+            state[key] = t
+        state["unchecked"] = base[: int(rng.integers(1, 1000))].clone().fill_(float("nan"))
+        layout = make_layout(state, chunk_size)
+        buf = HostBuffer(layout, native=native, threads=3)
+        _, _, bad = buf.copy_in(state, frozenset(), frozenset(k for k in state if k != "unchecked"))
+        assert set(bad) == poisoned, trial
+        for slot in layout.slots:  # the copy is still exact
+            got = buf.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            assert torch.equal(got.view(torch.uint8), state[slot.key].contiguous().view(torch.uint8)), slot.key

@@ -1,0 +1,294 @@
+"""When to save: a fixed or adaptive interval, and an emergency save when the job is being preempted.
+
+``Checkpointer(..., every=..., preemption=...)`` hands both to a :class:`Schedule`, and the training
+loop asks ``ckptr.should_save(step)`` once per step. Every rank must answer the same, or the ranks
+would save different steps; so a decision that depends on something only one rank knows (a signal
+that reached it, rank 0's clock) is published through the group's store as a *target step* a
+little ahead, and every rank saves when its loop reaches that step:
+
+* a step interval (``every=100``) needs no agreement: ``step % 100 == 0`` is the same everywhere;
+* a time interval (``every="30min"``) and the adaptive one (``every="auto"``) are decided on rank 0;
+* a preemption signal (SIGTERM by default) only sets a flag in its handler; the next
+  ``should_save`` on that rank publishes the target.
+
+Targets are numbered rounds in the store (``s/<round>``): the first proposal of a round wins
+(compare-and-set), every rank adopts it, and saving at it closes the round. A target is the
+proposer's step + 2 with several ranks (ranks that synchronise every step are at most one step
+apart, so none has passed it) and the step itself alone.
+
+``every="auto"`` is Young and Daly's first-order optimum τ = √(2·δ·M), where δ is the measured stall
+of a save (what the training loop waits for) and M the mean time between failures (``mtbf``),
+kept above δ / ``max_overhead`` (the stall budget, 2% of training time by default) and above the
+time the last save took to commit (never more often than saves complete).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import signal
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from .dist import Comm
+from .errors import ConfigError
+
+log = logging.getLogger("ckpt")
+
+DEFAULT_MTBF = 4 * 3600.0  # seconds: a job on a few hundred GPUs sees an interruption every few hours
+DEFAULT_MAX_OVERHEAD = 0.02
+_UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "mins": 60, "minute": 60,
+          "minutes": 60, "h": 3600, "hr": 3600, "hour": 3600, "hours": 3600}
+
+
+# -- options -------------------------------------------------------------------------------------------
+
+def parse_every(every: Any) -> int | float | str | None:
+    """``every=`` as given to a Checkpointer: None, a number of steps (int), ``"auto"``, or a duration
+    such as ``"30min"``, ``"90s"``, ``"2h"``, ``"1h30min"`` or a float of seconds (returned in
+    seconds, as a float)."""
+    if every is None or every == "auto":
+        return every
+    if isinstance(every, float):
+        return positive("every (seconds)", every)
+    if type(every) is int:
+        if every < 1:
+            raise ConfigError(f"every must be a positive number of steps, got {every}")
+        return every
+    if isinstance(every, str):
+        text = every.replace(" ", "").lower()
+        parts = re.findall(r"(\d+(?:\.\d+)?)([a-z]+)", text)
+        if parts and "".join(n + u for n, u in parts) == text and all(u in _UNITS for _, u in parts):
+            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+            if seconds > 0:
+                return seconds
+    raise ConfigError(f"every must be a number of steps (every=100), a duration (every='30min', '90s', '2h') "
+                      f"or 'auto', got {every!r}")
+
+
+def parse_signals(preemption: Any) -> tuple[int, ...]:
+    """``preemption=``: False (none), True (SIGTERM), or signals (``[signal.SIGTERM, signal.SIGUSR1]``)."""
+    if preemption is False or preemption is None:
+        return ()
+    if preemption is True:
+        return (int(signal.SIGTERM),)
+    items = preemption if isinstance(preemption, (list, tuple, set, frozenset)) else [preemption]
+    out = []
+    for s in items:
+        if isinstance(s, str):
+            s = getattr(signal, s.upper() if s.upper().startswith("SIG") else "SIG" + s.upper(), None)
+        if not isinstance(s, int) or isinstance(s, bool) or s not in set(signal.valid_signals()) \
+                or s in (getattr(signal, "SIGKILL", -1), getattr(signal, "SIGSTOP", -1)):
+            raise ConfigError(f"preemption must be True, False or catchable signals (e.g. [signal.SIGTERM, "
+                              f"signal.SIGUSR1]), got {preemption!r}")
+        out.append(int(s))
+    return tuple(sorted(set(out)))
+
+
+def _signal_name(signum: int | None) -> str:
+    try:
+        return signal.Signals(signum).name if signum is not None else "?"
+    except ValueError:
+        return str(signum)
+
+
+def positive(name: str, value: Any, upper: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or (upper is not None and value > upper) or not math.isfinite(value):
+        bound = f" and at most {upper}" if upper is not None else ""
+        raise ConfigError(f"{name} must be a positive number{bound}, got {value!r}")
+    return float(value)
+
+
+# -- the interval ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Interval:
+    """The save interval in force (``ckptr.interval``). ``steps`` for ``every=N``; ``seconds`` for
+    time and ``"auto"`` intervals (None for ``"auto"`` until a save measured its stall). The other
+    fields say how ``"auto"`` chose it."""
+
+    kind: str  # "none", "steps", "time" or "auto"
+    steps: int | None = None
+    seconds: float | None = None
+    stall_s: float | None = None  # δ: the last save's stall
+    mtbf_s: float | None = None
+    young_daly_s: float | None = None  # √(2·δ·M)
+    budget_s: float | None = None  # δ / max_overhead
+    commit_s: float | None = None  # how long the last save took to commit
+
+    def describe(self) -> str:
+        if self.kind == "steps":
+            return f"every {self.steps} steps"
+        if self.kind == "time":
+            return f"every {self.seconds:.0f}s"
+        if self.kind == "auto":
+            if self.seconds is None:
+                return "auto: the first save measures the stall"
+            why = (f"Young/Daly √(2·{self.stall_s:.3f}s·{self.mtbf_s:.0f}s) = {self.young_daly_s:.1f}s, "
+                   f"stall budget needs ≥ {self.budget_s:.1f}s, last save committed in {self.commit_s or 0:.1f}s")
+            return f"auto: every {self.seconds:.1f}s ({why})"
+        return "only when asked"
+
+
+def auto_interval(stall_s: float, mtbf_s: float, max_overhead: float, commit_s: float | None) -> Interval:
+    """Young/Daly's interval for a save that stalls training ``stall_s``, bounded below by the stall
+    budget and by how long a save takes to commit."""
+    yd = math.sqrt(2 * stall_s * mtbf_s)
+    budget = stall_s / max_overhead
+    return Interval("auto", seconds=max(yd, budget, commit_s or 0.0), stall_s=stall_s, mtbf_s=mtbf_s,
+                    young_daly_s=yd, budget_s=budget, commit_s=commit_s)
+
+
+# -- signals ---------------------------------------------------------------------------------------------
+
+_listeners: weakref.WeakSet[Schedule] = weakref.WeakSet()
+_previous: dict[int, Any] = {}  # the handler each signal had before ckpt's
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """ckpt's handler: flags every listening Schedule and returns. No I/O, no locks (it runs between
+    two bytecodes of the main thread, possibly inside ckpt's own code). With nobody listening any
+    more (a handler left behind by a framework that restored it after ckpt closed), the signal gets
+    what it would have got without ckpt."""
+    listening = [s for s in list(_listeners) if signum in s.signals]
+    for s in listening:
+        s.signalled = signum
+    if listening:
+        return
+    prev = _previous.get(signum, signal.SIG_DFL)
+    if callable(prev):
+        prev(signum, frame)
+    elif prev != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+
+def _install(sched: Schedule) -> None:
+    if sched.signals and threading.current_thread() is not threading.main_thread():
+        raise ConfigError("preemption=... installs signal handlers, which Python allows only in the main thread; "
+                          "create this Checkpointer there (or pass preemption=False)")
+    for s in sched.signals:
+        current = signal.getsignal(s)
+        if current is not _on_signal:
+            _previous[s] = current
+            signal.signal(s, _on_signal)
+    _listeners.add(sched)
+
+
+def _uninstall(sched: Schedule) -> None:
+    _listeners.discard(sched)
+    if threading.current_thread() is not threading.main_thread():
+        return  # _on_signal passes signals on to the previous handler while nobody listens
+    still = {s for other in _listeners for s in other.signals}
+    for s in sched.signals:
+        if s not in still and signal.getsignal(s) is _on_signal:
+            signal.signal(s, _previous.pop(s, signal.SIG_DFL))
+
+
+# -- the schedule ----------------------------------------------------------------------------------------
+
+class Schedule:
+    """Decides, the same on every rank, which steps are saved (see the module docstring)."""
+
+    def __init__(self, comm: Comm, every: int | float | str | None, signals: tuple[int, ...],
+                 mtbf: float = DEFAULT_MTBF, max_overhead: float = DEFAULT_MAX_OVERHEAD):
+        self.comm = comm
+        self.every = every
+        self.signals = signals
+        self.mtbf = mtbf
+        self.max_overhead = max_overhead
+        self.signalled: int | None = None  # set by the signal handler
+        self.preempting = False  # an emergency save was agreed on (further signals change nothing)
+        self.emergency_step: int | None = None  # the step of the agreed emergency save, once reached
+        self._round = 0
+        self._target: dict | None = None
+        self._last_save = time.monotonic()  # time intervals count from here (rank 0 decides)
+        self._stall: float | None = None
+        self._commit_s: float | None = None
+        self._pending: Any = None  # the handle of the last save, until its commit time is known
+        if isinstance(every, float):
+            self.interval = Interval("time", seconds=every)
+        elif isinstance(every, int):
+            self.interval = Interval("steps", steps=every)
+        else:
+            self.interval = Interval("auto" if every == "auto" else "none", mtbf_s=mtbf)
+        if every is not None:
+            log.info("ckpt: saving %s", self.interval.describe())
+        _install(self)
+
+    def close(self) -> None:
+        _uninstall(self)
+
+    @property
+    def preemption_pending(self) -> bool:
+        """A preemption signal reached this process (or another rank agreed an emergency save)."""
+        return self.signalled is not None or self.preempting
+
+    def should_save(self, step: int) -> bool:
+        """True when ``step`` must be saved; call it on every rank at every step, in order."""
+        if self._target is None:
+            doc = self.comm.peek(f"s/{self._round}")
+            if doc is None:
+                why = self._want()
+                if why is not None:
+                    ahead = 0 if self.comm.world == 1 else 2
+                    doc = self.comm.propose(f"s/{self._round}", {"step": step + ahead, "why": why,
+                                                                 "rank": self.comm.rank, "signal": self.signalled})
+            self._target = doc
+            if doc is not None and doc["why"] == "preemption" and not self.preempting:
+                self.preempting = True
+                log.warning("ckpt: preemption signal %s reached rank %d: saving step %d, then stopping",
+                            _signal_name(doc.get("signal")), doc["rank"], doc["step"])
+        hit = isinstance(self.every, int) and step % self.every == 0
+        target = self._target
+        if target is not None and step >= target["step"]:
+            if step > target["step"]:
+                log.error("ckpt: this rank reached the agreed save step %d late (at %d): ranks more than two steps "
+                          "apart, or should_save() not called at every step; saving now", target["step"], step)
+            if target["why"] == "preemption":
+                self.emergency_step = step
+            self._target = None
+            self._round += 1
+            hit = True
+        return hit
+
+    def _want(self) -> str | None:
+        """Why this rank would propose a save now, if at all."""
+        if self.signalled is not None and not self.preempting:
+            return "preemption"
+        if self.comm.rank != 0 or self.every is None or isinstance(self.every, int):
+            return None
+        if self._pending is not None and not self._pending.done():
+            return None  # never more often than saves complete
+        self._learn_commit()
+        seconds = self.interval.seconds if self.every != "auto" else self._auto()
+        if seconds is None or time.monotonic() - self._last_save >= seconds:
+            return "interval"
+        return None
+
+    def _auto(self) -> float | None:
+        if self._stall is None:
+            return None  # no save measured yet: save now, to measure one
+        new = auto_interval(self._stall, self.mtbf, self.max_overhead, self._commit_s)
+        old = self.interval.seconds
+        self.interval = new
+        if old is None or abs(new.seconds - old) > 0.2 * old:  # type: ignore[operator]
+            log.info("ckpt: saving %s", new.describe())
+        return new.seconds
+
+    def _learn_commit(self) -> None:
+        h, self._pending = self._pending, None
+        if h is not None and h.metrics.duration_s is not None:
+            self._commit_s = h.metrics.duration_s
+
+    def saved(self, handle: Any) -> None:
+        """A save was made (any save, asked for by the schedule or not): intervals count from it."""
+        self._last_save = time.monotonic()
+        if not handle.skipped:
+            self._stall = handle.metrics.stall_s
+            self._pending = handle
