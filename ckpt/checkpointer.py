@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
-from . import at_exit
+from . import at_exit, events
 from . import manifest as mf
 from ._tasks import run_all
 from .codec import verify_object
@@ -151,6 +151,7 @@ class Checkpointer:
                                     "had changed the state, now a mixture of two. Load a step first, or call "
                                     "ckptr.accept_state() to save it as it is.")
         self._ledger.claim(step)
+        events.emit("save", self.rank, step=step)
         seq, self._seq = self._seq, self._seq + 1
         metrics = SaveMetrics(step=step)
         emergency = step == self._schedule.emergency_step  # never skipped
@@ -197,6 +198,10 @@ class Checkpointer:
         if h is None:
             return False
         h.wait()
+        since, self._schedule.signalled_at = self._schedule.signalled_at, None
+        if since is not None:  # said once
+            log.warning("ckpt: emergency save of step %d committed %.2fs after the preemption signal", h.step,
+                        time.monotonic() - since)
         return True
 
     @property

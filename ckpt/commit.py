@@ -31,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
+from . import events
 from . import manifest as mf
 from .dist import Comm
 from .errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
@@ -188,6 +189,7 @@ class CommitProtocol:
             job.metrics.duration_s = time.perf_counter() - job.started
             if committed is not None:
                 _log_commit(committed, job.metrics)
+                events.emit("commit", comm.rank, step=job.step)
             return committed
         if decision.status is Status.SKIP:
             job.metrics.skipped = True

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from . import events
 from . import manifest as mf
 from . import structure as st
 from ._tasks import run_all
@@ -112,6 +113,7 @@ class Loader:
             steps = [s for s in steps if newest is not None and s <= newest]
         if not steps:
             log.info("ckpt: no checkpoint at %s: starting fresh", self.storage.describe())
+            events.emit("fresh", self.comm.rank)
             return None
         first_error: CorruptCheckpointError | None = None
         for s in reversed(steps):
@@ -169,6 +171,7 @@ class Loader:
         log.info("ckpt: resumed from step %d of %s (%.1f MiB read and verified, %d chunk(s); saved on %d rank(s), "
                  "loaded as %s)", step, self.storage.describe(), stats.bytes_read / MiB, stats.chunks_read,
                  m.world_size, self.comm.describe())
+        events.emit("resume", self.comm.rank, step=step)
         return m, stats
 
 

@@ -156,8 +156,10 @@ def _on_signal(signum: int, frame: Any) -> None:
     more (a handler left behind by a framework that restored it after ckpt closed), the signal gets
     what it would have got without ckpt."""
     listening = [s for s in list(_listeners) if signum in s.signals]
+    now = time.monotonic()
     for s in listening:
-        s.signalled = signum
+        if s.signalled is None:
+            s.signalled, s.signalled_at = signum, now
     if listening:
         return
     prev = _previous.get(signum, signal.SIG_DFL)
@@ -187,7 +189,7 @@ def _uninstall(sched: Schedule) -> None:
     still = {s for other in _listeners for s in other.signals}
     for s in sched.signals:
         if s not in still and signal.getsignal(s) is _on_signal:
-            signal.signal(s, _previous.pop(s, signal.SIG_DFL))
+            signal.signal(s, _previous.get(s, signal.SIG_DFL))  # kept: a left-behind handler forwards to it
 
 
 # -- the schedule ----------------------------------------------------------------------------------------
@@ -203,6 +205,7 @@ class Schedule:
         self.mtbf = mtbf
         self.max_overhead = max_overhead
         self.signalled: int | None = None  # set by the signal handler
+        self.signalled_at: float | None = None  # time.monotonic() when it was
         self.preempting = False  # an emergency save was agreed on (further signals change nothing)
         self.emergency_step: int | None = None  # the step of the agreed emergency save, once reached
         self._round = 0

@@ -1,14 +1,17 @@
 """A tiny Lightning fit with ckpt's AsyncCheckpoint; used by test_lightning.py.
 
-    python lightning_child.py CKDIR OUT MAX_STEPS [--block-at N]
+    python lightning_child.py CKDIR OUT MAX_STEPS [--block-at N] [--sigterm-at N]
 
 Trains deterministically (fixed data, seeded shuffling through a resumable loader) and saves every
 4 steps into CKDIR. With --block-at N it waits at step N until every save so far is committed,
 prints 'committed <step>' and blocks on stdin until killed. Otherwise it writes the final weights
-and optimizer state to OUT with torch.save.
+and optimizer state to OUT with torch.save. With --sigterm-at N it sends itself SIGTERM as step N
+begins, the way a scheduler preempts a job.
 """
 
 import argparse
+import os
+import signal
 import sys
 
 import lightning as L
@@ -81,17 +84,30 @@ class BlockAt(L.Callback):
             raise SystemExit("stdin closed before the kill")
 
 
+class SigtermAt(L.Callback):
+    """Sends this process a real SIGTERM as training step N begins (a scheduler preempting the job)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("ckdir")
     p.add_argument("out")
     p.add_argument("max_steps", type=int)
     p.add_argument("--block-at", type=int, default=None)
+    p.add_argument("--sigterm-at", type=int, default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     saver = AsyncCheckpoint(args.ckdir, every_n_train_steps=4, keep_last=2)
     callbacks = [saver] + ([BlockAt(args.block_at, saver)] if args.block_at else [])
+    callbacks += [SigtermAt(args.sigterm_at)] if args.sigterm_at else []
     trainer = L.Trainer(accelerator="cpu", max_steps=args.max_steps, callbacks=callbacks, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     model = Tiny()

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -137,3 +138,153 @@ def test_a_poisoned_rank_refuses_the_save_on_every_rank(tmp_path):
         assert r["error"] is not None and "rank 1's state holds NaN or Inf in model/lin." in r["error"]
         assert r["ranks"] == [1] and r["steps"] == [1]
     assert r1["tensors"] and set(r1["tensors"]) <= {"model/lin.bias", "model/lin.weight"} and r0["tensors"] == []
+
+
+# -- preemption -------------------------------------------------------------------------------------------
+
+def test_sigterm_saves_the_next_step_after_the_one_in_flight_and_stops(tmp_path):
+    root = str(tmp_path / "ck")
+    child = subprocess.Popen([sys.executable, os.path.join(HERE, "preempt_child.py"), root, "--hold-at", "3"],
+                             env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().split() == ["holding", "3"]
+        child.send_signal(signal.SIGTERM)  # the save of step 3 may still be writing
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err  # the handler kept SIGTERM from killing it
+    assert out.split() == ["stopped", "4"], (out, err)
+    assert "preemption signal SIGTERM reached rank 0: saving step 4" in err
+    assert "emergency save of step 4 committed" in err
+    c = ckpt.Checkpointer(root)
+    assert c.steps() == [3, 4]  # the save in flight completed first
+    got = {"step": -1}
+    c.load("latest", got, strict=False)
+    assert got["step"] == 4
+    c.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # this process never installed one
+
+
+def test_without_a_listener_the_signal_gets_its_old_behaviour(tmp_path):
+    """A handler left behind after close() (a framework restoring what it saw) passes signals on."""
+    seen = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        c = ckpt.Checkpointer(tmp_path, preemption=[signal.SIGUSR1])
+        ours = signal.getsignal(signal.SIGUSR1)
+        c.close()
+        assert signal.getsignal(signal.SIGUSR1) is not ours  # restored at close
+        signal.signal(signal.SIGUSR1, ours)  # as if a framework put ckpt's handler back
+        signal.raise_signal(signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_preemption_options_are_checked(tmp_path):
+    for bad in ([signal.SIGKILL], "nope", [999]):
+        with pytest.raises(ckpt.ConfigError, match="preemption"):
+            ckpt.Checkpointer(tmp_path, preemption=bad)
+    for bad in (0, -3, "often", "10 parsecs", 1.5j):
+        with pytest.raises(ckpt.ConfigError, match="every"):
+            ckpt.Checkpointer(tmp_path, every=bad)
+    with pytest.raises(ckpt.ConfigError, match="max_overhead"):
+        ckpt.Checkpointer(tmp_path, every="auto", max_overhead=2)
+    with pytest.raises(ckpt.ConfigError, match="mtbf"):
+        ckpt.Checkpointer(tmp_path, every="auto", mtbf=0)
+
+
+def _preempted_rank(rank, world, path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt, "step": 0}
+    c = ckpt.Checkpointer(path, preemption=True, every=4)
+    saved, step = [], 0
+    for step in range(1, 1000):
+        model(torch.randn(4, 64)).sum().backward()
+        for p in model.parameters():  # the gradient all-reduce that keeps real ranks in step
+            torch.distributed.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+        if rank == 2 and step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)  # only this rank is told
+        if c.should_save(step):
+            c.save(step, state)
+            saved.append(step)
+        if c.preempted:
+            break
+    c.close()
+    return {"saved": saved, "stopped": step, "steps": c.steps()}
+
+
+def test_a_signal_on_one_rank_makes_every_rank_save_the_same_step_and_stop(tmp_path):
+    results = run_ranks(3, _preempted_rank, str(tmp_path))
+    assert all(r == results[0] for r in results), results
+    r = results[0]
+    assert r["saved"] == [4, 8] and r["stopped"] == 8 and r["steps"] == [4, 8]  # 6 + 2: the agreed step
+
+
+# -- the interval -----------------------------------------------------------------------------------------
+
+def test_young_daly_with_its_bounds():
+    from ckpt.schedule import auto_interval, parse_every
+
+    i = auto_interval(0.5, 3600, 0.02, 1.0)
+    assert i.young_daly_s == pytest.approx(60.0) and i.seconds == pytest.approx(60.0)
+    assert auto_interval(2.0, 3600, 0.02, None).seconds == pytest.approx(120.0)  # 2s stall / 2% budget > √(2·2·3600)
+    assert auto_interval(0.01, 100, 0.5, 9.0).seconds == 9.0  # never more often than a save completes
+    assert "Young/Daly" in i.describe()
+    assert parse_every("1h30min") == 5400.0 and parse_every("90s") == 90.0 and parse_every(" 2 h ") == 7200.0
+    assert parse_every(7) == 7 and parse_every("auto") == "auto" and parse_every(0.5) == 0.5
+
+
+def _loop(c, state, seconds_cap: float, want_saves: int):
+    """Train until ``want_saves`` saves were asked for; returns, per save, (time, step, whether the previous
+    save had finished, the interval that decided it)."""
+    model, opt = state["model"], state["optim"]
+    asked, last, t0 = [], None, time.monotonic()
+    for step in range(1, 1_000_000):
+        model(torch.randn(16, 512)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if c.should_save(step):
+            asked.append((time.monotonic(), step, last is None or last.done(), c.interval.seconds))
+            last = c.save(step, state)
+        if len(asked) >= want_saves or time.monotonic() - t0 > seconds_cap:
+            break
+    c.close()
+    return asked
+
+
+def test_a_time_interval_saves_no_more_often_than_asked(tmp_path):
+    model = torch.nn.Linear(512, 512)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=1e-3)}
+    c = ckpt.Checkpointer(tmp_path, every="0.2s")
+    assert c.interval.kind == "time" and c.interval.seconds == 0.2
+    asked = _loop(c, state, 60, 4)
+    assert len(asked) == 4
+    gaps = [b[0] - a[0] for a, b in zip(asked, asked[1:])]
+    assert min(gaps) >= 0.2, gaps
+    assert ckpt.Checkpointer(tmp_path).steps() == [s for _, s, _, _ in asked]
+
+
+def test_auto_interval_follows_the_measured_stall_and_waits_for_commits(tmp_path, caplog):
+    model = torch.nn.Linear(512, 512)
+    state = {"model": model, "optim": torch.optim.Adam(model.parameters()), "pad": torch.randn(4 << 20)}
+    c = ckpt.Checkpointer(tmp_path, every="auto", mtbf=1.0, max_overhead=0.5)
+    assert c.interval.seconds is None  # nothing measured yet: the first call saves
+    with caplog.at_level("INFO", logger="ckpt"):
+        asked = _loop(c, state, 120, 5)
+    assert asked[0][1] == 1 and len(asked) == 5
+    assert all(finished for _, _, finished, _ in asked)  # never more often than saves complete
+    i = c.interval
+    assert i.kind == "auto" and i.stall_s > 0 and i.commit_s is not None
+    assert i.seconds == pytest.approx(max((2 * i.stall_s * 1.0) ** 0.5, i.stall_s / 0.5, i.commit_s))
+    for a, b in zip(asked, asked[1:]):  # each save came at least the interval in force after the one before
+        assert b[0] - a[0] >= b[3], asked
+    assert any("saving auto: every" in r.getMessage() for r in caplog.records)

@@ -89,6 +89,21 @@ def test_killed_fit_resumes_bit_exact(tmp_path, reference, block_at):
     assert reference["optim"]["state"][0]["step"].item() == 30  # the comparison covers the whole run
 
 
+def test_sigterm_saves_at_the_batch_end_stops_the_fit_and_resumes_bit_exact(tmp_path, reference):
+    ck = str(tmp_path / "ck")
+    r = subprocess.run([sys.executable, "lightning_child.py", ck, str(tmp_path / "unused.pt"), "30",
+                        "--sigterm-at", "9"], cwd=HERE, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr  # stopped, not killed by the signal
+    assert "ckpt: preempted: step 10 committed" in r.stderr + r.stdout
+    assert not os.path.exists(tmp_path / "unused.pt")  # Lightning ended the fit (its SIGTERMException)
+    assert ckpt.Checkpointer(ck).steps() == [8, 10]  # every 4, plus the batch the signal arrived in
+
+    resumed = run_child(ck, str(tmp_path / "final.pt"), 30)
+    assert resumed["resumed_step"] == 10
+    assert_equal_nested(reference["model"], resumed["model"], "model")
+    assert_equal_nested(reference["optim"], resumed["optim"], "optim")
+
+
 def test_fit_twice_resume_in_new_trainer_and_teardown_waits(tmp_path):
     url = str(tmp_path / "ck")
     torch.manual_seed(0)

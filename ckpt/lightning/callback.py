@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -61,6 +62,12 @@ class AsyncCheckpoint(CheckpointBase):
             so a resumed run draws the same random numbers (shuffling, dropout) as an uninterrupted one.
         save_on_train_end: when training ends between two saves, save its last step too, so the
             final weights are never lost (``False``: only the steps the triggers chose).
+        preemption: when SIGTERM (Lightning's own handler sees it too) or one of the signals given
+            (``[signal.SIGTERM, signal.SIGUSR1]``) reaches any rank, save at the end of the current
+            batch on every rank, wait until that step is committed and stop the fit (on by default;
+            with several ranks this adds one small all-reduce per batch).
+        every: like ``Checkpointer(every=...)``: N steps, a duration (``"30min"``) or ``"auto"``
+            (Young/Daly from the measured stall, with ``mtbf`` and ``max_overhead`` passed here too).
         allow_pickle: store non-plain objects in the checkpoint dict with pickle (off: refused).
         **checkpointer_options: any other :class:`~ckpt.Options` (``codec``, ``chunk_size``, ``busy``,
             ``io_threads``, ``storage_options``, ``timeout``, ``keep_every`` …), checked here.
@@ -80,6 +87,7 @@ class AsyncCheckpoint(CheckpointBase):
         resume: bool = True,
         save_rng: bool = True,
         save_on_train_end: bool = True,
+        preemption: bool | list[int] = True,
         allow_pickle: bool = False,
         **checkpointer_options: Any,
     ):
@@ -93,11 +101,12 @@ class AsyncCheckpoint(CheckpointBase):
                                                 or not train_time_interval > 0):
             raise ConfigError(f"train_time_interval must be a positive timedelta or number of seconds, "
                               f"got {train_time_interval!r}")
-        if every_n_train_steps is None and every_n_epochs is None and train_time_interval is None:
+        if every_n_train_steps is None and every_n_epochs is None and train_time_interval is None \
+                and checkpointer_options.get("every") is None:
             every_n_epochs = 1
         # checked now, so a bad option fails where the callback is made, not when fit starts
         self.options = Options.build(keep_last=keep_last, local_dir=local_dir, allow_pickle=allow_pickle,
-                                     **checkpointer_options)
+                                     preemption=preemption, **checkpointer_options)
         self.url = os.fspath(url)
         self.every_n_train_steps = every_n_train_steps
         self.every_n_epochs = every_n_epochs
@@ -110,7 +119,9 @@ class AsyncCheckpoint(CheckpointBase):
         self.resumed_step: int | None = None  # the step the last fit resumed from, if any
         self.handles: list[SaveHandle] = []  # this fit's saves (skipped ones excluded)
         self._last_step: int | None = None
+        self._asked_step: int | None = None  # the last step should_save was asked about
         self._last_time = time.monotonic()
+        self.preempted = False  # the last fit was stopped by a preemption signal, after saving
 
     @property
     def state_key(self) -> str:
@@ -121,8 +132,13 @@ class AsyncCheckpoint(CheckpointBase):
         if stage != "fit":
             return
         if self.checkpointer is None:  # a second fit gets a fresh one: the last teardown closed it
-            self.checkpointer = Checkpointer.from_options(self.url, self.options)
+            options = self.options
+            if threading.current_thread() is not threading.main_thread():  # no handlers there: Lightning's flag only
+                options = options.replace(preemption=False)
+            self.checkpointer = Checkpointer.from_options(self.url, options)
         self.handles = []
+        self.preempted = False
+        self._asked_step = None
         self._last_time = time.monotonic()
         _ResumeShim.install(trainer.strategy, self.allow_pickle)
 
@@ -173,6 +189,11 @@ class AsyncCheckpoint(CheckpointBase):
 
     # -- triggers ------------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.checkpointer is None or self._skip_stage(trainer):
+            return
+        if self.options.preemption and self._preemption(trainer):
+            self._emergency(trainer)
+            return
         if self._skip(trainer):
             return
         step = trainer.global_step
@@ -180,8 +201,32 @@ class AsyncCheckpoint(CheckpointBase):
         if not due and self.train_time_interval is not None:
             elapsed = time.monotonic() - self._last_time >= self.train_time_interval
             due = bool(trainer.strategy.broadcast(elapsed))  # every rank saves, so every rank must agree
+        if self.options.every is not None and step != self._asked_step:  # once per optimizer step
+            self._asked_step = step
+            due = self.checkpointer.should_save(step) or due
         if due:
             self._save(trainer)
+
+    def _preemption(self, trainer: Any) -> bool:
+        """Has a preemption signal reached any rank? (The same answer on every rank.)"""
+        assert self.checkpointer is not None
+        mine = self.checkpointer._schedule.preemption_pending or bool(getattr(trainer, "received_sigterm", False))
+        if trainer.world_size > 1:
+            return bool(trainer.strategy.reduce_boolean_decision(mine, all=False))
+        return mine
+
+    def _emergency(self, trainer: Any) -> None:
+        """Save this step (unless a trigger just did), wait until it is committed, stop the fit."""
+        assert self.checkpointer is not None
+        started = time.monotonic()
+        if self._last_step != trainer.global_step:
+            self._save(trainer)
+        for h in self.handles:
+            h.wait()  # raises if the emergency save failed: the last committed step is still whole
+        self.preempted = True
+        trainer.should_stop = True
+        rank_zero_info(f"ckpt: preempted: step {trainer.global_step} committed to {self.url} in "
+                       f"{time.monotonic() - started:.2f}s; stopping the fit")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.save_on_train_end and not self._skip(trainer) and trainer.global_step > 0:
@@ -193,9 +238,11 @@ class AsyncCheckpoint(CheckpointBase):
         if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self._save(trainer)
 
+    def _skip_stage(self, trainer: Any) -> bool:
+        return bool(trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit")
+
     def _skip(self, trainer: Any) -> bool:
-        return bool(trainer.fast_dev_run or trainer.sanity_checking or trainer.state.fn != "fit"
-                    or self.checkpointer is None or self._last_step == trainer.global_step)
+        return bool(self._skip_stage(trainer) or self.checkpointer is None or self._last_step == trainer.global_step)
 
     def _save(self, trainer: Any) -> None:
         assert self.checkpointer is not None
