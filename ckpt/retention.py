@@ -88,6 +88,8 @@ def parked(storage: Storage) -> dict[str, list[str]]:
     """The retired-chunk lists waiting for a deleter: marker key -> chunk hashes (bad markers: [])."""
     out: dict[str, list[str]] = {}
     for name in storage.list(RETIRED):
+        if not name.endswith(".json"):  # e.g. another deleter's marker still being written (``*.tmp-*``)
+            continue
         key = f"{RETIRED}/{name}"
         try:
             doc = json.loads(storage.read(key))

@@ -84,3 +84,22 @@ def test_two_jobs_with_retention_share_a_root(tmp_path):
     assert ra["saved"] == rb["saved"] == 80
     check_every_step(root, logs)
     collect_and_check_clean(root)
+
+
+def test_a_marker_still_being_written_is_not_taken_for_a_parked_list(tmp_path):
+    """Another deleter's marker exists as ``retired/<name>.json.tmp-*`` until it is renamed: a writer
+    collecting parked chunks at that moment must leave it alone (it once deleted it, failing the rename)."""
+    root = str(tmp_path / "ck")
+    c = ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw")
+    c.save(1, {"x": torch.arange(1000.0)}).wait()
+    c.close()
+    storage = LocalStorage(root)
+    storage.write("retired/000000000001-aaaaaaaaaaaa.json", [json.dumps({"steps": [0], "chunks": []}).encode()])
+    os.rename(os.path.join(root, "retired", "000000000001-aaaaaaaaaaaa.json"),
+              os.path.join(root, "retired", "000000000001-bbbbbbbbbbbb.json.tmp-0123456789ab"))
+    from ckpt.retention import parked
+    assert parked(storage) == {}
+    c = ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw")
+    c.save(2, {"x": torch.arange(1000.0)}).wait()  # after the commit, retention collects what is parked
+    c.close()
+    assert os.listdir(os.path.join(root, "retired")) == ["000000000001-bbbbbbbbbbbb.json.tmp-0123456789ab"]
