@@ -6,6 +6,8 @@
 
 A run that is interrupted and resumed ends with exactly the same weights as one that was not:
 the model, optimizer, LR schedule, every RNG and the data position are all in the checkpoint.
+SIGTERM (a scheduler preempting the job, ``kill``) makes it save the next step and exit cleanly;
+``--every auto`` lets ckpt pick the interval (Young/Daly), ``--every 30s`` saves by time.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="runs/example", help="checkpoint directory (or fsspec URL)")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--every", type=int, default=50, help="save every N steps")
+    p.add_argument("--every", default="50", help="save every N steps, or a duration ('30s', '5min'), or 'auto'")
     p.add_argument("--stop-after", type=int, default=None, help="exit after this step, as if killed")
     p.add_argument("--keep-last", type=int, default=3)
     args = p.parse_args()
@@ -64,7 +66,8 @@ def main() -> None:
     data = Data()
     state = {"model": model, "optim": opt, "sched": sched, "data": data, "rng": ckpt.RNGState(), "step": 0}
 
-    ckptr = ckpt.Checkpointer(args.dir, keep_last=args.keep_last)
+    every = int(args.every) if args.every.isdigit() else args.every
+    ckptr = ckpt.Checkpointer(args.dir, keep_last=args.keep_last, every=every, preemption=True)
     resumed = ckptr.load("latest", state)
     start = state["step"]
     print(f"resumed from step {resumed} in {args.dir}" if resumed is not None else f"new run in {args.dir}")
@@ -83,10 +86,14 @@ def main() -> None:
         opt.step()
         sched.step()
         state["step"] = step
-        if step % args.every == 0 or step == args.steps:
+        if ckptr.should_save(step) or step == args.steps:  # the interval, or a preemption signal
             h = ckptr.save(step, state)
             stalls.append(h.metrics.stall_s)
             print(f"step {step:5d}  loss {loss.item():.5f}  saved (blocked {h.metrics.stall_s * 1e3:.1f} ms)")
+        if ckptr.preempted:  # the emergency save is committed
+            ckptr.close()
+            print(f"preempted: step {step} is committed; run again to resume")
+            return
         if args.stop_after is not None and step >= args.stop_after:
             ckptr.close()
             print(f"stopping after step {step} (--stop-after); run again to resume")

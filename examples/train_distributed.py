@@ -18,6 +18,10 @@ weights as one that was not: compare the ``weights`` digest rank 0 prints at the
 another number of ranks continues correctly but sums gradients in another order, so its digest
 differs in the last bits.)
 
+SIGTERM on any rank (torchrun forwards it to every worker when it is told to stop) makes every rank
+save the same step a moment later and exit cleanly. ``--out FILE`` writes the final full weights
+(rank 0, ``torch.save``) for comparisons.
+
 Without ``torchrun`` it runs as one process with no process group and a plain (unsharded) model,
 and can still resume from a checkpoint saved by several ranks. Uses gloo on CPU, NCCL with CUDA.
 """
@@ -28,6 +32,7 @@ import argparse
 import hashlib
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -93,12 +98,21 @@ def setup() -> tuple[int, int, torch.device]:
     """(rank, world, device); a process group only when started by torchrun (or with its env vars)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    group: dict = {}
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # torchrun restarting a failed group hands the new workers the same store the old ones used,
+        # and the new group then finds the dead workers' addresses there (torch 2.13: the restarted
+        # group fails with "connection refused"). Keys under a per-attempt prefix keep the attempts apart.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(minutes=5))
+        group = {"store": dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store),
+                 "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local), **group)
         return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", **group)
     return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
 
 
@@ -124,7 +138,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="runs/dist", help="checkpoint directory (or fsspec URL), shared by all ranks")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--every", type=int, default=50, help="save every N steps")
+    p.add_argument("--every", default="50", help="save every N steps, or a duration ('30s', '5min'), or 'auto'")
+    p.add_argument("--out", default=None, help="write the final full weights here (rank 0, torch.save)")
     p.add_argument("--stop-after", type=int, default=None, help="exit after this step, as if killed")
     p.add_argument("--keep-last", type=int, default=3)
     args = p.parse_args()
@@ -149,7 +164,8 @@ def main() -> None:
     state = {"model": model, "optim": opt, "sched": sched, "rng": ckpt.RNGState(),
              "loader": ckpt.PerRank(loader), "step": 0}
 
-    ckptr = ckpt.Checkpointer(args.dir, keep_last=args.keep_last)
+    every = int(args.every) if args.every.isdigit() else args.every
+    ckptr = ckpt.Checkpointer(args.dir, keep_last=args.keep_last, every=every, preemption=True)
     latest = ckptr.latest()
     saved_world = ckptr.manifest(latest).world_size if latest is not None else world
     # Per-rank state (RNG streams, loader positions) saved on another number of ranks: rank r takes
@@ -183,11 +199,16 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         sched.step()
         state["step"] = step
-        if step % args.every == 0 or step == args.steps:
+        if ckptr.should_save(step) or step == args.steps:  # the same answer on every rank
             loss = global_loss(sq_err, loader.global_batch)
             h = ckptr.save(step, state)
             stalls.append(h.metrics.stall_s)
             log(f"step {step:5d}  loss {loss:.5f}  saved (blocked {h.metrics.stall_s * 1e3:.1f} ms)", flush=True)
+        if ckptr.preempted:  # the emergency save is committed on every rank
+            ckptr.close()
+            log(f"preempted: step {step} is committed; run again to resume", flush=True)
+            shutdown()
+            return
         if args.stop_after is not None and step >= args.stop_after:
             ckptr.close()  # waits until the saves are committed on every rank
             log(f"stopping after step {step} (--stop-after); run again to resume")
@@ -195,6 +216,11 @@ def main() -> None:
             return
     ckptr.close()
     digest = weights_digest(model)
+    if args.out:
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+                for k, v in model.state_dict().items()}  # every rank gathers; rank 0 writes
+        if rank == 0:
+            torch.save(full, args.out)
     log(f"done: {args.steps} steps on {world} rank(s) in {time.perf_counter() - t0:.1f}s, final loss {loss:.5f}, "
         f"committed steps {ckptr.steps()}, weights {digest}")
     if stalls:
