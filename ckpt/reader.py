@@ -15,6 +15,7 @@ back as a :class:`Pickled` placeholder.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -112,11 +113,21 @@ class Reader:
         Per-rank values come with a ``[rank r]`` suffix, or only rank ``rank``'s when it is given.
         Pickled values are :class:`Pickled` placeholders, never unpickled."""
         m = self.manifest(step)
+        nodes = list(st.value_nodes(m.structure, rank=rank))
+        # Tensors inside values (numpy's RNG state is a tuple holding an array): read them too,
+        # each from the rank whose value it is.
+        def rank_of(path: str) -> int:
+            found = re.search(r"\[rank (\d+)\]", path)
+            return rank if rank is not None else int(found.group(1)) if found else 0
+        wanted: dict[int, set[str]] = {}
+        for path, node in nodes:
+            wanted.setdefault(rank_of(path), set()).update(st.tensor_keys(node))
+        tensors = {r: self.tensors(m.step, sorted(keys), rank=r) if keys else {} for r, keys in wanted.items()}
         out: dict[str, Any] = {}
-        for path, node in st.value_nodes(m.structure, rank=rank):
+        for path, node in nodes:
             def placeholder(_node: dict, where: str = path) -> Pickled:
                 return Pickled(where)
-            out[path] = st.rebuild(node, {}, allow_pickle=False, on_pickle=placeholder)
+            out[path] = st.rebuild(node, tensors[rank_of(path)], allow_pickle=False, on_pickle=placeholder)
         return out
 
     # -- checks and tools --------------------------------------------------------------------------

@@ -57,6 +57,19 @@ def test_open_reads_steps_tensors_values_and_checks(ckdir, tmp_path):
         ckpt.open(tmp_path / "nothing")
 
 
+def test_values_that_hold_arrays_are_read_with_them(ckdir):
+    """numpy's RNG state is a tuple with an array inside; a per-rank value's arrays are its rank's."""
+    import numpy as np
+
+    np.random.seed(3)
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(1, {"rng": ckpt.RNGState()})
+    with ckpt.open(ckdir) as ck:
+        for name, values in (("rng[rank 0]/numpy", ck.values(1)), ("rng/numpy", ck.values(1, rank=0))):
+            kind, keys, *_ = values[name]
+            assert kind == "MT19937" and np.array_equal(keys, np.random.get_state()[1])
+
+
 def test_export_strip_prefix_on_the_command_line(ckdir, tmp_path, capsys):
     model = _model()
     with ckpt.Checkpointer(ckdir) as c:
