@@ -6,6 +6,7 @@
     ckpt diff    URL A B [--max-diff] [--exit-code] [--json]
     ckpt gc      URL [--dry-run] [--grace 1h] [--keep-last N] [--json]
     ckpt export  URL [--step S] --to FILE.safetensors|FILE.pt [--keys PREFIX] [--rank R]
+    ckpt chaos   [--kills N] [--seed S] [--timeout T] [--workdir DIR] -- COMMAND ... {dir} ...
 
 URL is a directory or any fsspec URL (``--storage-option KEY=VALUE`` passes options). It needs no
 process group and never unpickles. Tables are aligned on a terminal and tab-separated (sizes in
@@ -447,6 +448,48 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 # -- parser -------------------------------------------------------------------------------------------
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from . import chaos
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    out = Out()
+    say = (lambda line: print(f"ckpt chaos: {line}", file=sys.stderr, flush=True)) if not args.json else (
+        lambda _line: None)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="ckpt-chaos-")
+    try:
+        report = chaos.run(command, workdir, kills=args.kills, seed=args.seed, timeout=args.timeout,
+                             ignore=args.ignore or (), say=say)
+    finally:
+        if not args.workdir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        _dump(report.to_json())
+        return EXIT_OK if report.ok else EXIT_FAILED
+    def step(s: int | None) -> str:
+        return "-" if s is None else str(s)
+    rows = [[a.index, a.killed or f"exit {a.rc}", "fresh" if a.fresh else step(a.resumed_from), step(a.latest),
+             {True: "yes", False: "NO", None: "-"}[a.verified], "ok" if a.ok else "; ".join(a.problems)[:300]]
+            for a in report.attempts]
+    out.table(["run", "ended", "resumed from", "newest committed", "verifies", "result"], rows, right={0})
+    for p in report.problems:
+        out.write(f"PROBLEM: {p}")
+    if report.compared:
+        same = report.compared - len(report.different)
+        out.write(f"final step {report.reference_step}: {same} of {report.compared} tensors and values equal the "
+                  f"uninterrupted run's bit for bit" + (f"; different: {', '.join(report.different[:10])}"
+                                                        + (" …" if len(report.different) > 10 else "")
+                                                        if report.different else ""))
+        if any("rng" in n for n in report.different):
+            out.write("(random states that differ: does the command seed Python's, numpy's and torch's "
+                      "generators? If it need not, leave them out with --ignore PREFIX)")
+    out.write(f"{report.kills_done} of {report.kills} kill(s) done, seed {report.seed}: "
+              + ("every resume came from a committed step that verifies, and nothing differs" if report.ok
+                 else "FAILED") + ("" if args.workdir or not args.keep else f" (runs kept in {workdir})"))
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
 def _kv(s: str) -> tuple[str, Any]:
     if "=" not in s:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
@@ -540,6 +583,30 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--rank", type=int, default=0, metavar="R",
                      help="saved rank whose per-rank state to export (default 0)")
     exp.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+
+    cha = sub.add_parser(
+        "chaos", help="kill a training command at random moments, resume it, check nothing was lost",
+        description="Run COMMAND once to the end, then again while SIGKILLing it (during saves too) --kills "
+                    "times, restarting it after each kill; check that every restart resumed from the newest "
+                    "committed step, that this step verifies, and that the final step equals the uninterrupted "
+                    "run's bit for bit. {dir} in COMMAND is replaced by the checkpoint directory; COMMAND must "
+                    "resume from load('latest') when started again.",
+        epilog="example:\n  ckpt chaos --kills 4 -- python examples/train.py --dir {dir} --steps 200 --every 20\n\n"
+               + EXIT_CODES.replace("verify: every object is intact", "chaos: nothing was lost or differs"),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    cha.set_defaults(func=cmd_chaos)
+    cha.add_argument("--kills", type=int, default=3, metavar="N", help="how many times to kill it (default 3)")
+    cha.add_argument("--seed", type=int, default=0, help="seed of the kill moments, to replay a run (default 0)")
+    cha.add_argument("--timeout", type=_duration, default=600.0, metavar="T",
+                     help="longest one run of COMMAND may take (default 10m)")
+    cha.add_argument("--workdir", metavar="DIR", help="keep the runs' checkpoints and logs here (default: a temporary "
+                     "directory, removed at the end)")
+    cha.add_argument("--keep", action="store_true", help="keep the temporary directory and say where it is")
+    cha.add_argument("--ignore", action="append", metavar="PREFIX",
+                     help="do not compare tensors and values whose name starts with PREFIX (repeatable), e.g. "
+                          "rng/ for random states the command never seeds")
+    cha.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
+    cha.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the training command, with {dir}")
     return p
 
 

@@ -31,9 +31,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import random
 import time
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -158,6 +160,8 @@ def main() -> None:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)  # the root: inp, norm, head
     torch.manual_seed(1 + rank)  # each rank's own dropout stream (saved per rank by ckpt.RNGState)
+    random.seed(1 + rank)  # and the other generators RNGState saves: a run is reproducible
+    np.random.seed(1 + rank)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, args.steps))
     loader = Loader(rank, world)
