@@ -24,7 +24,7 @@ from ._tasks import run_all
 from .codec import verify_object
 from .commit import CommitProtocol
 from .dist import make_comm
-from .errors import CheckpointError, ConfigError, PartialStateError
+from .errors import CheckpointError, ConfigError
 from .handle import SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
@@ -40,19 +40,9 @@ log = logging.getLogger("ckpt")
 
 
 class Checkpointer:
-    """Asynchronous, verified checkpoints of a training state.
-
-    ``path`` is a local directory or an fsspec URL (``file://``, ``memory://``, ``s3://`` …). Example::
-
-        ckptr = ckpt.Checkpointer("runs/exp1", keep_last=3)
-        state = {"model": model, "optim": opt, "rng": ckpt.RNGState(), "step": 0}
-        start = ckptr.load("latest", state) or 0    # resumes in place; None on a new run
-        for step in range(start + 1, 1000):
-            ...
-            if step % 100 == 0:
-                state["step"] = step
-                ckptr.save(step, state)             # returns after the snapshot
-        ckptr.close()                               # waits for the last saves, raises if one failed
+    """Asynchronous, verified checkpoints of a training state: ``save(step, state)`` returns once the
+    state is copied into a host buffer; ``load("latest", state)`` resumes in place. ``path`` is a local
+    directory or an fsspec URL (``file://``, ``memory://``, ``s3://`` …). See the README for a loop.
 
     The options are those of :class:`~ckpt.options.Options`, checked before anything is opened.
     ``process_group``: the ranks that save together (default: the default group when
@@ -136,20 +126,12 @@ class Checkpointer:
         return self._snapshots.layouts_made
 
     def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
-        """Snapshot ``state`` as step ``step`` and write it in the background.
-
-        Returns once every tensor is copied into the host buffer; later in-place changes to the
-        state do not affect what is saved. See :class:`SaveHandle`. With several ranks, every rank
-        calls it with the same step; each writes its own shard, and the step is committed once
-        every rank's part is durable."""
+        """Snapshot ``state`` as step ``step`` and write it in the background; returns once every
+        tensor is copied (later in-place changes are not saved). With several ranks, every rank calls
+        it with the same step and writes its own shard; the step commits once all parts are durable."""
         started = time.perf_counter()
         self._check_open()
-        if type(step) is not int or not 0 <= step <= mf.MAX_STEP:
-            raise ConfigError(f"step must be an integer from 0 to 2**63 - 1, got {step!r}")
-        if self._loader.partial is not None:
-            raise PartialStateError(f"not saving step {step}: the load of step {self._loader.partial} failed after it "
-                                    "had changed the state, now a mixture of two. Load a step first, or call "
-                                    "ckptr.accept_state() to save it as it is.")
+        self._loader.check_whole(step)
         self._ledger.claim(step)
         events.emit("save", self.rank, step=step)
         seq, self._seq = self._seq, self._seq + 1
@@ -198,10 +180,7 @@ class Checkpointer:
         if h is None:
             return False
         h.wait()
-        since, self._schedule.signalled_at = self._schedule.signalled_at, None
-        if since is not None:  # said once
-            log.warning("ckpt: emergency save of step %d committed %.2fs after the preemption signal", h.step,
-                        time.monotonic() - since)
+        self._schedule.emergency_committed(h.step)
         return True
 
     @property
@@ -228,22 +207,13 @@ class Checkpointer:
     # -- loading --------------------------------------------------------------------------------------
     def load(self, step: int | Literal["latest"], state: dict[str, Any], *, strict: bool | None = None,
              fallback: bool = False, allow_pickle: bool | None = None, rank_map: RankMap | None = None) -> int | None:
-        """Load a committed step into ``state`` in place; returns the step loaded.
-
-        ``"latest"`` loads the newest committed step, or returns None when there is none (a new
-        run). With ``fallback=True``, a damaged latest step is reported and the newest older step
-        that loads cleanly is used instead. Every chunk's hash is checked.
-
-        With several ranks, every rank calls it; each reads only the chunks overlapping the shards
-        it needs, whatever world size saved the step, and all ranks end on the same step.
-        Per-rank state (:class:`~ckpt.PerRank`, :class:`~ckpt.RNGState`) saved on another world
-        size needs ``rank_map``: a function (or dict/list) from this rank to the saved rank whose
-        value it takes, e.g. ``rank_map=lambda r: r % 4``.
-
-        Everything that can be checked is checked before the state changes. If the load fails after
-        that (a chunk found damaged, a storage error), some tensors already hold new values: the
-        error says so, and :meth:`save` refuses (:class:`~ckpt.PartialStateError`) until a load
-        succeeds or you call :meth:`accept_state`."""
+        """Load a committed step (``"latest"``: the newest, or None on a new run) into ``state`` in
+        place, every chunk verified; returns the step. ``fallback=True``: past a damaged latest step
+        to the newest older one that loads. Every rank calls it and reads only what its shards need,
+        whatever world size saved the step; per-rank state saved on another world size needs
+        ``rank_map`` (this rank -> saved rank, e.g. ``lambda r: r % 4``). Everything checkable is
+        checked before the state changes; a later failure leaves saves refused
+        (:class:`~ckpt.PartialStateError`) until a load succeeds or :meth:`accept_state`."""
         self._check_open()
         self._wait_pending()
         try:

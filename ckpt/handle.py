@@ -8,7 +8,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import CheckpointError, ConfigError, StorageError
+from .errors import CheckpointError, ConfigError, StepExistsError, StorageError
+from .manifest import MAX_STEP
 
 Stage = Literal["snapshot", "local", "committed"]
 
@@ -173,9 +174,10 @@ class SaveLedger:
         self._steps: set[int] = set()
 
     def claim(self, step: int) -> None:
-        """Take ``step`` for a save, or raise if this Checkpointer has saved (or is saving) it."""
-        from .errors import StepExistsError
-
+        """Take ``step`` for a save, or raise if it is no step number or this Checkpointer has saved
+        (or is saving) it."""
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
+            raise ConfigError(f"step must be an integer from 0 to 2**63 - 1, got {step!r}")
         with self._lock:
             if step in self._steps:
                 raise StepExistsError(f"step {step} was already saved by this Checkpointer; use a new step number")

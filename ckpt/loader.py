@@ -37,6 +37,7 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
     NotACheckpointError,
+    PartialStateError,
     ReshardError,
     StateMismatchError,
     UnsupportedValueError,
@@ -81,6 +82,14 @@ class Loader:
         self.io = io
         self.manifests = manifests
         self.partial: int | None = None  # a step whose load failed after it had changed the state
+
+    def check_whole(self, step: int) -> None:
+        """Raise :class:`PartialStateError` if a load left the state half-overwritten (saving ``step``
+        would commit a mixture of two steps)."""
+        if self.partial is not None:
+            raise PartialStateError(f"not saving step {step}: the load of step {self.partial} failed after it had "
+                                    "changed the state, now a mixture of two. Load a step first, or call "
+                                    "ckptr.accept_state() to save it as it is.")
 
     def steps(self) -> list[int]:
         """The committed steps, ascending (a path that is a file is not a checkpoint)."""

@@ -123,7 +123,7 @@ class Interval:
 
     def describe(self) -> str:
         if self.kind == "steps":
-            return f"every {self.steps} steps"
+            return "every step" if self.steps == 1 else f"every {self.steps} steps"
         if self.kind == "time":
             return f"every {self.seconds:.0f}s"
         if self.kind == "auto":
@@ -288,6 +288,12 @@ class Schedule:
         h, self._pending = self._pending, None
         if h is not None and h.metrics.duration_s is not None:
             self._commit_s = h.metrics.duration_s
+
+    def emergency_committed(self, step: int) -> None:
+        since, self.signalled_at = self.signalled_at, None
+        if since is not None:  # said once
+            log.warning("ckpt: emergency save of step %d committed %.2fs after the preemption signal", step,
+                        time.monotonic() - since)
 
     def saved(self, handle: Any) -> None:
         """A save was made (any save, asked for by the schedule or not): intervals count from it."""
