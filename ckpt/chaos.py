@@ -46,7 +46,7 @@ class Attempt:
 
     index: int
     plan: str  # what the harness meant to do: "during a save", "at 1.23 s of training", "to the end"
-    killed: str | None = None  # what happened: "after the save of step 40 began (+4 ms)", ...
+    killed: str | None = None  # what happened: "4 ms after the save of step 40 began", ...
     resumed_from: int | None = None  # the step its ranks loaded; None: started fresh
     fresh: bool = False
     rc: int | None = None
