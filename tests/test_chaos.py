@@ -42,6 +42,20 @@ def test_a_correct_training_script_survives_kills_during_saves_and_training(caps
                                         "reference.log"]
 
 
+def test_a_torchrun_job_is_killed_whole_and_resumes(capsys, monkeypatch):
+    """The kill takes torchrun and both workers (one process group); the restarted job resumes on
+    every rank from the step that verifies, and the final shards and per-rank state of both ranks match."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rc, rep = chaos(capsys, "--kills", "1", "--", sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "2", os.path.join(ROOT, "examples", "train_distributed.py"), "--dir", "{dir}",
+                    "--steps", "40", "--every", "10")
+    assert rc == 0 and rep["ok"], rep
+    killed, last = rep["runs"]
+    assert killed["killed"] and last["resumed_from"] == killed["latest"] is not None
+    assert rep["compared"] > 20
+
+
 def test_a_script_that_forgets_its_data_position_is_caught(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     rc, rep = chaos(capsys, "--kills", "1", "--", sys.executable, os.path.join(HERE, "chaos_child.py"), "{dir}",
