@@ -1,0 +1,125 @@
+"""The states behind the golden checkpoints in ``tests/data/golden/`` (see ``test_golden.py``).
+
+    python tests/golden.py     # writes them again: only when the format is meant to change
+
+Each state is a pure function of its step, so a test can rebuild what a golden checkpoint must hold.
+Together they cover what the on-disk format can express: format v1 (tensors and plain values), v2
+(per-rank state, shards of a global tensor saved by two ranks), v3 (numpy values stored as raw
+bytes); raw and zstd chunks; chunks reused from an earlier step; tensors of every dtype family.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import torch
+
+import ckpt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "data", "golden")
+CHUNK = 64 * 1024  # the smallest chunk size: several chunks per step, small files
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def plain_state(step: int) -> dict:
+    """Format v1: tensors of many dtypes and plain values. ``frozen`` is the same at both steps (its
+    chunks are reused), ``zeros`` compresses (zstd chunks), ``moving`` is random (raw chunks)."""
+    return {
+        "frozen": torch.randn(3 * CHUNK // 8, generator=_g(1)),
+        "moving": torch.randn(CHUNK // 8, generator=_g(100 + step)),
+        "zeros": torch.zeros(CHUNK // 8, dtype=torch.float64),
+        "half": torch.arange(300, dtype=torch.float16) / 7,
+        "bf16": (torch.arange(300, dtype=torch.float32) / 3).to(torch.bfloat16),
+        "ints": torch.arange(-50, 50, dtype=torch.int64) * step,
+        "mask": torch.arange(64) % 3 == 0,
+        "complex": torch.complex(torch.arange(8.0), -torch.arange(8.0)),
+        "u8": torch.arange(256, dtype=torch.uint8),
+        "strided": torch.arange(60.0).reshape(6, 10)[:, ::2],
+        "scalar": torch.tensor(float(step)),
+        "empty": torch.empty(0, 3),
+        "step": step,
+        "config": {"lr": 0.001, "name": "golden", "betas": (0.9, 0.999), "layers": [1, 2, 3], "none": None,
+                   "inf": float("inf"), "blob": b"\x00\x01\xff", 7: "int key"},
+    }
+
+
+def model_state(step: int) -> dict:
+    """Format v3: a module, an optimizer after ``step`` steps, an LR scheduler, numpy values and the
+    RNG states (per rank)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    x = torch.randn(8, 16, generator=_g(5))
+    for _ in range(step):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    np.random.seed(step)
+    torch.manual_seed(step)
+    import random
+    random.seed(step)
+    return {"model": model, "optim": opt, "sched": sched, "rng": ckpt.RNGState(), "step": step,
+            "np": {"table": np.arange(12, dtype=np.float32).reshape(3, 4) * step,
+                   "big_endian": np.arange(5, dtype=">i4"), "scalar": np.float64(step) / 3, "flag": np.bool_(True)}}
+
+
+def shard_state(rank: int, step: int) -> dict:
+    """Format v2, saved by two ranks: rows of a global (12, 20) tensor, per-rank positions."""
+    full = torch.arange(240.0).reshape(12, 20) * step
+    rows = slice(0, 5) if rank == 0 else slice(5, 12)
+    return {"w": ckpt.LocalShard(full[rows].clone(), (rows.start, 0), (12, 20)), "bias": torch.full((7,), float(step)),
+            "pos": ckpt.PerRank({"position": 10 * step + rank}), "step": step}
+
+
+def digest(tensors: dict) -> dict:
+    return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in sorted(tensors.items())}
+
+
+def _sharded_body(rank: int, world: int, root: str) -> None:
+    with ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
+        for step in (1, 2):
+            c.save(step, shard_state(rank, step)).wait()
+
+
+def main() -> None:
+    sys.path.insert(0, HERE)
+    from dist_helpers import run_ranks
+
+    shutil.rmtree(DATA, ignore_errors=True)
+    expected: dict = {"ckpt": ckpt.__version__}
+    for name, make in (("plain", plain_state), ("model", model_state)):
+        root = os.path.join(DATA, name)
+        with ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
+            for step in (1, 2):
+                c.save(step, make(step)).wait()
+        with ckpt.open(root) as r:
+            expected[name] = {str(s): {"format": r.manifest(s).format_version, "tensors": digest(r.tensors(s))}
+                              for s in r.steps()}
+    root = os.path.join(DATA, "sharded")
+    run_ranks(2, _sharded_body, root)
+    with ckpt.open(root) as r:
+        expected["sharded"] = {str(s): {"format": r.manifest(s).format_version, "tensors": digest(r.tensors(s))}
+                               for s in r.steps()}
+    for d, _, files in os.walk(DATA):  # leases and temp files are not part of a checkpoint
+        for f in files:
+            if f.startswith(".") or ".tmp-" in f:
+                os.remove(os.path.join(d, f))
+    with open(os.path.join(DATA, "expected.json"), "w") as f:
+        json.dump(expected, f, indent=1, sort_keys=True)
+    print(json.dumps({k: {s: v["format"] for s, v in d.items()} for k, d in expected.items() if k != "ckpt"}))
+
+
+if __name__ == "__main__":
+    main()
