@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import chains
 from . import manifest as mf
 from . import structure as st
-from .codec import decode as decode_chunk
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .loader import load_into
 from .storage import Storage
 from .structure import DTYPES
@@ -79,6 +79,17 @@ class Catalog:
             m = self.manifest(s)
             if m is not None:
                 out |= m.chunks.keys()
+        return out
+
+    def chunk_holders(self, step: int) -> dict[str, int]:
+        """For every chunk of the committed steps before ``step``, the newest of them holding it."""
+        out: dict[str, int] = {}
+        for s in self.committed:
+            if s >= step:
+                break
+            m = self.manifest(s)
+            if m is not None:
+                out.update(dict.fromkeys(m.chunks, s))
         return out
 
     def rank_files(self, step: int) -> list[str]:
@@ -155,33 +166,33 @@ def verify(catalog: Catalog, steps: Iterable[int], *, threads: int = 8,
         for h, info in m.chunks.items():
             refs.setdefault(h, (info, []))[1].append(s)
 
-    def check(h: str, info: mf.ChunkInfo) -> tuple[int, Problem | None]:
+    table = {h: info for h, (info, _) in refs.items()}
+    roots, children = chains.trees(table, table)
+
+    def problem(h: str, err: Exception) -> Problem:
         key = mf.chunk_key(h)
-        try:
-            blob = catalog.storage.read_object(key, info.stored)  # never more than the manifest says
-        except FileNotFoundError as e:
-            return 0, Problem(key, "missing", f"chunk object {key} is missing ({e})", [], h)
-        except CheckpointError as e:
-            return 0, Problem(key, "unreadable", str(e), [], h)
-        if len(blob) > info.stored:
-            return len(blob), Problem(key, "corrupt", f"chunk object {key} is larger than the {info.stored} bytes "
-                                      "its manifest entry says", [], h)
-        try:
-            decode_chunk(blob, name=key, expect_hash=h, expect_len=info.size)
-        except CheckpointError as e:
-            return len(blob), Problem(key, "corrupt", str(e), [], h)
-        return len(blob), None
+        if isinstance(err, CorruptCheckpointError) and "is missing" in str(err):
+            return Problem(key, "missing", str(err), [], h)
+        if isinstance(err, CorruptCheckpointError):
+            return Problem(key, "corrupt", str(err), [], h)
+        return Problem(key, "unreadable", str(err), [], h)
+
+    def check(root: str) -> list[tuple[str, int, Problem | None]]:
+        # a chunk stored whole and the deltas made on it, each read once, each link verified
+        out: list[tuple[str, int, Problem | None]] = []
+        chains.walk(catalog.storage, table, root, children,
+                    lambda h, n, err: out.append((h, n, problem(h, err) if err is not None else None)))
+        return out
 
     done = 0
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-verify") as pool:
-        futures = {pool.submit(check, h, info): h for h, (info, _) in refs.items()}
-        for fut in as_completed(futures):
-            n, problem = fut.result()
-            done += 1
-            result.bytes += n
-            if problem is not None:
-                problem.steps = refs[futures[fut]][1]
-                result.problems.append(problem)
+        for fut in as_completed([pool.submit(check, r) for r in roots]):
+            for h, n, prob in fut.result():
+                done += 1
+                result.bytes += n
+                if prob is not None:
+                    prob.steps = refs[h][1]
+                    result.problems.append(prob)
             if progress is not None:
                 progress(done, result.bytes)
     result.chunks = len(refs)

@@ -226,18 +226,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 # -- inspect ------------------------------------------------------------------------------------------
 
-def _tensor_doc(m: mf.Manifest, t: mf.TensorEntry, earlier: set[str]) -> dict:
+def _tensor_doc(m: mf.Manifest, t: mf.TensorEntry, earlier: set[str], holder: dict[str, int]) -> dict:
+    """One tensor of step ``m``: its chunks, codecs, ratio (raw ÷ stored, for this step's own chunks;
+    a delta's base is not counted) and, for deltas, the steps holding their bases (``holder``: the
+    newest earlier step that holds each chunk) and the longest chain a load of it resolves."""
     chunks = list(dict.fromkeys(g.chunk for s in t.shards for g in s.segments))
     new = [h for h in chunks if h not in earlier]
     raw = sum(m.chunks[h].size for h in chunks)
     stored = sum(m.chunks[h].stored for h in chunks)
+    bases = {m.chunks[h].base for h in chunks} - {None}
     return {"key": t.key, "rank": t.rank, "kind": tensor_kind(t), "dtype": t.dtype, "shape": t.shape,
             "bytes": t.nbytes,
             "shards": [{"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths,
                         "chunks": list(dict.fromkeys(g.chunk for g in s.segments))} for s in t.shards],
             "chunks": len(chunks), "new_chunks": len(new), "reused_chunks": len(chunks) - len(new),
             "codecs": sorted({m.chunks[h].codec for h in chunks}),
-            "ratio": round(raw / stored, 3) if stored else None}
+            "ratio": round(raw / stored, 3) if stored else None,
+            "base_steps": sorted({holder[b] for b in bases if b in holder}),
+            "chain": max((len(mf.chain(m.chunks, h)) for h in chunks), default=0)}
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -246,7 +252,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     m = cat.require(step)
     earlier = cat.earlier_chunks(step)
     summary = _step_doc(cat, step, earlier)
-    tensors = [_tensor_doc(m, t, earlier) for t in m.tensors]
+    holder = cat.chunk_holders(step)
+    tensors = [_tensor_doc(m, t, earlier, holder) for t in m.tensors]
     values = list(value_nodes(m.structure))
     if args.json:
         steps = []
@@ -275,9 +282,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out.write(f"\nstep {step}: tensors")
         rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["kind"], t["dtype"],
                  _shape(t["shape"]), out.size(t["bytes"]), len(t["shards"]), t["new_chunks"], t["reused_chunks"],
-                 ",".join(t["codecs"]) or "-", f"{t['ratio']:.2f}" if t["ratio"] else "-"] for t in tensors]
-        out.table(["key", "kind", "dtype", "shape", "size", "shards", "new", "reused", "codec", "ratio"], rows,
-                  {4, 5, 6, 7, 9})
+                 ",".join(c.removesuffix("/1") for c in t["codecs"]) or "-",
+                 f"{t['ratio']:.2f}" if t["ratio"] else "-", _base_steps(t["base_steps"]), t["chain"]] for t in tensors]
+        out.table(["key", "kind", "dtype", "shape", "size", "shards", "new", "reused", "codec", "ratio", "base",
+                   "chain"], rows, {4, 5, 6, 7, 9, 11})
     sharded = [t for t in tensors if t["kind"] == "sharded"]
     if sharded:
         out.write(f"\nstep {step}: shards (box of the global tensor, saving rank, chunks)")
@@ -289,6 +297,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for p, n in values:
             out.write(f"  {p} = {preview(n)}")
     return EXIT_OK
+
+
+def _base_steps(steps: list[int]) -> str:
+    if not steps:
+        return "-"
+    return ",".join(map(str, steps)) if len(steps) <= 3 else f"{steps[0]}…{steps[-1]}"
 
 
 # -- verify -------------------------------------------------------------------------------------------

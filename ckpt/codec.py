@@ -5,16 +5,34 @@ The header makes every chunk checkable on its own, without the manifest:
     offset size  field
     0      8     magic b"CKPTCHNK"
     8      2     chunk format version (1)
-    10     1     codec id (0 raw, 1 zstd)
-    11     1     flags (reserved, 0)
-    12     4     reserved (0)
+    10     1     codec id (0 raw, 1 zstd, 2 planes, 3 xor)
+    11     1     element width of the byte planes (planes, xor; 0 otherwise)
+    12     4     xor: low 32 bits of the payload's xxh3-64 (a check that needs no base); 0 otherwise
     16     8     raw length in bytes
     24     16    xxh3-128 digest of the raw bytes (the chunk's name is its hex form)
-    40     16    digest of the delta base chunk (all zero: no base)
+    40     16    xor: digest of the base chunk (all zero: no base)
     56     8     payload length in bytes
 
-Codec names in manifests carry a version, like ``zstd/1``, so an older reader refuses clearly what
-it cannot decode instead of guessing.
+Codecs (their names in manifests carry a version, like ``zstd/1``, so an older reader refuses
+clearly what it cannot decode instead of guessing):
+
+* ``raw``: the bytes as they are.
+* ``zstd``: one zstd frame.
+* ``planes``: the bytes of each w-byte element split into w planes (plane 0 the least significant
+  byte of every element), each plane its own zstd frame or stored as it is, whichever is smaller;
+  floats compress in their sign/exponent plane, hardly at all in the others.
+* ``xor``: the chunk XOR its base (the chunk at the same place in this rank's previous save), then
+  planes. Unchanged bits become zero bits; partly frozen or sparsely updated state nearly vanishes.
+
+``planes`` and ``xor`` payloads start with a table of w + 1 little-endian u64 (bit 63: the section is
+a zstd frame; the rest: its stored length), for the w planes and the n mod w tail bytes (stored as
+they are), then the sections in that order.
+
+``auto`` chooses per chunk from a 256 KiB sample taken from the chunk's middle: it encodes the sample
+the ways that can win (planes, or zstd for byte-wide data; xor when a base is there) and keeps the
+smallest, or raw when none saves 8%; a plane is compressed only where the sample's plane shrank.
+Where the first tier's writes are measured to be faster than encoding would save (a disk faster than
+compression), it stores raw: ``auto`` never makes a save slower than ``raw`` to get fewer bytes.
 """
 
 from __future__ import annotations
@@ -22,11 +40,15 @@ from __future__ import annotations
 import re
 import struct
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import xxhash
 import zstandard
 
+from . import _ext
 from .errors import ConfigError, CorruptCheckpointError, IncompatibleFormatError
 
 MAGIC = b"CKPTCHNK"
@@ -35,16 +57,20 @@ HEADER = struct.Struct("<8sHBBIQ16s16sQ")
 HEADER_SIZE = HEADER.size  # 64
 NO_BASE = bytes(16)
 
-CODEC_IDS = {"raw": 0, "zstd": 1}
+CODEC_IDS = {"raw": 0, "zstd": 1, "planes": 2, "xor": 3}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
-CODEC_VERSIONS = {"raw": 1, "zstd": 1}
+CODEC_VERSIONS = {"raw": 1, "zstd": 1, "planes": 1, "xor": 1}
+PLANED = ("planes", "xor")
+MAX_WIDTH = 16
 
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 
-# "auto" compresses a sample first and keeps zstd only where it saves at least this fraction.
+# "auto" encodes a sample first and keeps an encoding only where it saves at least this fraction.
 _AUTO_SAMPLE = 256 * 1024
 _AUTO_MIN_SAVING = 0.08
+_PLANE_MIN_SAVING = 0.03  # a plane that shrinks less than this is stored as it is (and not compressed again)
 _MIN_COMPRESS_SIZE = 4096
+_ZSTD_FLAG = 1 << 63
 
 
 def chunk_hash(data) -> str:
@@ -58,17 +84,21 @@ def is_chunk_hash(name: str) -> bool:
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """What the writer should try: ``raw``, ``zstd`` (always) or ``auto`` (zstd where it pays)."""
+    """What the writer should try: ``raw``; ``zstd`` or ``grouped`` (byte planes + zstd) always;
+    ``auto`` (the smallest of raw, zstd, planes and xor per chunk, where it does not slow the save)."""
 
     name: str = "auto"
     level: int = 1
 
+    NAMES = ("raw", "zstd", "grouped", "auto")
+
     @classmethod
     def parse(cls, codec: str, level: int | None = None) -> CodecSpec:
-        """Accept ``"raw"``, ``"auto"``, ``"zstd"`` or ``"zstd:<level>"``."""
+        """Accept ``"raw"``, ``"auto"``, ``"zstd"``, ``"grouped"``, the last three with ``:<level>``."""
         name, _, lvl = codec.partition(":")
-        if name not in ("raw", "zstd", "auto"):
-            raise ConfigError(f"unknown codec {codec!r}; use 'raw', 'zstd', 'zstd:<level>' or 'auto'")
+        if name not in cls.NAMES or (lvl and name == "raw"):
+            raise ConfigError(f"unknown codec {codec!r}; use 'auto', 'raw', 'zstd', 'grouped' (byte planes + zstd), "
+                              "optionally with a zstd level, e.g. 'zstd:3'")
         if lvl:
             try:
                 level = int(lvl)
@@ -101,30 +131,204 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-def encode(raw: memoryview, digest_hex: str, spec: CodecSpec) -> tuple[str, list]:
+# -- byte planes ------------------------------------------------------------------------------------
+
+def _u8(buf) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def group(raw, base, width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``raw`` (XOR ``base`` when given, same length) in the grouped layout: ``width`` byte planes,
+    then the tail bytes. The compiled core does it when built; numpy gives the same bytes."""
+    src = _u8(raw)
+    b = None if base is None else _u8(base)
+    out = np.empty(src.size, np.uint8) if out is None else out
+    core = _ext.cpu()
+    if core is not None and width > 1:
+        core.group(src, b, width, out)
+        return out
+    m = src.size // width
+    body = src[: m * width].reshape(m, width)
+    dst = out[: m * width].reshape(width, m)
+    if b is None:
+        np.copyto(dst, body.T)
+        out[m * width:] = src[m * width:]
+    else:
+        np.bitwise_xor(body.T, b[: m * width].reshape(m, width).T, out=dst)
+        np.bitwise_xor(src[m * width:], b[m * width:], out=out[m * width:])
+    return out
+
+
+def ungroup(planes: np.ndarray, base, width: int, out: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`group`, into ``out`` (uint8, same length)."""
+    b = None if base is None else _u8(base)
+    core = _ext.cpu()
+    if core is not None and width > 1:
+        core.ungroup(planes, b, width, out)
+        return out
+    m = planes.size // width
+    dst = out[: m * width].reshape(m, width)
+    for p in range(width):  # a column at a time: numpy's transposed copy back is several times slower
+        dst[:, p] = planes[p * m:(p + 1) * m]
+    out[m * width:] = planes[m * width:]
+    if b is not None:
+        np.bitwise_xor(out, b, out=out)
+    return out
+
+
+def _sections(n: int, width: int) -> list[int]:
+    """Lengths of the sections of an ``n``-byte chunk grouped by ``width``: the planes, then the tail."""
+    m = n // width
+    return [m] * width + [n - m * width]
+
+
+def _encode_planes(g: np.ndarray, width: int, level: int, try_planes: list[bool] | None
+                   ) -> tuple[list, int, list[bool]]:
+    """Sections of grouped bytes ``g``: each plane compressed where ``try_planes`` says (all when
+    None) and it shrinks. Returns (payload buffers, payload length, which planes shrank)."""
+    cctx = _compressor(level)
+    table = np.zeros(width + 1, "<u8")
+    parts: list = [table.view(np.uint8).data]
+    shrank = []
+    pos = 0
+    for i, n in enumerate(_sections(g.size, width)):
+        sec = g[pos:pos + n]
+        pos += n
+        stored: bytes | memoryview = sec.data
+        if i < width and n >= 64 and (try_planes is None or try_planes[i]):
+            packed = cctx.compress(sec.data)
+            if len(packed) < n * (1 - _PLANE_MIN_SAVING):
+                stored = packed
+                table[i] = _ZSTD_FLAG
+        if i < width:
+            shrank.append(bool(table[i]))
+        table[i] |= len(stored)
+        parts.append(stored)
+    return parts, sum(_nbytes(p) for p in parts), shrank
+
+
+def _nbytes(b) -> int:
+    return b.nbytes if isinstance(b, (np.ndarray, memoryview)) else len(b)
+
+
+# -- choosing and encoding ---------------------------------------------------------------------------
+
+@dataclass
+class Pace:
+    """Measured speeds ``auto`` weighs: how fast the first storage tier takes bytes per writing
+    thread (fsync included), updated by the writer after every chunk write. Zero: not measured yet
+    (then encoding is assumed to pay)."""
+
+    write_bps: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def wrote(self, nbytes: int, seconds: float) -> None:
+        if nbytes < 64 * 1024 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            self.write_bps = rate if self.write_bps == 0 else 0.8 * self.write_bps + 0.2 * rate
+
+    def pays(self, n: int, stored: int, encode_s: float) -> bool:
+        """Is encoding ``n`` bytes down to ``stored`` in ``encode_s`` seconds faster than writing them raw?"""
+        w = self.write_bps
+        return w == 0 or encode_s + stored / w < n / w
+
+
+@dataclass(frozen=True)
+class Base:
+    """The raw bytes of a delta's base chunk and their digest (hex)."""
+
+    raw: memoryview
+    digest: str
+
+
+@dataclass
+class _Trial:
+    codec: str
+    size: int  # payload bytes for the sample
+    seconds: float
+    planes: list[bool] | None = None
+    parts: list | None = None  # the encoded sample (the whole chunk when the sample is the chunk)
+
+
+def _try(codec: str, sample, base_sample, width: int, level: int) -> _Trial:
+    t0 = time.perf_counter()
+    if codec == "zstd":
+        packed = _compressor(level).compress(sample)
+        return _Trial(codec, len(packed), time.perf_counter() - t0, None, [packed])
+    g = group(sample, base_sample if codec == "xor" else None, width)
+    parts, size, shrank = _encode_planes(g, width, level, None)
+    # time what the full chunk will cost: grouping plus the planes that are compressed again
+    return _Trial(codec, size, time.perf_counter() - t0, shrank, parts)
+
+
+def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1, base: Base | None = None,
+           pace: Pace | None = None) -> tuple[str, list]:
     """Encode one chunk. Returns (codec name, list of buffers: header then payload).
 
-    The raw codec returns the caller's memoryview as the payload, so no copy is made.
-    """
+    ``width`` is the element width of the chunk's data (byte planes), ``base`` the chunk this one
+    may be stored as a delta of (``auto`` only). The raw codec returns the caller's memoryview as the
+    payload, so no copy is made."""
     n = len(raw)
+    width = width if 1 <= width <= MAX_WIDTH else 1
+    if base is not None and (len(base.raw) != n or spec.name != "auto"):
+        base = None
     codec = "raw"
-    payload: memoryview | bytes = raw
-    if spec.name != "raw" and n >= _MIN_COMPRESS_SIZE:
-        cctx = _compressor(spec.level)
-        worth_trying = True
-        if spec.name == "auto" and n > 2 * _AUTO_SAMPLE:
-            start = (n // 2) & ~63
-            sample = raw[start : start + _AUTO_SAMPLE]
-            worth_trying = len(cctx.compress(sample)) <= len(sample) * (1 - _AUTO_MIN_SAVING)
-        if worth_trying:
-            packed = cctx.compress(raw)
-            min_saving = _AUTO_MIN_SAVING if spec.name == "auto" else 0.0
-            if len(packed) < n * (1 - min_saving):
-                codec, payload = "zstd", packed
-    header = HEADER.pack(
-        MAGIC, CHUNK_VERSION, CODEC_IDS[codec], 0, 0, n, bytes.fromhex(digest_hex), NO_BASE, len(payload)
-    )
-    return codec, [header, payload]
+    parts: list[Any] = [raw]
+    if spec.name == "zstd" or (spec.name == "grouped" and width == 1):
+        if n >= _MIN_COMPRESS_SIZE:
+            packed = _compressor(spec.level).compress(raw)
+            if len(packed) < n:
+                codec, parts = "zstd", [packed]
+    elif spec.name == "grouped":
+        codec, parts = "planes", _encode_planes(group(raw, None, width), width, spec.level, None)[0]
+    elif spec.name == "auto" and n >= _MIN_COMPRESS_SIZE:
+        codec, parts = _auto(raw, base, width, spec.level, pace)
+    check = _payload_check(parts) if codec == "xor" else 0
+    payload_len = sum(_nbytes(p) for p in parts)
+    header = HEADER.pack(MAGIC, CHUNK_VERSION, CODEC_IDS[codec], width if codec in PLANED else 0, check, n,
+                         bytes.fromhex(digest_hex), bytes.fromhex(base.digest) if codec == "xor" and base else NO_BASE,
+                         payload_len)
+    return codec, [header, *parts]
+
+
+def _auto(raw: memoryview, base: Base | None, width: int, level: int, pace: Pace | None) -> tuple[str, list]:
+    n = len(raw)
+    whole = n <= 2 * _AUTO_SAMPLE
+    if whole:
+        sample, base_sample = raw, base.raw if base else None
+    else:
+        start = (n // 2) & ~63
+        sample = raw[start:start + _AUTO_SAMPLE]
+        base_sample = base.raw[start:start + _AUTO_SAMPLE] if base else None
+    candidates = ["planes" if width > 1 else "zstd"] + (["xor"] if base is not None else [])
+    trials = [_try(c, sample, base_sample, width, level) for c in candidates]
+    best = min(trials, key=lambda t: t.size)
+    k = len(sample)
+    if best.size > k * (1 - _AUTO_MIN_SAVING):
+        return "raw", [raw]
+    if pace is not None and not pace.pays(k, best.size, best.seconds * _repeat_share(best)):
+        return "raw", [raw]
+    if whole:
+        assert best.parts is not None
+        return best.codec, best.parts
+    if best.codec == "zstd":
+        packed = _compressor(level).compress(raw)
+        return ("zstd", [packed]) if len(packed) < n else ("raw", [raw])
+    g = group(raw, base.raw if best.codec == "xor" and base else None, width)
+    parts, size, _ = _encode_planes(g, width, level, best.planes)
+    if size >= n:
+        return "raw", [raw]
+    return best.codec, parts
+
+
+def _repeat_share(t: _Trial) -> float:
+    """The part of a trial's time the full chunk repeats: only the planes that shrank are compressed
+    again (grouping costs little next to zstd)."""
+    if t.planes is None or not t.planes:
+        return 1.0
+    return max(sum(t.planes) / len(t.planes), 0.05)
 
 
 @dataclass(frozen=True)
@@ -133,6 +337,9 @@ class ChunkHeader:
     raw_len: int
     digest: str
     payload_len: int
+    width: int = 0
+    base: str | None = None  # hex digest of the base chunk (xor)
+    check: int = 0
 
 
 def parse_header(blob, *, name: str) -> ChunkHeader:
@@ -140,7 +347,7 @@ def parse_header(blob, *, name: str) -> ChunkHeader:
     if len(blob) < HEADER_SIZE:
         raise CorruptCheckpointError(
             f"chunk object {name} is truncated ({len(blob)} bytes, shorter than its header)", object=name)
-    magic, version, codec_id, _flags, _res, raw_len, digest, _base, payload_len = HEADER.unpack_from(blob)
+    magic, version, codec_id, width, check, raw_len, digest, base, payload_len = HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptCheckpointError(f"{name} is not a ckpt chunk (bad magic)", object=name)
     if version > CHUNK_VERSION:
@@ -150,22 +357,34 @@ def parse_header(blob, *, name: str) -> ChunkHeader:
     if codec_id not in CODEC_NAMES:
         raise IncompatibleFormatError(
             f"chunk {name} uses codec id {codec_id}, unknown to this ckpt; upgrade ckpt to read it")
-    return ChunkHeader(CODEC_NAMES[codec_id], raw_len, digest.hex(), payload_len)
+    codec = CODEC_NAMES[codec_id]
+    if codec in PLANED and not 1 <= width <= MAX_WIDTH:
+        raise CorruptCheckpointError(f"chunk object {name} declares byte planes of width {width}; it is damaged",
+                                     object=name)
+    if (codec == "xor") != (base != NO_BASE):
+        raise CorruptCheckpointError(f"chunk object {name} is stored as {codec} "
+                                     f"{'without' if codec == 'xor' else 'with'} a base chunk; it is damaged",
+                                     object=name)
+    return ChunkHeader(codec, raw_len, digest.hex(), payload_len, width if codec in PLANED else 0,
+                       base.hex() if codec == "xor" else None, check)
 
 
-def _decompress_bounded(payload: memoryview, raw_len: int, *, name: str, expect_hash: str) -> memoryview:
-    """Decompress into a buffer of the declared size, and no further: a frame that holds more than
-    the header says is refused without ever producing it (python-zstandard's one-shot decompress
+def _decompress_into(payload, out: memoryview, *, name: str, expect_hash: str) -> None:
+    """Decompress ``payload`` into exactly ``out``, and no further: a frame that holds more than the
+    header says is refused without ever producing it (python-zstandard's one-shot decompress
     trusts a size written in the frame over ``max_output_size``)."""
-    out = bytearray(raw_len + 1)  # one spare byte tells "more than declared" from "exactly"
+    raw_len = len(out)
+    spare = bytearray(1)  # one spare byte tells "more than declared" from "exactly"
     n = 0
     try:
-        with _decompressor().stream_reader(payload, read_across_frames=True) as reader, memoryview(out) as view:
-            while n < len(out):
-                k = reader.readinto(view[n:])
+        with _decompressor().stream_reader(payload, read_across_frames=True) as reader:
+            while n < raw_len:
+                k = reader.readinto(out[n:])
                 if k == 0:
                     break
                 n += k
+            if n == raw_len and reader.readinto(spare) > 0:
+                n += 1
     except zstandard.ZstdError as e:
         raise CorruptCheckpointError(f"chunk object {name} does not decompress: {e}",
                                      object=name, chunk=expect_hash) from e
@@ -173,7 +392,56 @@ def _decompress_bounded(payload: memoryview, raw_len: int, *, name: str, expect_
         raise CorruptCheckpointError(
             f"chunk object {name} decompresses to {f'more than {raw_len}' if n > raw_len else n} bytes, its header "
             f"says {raw_len}; it is damaged", object=name, chunk=expect_hash)
-    return memoryview(out)[:raw_len]
+
+
+def _decompress_bounded(payload: memoryview, raw_len: int, *, name: str, expect_hash: str) -> memoryview:
+    out = bytearray(raw_len)
+    _decompress_into(payload, memoryview(out), name=name, expect_hash=expect_hash)
+    return memoryview(out)
+
+
+def _section_table(hdr: ChunkHeader, payload: memoryview, *, name: str, expect_hash: str
+                   ) -> list[tuple[bool, memoryview, int]]:
+    """The sections of a planes/xor payload: (compressed, stored bytes, decoded length), checked to
+    fit the payload and the raw length."""
+    w = hdr.width
+    bad = CorruptCheckpointError(f"chunk object {name} has a damaged section table", object=name, chunk=expect_hash)
+    if len(payload) < 8 * (w + 1):
+        raise bad
+    table = np.frombuffer(payload[:8 * (w + 1)], "<u8").tolist()
+    pos = 8 * (w + 1)
+    out = []
+    for entry, want in zip(table, _sections(hdr.raw_len, w)):
+        packed, length = bool(entry & _ZSTD_FLAG), entry & ~_ZSTD_FLAG
+        if pos + length > len(payload) or (not packed and length != want):
+            raise bad
+        out.append((packed, payload[pos:pos + length], want))
+        pos += length
+    if pos != len(payload):
+        raise bad
+    return out
+
+
+def _payload_check(parts) -> int:
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest() & 0xFFFFFFFF
+
+
+def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, *, name: str, expect_hash: str) -> memoryview:
+    g = np.empty(hdr.raw_len, np.uint8)
+    pos = 0
+    for packed, stored, length in _section_table(hdr, payload, name=name, expect_hash=expect_hash):
+        dst = g[pos:pos + length]
+        if packed:
+            _decompress_into(stored, dst.data, name=name, expect_hash=expect_hash)
+        else:
+            dst[:] = _u8(stored)
+        pos += length
+    out = np.empty(hdr.raw_len, np.uint8)
+    ungroup(g, base, hdr.width, out)
+    return out.data
 
 
 def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: int | None = None,
@@ -194,13 +462,14 @@ def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: i
 
 
 def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | None = None,
-           object_len: int | None = None, raw_only: bool = False) -> memoryview:
+           object_len: int | None = None, raw_only: bool = False, base: Base | None = None) -> memoryview:
     """The one validity check of a stored chunk; returns its raw bytes.
 
     ``header`` and ``payload`` are the object's first 64 bytes and the rest (two buffers, so a
     payload read straight into a caller's tensor is checked in place). The header must parse and
     name ``expect_hash``, the sizes must agree, the payload must decode, and the decoded bytes must
-    hash to ``expect_hash``. ``raw_only`` refuses a compressed payload (the caller read it in place
+    hash to ``expect_hash``. A delta (``xor``) needs its ``base``, already verified, whose digest
+    its header must name. ``raw_only`` refuses a compressed payload (the caller read it in place
     as raw bytes). Raises :class:`CorruptCheckpointError` naming the object."""
     hdr = parse_header(header, name=name)
     check_header(hdr, name=name, expect_hash=expect_hash, expect_len=expect_len, object_len=object_len)
@@ -215,8 +484,19 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
         raise CorruptCheckpointError(
             f"chunk object {name} is stored as {hdr.codec}, its manifest entry says raw; it is damaged",
             object=name, chunk=expect_hash)
-    else:
+    elif hdr.codec == "zstd":
         raw = _decompress_bounded(payload, hdr.raw_len, name=name, expect_hash=expect_hash)
+    elif hdr.codec == "planes":
+        raw = _decode_planes(hdr, payload, None, name=name, expect_hash=expect_hash)
+    else:
+        if base is None or base.digest != hdr.base or len(base.raw) != hdr.raw_len:
+            raise CorruptCheckpointError(
+                f"chunk object {name} is a delta of chunk {hdr.base}, which its manifest does not give it as its "
+                "base; it is damaged", object=name, chunk=expect_hash)
+        if _payload_check([payload]) != hdr.check:
+            raise CorruptCheckpointError(f"chunk object {name} failed its payload check; the stored bytes are damaged",
+                                         object=name, chunk=expect_hash)
+        raw = _decode_planes(hdr, payload, base.raw, name=name, expect_hash=expect_hash)
     if len(raw) != hdr.raw_len or chunk_hash(raw) != expect_hash:
         raise CorruptCheckpointError(
             f"chunk object {name} failed its hash check (content does not match {expect_hash}); "
@@ -224,20 +504,34 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
     return raw
 
 
-def decode(blob, *, name: str, expect_hash: str, expect_len: int | None = None) -> memoryview:
+def decode(blob, *, name: str, expect_hash: str, expect_len: int | None = None, base: Base | None = None
+           ) -> memoryview:
     """Check and decode a whole chunk object (header and payload in one buffer); see :func:`verify`."""
     view = memoryview(blob).cast("B")
-    return verify(name, expect_hash, view[:HEADER_SIZE], view[HEADER_SIZE:], expect_len=expect_len)
+    return verify(name, expect_hash, view[:HEADER_SIZE], view[HEADER_SIZE:], expect_len=expect_len, base=base)
 
 
 def verify_object(key: str, parts: list[memoryview]) -> None:
-    """:func:`verify` for a chunk object read by its storage key, which ends in its hash: the check
-    a storage tier uses before trusting a copy it holds. ``parts`` are the object's bytes in order,
-    as read (one buffer, or the header and payload buffers of a read straight into place)."""
+    """The check a storage tier uses before trusting a copy of a chunk object it holds, read by its
+    storage key (which ends in its hash). ``parts`` are the object's bytes in order, as read (one
+    buffer, or the header and payload buffers of a read straight into place). A delta cannot be
+    decoded without its base: its payload checksum, section table and frames are checked instead
+    (the reader checks the decoded chunk's hash once its chain is resolved)."""
     views = [memoryview(p).cast("B") for p in parts]
     if len(views) == 2 and len(views[0]) == HEADER_SIZE:
         header, payload = views
     else:
         whole = views[0] if len(views) == 1 else memoryview(b"".join(views))
         header, payload = whole[:HEADER_SIZE], whole[HEADER_SIZE:]
-    verify(key, key.rsplit("/", 1)[-1], header, payload)
+    expect = key.rsplit("/", 1)[-1]
+    hdr = parse_header(header, name=key)
+    if hdr.codec != "xor":
+        verify(key, expect, header, payload)
+        return
+    check_header(hdr, name=key, expect_hash=expect, object_len=HEADER_SIZE + len(payload))
+    if _payload_check([payload]) != hdr.check:
+        raise CorruptCheckpointError(f"chunk object {key} failed its payload check; the stored bytes are damaged",
+                                     object=key, chunk=expect)
+    for packed, stored, length in _section_table(hdr, payload, name=key, expect_hash=expect):
+        if packed:
+            _decompress_into(stored, memoryview(bytearray(length)), name=key, expect_hash=expect)

@@ -182,7 +182,7 @@ class CommitProtocol:
             doc = comm.decision(seq)
             decision = Decision.from_json(doc) if doc is not None else Decision(
                 Status.FAIL, (0,), f"rank 0 (the coordinator) gave no decision within {2 * comm.timeout:.0f}s")
-        self.writer.settle(part if decision.status is Status.OK else None)
+        self.writer.settle(part if decision.status is Status.OK else None, job)
         if decision.status is not Status.OK:
             self.writer.discard(job)  # this save's own new chunks: nothing committed refers to them
         if decision.status is Status.OK:

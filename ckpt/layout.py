@@ -38,6 +38,7 @@ class TensorSlot:
 class ChunkSlot:
     offset: int
     length: int
+    width: int = 1  # element width of most of its bytes: the byte planes the delta codecs split it into
 
 
 @dataclass(frozen=True)
@@ -116,4 +117,23 @@ def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int) -> BufferLayo
         tiled.append(ChunkSlot(c.offset, end - c.offset))
     if tiled and tiled[0].offset != 0:
         tiled[0] = ChunkSlot(0, tiled[0].offset + tiled[0].length)
-    return BufferLayout(tuple(slots), tuple(tiled), pos)
+    layout = BufferLayout(tuple(slots), tuple(tiled), pos)
+    return BufferLayout(layout.slots, _with_widths(layout), pos)
+
+
+def element_width(dtype: torch.dtype) -> int:
+    """The width of the values a dtype's bytes hold (a complex number is two floats)."""
+    size = dtype.itemsize
+    return size // 2 if dtype.is_complex else size
+
+
+def _with_widths(layout: BufferLayout) -> tuple[ChunkSlot, ...]:
+    """Each chunk with the element width most of its bytes have (1 where they are mostly padding).
+    Every tensor starts 64-byte aligned, so element boundaries fall on multiples of the width."""
+    by_chunk: list[dict[int, int]] = [{} for _ in layout.chunks]
+    for slot in layout.slots:
+        w = element_width(slot.dtype)
+        for i, _, n in layout.segments(slot):
+            by_chunk[i][w] = by_chunk[i].get(w, 0) + n
+    return tuple(ChunkSlot(c.offset, c.length, max(counts, key=lambda w: (counts[w], w)) if counts else 1)
+                 for c, counts in zip(layout.chunks, by_chunk))

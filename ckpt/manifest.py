@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from .storage import Storage
 
 FORMAT = "ckpt"
-FORMAT_VERSION = 3  # 2 adds per-rank entries and nodes, 3 numpy values as raw bytes; saves write the lowest that fits
+FORMAT_VERSION = 4  # 2 adds per-rank entries and nodes, 3 numpy values as raw bytes, 4 the planes and xor
+# codecs (delta chains); saves write the lowest that fits
+MAX_CHAIN = 256  # a chain of deltas longer than this is refused as damaged (ckpt writes at most delta_chain)
 MAX_CHUNK_BYTES = 1 << 34  # 16 GiB: a sanity bound on what a manifest may claim for one chunk
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
 MAX_STEP = (1 << 63) - 1  # steps are non-negative 64-bit integers
@@ -63,11 +65,35 @@ def chunk_key(h: str) -> str:
 
 @dataclass
 class ChunkInfo:
-    """One stored chunk: raw size, stored size (header included) and codec descriptor (``zstd/1``)."""
+    """One stored chunk: raw size, stored size (header included), codec descriptor (``zstd/1``) and,
+    for a delta (``xor/1``), the chunk it is a delta of, which is then in the same table."""
 
     size: int
     stored: int
     codec: str
+    base: str | None = None
+
+    def to_json(self) -> list:
+        return [self.size, self.stored, self.codec] + ([self.base] if self.base is not None else [])
+
+
+def chain(chunks: dict[str, ChunkInfo], h: str) -> list[str]:
+    """``h`` and its bases, newest first, ending with a chunk stored whole (the table is checked:
+    every base is in it and chains are acyclic and at most MAX_CHAIN long)."""
+    out = [h]
+    while (b := chunks[out[-1]].base) is not None:
+        out.append(b)
+    return out
+
+
+def closure(chunks: dict[str, ChunkInfo], hashes) -> dict[str, ChunkInfo]:
+    """The chunks ``hashes`` name and every base they need, from ``chunks``."""
+    out: dict[str, ChunkInfo] = {}
+    for h in hashes:
+        while h is not None and h not in out:
+            out[h] = chunks[h]
+            h = out[h].base
+    return out
 
 
 @dataclass
@@ -132,7 +158,7 @@ class Manifest:
             "stats": self.stats,
             "structure": self.structure,
             "tensors": [_entry_json(t) for t in self.tensors],
-            "chunks": {h: [c.size, c.stored, c.codec] for h, c in self.chunks.items()},
+            "chunks": {h: c.to_json() for h, c in self.chunks.items()},
         }
         if self.rank is not None:
             doc["rank"] = self.rank
@@ -238,15 +264,18 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
     chunks: dict[str, ChunkInfo] = {}
     for h, c in raw_chunks.items():
         _check(is_chunk_hash(h), name, f"chunk name {h[:40]!r} is not a 32-digit hex hash")
-        _check(isinstance(c, list) and len(c) == 3 and _is_int(c[0], 0, MAX_CHUNK_BYTES)
-               and _is_int(c[1], 0, MAX_CHUNK_BYTES + 4096) and isinstance(c[2], str),
-               name, f"chunk {h} entry must be [size, stored, codec] within bounds")
+        _check(isinstance(c, list) and len(c) in (3, 4) and _is_int(c[0], 0, MAX_CHUNK_BYTES)
+               and _is_int(c[1], 0, MAX_CHUNK_BYTES + 4096) and isinstance(c[2], str)
+               and (len(c) == 3 or (isinstance(c[3], str) and is_chunk_hash(c[3]))),
+               name, f"chunk {h} entry must be [size, stored, codec] or [size, stored, codec, base] within bounds")
         codec, _, cver = c[2].partition("/")
         if codec not in CODEC_VERSIONS or not cver.isdigit() or len(cver) > 4 or int(cver) > CODEC_VERSIONS[codec]:
             raise IncompatibleFormatError(
                 f"{name}: chunk {h} uses codec {c[2][:40]!r}, which this ckpt ({__version__}) cannot decode; "
                 "upgrade ckpt")
-        chunks[h] = ChunkInfo(c[0], c[1], c[2])
+        _check((codec == "xor") == (len(c) == 4), name, f"chunk {h}: a delta (xor) and only a delta names a base")
+        chunks[h] = ChunkInfo(c[0], c[1], c[2], c[3] if len(c) == 4 else None)
+    _check_chains(chunks, name)
     tensors: list[TensorEntry] = []
     seen: set[tuple[str, int | None]] = set()  # (key, owning rank)
     raw_tensors: Any = doc.get("tensors")
@@ -299,11 +328,35 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
                     rank=rank, created=float(created), writer=writer, stats=stats, format_version=doc["format_version"])
 
 
+def _check_chains(chunks: dict[str, ChunkInfo], name: str) -> None:
+    """Every base is in the table and has its delta's size; chains end (no loop) within MAX_CHAIN links."""
+    depth: dict[str, int] = {}  # deltas between a chunk and the whole chunk its chain ends in
+    for h in chunks:
+        path: list[str] = []
+        on_path: set[str] = set()
+        x: str | None = h
+        while x is not None and x not in depth:
+            _check(x not in on_path, name, f"the delta chain of chunk {h} loops")
+            path.append(x)
+            on_path.add(x)
+            b = chunks[x].base
+            if b is not None:
+                _check(b in chunks, name, f"chunk {x} is a delta of {b}, which is not in the chunk table")
+                _check(chunks[b].size == chunks[x].size, name, f"chunk {x} is a delta of {b}, which has another size")
+            x = b
+        d = -1 if x is None else depth[x]
+        for p in reversed(path):
+            d += 1
+            depth[p] = d
+        _check(d <= MAX_CHAIN, name, f"the delta chain of chunk {h} is longer than {MAX_CHAIN}")
+
+
 # One parser per format version: a new version adds an entry instead of growing an if-chain.
 # Version 2 only adds optional fields (per-rank entries and nodes) that version 1 never wrote.
 # Version 3 only adds numpy values stored as raw bytes (tensor nodes with a numpy dtype string,
 # npscalar nodes with "b"), which a version-2 reader would hand back as bytes.
-_PARSERS = {1: _parse_v1, 2: _parse_v1, 3: _parse_v1}
+# Version 4 only adds the planes and xor codecs and the base of xor entries in the chunk table.
+_PARSERS = {1: _parse_v1, 2: _parse_v1, 3: _parse_v1, 4: _parse_v1}
 
 
 def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = frozenset()) -> Manifest:
@@ -343,7 +396,8 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
     # Version 1 readers load anything without per-rank parts (they refuse multi-shard tensors clearly).
     simple = all(t.rank is None for t in tensors) and not any(st.is_per_rank(v) for v in values)
     structure = st.dict_node(tops, values)
-    version = max(1 if simple else 2, st.newest_feature(structure))  # the lowest that holds it: older readers read it
+    version = max(1 if simple else 2, st.newest_feature(structure),  # the lowest that holds it: older readers read it
+                  4 if any(c.codec.split("/")[0] in ("planes", "xor") for c in chunks.values()) else 1)
     return Manifest(step=step, kind="step", structure=structure, tensors=tensors,
                     chunks=chunks, world_size=len(parts), stats=stats, format_version=version)
 

@@ -31,7 +31,14 @@ class Options:
         written and fsynced there first, then uploaded; restores read a chunk there when its hash
         matches.
     chunk_size: bytes per chunk (default 16 MiB); the unit of dedup, verification and partial reads.
-    codec: ``"auto"`` (zstd where it saves ≥8%, else raw), ``"raw"``, ``"zstd"`` or ``"zstd:<level>"``.
+    codec: ``"auto"`` (per chunk the smallest of raw, zstd, byte planes + zstd and an XOR delta
+        against the previous save, from a sample; raw where the disk is faster than encoding),
+        ``"raw"``, ``"zstd"`` or ``"grouped"`` (byte planes + zstd, always), the last two optionally
+        with a zstd level (``"zstd:3"``).
+    delta_chain: with ``codec="auto"``, the longest chain of chunks a load resolves: a chunk is a
+        delta of the one at its place in the previous save, at most ``delta_chain - 1`` deltas in
+        a row, then stored whole again (default 8). Deltas keep the previous save in a second host
+        buffer (memory: the state's size once more); ``1`` turns both off.
     busy: what a save does while the previous one is still writing from the host buffer: ``"wait"``
         for it, or ``"skip"`` this save (logged; the handle says ``skipped``).
     strict: default for ``load``: refuse keys missing on either side.
@@ -66,6 +73,7 @@ class Options:
     local_dir: str | None = None
     chunk_size: int = 16 * MiB
     codec: CodecSpec = field(default_factory=CodecSpec)
+    delta_chain: int = 8
     busy: Literal["wait", "skip"] = "wait"
     strict: bool = True
     allow_pickle: bool = False
@@ -93,6 +101,9 @@ class Options:
             raise ConfigError(f"unknown option(s) {unknown}; the options are "
                               f"{', '.join(f.name for f in dataclasses.fields(cls))}")
         o = dict(options)
+        dc = o.get("delta_chain", 8)
+        if type(dc) is not int or not 1 <= dc <= 64:
+            raise ConfigError(f"delta_chain must be an integer from 1 (no deltas) to 64, got {dc!r}")
         for name in ("keep_last", "keep_every", "io_threads", "snapshot_threads"):
             v = o.get(name)
             if v is not None and (type(v) is not int or v < 1):
@@ -140,6 +151,11 @@ class Options:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def deltas(self) -> bool:
+        """Whether saves may store chunks as deltas of the previous save (and keep it in memory)."""
+        return self.codec.name == "auto" and self.delta_chain > 1
 
     @property
     def threads(self) -> int:

@@ -70,6 +70,8 @@ class Snapshot:
     hashes: list[str | None] | None  # per chunk, when the compiled core hashed it during the copy
     cuda: CudaSnapshot | None  # the device-to-host copy still in flight, if any
     nonfinite: list[str]  # checked CPU tensors found holding NaN or Inf
+    generation: int = 0  # the buffer's generation holding this snapshot (the next snapshot into it changes it)
+    other: HostBuffer | None = None  # the other buffer of the pair (it holds the delta base, if any)
 
     def poisoned(self) -> list[str]:
         """Every checked tensor holding NaN or Inf, in state order; call after the CUDA copy is done."""
@@ -88,8 +90,12 @@ class Snapshotter:
     """
 
     def __init__(self, comm: Comm, chunk_size: int, native: bool = True, threads: int | None = None,
-                 check_finite: bool | str = True):
+                 check_finite: bool | str = True, pair: bool = False):
         self.comm = comm
+        # With deltas, two buffers take turns: the previous save's bytes stay in one (the base the
+        # writer XORs against) while the next snapshot goes into the other.
+        self.pair = pair
+        self.spare: HostBuffer | None = None
         self.check_finite = check_finite
         self.chunk_size = chunk_size
         self.native = native
@@ -114,7 +120,7 @@ class Snapshotter:
             if buf is not None:  # the structure changed: wait for the old buffer, then let it go
                 buf.acquire()
                 buf.release()
-            self.buffer = buf = None
+            self.buffer = self.spare = buf = None
             buf = HostBuffer(make_layout({k: flat.tensors[k] for k in share.write}, self.chunk_size),
                              native=self.native, threads=self.threads)
             self.buffer, self._signature, self._share = buf, sig, share
@@ -122,6 +128,13 @@ class Snapshotter:
             log.debug("ckpt: new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
                       self.comm.describe(), len(buf.layout.slots), len(buf.layout.chunks), buf.nbytes / 2**20,
                       buf.pinned)
+        elif self.pair:  # the previous snapshot stays where it is: this one goes into the other buffer
+            if self.spare is None:
+                self.spare = HostBuffer(buf.layout, native=self.native, threads=self.threads, lock_with=buf)
+                log.info("ckpt: a second host buffer of %.1f MiB keeps the previous save for delta encoding "
+                         "(delta_chain=1 turns deltas and this buffer off)", self.spare.nbytes / 2**20)
+            buf, self.spare = self.spare, buf
+            self.buffer = buf
         share = self._share
         check = finite_checked(state, flat, self.check_finite)
         buf.acquire()
@@ -131,7 +144,13 @@ class Snapshotter:
         except BaseException:
             buf.release()
             raise
-        return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad)
+        return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad,
+                        buf.generation, self.spare)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the snapshot buffers hold (both, with deltas)."""
+        return sum(b.nbytes for b in (self.buffer, self.spare) if b is not None)
 
     def adopt(self, other: Snapshotter) -> None:
         """Start from ``other``'s buffer and layout (both single-process): a save whose structure
@@ -139,6 +158,7 @@ class Snapshotter:
         if self.comm.world != 1 or other.comm.world != 1 or other.buffer is None:
             return
         self.buffer, self._signature, self._share = other.buffer, other._signature, other._share
+        self.spare = other.spare if self.pair else None
 
 
 def signature(flat: Flat) -> tuple:
@@ -211,13 +231,18 @@ class HostBuffer:
 
     ``native=False`` (or no compiled core) uses torch's copies and leaves hashing to the writer."""
 
-    def __init__(self, layout: BufferLayout, native: bool = True, threads: int | None = None):
+    def __init__(self, layout: BufferLayout, native: bool = True, threads: int | None = None,
+                 lock_with: HostBuffer | None = None):
         self.layout = layout
         pin = torch.cuda.is_available()
         self.pinned = pin
         self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-        self._free = threading.Event()
-        self._free.set()
+        self.generation = 0  # snapshots copied in so far
+        # A pair of buffers shares one lock: a save holds both (it reads the other as its base)
+        # until its chunks are durable.
+        self._free: threading.Event = lock_with._free if lock_with is not None else threading.Event()
+        if lock_with is None:
+            self._free.set()
         self.cpu_core = _ext.cpu() if native else None
         self.cuda_core = _ext.cuda() if native else None
         self.threads = threads or min(8, os.cpu_count() or 1)
@@ -261,6 +286,7 @@ class HostBuffer:
         the compiled core hashed it during the copy (else None: the writer hashes), and the checked
         CPU tensors holding NaN or Inf (the CUDA ones are known once the copy is done).
         ``guarded`` holds the data pointers of CUDA tensors an optimizer pre-step hook protects."""
+        self.generation += 1
         cpu_slots: list[tuple[TensorSlot, torch.Tensor]] = []
         cuda_slots: list[tuple[TensorSlot, torch.Tensor]] = []
         for slot in self.layout.slots:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from . import _ext
 from . import manifest as mf
 from ._tasks import run_all
-from .codec import HEADER_SIZE, CodecSpec, check_header, chunk_hash, encode, parse_header
+from .codec import HEADER_SIZE, Base, CodecSpec, Pace, check_header, chunk_hash, encode, parse_header
 from .errors import CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from .handle import SaveMetrics
 from .lease import Leases
@@ -41,6 +42,7 @@ class SaveJob:
     started: float  # time.perf_counter() of the save() call
     on_local: Callable[[], None] | None = None  # every chunk durable in the first tier (SaveHandle stage)
     created: list[str] = field(default_factory=list)  # chunks this save wrote where none was stored
+    hashes: list[str] = field(default_factory=list)  # per chunk of the buffer, once written
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,17 @@ class Writer:
     ``io`` is the thread pool the per-chunk work runs on; whoever owns it hands it over. ``leases``
     says whether this job may delete what a failed save alone wrote (no other writer is live)."""
 
-    def __init__(self, storage: Storage, codec: CodecSpec, io: Executor, leases: Leases | None = None):
+    def __init__(self, storage: Storage, codec: CodecSpec, io: Executor, leases: Leases | None = None,
+                 delta_chain: int = 1):
         self.storage = storage
         self.codec = codec
         self.io = io
         self.leases = leases
+        # Deltas: a chunk may be stored as the XOR of the chunk at its place in this rank's last
+        # committed save (still in the other host buffer), in chains of at most delta_chain chunks.
+        self.delta_chain = delta_chain if codec.name == "auto" else 1
+        self.pace = Pace()  # how fast the first tier takes bytes: auto stores raw where encoding is slower
+        self._base: tuple[HostBuffer, int, list[str]] | None = None  # (buffer, its generation, chunk hashes)
         # Chunks known to be durable in storage, with what the manifest needs to say about them.
         self.known: dict[str, mf.ChunkInfo] = {}
         self._loaded: dict[str, mf.ChunkInfo] = {}  # chunks of the step this process loaded (never deleted)
@@ -72,7 +80,7 @@ class Writer:
 
     # -- per chunk, on the I/O pool -------------------------------------------------------------
     def _put_chunk(self, job: SaveJob, data: memoryview, h: str | None, address: int,
-                   core: _ext.CpuCore | None) -> _Put:
+                   core: _ext.CpuCore | None, base: _BaseRef | None, width: int) -> _Put:
         if h is None and core is not None:  # not hashed during the snapshot (CUDA bytes)
             h = core.xxh3_128(address, len(data))  # releases the GIL; None for tiny chunks
         if h is None:
@@ -89,7 +97,7 @@ class Writer:
             return _Put(h, twin.result().info, "known")
         assert mine is not None
         try:
-            put = self._store(job, h, data)
+            put = self._store(job, h, data, base, width)
         except BaseException as e:
             mine.set_exception(e)
             raise
@@ -99,24 +107,30 @@ class Writer:
         mine.set_result(put)
         return put
 
-    def _store(self, job: SaveJob, h: str, data: memoryview) -> _Put:
-        found, damaged = self._probe(h, len(data))
+    def _store(self, job: SaveJob, h: str, data: memoryview, base: _BaseRef | None = None, width: int = 1,
+               again: bool = False) -> _Put:
+        """Write chunk ``h`` unless it is stored already (``again``: write it whole over whatever is there)."""
+        found, damaged = (None, True) if again else self._probe(h, len(data))
         if found is not None:
             with self._lock:
                 self.known[h] = found
             return _Put(h, found, "found")
-        codec, buffers = encode(data, h, self.codec)
+        b = base.resolve(self) if base is not None and base.digest != h else None
+        codec, buffers = encode(data, h, self.codec, width=width, base=b, pace=self.pace)
+        t0 = time.perf_counter()
         stored = self.storage.write(mf.chunk_key(h), buffers)
-        info = mf.ChunkInfo(len(data), stored, f"{codec}/1")
+        self.pace.wrote(stored, time.perf_counter() - t0)
+        info = mf.ChunkInfo(len(data), stored, f"{codec}/1", b.digest if codec == "xor" and b is not None else None)
         with self._lock:
             self.known[h] = info
             if not damaged:
                 job.created.append(h)  # nothing was stored under this name: this save alone wrote it
         return _Put(h, info, "written" if damaged else "created")
 
-    def _probe(self, h: str, size: int) -> tuple[mf.ChunkInfo | None, bool]:
-        """Is chunk ``h`` already stored (by an earlier run)? Read its header to describe it.
-        Returns (what is stored or None, whether a damaged copy is there)."""
+    def _probe(self, h: str, size: int, links: int = 0) -> tuple[mf.ChunkInfo | None, bool]:
+        """Is chunk ``h`` already stored (by an earlier run)? Read its header to describe it, and for
+        a delta its base's, down its chain. Returns (what is stored or None, whether a damaged copy,
+        or a delta whose chain is broken, is there: then a whole copy is written over it)."""
         key = mf.chunk_key(h)
         try:
             hdr = parse_header(self.storage.read(key, 0, HEADER_SIZE), name=key)
@@ -126,30 +140,66 @@ class Writer:
             return None, False
         except CorruptCheckpointError:
             return None, True  # a damaged copy: write a good one over it
-        return mf.ChunkInfo(size, stored, f"{hdr.codec}/1"), False
+        if hdr.base is not None:
+            with self._lock:
+                have = hdr.base in self.known
+            if not have:
+                found = self._probe(hdr.base, size, links + 1)[0] if links < mf.MAX_CHAIN else None
+                if found is None:
+                    return None, True
+                with self._lock:
+                    self.known[hdr.base] = found
+        return mf.ChunkInfo(size, stored, f"{hdr.codec}/1", hdr.base), False
+
+    def _table(self, puts: list[_Put]) -> tuple[dict[str, mf.ChunkInfo], set[str]]:
+        """The chunk table of a rank report: the chunks written or reused and every base their chains
+        need; and the bases this writer no longer knows (so cannot vouch for)."""
+        table = {p.hash: p.info for p in puts}
+        unknown: set[str] = set()
+        todo = [i.base for i in table.values() if i.base is not None]
+        with self._lock:
+            while todo:
+                b = todo.pop()
+                if b in table or b in unknown:
+                    continue
+                info = self.known.get(b)
+                if info is None:
+                    unknown.add(b)
+                    continue
+                table[b] = info
+                if info.base is not None:
+                    todo.append(info.base)
+        return table, unknown
 
     def _restore_missing(self, job: SaveJob, puts: list[_Put], buf: HostBuffer) -> None:
-        """Chunks taken from the dedup table must still be stored: another process may have deleted
-        them before this job held its lease (or one that keeps no lease: a bucket lifecycle rule, an
-        operator), or a local tier may hold a copy its remote lost. Write back any that are gone,
-        from the buffer, while it is still held."""
-        known = [(i, p) for i, p in enumerate(puts) if p.how == "known"]
-        gone = [ip for ip, ok in zip(known, run_all(self.io, lambda ip: self.storage.exists(mf.chunk_key(ip[1].hash)),
-                                                    known)) if not ok]
+        """Chunks taken from the dedup table, and the bases of deltas, must still be stored: another
+        process may have deleted them before this job held its lease (or one that keeps no lease: a
+        bucket lifecycle rule, an operator), or a local tier may hold a copy its remote lost. Every
+        chunk of the buffer that is gone, or whose chain needs a chunk that is gone, is written again,
+        whole, from the buffer while it is still held."""
+        table, gone = self._table(puts)
+        fresh = {p.hash for p in puts if p.how != "known"}  # written or probed by this save
+        check = [h for h in table if h not in fresh]
+        gone |= {h for h, ok in zip(check, run_all(self.io, lambda h: self.storage.exists(mf.chunk_key(h)), check))
+                 if not ok}
         if not gone:
             return
-        log.warning("ckpt: %d chunk(s) this save reuses had been deleted by another process; writing them again",
-                    len(gone))
+        log.warning("ckpt: %d chunk(s) this save needs (reused ones, or bases of its deltas) had been deleted by "
+                    "another process; writing the chunks that need them again, whole", len(gone))
+        with self._lock:
+            for h in gone:
+                self.known.pop(h, None)
         layout = buf.layout
-        seen: set[str] = set()
-        for i, p in gone:
-            if p.hash in seen:
-                continue
-            seen.add(p.hash)
-            c = layout.chunks[i]
-            with self._lock:
-                self.known.pop(p.hash, None)
-            puts[i] = self._store(job, p.hash, buf.view(c.offset, c.length))
+        again: dict[str, _Put] = {}
+        for i, p in enumerate(puts):
+            if p.hash in again:
+                puts[i] = again[p.hash]
+            elif any(x in gone for x in _chain_of(table, p.hash)):
+                c = layout.chunks[i]
+                with self._lock:
+                    self.known.pop(p.hash, None)
+                puts[i] = again[p.hash] = self._store(job, p.hash, buf.view(c.offset, c.length), None, c.width,
+                                                      again=True)
 
     def _check_not_committed(self, step: int) -> None:
         if self.storage.exists(mf.manifest_key(step)):
@@ -176,10 +226,13 @@ class Writer:
                 _refuse_poison(job.step, rank, snap.poisoned())
                 snap_hashes = snap.hashes or [None] * len(layout.chunks)
                 job.created = []
+                bases = self._bases(snap)
                 puts = run_all(self.io, lambda ch: self._put_chunk(job, buf.view(ch[0].offset, ch[0].length), ch[1],
-                                                                   buf.address(ch[0].offset), buf.cpu_core),
-                               list(zip(layout.chunks, snap_hashes)))
+                                                                   buf.address(ch[0].offset), buf.cpu_core, ch[2],
+                                                                   ch[0].width),
+                               list(zip(layout.chunks, snap_hashes, bases)))
                 self._restore_missing(job, puts, buf)
+                job.hashes = [p.hash for p in puts]
             finally:
                 buf.release()
             self.storage.flush()
@@ -193,11 +246,26 @@ class Writer:
             self.discard(job)
             raise
 
+    def _bases(self, snap: Snapshot) -> list[_BaseRef | None]:
+        """Per chunk of the snapshot's buffer, the chunk at its place in this rank's last committed
+        save, where the other buffer of the pair still holds it (deltas are on and nothing has
+        been copied over it since)."""
+        layout = snap.buffer.layout
+        base = self._base
+        if (base is None or self.delta_chain < 2 or snap.other is not base[0] or base[0].generation != base[1]
+                or base[0].layout is not layout):
+            return [None] * len(layout.chunks)
+        buf, _, hashes = base
+        return [_BaseRef(buf.view(c.offset, c.length), h) for c, h in zip(layout.chunks, hashes)]
+
     def _report(self, job: SaveJob, rank: int, puts: list[_Put]) -> mf.Manifest:
         m, snap = job.metrics, job.snapshot
         layout = snap.buffer.layout
         hashes = [p.hash for p in puts]
-        chunk_table = {p.hash: p.info for p in puts}
+        chunk_table, unknown = self._table(puts)
+        if unknown:  # _restore_missing rewrote every chunk whose chain it could not vouch for
+            raise CorruptCheckpointError(f"step {job.step}: delta base(s) {sorted(unknown)[:3]} are unknown to the "
+                                         "writer; not committing a step that could not be loaded")
         new = {p.hash: p.info for p in puts if p.how in ("written", "created")}
         m.chunks = len(chunk_table)
         m.chunks_written = len(new)
@@ -211,8 +279,9 @@ class Writer:
             (offs, lens), owner = leaf.box, (rank if leaf.kind == "rank" else None)
             tensors.append(mf.TensorEntry(slot.key, dtype_name(slot.dtype), list(leaf.global_shape), [
                 mf.Shard(rank, list(offs), list(lens), segs)], owner))
+        m.chunks_delta = sum(1 for info in new.values() if info.base is not None)
         stats = {"raw_bytes": m.raw_bytes, "written_bytes": m.written_bytes, "chunks": m.chunks,
-                 "chunks_written": m.chunks_written, "chunks_reused": m.chunks_reused}
+                 "chunks_written": m.chunks_written, "chunks_reused": m.chunks_reused, "chunks_delta": m.chunks_delta}
         return mf.Manifest(step=job.step, kind="rank", rank=rank, structure=job.structure, tensors=tensors,
                            chunks=chunk_table, stats=stats)
 
@@ -260,14 +329,45 @@ class Writer:
             self._loaded = dict(chunks)
             self.known.update(chunks)
 
-    def settle(self, committed: mf.Manifest | None) -> None:
+    def settle(self, committed: mf.Manifest | None, job: SaveJob | None = None) -> None:
         """After a save's decision: trust only the chunks of the loaded step and of this rank's last
-        committed part (``committed``, when this save committed). Retention, on this rank or the
-        coordinator, may delete anything else before the next save."""
+        committed part (``committed``, when this save committed: its buffer becomes the base of the
+        next save's deltas). Retention, on this rank or the coordinator, may delete anything else
+        before the next save."""
         with self._lock:
             if committed is not None:
                 self._committed = dict(committed.chunks)
+                if job is not None and len(job.hashes) == len(job.snapshot.buffer.layout.chunks):
+                    self._base = (job.snapshot.buffer, job.snapshot.generation, list(job.hashes))
             self.known = {**self._loaded, **self._committed}
+
+
+@dataclass(frozen=True)
+class _BaseRef:
+    """Where a chunk's base is: its bytes in the other host buffer, and its hash."""
+
+    view: memoryview
+    digest: str
+
+    def resolve(self, writer: Writer) -> Base | None:
+        """The base, if it is known to be stored and a delta on it keeps the chain within delta_chain."""
+        with writer._lock:
+            links = _chain_of(writer.known, self.digest)
+        whole = bool(links) and writer.known.get(links[-1]) is not None
+        return Base(self.view, self.digest) if whole and len(links) < writer.delta_chain else None
+
+
+def _chain_of(table: dict[str, mf.ChunkInfo], h: str) -> list[str]:
+    """``h`` and its bases as far as ``table`` knows them (empty if ``h`` is not in it); a link
+    ``table`` does not hold ends the list."""
+    out: list[str] = []
+    cur: str | None = h
+    while cur is not None and len(out) <= mf.MAX_CHAIN:
+        out.append(cur)
+        if cur not in table:
+            break
+        cur = table[cur].base
+    return out
 
 
 def _refuse_poison(step: int, rank: int, bad: list[str]) -> None:

@@ -100,10 +100,12 @@ def test_dedup_writes_only_changed_chunks(ckdir):
 
 def test_codecs(ckdir, tmp_path):
     compressible = {"z": torch.zeros(1 << 20), "ramp": torch.arange(1 << 18, dtype=torch.int64)}
-    noise = {"n": torch.randn(1 << 20)}
-    for codec, state, expect in [("zstd", compressible, "zstd/1"), ("auto", compressible, "zstd/1"),
+    noise = {"n": torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)}  # random bytes: nothing compresses
+    gauss = {"g": torch.randn(1 << 20)}  # only the sign/exponent byte plane of a float32 compresses
+    for codec, state, expect in [("zstd", compressible, "zstd/1"), ("auto", compressible, "planes/1"),
                                  ("raw", compressible, "raw/1"), ("auto", noise, "raw/1"),
-                                 ("zstd:5", compressible, "zstd/1")]:
+                                 ("zstd:5", compressible, "zstd/1"), ("auto", gauss, "planes/1"),
+                                 ("grouped", gauss, "planes/1"), ("grouped:3", noise, "raw/1")]:
         d = str(tmp_path / f"{codec}-{expect}-{len(state)}")
         with ckpt.Checkpointer(d, codec=codec) as c:
             m = c.save(0, state).wait()
@@ -192,16 +194,19 @@ def test_plan_is_reused_and_rebuilt_when_the_structure_changes(ckdir):
     c.save(0, state).wait()  # before the first step the optimizer holds no tensors
     buf0 = c._snapshots.buffer
     c.save(1, state).wait()
-    assert c._snapshots.buffer is buf0 and c.layouts_made == 1  # same structure: same layout, same buffer
+    # same structure: same layout; with deltas the two buffers take turns (the other keeps save 0)
+    assert c.layouts_made == 1 and c._snapshots.spare is buf0 and c._snapshots.buffer.layout is buf0.layout
+    c.save(2, state).wait()
+    assert c._snapshots.buffer is buf0 and c.layouts_made == 1
     model(torch.randn(4, 32)).sum().backward()
     opt.step()  # now exp_avg / exp_avg_sq / step exist: a new structure
     want = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
-    c.save(2, state).wait()
+    c.save(3, state).wait()
     assert c.layouts_made == 2 and len(c._snapshots.buffer.layout.slots) > len(buf0.layout.slots)
     c.close()
     fresh_model = torch.nn.Linear(32, 32)
     fresh = {"model": fresh_model, "optim": torch.optim.Adam(fresh_model.parameters())}
-    ckpt.Checkpointer(ckdir).load(2, fresh)
+    ckpt.Checkpointer(ckdir).load(3, fresh)
     got = fresh["optim"].state_dict()["state"][0]
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert ckpt.Checkpointer(ckdir).load(0, {"model": torch.nn.Linear(32, 32),

@@ -27,7 +27,9 @@ def _save_steps(ckdir, steps=(1, 2), **kw):
 
 
 def _chunks_of(ckdir, step):
-    return sorted(ckpt.Checkpointer(ckdir).manifest(step).chunks)
+    """The chunks holding the step's tensors (not the delta bases its table also lists)."""
+    m = ckpt.Checkpointer(ckdir).manifest(step)
+    return sorted({g.chunk for t in m.tensors for s in t.shards for g in s.segments})
 
 
 def _chunk_path(ckdir, h):

@@ -1,0 +1,115 @@
+"""Reading chunks that may be deltas: a delta chunk (codec ``xor``) is decoded from its base's raw
+bytes, so reading it means reading its chain, down to the chunk stored whole.
+
+A manifest's chunk table names every base (``ChunkInfo.base``) and :func:`ckpt.manifest.parse` has
+checked the chains end within ``MAX_CHAIN`` links; here each link's header must agree with the table
+(or say the chunk is stored whole: a copy written again whole ends the chain early), and every link is
+verified by its own hash as it is decoded. Reads stay bounded by what the table declares: at most
+the chain's stored sizes, one chain at a time per thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import manifest as mf
+from .codec import HEADER_SIZE, Base, decode, parse_header
+from .errors import CorruptCheckpointError
+from .storage import Storage
+
+
+def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None) -> bytes | bytearray:
+    """Chunk ``h``'s stored object, never more than its table entry's size. A missing object is damage."""
+    info = chunks[h]
+    key = mf.chunk_key(h)
+    try:
+        blob = storage.read_object(key, info.stored)
+    except FileNotFoundError as e:
+        whose = f" referenced by step {step}" if step is not None else ""
+        raise CorruptCheckpointError(f"chunk object {key}{whose} is missing from {storage.describe()} ({e}); "
+                                     "the step is damaged", object=key, chunk=h) from None
+    if len(blob) > info.stored:
+        raise CorruptCheckpointError(
+            f"chunk object {key} is larger than the {info.stored} bytes its manifest entry says; it is damaged",
+            object=key, chunk=h)
+    return blob
+
+
+def decode_link(blob, chunks: dict[str, mf.ChunkInfo], h: str, base: Base | None) -> memoryview:
+    """Check and decode one stored chunk; a delta's ``base`` must be the verified raw of the base its
+    header names, which must be the one the table names."""
+    return decode(blob, name=mf.chunk_key(h), expect_hash=h, expect_len=chunks[h].size, base=base)
+
+
+def base_of(blob, chunks: dict[str, mf.ChunkInfo], h: str) -> str | None:
+    """The base chunk ``h``'s stored header names (None: stored whole), checked against the table."""
+    key = mf.chunk_key(h)
+    hdr = parse_header(memoryview(blob)[:HEADER_SIZE], name=key)
+    if hdr.base is not None and hdr.base != chunks[h].base:
+        raise CorruptCheckpointError(
+            f"chunk object {key} is a delta of {hdr.base}, its manifest entry says "
+            f"{chunks[h].base or 'it is stored whole'}; it is damaged", object=key, chunk=h)
+    return hdr.base
+
+
+def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None = None,
+            blob: bytes | bytearray | None = None) -> tuple[memoryview, int]:
+    """The raw bytes of chunk ``h`` (its chain read and every link verified) and the bytes read.
+    ``blob`` is ``h``'s object when the caller has read it already."""
+    blobs = [(h, blob if blob is not None else read_object(storage, chunks, h, step))]
+    read = len(blobs[0][1]) if blob is None else 0
+    limit = len(mf.chain(chunks, h))
+    while (b := base_of(blobs[-1][1], chunks, blobs[-1][0])) is not None:
+        if len(blobs) >= limit:  # cannot happen with a checked table; never loop on a bad one
+            raise CorruptCheckpointError(f"the delta chain of chunk {h} is longer than its manifest says",
+                                         object=mf.chunk_key(h), chunk=h)
+        blobs.append((b, read_object(storage, chunks, b, step)))
+        read += len(blobs[-1][1])
+    raw: memoryview | None = None
+    prev = None
+    for x, data in reversed(blobs):
+        raw = decode_link(data, chunks, x, Base(raw, prev) if raw is not None and prev is not None else None)
+        prev = x
+    assert raw is not None
+    return raw, read
+
+
+def trees(chunks: dict[str, mf.ChunkInfo], hashes) -> tuple[list[str], dict[str, list[str]]]:
+    """The chunks ``hashes`` (a closed set: every base included) as trees: the chunks stored whole
+    (roots) and, per chunk, the deltas made on it."""
+    roots: list[str] = []
+    children: dict[str, list[str]] = {}
+    for h in hashes:
+        b = chunks[h].base
+        if b is None:
+            roots.append(h)
+        else:
+            children.setdefault(b, []).append(h)
+    return roots, children
+
+
+def walk(storage: Storage, chunks: dict[str, mf.ChunkInfo], root: str, children: dict[str, list[str]],
+         visit: Callable[[str, int, CorruptCheckpointError | Exception | None], None]) -> None:
+    """Read and verify ``root`` and every delta made on it, depth first (memory: one raw chunk per
+    level), calling ``visit(hash, bytes read, error or None)`` for each. A delta whose base failed
+    is reported with that failure (it cannot be decoded)."""
+    stack: list[tuple[str, Base | None, Exception | None]] = [(root, None, None)]
+    while stack:
+        h, base, inherited = stack.pop()
+        if inherited is not None:
+            visit(h, 0, CorruptCheckpointError(f"chunk {h} cannot be decoded: its base is damaged ({inherited})",
+                                               object=mf.chunk_key(h), chunk=h))
+            err: Exception | None = inherited
+            raw = None
+        else:
+            n = 0
+            try:
+                blob = read_object(storage, chunks, h, None)
+                n = len(blob)
+                raw = decode_link(blob, chunks, h, base if base_of(blob, chunks, h) is not None else None)
+                err = None
+            except Exception as e:  # reported per chunk; the walk goes on
+                raw, err = None, e
+            visit(h, n, err)
+        for c in children.get(h, ()):
+            stack.append((c, Base(raw, h) if raw is not None else None, err))

@@ -1,0 +1,349 @@
+"""The delta codecs (issue 12): byte planes and XOR against the previous save, chosen per chunk;
+chains that stay bounded, load bit-exact (every link verified), survive retention, gc and deletes
+by others; the compiled core and numpy write the same bytes; unknown codecs are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt
+from ckpt import CorruptCheckpointError, IncompatibleFormatError, cli, codec
+from ckpt import manifest as mf
+from ckpt.codec import Base, CodecSpec, Pace, chunk_hash, encode, verify_object
+
+CHUNK = 64 * 1024
+
+
+def training(saves: int, seed: int = 0):
+    """States like a training run's: an embedding table with a few rows updated per step (sparse),
+    dense weights that change a little everywhere, a frozen block, a step counter."""
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(4096, 64, generator=g)  # 1 MiB
+    dense = torch.randn(128 * 1024, generator=g)  # 512 KiB
+    frozen = torch.randn(64 * 1024, generator=g).to(torch.bfloat16)
+    for s in range(saves):
+        rows = torch.randint(0, 4096, (20,), generator=g)
+        emb[rows] += 0.01 * torch.randn(20, 64, generator=g)
+        dense.mul_(0.9995).add_(torch.randn(dense.shape, generator=g), alpha=1e-4)
+        yield s, {"emb": emb.clone(), "dense": dense.clone(), "frozen": frozen.clone(), "step": s}
+
+
+def empty_like(state: dict) -> dict:
+    return {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in state.items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def data_chunks(m: mf.Manifest, key: str | None = None) -> set[str]:
+    return {g.chunk for t in m.tensors if key in (None, t.key) for s in t.shards for g in s.segments}
+
+
+def save_run(root: str, saves: int, **kw) -> dict[int, dict]:
+    states = {}
+    with ckpt.Checkpointer(root, chunk_size=CHUNK, **kw) as c:
+        for s, state in training(saves):
+            c.save(s, state).wait()
+            states[s] = state
+    return states
+
+
+def test_sparse_and_frozen_state_is_stored_as_small_deltas_in_bounded_chains(tmp_path):
+    root = str(tmp_path / "ck")
+    states: dict[int, dict] = {}
+    written = {}
+    with ckpt.Checkpointer(root, chunk_size=CHUNK, delta_chain=4) as c:
+        for s, state in training(10):
+            written[s] = c.save(s, state).wait()
+            states[s] = state
+        assert c._snapshots.spare is not None  # the previous save stays in the second buffer
+    first = written[0].written_bytes
+    longest, whole_again, prev = 0, 0, set()
+    for s in range(1, 10):
+        m = ckpt.Checkpointer(root).manifest(s)
+        emb = data_chunks(m, "emb")
+        new = emb - prev
+        prev = emb
+        # a chain is at most 4 chunks: a chunk changed a 4th time in a row is stored whole again
+        longest = max(longest, max(len(mf.chain(m.chunks, h)) for h in m.chunks))
+        assert longest <= 4
+        whole_again += sum(1 for h in new if m.chunks[h].base is None)
+        deltas = {h for h in new if m.chunks[h].codec == "xor/1"}
+        assert len(deltas) >= len(new) // 2, s
+        # 20 of 4096 rows changed: a delta is a few percent of its chunk
+        assert sum(m.chunks[h].stored for h in deltas) < 0.1 * CHUNK * len(deltas), s
+        assert written[s].written_bytes < 0.5 * first and written[s].chunks_delta == len(deltas | {
+            h for h in data_chunks(m, "dense") if m.chunks[h].codec == "xor/1" and h not in
+            data_chunks(ckpt.Checkpointer(root).manifest(s - 1))})
+    assert longest == 4 and whole_again > 0
+    with ckpt.Checkpointer(root) as c:
+        for s in range(10):
+            got = empty_like(states[s])
+            assert c.load(s, got) == s
+            assert same(got, states[s]), s
+    assert cli.main(["verify", root, "--all"]) == 0
+
+
+def test_deltas_off_with_delta_chain_1_or_another_codec(tmp_path):
+    for kw in ({"delta_chain": 1}, {"codec": "zstd"}, {"codec": "grouped"}, {"codec": "raw"}):
+        root = str(tmp_path / json.dumps(kw).replace('"', "").replace(" ", ""))
+        with ckpt.Checkpointer(root, chunk_size=CHUNK, **kw) as c:
+            for s, state in training(3):
+                c.save(s, state).wait()
+            assert c._snapshots.spare is None  # one host buffer
+        m = ckpt.Checkpointer(root).manifest(2)
+        assert all(i.base is None and i.codec != "xor/1" for i in m.chunks.values()), kw
+        assert m.format_version == (4 if kw.get("codec") in (None, "grouped") else 1), kw
+
+
+def test_keep_last_keeps_the_bases_of_kept_steps_and_gc_removes_only_the_rest(tmp_path):
+    root = str(tmp_path / "ck")
+    states = save_run(root, 10, keep_last=2, delta_chain=8)
+    with ckpt.Checkpointer(root) as c:
+        assert c.steps() == [8, 9]
+        tables = [c.manifest(s).chunks for s in (8, 9)]
+        assert any(i.base is not None for i in tables[1].values())
+        # bases from steps retention deleted are still listed, and stored
+        needed = set(tables[0]) | set(tables[1])
+        assert needed - data_chunks(c.manifest(8)) - data_chunks(c.manifest(9))
+        on_disk = {f for _, _, fs in os.walk(os.path.join(root, "chunks")) for f in fs}
+        assert on_disk == needed
+        for s in (8, 9):
+            got = empty_like(states[s])
+            c.load(s, got)
+            assert same(got, states[s])
+    assert cli.main(["gc", root, "--grace", "0"]) == 0
+    assert {f for _, _, fs in os.walk(os.path.join(root, "chunks")) for f in fs} == needed
+    assert cli.main(["verify", root, "--all"]) == 0
+
+
+def _retention_killed_after(root: str, kill_after: int) -> int:
+    """Run retention (keep the newest 2) on ``root`` in a forked child that SIGKILLs itself before
+    delete number ``kill_after + 1``; returns the child's wait status (0: it finished)."""
+    from ckpt.manifest import ManifestCache, committed_steps
+    from ckpt.retention import delete_steps, to_delete
+    from ckpt.storage import open_storage
+
+    pid = os.fork()
+    if pid == 0:  # the child: a real kill, between two deletes
+        try:
+            st = open_storage(root)
+            count = [0]
+            orig = st.delete
+
+            def counted(key: str) -> None:
+                count[0] += 1
+                if count[0] > kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                orig(key)
+            st.delete = counted  # type: ignore[method-assign]
+            steps = committed_steps(st)
+            victims = to_delete(steps, 2, ())
+            delete_steps(st, ManifestCache(st), victims, [s for s in steps if s not in victims],
+                         lambda keys: [st.delete(k) for k in keys])
+        finally:
+            os._exit(0)
+    return os.waitpid(pid, 0)[1]
+
+
+def test_retention_killed_at_every_delete_count_leaves_every_committed_step_loadable(tmp_path):
+    made = str(tmp_path / "made")
+    states = save_run(made, 4, delta_chain=2)  # chains restart at save 2: saves 0 and 1 can go
+    kill_after, finished = 0, False
+    while not finished:
+        root = str(tmp_path / f"k{kill_after}")
+        shutil.copytree(made, root)
+        status = _retention_killed_after(root, kill_after)
+        assert status in (0, signal.SIGKILL), status
+        finished = status == 0
+        with ckpt.Checkpointer(root) as c:
+            steps = c.steps()
+            assert {2, 3} <= set(steps)
+            for s in steps:
+                got = empty_like(states[s])
+                c.load(s, got)
+                assert same(got, states[s]), (kill_after, s)
+        kill_after += 1
+    assert kill_after > 5  # it was killed after every one of its deletes before it could finish
+    chunks = [sum(len(fs) for _, _, fs in os.walk(os.path.join(d, "chunks"))) for d in (made, root)]
+    assert chunks[1] < chunks[0]  # and it deleted chunks (not only the manifests of the steps it removed)
+
+
+def test_a_partial_load_reads_only_the_chunks_it_needs_and_their_bases(tmp_path):
+    root = str(tmp_path / "ck")
+    states = save_run(root, 4)
+    with ckpt.Checkpointer(root) as c:
+        m = c.manifest(3)
+        got = {"emb": torch.empty(4096, 64)}
+        c.load(3, got, strict=False)
+        assert torch.equal(got["emb"], states[3]["emb"])
+        emb = data_chunks(m, "emb")
+        assert set(c.last_load.chunks) == emb
+        links = mf.closure(m.chunks, emb)
+        assert len(links) > len(emb)  # it had to read bases
+        assert c.last_load.bytes_read == sum(i.stored for i in links.values())
+
+
+def test_a_base_deleted_by_another_process_is_written_again_whole(tmp_path):
+    root = str(tmp_path / "ck")
+    states = {}
+    with ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
+        gen = training(4)
+        for _ in range(2):
+            s, state = next(gen)
+            c.save(s, state).wait()
+            states[s] = state
+        m1 = c.manifest(1)
+        gone = sorted({i.base for i in m1.chunks.values() if i.base is not None})
+        assert gone
+        for h in gone:  # e.g. a bucket lifecycle rule
+            os.unlink(os.path.join(root, mf.chunk_key(h)))
+        s, state = next(gen)
+        c.save(s, state).wait()
+        states[s] = state
+        m2 = c.manifest(2)
+        assert not set(gone) & set(m2.chunks)
+    with ckpt.Checkpointer(root) as c:
+        got = empty_like(states[2])
+        c.load(2, got)
+        assert same(got, states[2])
+    assert cli.main(["verify", root, "--step", "2"]) == 0
+
+
+def test_verify_names_a_damaged_base_and_every_step_and_delta_it_breaks(tmp_path, capsys):
+    root = str(tmp_path / "ck")
+    save_run(root, 3)
+    m2 = ckpt.Checkpointer(root).manifest(2)
+    delta = next(h for h in sorted(data_chunks(m2, "emb")) if m2.chunks[h].codec == "xor/1")
+    base = mf.chain(m2.chunks, delta)[-1]
+    path = os.path.join(root, mf.chunk_key(base))
+    blob = bytearray(open(path, "rb").read())
+    blob[-100] ^= 0x40
+    open(path, "wb").write(bytes(blob))
+    capsys.readouterr()
+    assert cli.main(["verify", root, "--all", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    named = {p["chunk"]: p for p in doc["problems"]}
+    assert base in named and delta in named
+    holding = [s for s in range(3) if delta in ckpt.Checkpointer(root).manifest(s).chunks]
+    assert named[delta]["steps"] == holding and "base is damaged" in named[delta]["message"]
+    assert named[base]["steps"] == [0, 1, 2]  # the whole chunk of save 0 is every step's base
+    with pytest.raises(CorruptCheckpointError):
+        ckpt.Checkpointer(root).load(2, {"emb": torch.empty(4096, 64)}, strict=False)
+
+
+def test_inspect_ls_and_export_understand_deltas(tmp_path, capsys):
+    root = str(tmp_path / "ck")
+    states = save_run(root, 3)
+    capsys.readouterr()
+    assert cli.main(["inspect", root, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    emb = next(t for t in doc["detail"]["tensors"] if t["key"] == "emb")
+    assert "xor/1" in emb["codecs"] and emb["base_steps"] == [1] and emb["chain"] == 3 and emb["ratio"] > 4
+    frozen = next(t for t in doc["detail"]["tensors"] if t["key"] == "frozen")
+    assert frozen["reused_chunks"] == frozen["chunks"]  # unchanged: the same chunks as before, nothing new
+    assert cli.main(["inspect", root]) == 0
+    text = capsys.readouterr().out
+    assert "xor" in text and "chain" in text
+    assert cli.main(["ls", root, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert steps[2]["new_bytes"] < 0.5 * steps[0]["new_bytes"]  # bytes stored by each step
+    out = str(tmp_path / "s2.pt")
+    assert cli.main(["export", root, "--step", "2", "--to", out]) == 0
+    exported = torch.load(out, weights_only=True)
+    assert torch.equal(exported["emb"], states[2]["emb"]) and torch.equal(exported["dense"], states[2]["dense"])
+
+
+# -- the codecs themselves ---------------------------------------------------------------------------
+
+def _chunk(n: int, dtype=torch.float32, seed: int = 0) -> memoryview:
+    t = torch.randn(n // torch.tensor([], dtype=dtype).element_size(), generator=torch.Generator().manual_seed(seed))
+    return memoryview(t.to(dtype).numpy().view(np.uint8) if dtype != torch.bfloat16 else
+                      t.to(dtype).view(torch.uint8).numpy()).cast("B")
+
+
+@pytest.mark.parametrize("n", [5000, 65536 + 3, 1 << 20])
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 8])
+def test_compiled_core_and_numpy_write_the_same_bytes(monkeypatch, n, width):
+    raw = _chunk(n)
+    near = bytearray(raw)
+    near[::97] = bytes(len(near[::97]))  # a related chunk: some bytes differ
+    base = Base(memoryview(bytes(near)), chunk_hash(near))
+    h = chunk_hash(raw)
+    outs = []
+    for disabled in ("", "1"):
+        monkeypatch.setenv("CKPT_NO_EXT", disabled)
+        encs = [encode(raw, h, CodecSpec(name), width=width, base=base) for name in ("grouped", "auto")]
+        g = codec.group(raw, base.raw, width)
+        back = codec.ungroup(g, base.raw, width, np.empty(len(raw), np.uint8))
+        assert bytes(back) == bytes(raw)
+        outs.append([b"".join(bytes(b) for b in e[1]) for e in encs] + [g.tobytes()])
+        for (name, _), blob in zip(encs, outs[-1]):
+            assert bytes(codec.decode(blob, name="x", expect_hash=h, base=base)) == bytes(raw), name
+    assert outs[0] == outs[1]
+
+
+def test_auto_picks_xor_where_it_pays_and_refuses_bad_deltas():
+    base_t = torch.randn(1 << 18)
+    new_t = base_t.clone()
+    new_t[::1000] += 1.0
+    raw, braw = (memoryview(t.numpy().view(np.uint8)).cast("B") for t in (new_t, base_t))
+    h, bh = chunk_hash(raw), chunk_hash(braw)
+    name, bufs = encode(raw, h, CodecSpec("auto"), width=4, base=Base(braw, bh))
+    blob = b"".join(bytes(b) for b in bufs)
+    assert name == "xor" and len(blob) < 0.05 * len(raw)
+    assert bytes(codec.decode(blob, name="x", expect_hash=h, base=Base(braw, bh))) == bytes(raw)
+    verify_object(f"chunks/{h[:2]}/{h}", [memoryview(blob)])  # a tier's check needs no base
+    other = Base(memoryview(bytes(len(raw))), "0" * 32)
+    with pytest.raises(CorruptCheckpointError, match="base"):
+        codec.decode(blob, name="x", expect_hash=h, base=other)
+    bad = bytearray(blob)
+    bad[-3] ^= 1
+    with pytest.raises(CorruptCheckpointError, match="payload check"):
+        verify_object(f"chunks/{h[:2]}/{h}", [memoryview(bytes(bad))])
+    # unrelated data: no delta; random bytes: raw
+    noise = memoryview(np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)).cast("B")
+    assert encode(noise, chunk_hash(noise), CodecSpec("auto"), width=4, base=None)[0] == "raw"
+
+
+def test_auto_stores_raw_where_the_disk_is_faster_than_encoding():
+    raw = _chunk(1 << 20)
+    h = chunk_hash(raw)
+    assert encode(raw, h, CodecSpec("auto"), width=4, pace=Pace())[0] == "planes"  # not measured yet
+    fast = Pace()
+    fast.wrote(1 << 30, 0.01)  # 100 GiB/s: writing raw is faster than any encoding
+    assert encode(raw, h, CodecSpec("auto"), width=4, pace=fast)[0] == "raw"
+    slow = Pace()
+    slow.wrote(1 << 20, 1.0)  # 1 MiB/s: every byte saved pays
+    assert encode(raw, h, CodecSpec("auto"), width=4, pace=slow)[0] == "planes"
+
+
+def test_unknown_codecs_and_formats_are_refused_clearly(tmp_path):
+    raw = _chunk(1 << 16)
+    h = chunk_hash(raw)
+    blob = bytearray(b"".join(bytes(b) for b in encode(raw, h, CodecSpec("grouped"), width=4)[1]))
+    blob[10] = 9  # a codec id from a newer ckpt
+    with pytest.raises(IncompatibleFormatError, match="codec id 9"):
+        codec.decode(bytes(blob), name="x", expect_hash=h)
+    root = str(tmp_path / "ck")
+    save_run(root, 2)
+    path = os.path.join(root, mf.manifest_key(1))
+    doc = json.load(open(path))
+    assert doc["format_version"] == 4
+    h1 = next(k for k, v in doc["chunks"].items() if v[2] == "xor/1")
+    for change, error in ((lambda d: d["chunks"][h1].__setitem__(2, "xor/2"), IncompatibleFormatError),
+                          (lambda d: d.__setitem__("format_version", 5), IncompatibleFormatError),
+                          (lambda d: d["chunks"][h1].__setitem__(3, h1), CorruptCheckpointError),  # loops
+                          (lambda d: d["chunks"][h1].__setitem__(3, "e" * 32), CorruptCheckpointError)):
+        d = json.loads(json.dumps(doc))
+        change(d)
+        with pytest.raises(error):
+            mf.parse(json.dumps(d).encode(), name="m")
