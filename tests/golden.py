@@ -1,11 +1,15 @@
 """The states behind the golden checkpoints in ``tests/data/golden/`` (see ``test_golden.py``).
 
-    python tests/golden.py     # writes them again: only when the format is meant to change
+    python tests/golden.py NAME...   # writes the named ones (plain, model, sharded, delta) again
+
+Write one again only when it is new: the point of the others is that they were written by an
+earlier ckpt.
 
 Each state is a pure function of its step, so a test can rebuild what a golden checkpoint must hold.
 Together they cover what the on-disk format can express: format v1 (tensors and plain values), v2
 (per-rank state, shards of a global tensor saved by two ranks), v3 (numpy values stored as raw
-bytes); raw and zstd chunks; chunks reused from an earlier step; tensors of every dtype family.
+bytes), v4 (planes and xor chunks: deltas in chains three long); raw and zstd chunks; chunks reused
+from an earlier step; tensors of every dtype family.
 """
 
 from __future__ import annotations
@@ -82,6 +86,18 @@ def shard_state(rank: int, step: int) -> dict:
             "pos": ckpt.PerRank({"position": 10 * step + rank}), "step": step}
 
 
+def delta_state(step: int) -> dict:
+    """Format v4: an embedding table with a few rows changed per step (xor chunks in chains), bf16
+    weights nudged everywhere (planes or xor), an int table that never changes (reused)."""
+    emb = torch.randn(2048, 32, generator=_g(7))
+    weights = torch.randn(CHUNK, generator=_g(8))
+    for s in range(1, step + 1):
+        emb[s::97] += float(s)
+        weights.mul_(1.0 - 1e-3)
+    return {"emb": emb, "bf16": weights.to(torch.bfloat16), "ints": torch.arange(3 * CHUNK // 4, dtype=torch.int32),
+            "step": step}
+
+
 def digest(tensors: dict) -> dict:
     return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
             for k, v in sorted(tensors.items())}
@@ -93,33 +109,40 @@ def _sharded_body(rank: int, world: int, root: str) -> None:
             c.save(step, shard_state(rank, step)).wait()
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     sys.path.insert(0, HERE)
     from dist_helpers import run_ranks
 
-    shutil.rmtree(DATA, ignore_errors=True)
-    expected: dict = {"ckpt": ckpt.__version__}
-    for name, make in (("plain", plain_state), ("model", model_state)):
+    makers = {"plain": (plain_state, (1, 2)), "model": (model_state, (1, 2)), "delta": (delta_state, (1, 2, 3)),
+              "sharded": (None, (1, 2))}
+    unknown = set(names) - set(makers)
+    if not names or unknown:
+        sys.exit(f"usage: python tests/golden.py NAME... (names: {', '.join(makers)})")
+    path = os.path.join(DATA, "expected.json")
+    expected: dict = json.load(open(path)) if os.path.exists(path) else {}
+    for name in names:
         root = os.path.join(DATA, name)
-        with ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
-            for step in (1, 2):
-                c.save(step, make(step)).wait()
+        shutil.rmtree(root, ignore_errors=True)
+        make, steps = makers[name]
+        if make is None:
+            run_ranks(2, _sharded_body, root)
+        else:
+            with ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
+                for step in steps:
+                    c.save(step, make(step)).wait()
         with ckpt.open(root) as r:
             expected[name] = {str(s): {"format": r.manifest(s).format_version, "tensors": digest(r.tensors(s))}
                               for s in r.steps()}
-    root = os.path.join(DATA, "sharded")
-    run_ranks(2, _sharded_body, root)
-    with ckpt.open(root) as r:
-        expected["sharded"] = {str(s): {"format": r.manifest(s).format_version, "tensors": digest(r.tensors(s))}
-                               for s in r.steps()}
+            expected[name]["ckpt"] = ckpt.__version__
     for d, _, files in os.walk(DATA):  # leases and temp files are not part of a checkpoint
         for f in files:
             if f.startswith(".") or ".tmp-" in f:
                 os.remove(os.path.join(d, f))
-    with open(os.path.join(DATA, "expected.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
-    print(json.dumps({k: {s: v["format"] for s, v in d.items()} for k, d in expected.items() if k != "ckpt"}))
+    print(json.dumps({k: {s: v["format"] for s, v in d.items() if s != "ckpt"} for k, d in expected.items()
+                      if k in names}))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 from dist_helpers import run_ranks
-from golden import DATA, digest, model_state, plain_state, shard_state
+from golden import DATA, delta_state, digest, model_state, plain_state, shard_state
 
 import ckpt
 from ckpt import cli
+from ckpt import manifest as mf
 
 EXPECTED = json.load(open(os.path.join(DATA, "expected.json")))
 
@@ -36,13 +37,14 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["plain", "model", "sharded"])
+@pytest.mark.parametrize("name", ["plain", "model", "sharded", "delta"])
 def test_the_stored_bytes_are_what_they_were(golden, name):
     root = golden(name)
     assert cli.main(["verify", root, "--all"]) == 0
+    steps = sorted(int(s) for s in EXPECTED[name] if s.isdigit())
     with ckpt.open(root) as r:
-        assert r.steps() == [1, 2]
-        for s in (1, 2):
+        assert r.steps() == steps
+        for s in steps:
             want = EXPECTED[name][str(s)]
             assert r.manifest(s).format_version == want["format"]
             assert digest(r.tensors(s)) == want["tensors"]
@@ -126,3 +128,20 @@ def test_export_of_a_golden_step(golden, tmp_path):
     tensors = stored(root, 2)
     for k, v in model.state_dict().items():
         assert same(v, tensors[f"model/{k}"]), k
+
+
+def test_delta_chains_load_in_place_link_by_link(golden):
+    """Format v4: step 3's changed chunks are deltas of step 2's, which are deltas of step 1's."""
+    root = golden("delta")
+    with ckpt.Checkpointer(root) as c:
+        m = c.manifest(3)
+        assert m.format_version == 4
+        chains = [mf.chain(m.chunks, g.chunk) for t in m.tensors if t.key == "emb" for g in t.shards[0].segments]
+        assert chains and all(len(ch) == 3 for ch in chains)
+        for s in (3, 2, 1):
+            want = delta_state(s)
+            got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in want.items()}
+            assert c.load(s, got) == s and got["step"] == s
+            tensors = stored(root, s)
+            assert all(same(got[k], tensors[k]) for k in tensors)
+            assert c.last_load.bytes_read > sum(m.chunks[h].stored for h in c.last_load.chunks) or s == 1
