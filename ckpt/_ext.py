@@ -57,6 +57,8 @@ class CpuCore:
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, u64, ctypes.c_int, ptr]
+        lib.ckpt_ungroup_planes.restype = ctypes.c_int
+        lib.ckpt_ungroup_planes.argtypes = [ptr, ptr, ptr, u64, ctypes.c_int, ptr]
         lib.ckpt_xor.restype = None
         lib.ckpt_xor.argtypes = [ptr, ptr, u64, ptr]
 
@@ -69,6 +71,13 @@ class CpuCore:
         """The inverse of :meth:`group`: ``planes`` back into element order in ``out`` (XOR ``base``)."""
         self.lib.ckpt_ungroup(planes.ctypes.data, None if base is None else base.ctypes.data, planes.nbytes, width,
                               out.ctypes.data)
+
+    def ungroup_planes(self, planes: list[np.ndarray], tail: np.ndarray, base: np.ndarray | None, n: int,
+                       out: np.ndarray) -> None:
+        """:meth:`ungroup` from planes in separate buffers (each ``n // len(planes)`` bytes) and the tail."""
+        ptrs = (ctypes.c_void_p * len(planes))(*[p.ctypes.data for p in planes])
+        self.lib.ckpt_ungroup_planes(ptrs, tail.ctypes.data, None if base is None else base.ctypes.data, n,
+                                     len(planes), out.ctypes.data)
 
     def xor(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         self.lib.ckpt_xor(a.ctypes.data, b.ctypes.data, a.nbytes, out.ctypes.data)

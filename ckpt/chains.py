@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import manifest as mf
-from .codec import HEADER_SIZE, Base, decode, parse_header
+from .codec import HEADER_SIZE, Base, decode, parse_header, scratch
 from .errors import CorruptCheckpointError
 from .storage import Storage
 
@@ -35,10 +35,10 @@ def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step:
     return blob
 
 
-def decode_link(blob, chunks: dict[str, mf.ChunkInfo], h: str, base: Base | None) -> memoryview:
+def decode_link(blob, chunks: dict[str, mf.ChunkInfo], h: str, base: Base | None, out=None) -> memoryview:
     """Check and decode one stored chunk; a delta's ``base`` must be the verified raw of the base its
-    header names, which must be the one the table names."""
-    return decode(blob, name=mf.chunk_key(h), expect_hash=h, expect_len=chunks[h].size, base=base)
+    header names, which must be the one the table names. ``out``: where to decode (see codec.verify)."""
+    return decode(blob, name=mf.chunk_key(h), expect_hash=h, expect_len=chunks[h].size, base=base, out=out)
 
 
 def base_of(blob, chunks: dict[str, mf.ChunkInfo], h: str) -> str | None:
@@ -55,7 +55,8 @@ def base_of(blob, chunks: dict[str, mf.ChunkInfo], h: str) -> str | None:
 def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None = None,
             blob: bytes | bytearray | None = None) -> tuple[memoryview, int]:
     """The raw bytes of chunk ``h`` (its chain read and every link verified) and the bytes read.
-    ``blob`` is ``h``'s object when the caller has read it already."""
+    ``blob`` is ``h``'s object when the caller has read it already. The bytes may lie in this
+    thread's scratch memory: use them before this thread resolves another chunk."""
     blobs = [(h, blob if blob is not None else read_object(storage, chunks, h, step))]
     read = len(blobs[0][1]) if blob is None else 0
     limit = len(mf.chain(chunks, h))
@@ -67,8 +68,10 @@ def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int
         read += len(blobs[-1][1])
     raw: memoryview | None = None
     prev = None
-    for x, data in reversed(blobs):
-        raw = decode_link(data, chunks, x, Base(raw, prev) if raw is not None and prev is not None else None)
+    size = chunks[h].size
+    for i, (x, data) in enumerate(reversed(blobs)):  # two scratch buffers take turns: base, then result
+        raw = decode_link(data, chunks, x, Base(raw, prev) if raw is not None and prev is not None else None,
+                          scratch(f"link{i % 2}", size))
         prev = x
     assert raw is not None
     return raw, read

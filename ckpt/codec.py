@@ -133,6 +133,18 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 # -- byte planes ------------------------------------------------------------------------------------
 
+def scratch(name: str, n: int) -> np.ndarray:
+    """A per-thread uint8 buffer of ``n`` bytes kept for reuse (fresh memory costs a page fault per
+    4 KiB, more than the byte shuffling itself). Valid until this thread asks for ``name`` again."""
+    cache = getattr(_local, "scratch", None)
+    if cache is None:
+        cache = _local.scratch = {}
+    buf = cache.get(name)
+    if buf is None or buf.size < n:
+        buf = cache[name] = np.empty(max(n, 1), np.uint8)
+    return buf[:n]
+
+
 def _u8(buf) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
@@ -216,8 +228,14 @@ def _nbytes(b) -> int:
 @dataclass
 class Pace:
     """Measured speeds ``auto`` weighs: how fast the first storage tier takes bytes per writing
-    thread (fsync included), updated by the writer after every chunk write. Zero: not measured yet
-    (then encoding is assumed to pay)."""
+    thread (fsync included, and the contention of the other writing threads), updated by the writer
+    after every chunk write. Zero: not measured yet (then encoding is assumed to pay).
+
+    The I/O threads encode and write at once, so a save goes at the pace of the slower of the two:
+    encoding is worth it while one thread encodes faster than one thread writes (both measured as
+    they run, with the others competing for the cores and the disk); then the disk sets the pace and
+    writes fewer bytes. Where writing is the faster (memory, a very fast NVMe array on few cores),
+    encoding would set the pace: ``auto`` stores raw."""
 
     write_bps: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -229,10 +247,10 @@ class Pace:
         with self._lock:
             self.write_bps = rate if self.write_bps == 0 else 0.8 * self.write_bps + 0.2 * rate
 
-    def pays(self, n: int, stored: int, encode_s: float) -> bool:
-        """Is encoding ``n`` bytes down to ``stored`` in ``encode_s`` seconds faster than writing them raw?"""
+    def pays(self, n: int, encode_s: float) -> bool:
+        """Does encoding ``n`` bytes in ``encode_s`` seconds keep up with writing them?"""
         w = self.write_bps
-        return w == 0 or encode_s + stored / w < n / w
+        return w == 0 or encode_s <= 0 or n / encode_s >= w
 
 
 @dataclass(frozen=True)
@@ -257,19 +275,21 @@ def _try(codec: str, sample, base_sample, width: int, level: int) -> _Trial:
     if codec == "zstd":
         packed = _compressor(level).compress(sample)
         return _Trial(codec, len(packed), time.perf_counter() - t0, None, [packed])
-    g = group(sample, base_sample if codec == "xor" else None, width)
+    g = group(sample, base_sample if codec == "xor" else None, width, scratch(f"trial-{codec}", len(sample)))
     parts, size, shrank = _encode_planes(g, width, level, None)
     # time what the full chunk will cost: grouping plus the planes that are compressed again
     return _Trial(codec, size, time.perf_counter() - t0, shrank, parts)
 
 
 def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1, base: Base | None = None,
-           pace: Pace | None = None) -> tuple[str, list]:
+           pace: Pace | None = None, reuse: bool = False) -> tuple[str, list]:
     """Encode one chunk. Returns (codec name, list of buffers: header then payload).
 
     ``width`` is the element width of the chunk's data (byte planes), ``base`` the chunk this one
     may be stored as a delta of (``auto`` only). The raw codec returns the caller's memoryview as the
-    payload, so no copy is made."""
+    payload, so no copy is made. With ``reuse``, planes stored as they are may view this thread's
+    scratch memory (no page faults on fresh memory for every chunk): the caller writes the buffers
+    before this thread encodes again (the writer does)."""
     n = len(raw)
     width = width if 1 <= width <= MAX_WIDTH else 1
     if base is not None and (len(base.raw) != n or spec.name != "auto"):
@@ -282,9 +302,10 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1,
             if len(packed) < n:
                 codec, parts = "zstd", [packed]
     elif spec.name == "grouped":
-        codec, parts = "planes", _encode_planes(group(raw, None, width), width, spec.level, None)[0]
+        g = group(raw, None, width, scratch("group", n) if reuse else None)
+        codec, parts = "planes", _encode_planes(g, width, spec.level, None)[0]
     elif spec.name == "auto" and n >= _MIN_COMPRESS_SIZE:
-        codec, parts = _auto(raw, base, width, spec.level, pace)
+        codec, parts = _auto(raw, base, width, spec.level, pace, reuse)
     check = _payload_check(parts) if codec == "xor" else 0
     payload_len = sum(_nbytes(p) for p in parts)
     header = HEADER.pack(MAGIC, CHUNK_VERSION, CODEC_IDS[codec], width if codec in PLANED else 0, check, n,
@@ -293,7 +314,8 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1,
     return codec, [header, *parts]
 
 
-def _auto(raw: memoryview, base: Base | None, width: int, level: int, pace: Pace | None) -> tuple[str, list]:
+def _auto(raw: memoryview, base: Base | None, width: int, level: int, pace: Pace | None, reuse: bool
+          ) -> tuple[str, list]:
     n = len(raw)
     whole = n <= 2 * _AUTO_SAMPLE
     if whole:
@@ -308,15 +330,15 @@ def _auto(raw: memoryview, base: Base | None, width: int, level: int, pace: Pace
     k = len(sample)
     if best.size > k * (1 - _AUTO_MIN_SAVING):
         return "raw", [raw]
-    if pace is not None and not pace.pays(k, best.size, best.seconds * _repeat_share(best)):
+    if pace is not None and not pace.pays(k, best.seconds * _repeat_share(best)):
         return "raw", [raw]
     if whole:
-        assert best.parts is not None
-        return best.codec, best.parts
+        assert best.parts is not None  # views of the trial's scratch memory unless compressed
+        return best.codec, best.parts if reuse else [bytes(p) if isinstance(p, memoryview) else p for p in best.parts]
     if best.codec == "zstd":
         packed = _compressor(level).compress(raw)
         return ("zstd", [packed]) if len(packed) < n else ("raw", [raw])
-    g = group(raw, base.raw if best.codec == "xor" and base else None, width)
+    g = group(raw, base.raw if best.codec == "xor" and base else None, width, scratch("group", n) if reuse else None)
     parts, size, _ = _encode_planes(g, width, level, best.planes)
     if size >= n:
         return "raw", [raw]
@@ -429,18 +451,32 @@ def _payload_check(parts) -> int:
     return h.intdigest() & 0xFFFFFFFF
 
 
-def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, *, name: str, expect_hash: str) -> memoryview:
-    g = np.empty(hdr.raw_len, np.uint8)
-    pos = 0
-    for packed, stored, length in _section_table(hdr, payload, name=name, expect_hash=expect_hash):
-        dst = g[pos:pos + length]
+def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray | None, *, name: str,
+                   expect_hash: str) -> memoryview:
+    """Planes (each decompressed into scratch, or read where it lies in the payload) back into
+    element order in ``out`` (fresh memory when None), XOR ``base`` for a delta."""
+    n, w = hdr.raw_len, hdr.width
+    planes: list[np.ndarray] = []
+    for i, (packed, stored, length) in enumerate(_section_table(hdr, payload, name=name, expect_hash=expect_hash)):
         if packed:
+            dst = scratch(f"plane{i}", length)
             _decompress_into(stored, dst.data, name=name, expect_hash=expect_hash)
+            planes.append(dst)
         else:
-            dst[:] = _u8(stored)
-        pos += length
-    out = np.empty(hdr.raw_len, np.uint8)
-    ungroup(g, base, hdr.width, out)
+            planes.append(_u8(stored) if length else np.empty(0, np.uint8))
+    out = np.empty(n, np.uint8) if out is None else out[:n]
+    b = None if base is None else _u8(base)
+    core = _ext.cpu()
+    if core is not None:
+        core.ungroup_planes(planes[:w], planes[w], b, n, out)
+    else:
+        m = n // w
+        body = out[: m * w].reshape(m, w)
+        for p in range(w):  # a column at a time: numpy's transposed copy back is several times slower
+            body[:, p] = planes[p]
+        out[m * w:] = planes[w]
+        if b is not None:
+            np.bitwise_xor(out, b, out=out)
     return out.data
 
 
@@ -462,7 +498,8 @@ def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: i
 
 
 def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | None = None,
-           object_len: int | None = None, raw_only: bool = False, base: Base | None = None) -> memoryview:
+           object_len: int | None = None, raw_only: bool = False, base: Base | None = None,
+           out: np.ndarray | None = None) -> memoryview:
     """The one validity check of a stored chunk; returns its raw bytes.
 
     ``header`` and ``payload`` are the object's first 64 bytes and the rest (two buffers, so a
@@ -470,7 +507,8 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
     name ``expect_hash``, the sizes must agree, the payload must decode, and the decoded bytes must
     hash to ``expect_hash``. A delta (``xor``) needs its ``base``, already verified, whose digest
     its header must name. ``raw_only`` refuses a compressed payload (the caller read it in place
-    as raw bytes). Raises :class:`CorruptCheckpointError` naming the object."""
+    as raw bytes). ``out`` (uint8, at least the raw length) receives decoded bytes where given.
+    Raises :class:`CorruptCheckpointError` naming the object."""
     hdr = parse_header(header, name=name)
     check_header(hdr, name=name, expect_hash=expect_hash, expect_len=expect_len, object_len=object_len)
     payload = memoryview(payload).cast("B")
@@ -485,9 +523,13 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
             f"chunk object {name} is stored as {hdr.codec}, its manifest entry says raw; it is damaged",
             object=name, chunk=expect_hash)
     elif hdr.codec == "zstd":
-        raw = _decompress_bounded(payload, hdr.raw_len, name=name, expect_hash=expect_hash)
+        if out is None:
+            raw = _decompress_bounded(payload, hdr.raw_len, name=name, expect_hash=expect_hash)
+        else:
+            raw = out[:hdr.raw_len].data
+            _decompress_into(payload, raw, name=name, expect_hash=expect_hash)
     elif hdr.codec == "planes":
-        raw = _decode_planes(hdr, payload, None, name=name, expect_hash=expect_hash)
+        raw = _decode_planes(hdr, payload, None, out, name=name, expect_hash=expect_hash)
     else:
         if base is None or base.digest != hdr.base or len(base.raw) != hdr.raw_len:
             raise CorruptCheckpointError(
@@ -496,7 +538,7 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
         if _payload_check([payload]) != hdr.check:
             raise CorruptCheckpointError(f"chunk object {name} failed its payload check; the stored bytes are damaged",
                                          object=name, chunk=expect_hash)
-        raw = _decode_planes(hdr, payload, base.raw, name=name, expect_hash=expect_hash)
+        raw = _decode_planes(hdr, payload, base.raw, out, name=name, expect_hash=expect_hash)
     if len(raw) != hdr.raw_len or chunk_hash(raw) != expect_hash:
         raise CorruptCheckpointError(
             f"chunk object {name} failed its hash check (content does not match {expect_hash}); "
@@ -504,11 +546,12 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
     return raw
 
 
-def decode(blob, *, name: str, expect_hash: str, expect_len: int | None = None, base: Base | None = None
-           ) -> memoryview:
+def decode(blob, *, name: str, expect_hash: str, expect_len: int | None = None, base: Base | None = None,
+           out: np.ndarray | None = None) -> memoryview:
     """Check and decode a whole chunk object (header and payload in one buffer); see :func:`verify`."""
     view = memoryview(blob).cast("B")
-    return verify(name, expect_hash, view[:HEADER_SIZE], view[HEADER_SIZE:], expect_len=expect_len, base=base)
+    return verify(name, expect_hash, view[:HEADER_SIZE], view[HEADER_SIZE:], expect_len=expect_len, base=base,
+                  out=out)
 
 
 def verify_object(key: str, parts: list[memoryview]) -> None:
@@ -532,6 +575,6 @@ def verify_object(key: str, parts: list[memoryview]) -> None:
     if _payload_check([payload]) != hdr.check:
         raise CorruptCheckpointError(f"chunk object {key} failed its payload check; the stored bytes are damaged",
                                      object=key, chunk=expect)
-    for packed, stored, length in _section_table(hdr, payload, name=key, expect_hash=expect):
+    for i, (packed, stored, length) in enumerate(_section_table(hdr, payload, name=key, expect_hash=expect)):
         if packed:
-            _decompress_into(stored, memoryview(bytearray(length)), name=key, expect_hash=expect)
+            _decompress_into(stored, scratch(f"plane{i}", length).data, name=key, expect_hash=expect)

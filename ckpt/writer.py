@@ -116,7 +116,7 @@ class Writer:
                 self.known[h] = found
             return _Put(h, found, "found")
         b = base.resolve(self) if base is not None and base.digest != h else None
-        codec, buffers = encode(data, h, self.codec, width=width, base=b, pace=self.pace)
+        codec, buffers = encode(data, h, self.codec, width=width, base=b, pace=self.pace, reuse=True)
         t0 = time.perf_counter()
         stored = self.storage.write(mf.chunk_key(h), buffers)
         self.pace.wrote(stored, time.perf_counter() - t0)

@@ -1,0 +1,423 @@
+"""Delta codecs on real trainings: bytes stored per save, encode speed, time to durable, load with chains.
+
+    python benchmarks/delta.py                 # four trainings, 8 saves each, 10 steps apart
+    python benchmarks/delta.py --quick         # a smoke test
+
+Four trainings run on the CPU, in one run, each saved every ``--every`` steps to two Checkpointers on
+the same disk: ``codec="auto"`` (deltas on, the default) and ``codec="raw"``:
+
+* **gpt-fp32**: a byte-level GPT (4 layers, d = 256, 3.3 M parameters) trained with AdamW on the
+  Python standard library's own sources (found locally), weights and optimizer state in float32;
+* **gpt-bf16**: the same model with bfloat16 weights and optimizer state;
+* **embedding**: an ``nn.Embedding(50000, 128)`` table trained with sparse SGD, 1% of its rows per step;
+* **frozen-90%**: a fine-tune (lr 3e-5) of the trained gpt-fp32 with 90% of its parameters frozen.
+
+For every save after the first, on the same tensors in the same run: the bytes ckpt stored (what the
+save wrote: new chunks, headers included) against the raw bytes, zstd level 1 alone, byte grouping +
+zstd alone (ckpt's ``planes`` codec on every 4 MiB piece) and ZipNN (``pip install zipnn``; per
+tensor, one thread, zstd level 3 as it comes); the encode speed of one thread (ckpt's ``auto``
+choice with the previous save as base, against ZipNN's compression); the time from ``save()`` to
+committed against ``codec="raw"``; and the load of the last step (its chains resolved, every link
+verified) against the load of the same state stored raw. Then the same save timing on ``/dev/shm``,
+a "disk" faster than compression, where ``auto`` must not be slower than ``raw``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+import warnings
+
+import torch
+import zstandard
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import ckpt  # noqa: E402
+from ckpt import codec  # noqa: E402
+from ckpt.layout import element_width  # noqa: E402
+
+PIECE = 4 << 20
+TARGETS = {"gpt-fp32": "≤ ZipNN (goal 0.95×)", "gpt-bf16": "≤ ZipNN (goal 0.95×)", "embedding": "≤ 5% of raw",
+           "frozen-90%": "≤ 12% of its first save"}
+
+
+# -- data and models -----------------------------------------------------------------------------------
+
+def corpus(limit: int) -> torch.Tensor:
+    """Bytes of the Python standard library's .py files (there on every machine that runs this)."""
+    out, n = [], 0
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
+        try:
+            data = open(path, "rb").read()
+        except OSError:
+            continue
+        out.append(data)
+        n += len(data)
+        if n >= limit:
+            break
+    return torch.frombuffer(bytearray(b"".join(out)[:limit]), dtype=torch.uint8).long()
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, d: int = 256, layers: int = 4, ctx: int = 128):
+        super().__init__()
+        self.tok = torch.nn.Embedding(256, d)
+        self.pos = torch.nn.Embedding(ctx, d)
+        layer = torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, 256)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(ctx), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]].to(h.dtype), is_causal=True)
+        return self.head(self.norm(h))
+
+
+def gpt_steps(model: GPT, opt: torch.optim.Optimizer, data: torch.Tensor, total: int, lr: float,
+              g: torch.Generator, batch: int = 16, ctx: int = 128):
+    """A generator: one training step per next(); cosine lr from ``lr`` to lr/10."""
+    for i in range(total):
+        for group in opt.param_groups:
+            group["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / max(total, 1))))
+        idx = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=g)
+        x = torch.stack([data[j:j + ctx] for j in idx])
+        y = torch.stack([data[j + 1:j + ctx + 1] for j in idx])
+        loss = torch.nn.functional.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield float(loss.detach())
+
+
+def workloads(args, data: torch.Tensor):
+    """(name, state, an iterator of steps) for each training, built when its turn comes."""
+    total = args.every * (args.saves - 1)
+    g = torch.Generator().manual_seed(0)
+
+    torch.manual_seed(0)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    yield "gpt-fp32", {"model": model, "optim": opt}, gpt_steps(model, opt, data, total + args.warmup, 1e-3, g), \
+        args.warmup
+    pretrained = {k: v.clone() for k, v in model.state_dict().items()}
+
+    torch.manual_seed(0)
+    m16 = GPT().to(torch.bfloat16)
+    o16 = torch.optim.AdamW(m16.parameters(), lr=1e-3, weight_decay=0.1)
+    yield "gpt-bf16", {"model": m16, "optim": o16}, gpt_steps(m16, o16, data, total + args.warmup, 1e-3, g), \
+        args.warmup
+
+    emb = torch.nn.Embedding(50000, 128, sparse=True)
+    sgd = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+    def sparse_steps():
+        for _ in range(total):
+            rows = torch.randint(0, 50000, (500,), generator=g)
+            emb(rows).square().sum().backward()
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+            yield 0.0
+    yield "embedding", {"embedding": emb, "optim": sgd}, sparse_steps(), 0
+
+    ft = GPT()
+    ft.load_state_dict(pretrained)
+    params = sorted(ft.named_parameters(), key=lambda kv: -kv[1].numel())
+    frozen, budget = 0, 0.9 * sum(p.numel() for _, p in params)
+    for _, p in params:  # freeze the largest tensors until 90% of the parameters are frozen
+        if frozen + p.numel() <= budget + 1:
+            p.requires_grad_(False)
+            frozen += p.numel()
+    ft_opt = torch.optim.AdamW([p for p in ft.parameters() if p.requires_grad], lr=3e-5)
+    yield "frozen-90%", {"model": ft, "optim": ft_opt}, gpt_steps(ft, ft_opt, data, total, 3e-5, g), 0
+
+
+# -- comparators on the same tensors ---------------------------------------------------------------------
+
+def tensors_of(state: dict) -> dict[str, torch.Tensor]:
+    flat = {}
+    for top, obj in state.items():
+        sd = obj.state_dict()
+        if isinstance(obj, torch.optim.Optimizer):
+            for i, st in sd["state"].items():
+                flat.update({f"{top}/{i}/{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
+        else:
+            flat.update({f"{top}/{k}": v for k, v in sd.items()})
+    return {k: v.detach().contiguous().clone() for k, v in flat.items() if v.numel()}
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def pieces(t: torch.Tensor):
+    b = as_bytes(t)
+    for i in range(0, len(b), PIECE):
+        yield b[i:i + PIECE]
+
+
+def zstd_bytes(tensors: dict) -> int:
+    cctx = zstandard.ZstdCompressor(level=1)
+    return sum(min(len(cctx.compress(p)), len(p)) for t in tensors.values() for p in pieces(t))
+
+
+def grouped_bytes(tensors: dict) -> int:
+    spec = codec.CodecSpec("grouped")
+    return sum(sum(len(b) for b in codec.encode(p, "0" * 32, spec, width=element_width(t.dtype))[1][1:])
+               for t in tensors.values() for p in pieces(t))
+
+
+def ckpt_encode(tensors: dict, prev: dict | None) -> tuple[int, float]:
+    """ckpt's auto choice per 4 MiB piece (the previous save's piece as base), one thread: bytes, seconds."""
+    spec = codec.CodecSpec("auto")
+    size, seconds = 0, 0.0
+    for k, t in tensors.items():
+        old = list(pieces(prev[k])) if prev is not None and k in prev and prev[k].shape == t.shape else None
+        for i, p in enumerate(pieces(t)):
+            base = codec.Base(old[i], "1" * 32) if old is not None else None
+            t0 = time.perf_counter()
+            _, bufs = codec.encode(p, "0" * 32, spec, width=element_width(t.dtype), base=base)
+            seconds += time.perf_counter() - t0
+            size += sum(len(memoryview(b).cast("B")) for b in bufs[1:])
+    return size, seconds
+
+
+def zipnn_encode(tensors: dict) -> tuple[int | None, float | None]:
+    try:
+        from zipnn import ZipNN
+    except ImportError:
+        return None, None
+    size, seconds = 0, 0.0
+    for t in tensors.values():
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            size += t.numel() * t.element_size()
+            continue
+        z = ZipNN(input_format="torch", threads=1, bytearray_dtype=str(t.dtype).removeprefix("torch."))
+        work = t.clone()  # ZipNN 0.5.4 reorders the bytes of the tensor it is given, in place
+        t0 = time.perf_counter()
+        size += len(z.compress(work))
+        seconds += time.perf_counter() - t0
+    return size, seconds
+
+
+# -- one training --------------------------------------------------------------------------------------
+
+def run_workload(name: str, state: dict, steps, warmup: int, args, root: str) -> dict:
+    for _ in range(warmup):
+        next(steps)
+    dirs = {c: os.path.join(root, f"{name}-{c}") for c in ("auto", "raw")}
+    ckptrs = {c: ckpt.Checkpointer(d, codec=c, delta_chain=args.delta_chain) for c, d in dirs.items()}
+    saves, prev = [], None
+    try:
+        for s in range(args.saves):
+            if s:
+                for _ in range(args.every):
+                    next(steps)
+            row: dict = {"save": s}
+            for c, ck in ckptrs.items():  # one after the other: each save has the disk to itself
+                m = ck.save(s, state).wait()
+                row[f"{c}_stored"], row[f"{c}_durable_s"] = m.written_bytes, m.duration_s
+            tensors = tensors_of(state)
+            row["raw"] = sum(t.numel() * t.element_size() for t in tensors.values())
+            if s or args.first:
+                row["zstd"], row["grouped"] = zstd_bytes(tensors), grouped_bytes(tensors)
+                row["ckpt_codec"], row["ckpt_s"] = ckpt_encode(tensors, prev)
+                row["zipnn"], row["zipnn_s"] = zipnn_encode(tensors)
+            saves.append(row)
+            prev = tensors
+            print(f"  {name} save {s}: raw {row['raw'] / 2**20:.1f} MiB, ckpt stored {row['auto_stored'] / 2**20:.2f} "
+                  f"MiB, durable {row['auto_durable_s']:.2f}s (raw codec {row['raw_durable_s']:.2f}s)", flush=True)
+        loads: dict[str, list[float]] = {f"{c}_{how}": [] for c in ("auto", "raw") for how in ("cold", "warm")}
+        for _ in range(args.load_repeats):
+            for c in ("auto", "raw"):  # the codecs take turns
+                for how in ("cold", "warm"):
+                    if how == "cold":
+                        evict(dirs[c])
+                    t0 = time.perf_counter()
+                    ckptrs[c].load(args.saves - 1, state)
+                    loads[f"{c}_{how}"].append(time.perf_counter() - t0)
+    finally:
+        for ck in ckptrs.values():
+            ck.close()
+    return {"name": name, "saves": saves, **{f"load_{k}_s": statistics.median(v) for k, v in loads.items()}}
+
+
+def evict(root: str) -> None:
+    """Drop a checkpoint's files from the page cache (they are fsynced, so clean): a cold read."""
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def summarize(w: dict) -> dict:
+    later = [r for r in w["saves"] if r["save"] > 0]
+    tot = lambda k: sum(r[k] for r in later)  # noqa: E731
+    first = w["saves"][0]["auto_stored"]
+    out = {"name": w["name"], "raw_mib": later[0]["raw"] / 2**20, "stored_raw": tot("auto_stored") / tot("raw"),
+           "vs_zstd": tot("auto_stored") / tot("zstd"), "vs_grouped": tot("auto_stored") / tot("grouped"),
+           "vs_first": tot("auto_stored") / len(later) / first,
+           "durable_ratio": statistics.median(r["auto_durable_s"] for r in later) /
+           statistics.median(r["raw_durable_s"] for r in later),
+           "load_cold_ratio": w["load_auto_cold_s"] / w["load_raw_cold_s"],
+           "load_warm_ratio": w["load_auto_warm_s"] / w["load_raw_warm_s"],
+           "ckpt_gibs": tot("raw") / tot("ckpt_s") / 2**30}
+    if all(r.get("zipnn") for r in later):
+        out["vs_zipnn"] = tot("auto_stored") / tot("zipnn")
+        out["codec_vs_zipnn"] = tot("ckpt_codec") / tot("zipnn")
+        out["zipnn_gibs"] = tot("raw") / tot("zipnn_s") / 2**30
+    return out
+
+
+def fast_disk(args, data: torch.Tensor) -> dict | None:
+    """auto against raw where the "disk" is memory (/dev/shm): auto must not make the save slower."""
+    if not os.path.isdir("/dev/shm"):
+        return None
+    root = tempfile.mkdtemp(prefix="ckpt-bench-delta-", dir="/dev/shm")
+    try:
+        torch.manual_seed(1)
+        model = GPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        steps = gpt_steps(model, opt, data, 10 * args.saves, 1e-3, torch.Generator().manual_seed(1))
+        next(steps)
+        times: dict[str, list[float]] = {"auto": [], "raw": []}
+        codecs: dict[str, int] = {}
+        cks = {c: ckpt.Checkpointer(os.path.join(root, c), codec=c) for c in times}
+        try:
+            for s in range(args.saves):
+                for _ in range(5):
+                    next(steps)
+                for c, ck in cks.items():
+                    times[c].append(ck.save(s, {"model": model, "optim": opt}).wait().duration_s)
+            m = cks["auto"].manifest(args.saves - 1)
+            for info in m.chunks.values():
+                codecs[info.codec] = codecs.get(info.codec, 0) + 1
+        finally:
+            for ck in cks.values():
+                ck.close()
+        return {"auto_s": statistics.median(times["auto"][1:]), "raw_s": statistics.median(times["raw"][1:]),
+                "codecs_last_save": codecs}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--saves", type=int, default=8)
+    ap.add_argument("--every", type=int, default=10, help="training steps between saves")
+    ap.add_argument("--warmup", type=int, default=100, help="GPT steps before the first save (past the first drop)")
+    ap.add_argument("--delta-chain", type=int, default=8)
+    ap.add_argument("--load-repeats", type=int, default=3)
+    ap.add_argument("--first", action="store_true", help="also compare codecs on the first save")
+    ap.add_argument("--quick", action="store_true", help="3 saves, 2 steps apart, 5 warm-up steps")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.saves, args.every, args.warmup, args.load_repeats = 3, 2, 5, 1
+    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
+    data = corpus(8 << 20)
+    root = tempfile.mkdtemp(prefix="ckpt-bench-delta-")
+    doc: dict = {"command": "python benchmarks/delta.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
+                 "machine": platform.machine(), "corpus_mib": data.numel() / 2**20, "saves": args.saves,
+                 "every": args.every, "delta_chain": args.delta_chain, "workloads": []}
+    try:
+        for name, state, steps, warmup in workloads(args, data):
+            doc["workloads"].append(run_workload(name, state, steps, warmup, args, root))
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(root, exist_ok=True)
+        doc["fast_disk"] = fast_disk(args, data)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    doc["summary"] = [summarize(w) for w in doc["workloads"]]
+    text = table(doc)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "delta.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "delta.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    plot(doc, os.path.join(args.out, "delta.png"))
+
+
+def table(doc: dict) -> str:
+    f2 = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+    lines = [f"Command: `{doc['command']}` ({doc['cpus']} CPUs, {doc['machine']}; saves {doc['every']} steps apart, "
+             f"{doc['saves']} per training, delta_chain={doc['delta_chain']}). Bytes are summed over the saves after "
+             "the first; ratios below 1 mean ckpt stored less.", "",
+             "| training | state (MiB) | ckpt ÷ raw | ÷ zstd-1 | ÷ grouped | ÷ ZipNN | ÷ its first save | target | "
+             "encode GiB/s (ckpt / ZipNN) | durable ÷ raw codec | load ÷ raw codec, cold / warm |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for s in doc["summary"]:
+        zipnn = f"{s['ckpt_gibs']:.2f} / {s['zipnn_gibs']:.2f}" if "zipnn_gibs" in s else f"{s['ckpt_gibs']:.2f} / –"
+        lines.append(f"| {s['name']} | {s['raw_mib']:.1f} | {s['stored_raw']:.3f} | {s['vs_zstd']:.2f} | "
+                     f"{s['vs_grouped']:.2f} | {f2(s.get('vs_zipnn'))} | {s['vs_first']:.3f} | {TARGETS[s['name']]} | "
+                     f"{zipnn} | {s['durable_ratio']:.2f} | {s['load_cold_ratio']:.2f} / {s['load_warm_ratio']:.2f} |")
+    fd = doc.get("fast_disk")
+    lines += ["", "ckpt ÷ X: bytes ckpt stored (`codec=\"auto\"`: deltas against the previous save, byte planes, "
+                  "dedup of unchanged chunks) ÷ the bytes X needs for the same tensors. encode: raw bytes per second "
+                  "of one thread (ckpt's choice per 4 MiB piece; ZipNN's compress). durable: median time from "
+                  "`save()` to committed, auto ÷ raw codec, on this machine's disk. load: the last save, chains "
+                  "resolved and every link verified, ÷ the same state stored raw; cold: its files dropped from the "
+                  "page cache first (read from the disk), warm: read from memory."]
+    if fd:
+        lines += ["", f"On /dev/shm (memory: faster than any compression) auto's median save took "
+                      f"{fd['auto_s']:.3f} s against {fd['raw_s']:.3f} s raw ({fd['auto_s'] / fd['raw_s']:.2f}×); "
+                      f"codecs of the last save: {fd['codecs_last_save']}."]
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot; pip install 'ckpt[bench]')")
+        return
+    names = [w["name"] for w in doc["workloads"]]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    ax = axes[0]
+    series = [("zstd", "zstd-1"), ("grouped", "grouped"), ("zipnn", "ZipNN"), ("auto_stored", "ckpt auto")]
+    width = 0.2
+    for i, (k, label) in enumerate(series):
+        vals = []
+        for w in doc["workloads"]:
+            later = [r for r in w["saves"] if r["save"] > 0]
+            vals.append(100 * sum(r.get(k) or 0 for r in later) / sum(r["raw"] for r in later))
+        ax.bar([j + (i - 1.5) * width for j in range(len(names))], vals, width, label=label)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("% of raw bytes stored per save")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for w in doc["workloads"]:
+        ax.plot([r["save"] for r in w["saves"]], [100 * r["auto_stored"] / r["raw"] for r in w["saves"]], marker="o",
+                label=w["name"])
+    ax.set_xlabel("save")
+    ax.set_ylabel("% of raw stored (ckpt auto)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
