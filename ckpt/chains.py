@@ -10,7 +10,9 @@ the chain's stored sizes, one chain at a time per thread.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from . import manifest as mf
 from .codec import HEADER_SIZE, Base, decode, parse_header, scratch
@@ -52,20 +54,40 @@ def base_of(blob, chunks: dict[str, mf.ChunkInfo], h: str) -> str | None:
     return hdr.base
 
 
+_prefetch: ThreadPoolExecutor | None = None
+_prefetch_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads that read a chain's links at once (its own pool: the caller runs on the I/O pool)."""
+    global _prefetch
+    with _prefetch_lock:
+        if _prefetch is None:
+            _prefetch = ThreadPoolExecutor(16, thread_name_prefix="ckpt-links")
+        return _prefetch
+
+
 def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None = None,
             blob: bytes | bytearray | None = None) -> tuple[memoryview, int]:
     """The raw bytes of chunk ``h`` (its chain read and every link verified) and the bytes read.
-    ``blob`` is ``h``'s object when the caller has read it already. The bytes may lie in this
-    thread's scratch memory: use them before this thread resolves another chunk."""
-    blobs = [(h, blob if blob is not None else read_object(storage, chunks, h, step))]
-    read = len(blobs[0][1]) if blob is None else 0
-    limit = len(mf.chain(chunks, h))
-    while (b := base_of(blobs[-1][1], chunks, blobs[-1][0])) is not None:
-        if len(blobs) >= limit:  # cannot happen with a checked table; never loop on a bad one
-            raise CorruptCheckpointError(f"the delta chain of chunk {h} is longer than its manifest says",
-                                         object=mf.chunk_key(h), chunk=h)
-        blobs.append((b, read_object(storage, chunks, b, step)))
-        read += len(blobs[-1][1])
+    ``blob`` is ``h``'s object when the caller has read it already. The links the table names are
+    read at once (one round trip of latency, not one per link); each header must then name the next
+    (or say the chunk is whole: the chain ends there). The bytes may lie in this thread's scratch
+    memory: use them before this thread resolves another chunk."""
+    links = mf.chain(chunks, h)
+    ahead = {x: _pool().submit(read_object, storage, chunks, x, step) for x in links[1:]}
+    try:
+        blobs = [(h, blob if blob is not None else read_object(storage, chunks, h, step))]
+        read = len(blobs[0][1]) if blob is None else 0
+        while (b := base_of(blobs[-1][1], chunks, blobs[-1][0])) is not None:
+            if b not in ahead:  # cannot happen with a checked table: base_of checks the header against it
+                raise CorruptCheckpointError(f"the delta chain of chunk {h} is not the one its manifest names",
+                                             object=mf.chunk_key(h), chunk=h)
+            blobs.append((b, ahead[b].result()))
+            read += len(blobs[-1][1])
+    finally:
+        for f in ahead.values():
+            f.cancel()
     raw: memoryview | None = None
     prev = None
     size = chunks[h].size

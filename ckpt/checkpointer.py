@@ -58,7 +58,7 @@ class Checkpointer:
 
     def __init__(self, path: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
                  local_dir: str | os.PathLike | None = None, chunk_size: int = 16 * MiB, codec: str = "auto",
-                 delta_chain: int = 8,
+                 delta_chain: int = 8, delta_budget: float = 1.3,
                  busy: Literal["wait", "skip"] = "wait", strict: bool = True, allow_pickle: bool = False,
                  io_threads: int | None = None, storage_options: dict | None = None, process_group: Any = None,
                  timeout: float = 600.0, native: bool = True, snapshot_threads: int | None = None,
@@ -67,9 +67,10 @@ class Checkpointer:
                  max_overhead: float = DEFAULT_MAX_OVERHEAD):
         options = Options.build(
             keep_last=keep_last, keep_every=keep_every, local_dir=local_dir, chunk_size=chunk_size, codec=codec,
-            delta_chain=delta_chain, busy=busy, strict=strict, allow_pickle=allow_pickle, io_threads=io_threads,
-            storage_options=storage_options, timeout=timeout, native=native, snapshot_threads=snapshot_threads,
-            check_finite=check_finite, every=every, preemption=preemption, mtbf=mtbf, max_overhead=max_overhead)
+            delta_chain=delta_chain, delta_budget=delta_budget, busy=busy, strict=strict, allow_pickle=allow_pickle,
+            io_threads=io_threads, storage_options=storage_options, timeout=timeout, native=native,
+            snapshot_threads=snapshot_threads, check_finite=check_finite, every=every, preemption=preemption,
+            mtbf=mtbf, max_overhead=max_overhead)
         self._open(path, options, process_group)
 
     @classmethod
@@ -94,7 +95,8 @@ class Checkpointer:
         self._manifests = manifests
         # Held from the first save to close(), so other processes' deletions keep out of the way.
         self._leases = Leases(self.storage.durable_tier(), wait_s=options.timeout)
-        self._writer = Writer(self.storage, options.codec, self._io, self._leases, options.delta_chain)
+        self._writer = Writer(self.storage, options.codec, self._io, self._leases, options.delta_chain,
+                              options.delta_budget)
         self._retention = Retention(self.storage, manifests, options.keep_last, options.keep_every,
                                     lambda keys: run_all(self._io, self.storage.delete, keys), self._leases,
                                     in_use=self._writer.in_use)

@@ -31,8 +31,8 @@ they are), then the sections in that order.
 ``auto`` chooses per chunk from a 256 KiB sample taken from the chunk's middle: it encodes the sample
 the ways that can win (planes, or zstd for byte-wide data; xor when a base is there) and keeps the
 smallest, or raw when none saves 8%; a plane is compressed only where the sample's plane shrank.
-Where the first tier's writes are measured to be faster than encoding would save (a disk faster than
-compression), it stores raw: ``auto`` never makes a save slower than ``raw`` to get fewer bytes.
+Where saves stored raw are measured to go faster than encoded ones (storage faster than compression),
+it stores raw (:class:`Pace`): ``auto`` never makes saves slower than ``raw`` to get fewer bytes.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ from __future__ import annotations
 import re
 import struct
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -85,20 +84,22 @@ def is_chunk_hash(name: str) -> bool:
 @dataclass(frozen=True)
 class CodecSpec:
     """What the writer should try: ``raw``; ``zstd`` or ``grouped`` (byte planes + zstd) always;
-    ``auto`` (the smallest of raw, zstd, planes and xor per chunk, where it does not slow the save)."""
+    ``smallest`` (per chunk the smallest of raw, zstd, planes and xor); ``auto`` (the same, but
+    saves go raw where that is measured to be faster: :class:`Pace`)."""
 
     name: str = "auto"
     level: int = 1
 
-    NAMES = ("raw", "zstd", "grouped", "auto")
+    NAMES = ("raw", "zstd", "grouped", "smallest", "auto")
+    CHOOSING = ("smallest", "auto")  # the names that choose per chunk (and may store deltas)
 
     @classmethod
     def parse(cls, codec: str, level: int | None = None) -> CodecSpec:
-        """Accept ``"raw"``, ``"auto"``, ``"zstd"``, ``"grouped"``, the last three with ``:<level>``."""
+        """Accept ``"raw"``, or ``"auto"``, ``"smallest"``, ``"zstd"``, ``"grouped"`` with an optional ``:<level>``."""
         name, _, lvl = codec.partition(":")
         if name not in cls.NAMES or (lvl and name == "raw"):
-            raise ConfigError(f"unknown codec {codec!r}; use 'auto', 'raw', 'zstd', 'grouped' (byte planes + zstd), "
-                              "optionally with a zstd level, e.g. 'zstd:3'")
+            raise ConfigError(f"unknown codec {codec!r}; use 'auto', 'smallest', 'raw', 'zstd', 'grouped' (byte planes "
+                              "+ zstd), optionally with a zstd level, e.g. 'zstd:3'")
         if lvl:
             try:
                 level = int(lvl)
@@ -225,64 +226,76 @@ def _nbytes(b) -> int:
 
 # -- choosing and encoding ---------------------------------------------------------------------------
 
-@dataclass
 class Pace:
-    """Measured speeds ``auto`` weighs: how fast the first storage tier takes bytes per writing
-    thread (fsync included, and the contention of the other writing threads), updated by the writer
-    after every chunk write. Zero: not measured yet (then encoding is assumed to pay).
+    """Whether ``auto`` encodes a save or stores it raw, from what saves measured.
 
-    The I/O threads encode and write at once, so a save goes at the pace of the slower of the two:
-    encoding is worth it while one thread encodes faster than one thread writes (both measured as
-    they run, with the others competing for the cores and the disk); then the disk sets the pace and
-    writes fewer bytes. Where writing is the faster (memory, a very fast NVMe array on few cores),
-    encoding would set the pace: ``auto`` stores raw."""
+    A save goes at the pace of its slower part, the encoding (CPU) or the writing (the first tier),
+    and both run at once on the I/O threads; no model of cores, contention and fsync predicts which
+    well on every machine, so ``auto`` measures it: each save's chunk phase reports its throughput
+    (raw bytes of the chunks it wrote ÷ seconds). Saves encode; the third save, and every
+    ``PROBE_EVERY``-th after, is a probe stored raw. While the raw saves' throughput beats the
+    encoded saves' by more than ``MARGIN``, saves are stored raw (then every ``PROBE_EVERY``-th
+    is an encoded probe): on storage faster than compression ``auto`` is never slower than ``raw``;
+    near a tie the bytes saved win (and every later upload of them is smaller)."""
 
-    write_bps: float = 0.0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    PROBE_EVERY = 16
+    MARGIN = 1.1
 
-    def wrote(self, nbytes: int, seconds: float) -> None:
-        if nbytes < 64 * 1024 or seconds <= 0:
-            return
+    def __init__(self) -> None:
+        self.rates: dict[str, float] = {}  # "encode" / "raw": smoothed raw bytes per second of a save's chunk phase
+        self.saves = 0
+        self._lock = threading.Lock()
+
+    def mode(self) -> str:
+        """How the next save stores its chunks: ``"encode"`` (auto's choice per chunk) or ``"raw"``."""
+        with self._lock:
+            n = self.saves
+            self.saves += 1
+            enc, raw = self.rates.get("encode"), self.rates.get("raw")
+        best = "raw" if enc is not None and raw is not None and raw > enc * self.MARGIN else "encode"
+        if n == 2 or (n > 2 and n % self.PROBE_EVERY == 0):
+            return "raw" if best == "encode" else "encode"  # a probe of the other way
+        return best
+
+    def record(self, mode: str, nbytes: int, seconds: float) -> None:
+        """A save's chunk phase wrote ``nbytes`` (raw bytes of the chunks it wrote) in ``seconds``."""
+        if nbytes < (1 << 20) or seconds <= 0:
+            return  # too little to time
         rate = nbytes / seconds
         with self._lock:
-            self.write_bps = rate if self.write_bps == 0 else 0.8 * self.write_bps + 0.2 * rate
-
-    def pays(self, n: int, encode_s: float) -> bool:
-        """Does encoding ``n`` bytes in ``encode_s`` seconds keep up with writing them?"""
-        w = self.write_bps
-        return w == 0 or encode_s <= 0 or n / encode_s >= w
+            old = self.rates.get(mode)
+            self.rates[mode] = rate if old is None else 0.5 * old + 0.5 * rate
 
 
 @dataclass(frozen=True)
 class Base:
-    """The raw bytes of a delta's base chunk and their digest (hex)."""
+    """The raw bytes of a delta's base chunk and their digest (hex); ``room``: the most payload bytes
+    a delta on it may take (what is left of the chain's read budget), None for no limit."""
 
     raw: memoryview
     digest: str
+    room: int | None = None
 
 
 @dataclass
 class _Trial:
     codec: str
     size: int  # payload bytes for the sample
-    seconds: float
     planes: list[bool] | None = None
     parts: list | None = None  # the encoded sample (the whole chunk when the sample is the chunk)
 
 
 def _try(codec: str, sample, base_sample, width: int, level: int) -> _Trial:
-    t0 = time.perf_counter()
     if codec == "zstd":
         packed = _compressor(level).compress(sample)
-        return _Trial(codec, len(packed), time.perf_counter() - t0, None, [packed])
+        return _Trial(codec, len(packed), None, [packed])
     g = group(sample, base_sample if codec == "xor" else None, width, scratch(f"trial-{codec}", len(sample)))
     parts, size, shrank = _encode_planes(g, width, level, None)
-    # time what the full chunk will cost: grouping plus the planes that are compressed again
-    return _Trial(codec, size, time.perf_counter() - t0, shrank, parts)
+    return _Trial(codec, size, shrank, parts)
 
 
 def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1, base: Base | None = None,
-           pace: Pace | None = None, reuse: bool = False) -> tuple[str, list]:
+           reuse: bool = False) -> tuple[str, list]:
     """Encode one chunk. Returns (codec name, list of buffers: header then payload).
 
     ``width`` is the element width of the chunk's data (byte planes), ``base`` the chunk this one
@@ -292,7 +305,7 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1,
     before this thread encodes again (the writer does)."""
     n = len(raw)
     width = width if 1 <= width <= MAX_WIDTH else 1
-    if base is not None and (len(base.raw) != n or spec.name != "auto"):
+    if base is not None and (len(base.raw) != n or spec.name not in CodecSpec.CHOOSING):
         base = None
     codec = "raw"
     parts: list[Any] = [raw]
@@ -304,8 +317,8 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1,
     elif spec.name == "grouped":
         g = group(raw, None, width, scratch("group", n) if reuse else None)
         codec, parts = "planes", _encode_planes(g, width, spec.level, None)[0]
-    elif spec.name == "auto" and n >= _MIN_COMPRESS_SIZE:
-        codec, parts = _auto(raw, base, width, spec.level, pace, reuse)
+    elif spec.name in CodecSpec.CHOOSING and n >= _MIN_COMPRESS_SIZE:
+        codec, parts = _auto(raw, base, width, spec.level, reuse)
     check = _payload_check(parts) if codec == "xor" else 0
     payload_len = sum(_nbytes(p) for p in parts)
     header = HEADER.pack(MAGIC, CHUNK_VERSION, CODEC_IDS[codec], width if codec in PLANED else 0, check, n,
@@ -314,8 +327,7 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1,
     return codec, [header, *parts]
 
 
-def _auto(raw: memoryview, base: Base | None, width: int, level: int, pace: Pace | None, reuse: bool
-          ) -> tuple[str, list]:
+def _auto(raw: memoryview, base: Base | None, width: int, level: int, reuse: bool) -> tuple[str, list]:
     n = len(raw)
     whole = n <= 2 * _AUTO_SAMPLE
     if whole:
@@ -326,11 +338,11 @@ def _auto(raw: memoryview, base: Base | None, width: int, level: int, pace: Pace
         base_sample = base.raw[start:start + _AUTO_SAMPLE] if base else None
     candidates = ["planes" if width > 1 else "zstd"] + (["xor"] if base is not None else [])
     trials = [_try(c, sample, base_sample, width, level) for c in candidates]
-    best = min(trials, key=lambda t: t.size)
     k = len(sample)
+    if base is not None and base.room is not None and trials[-1].size * (n / k) > base.room:
+        trials.pop()  # the delta would make its chain read more than the budget allows: stored whole
+    best = min(trials, key=lambda t: t.size)
     if best.size > k * (1 - _AUTO_MIN_SAVING):
-        return "raw", [raw]
-    if pace is not None and not pace.pays(k, best.seconds * _repeat_share(best)):
         return "raw", [raw]
     if whole:
         assert best.parts is not None  # views of the trial's scratch memory unless compressed
@@ -340,17 +352,11 @@ def _auto(raw: memoryview, base: Base | None, width: int, level: int, pace: Pace
         return ("zstd", [packed]) if len(packed) < n else ("raw", [raw])
     g = group(raw, base.raw if best.codec == "xor" and base else None, width, scratch("group", n) if reuse else None)
     parts, size, _ = _encode_planes(g, width, level, best.planes)
+    if best.codec == "xor" and base is not None and base.room is not None and size > base.room:
+        return _auto(raw, None, width, level, reuse)  # the sample promised less: whole after all
     if size >= n:
         return "raw", [raw]
     return best.codec, parts
-
-
-def _repeat_share(t: _Trial) -> float:
-    """The part of a trial's time the full chunk repeats: only the planes that shrank are compressed
-    again (grouping costs little next to zstd)."""
-    if t.planes is None or not t.planes:
-        return 1.0
-    return max(sum(t.planes) / len(t.planes), 0.05)
 
 
 @dataclass(frozen=True)

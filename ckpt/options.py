@@ -32,13 +32,17 @@ class Options:
         matches.
     chunk_size: bytes per chunk (default 16 MiB); the unit of dedup, verification and partial reads.
     codec: ``"auto"`` (per chunk the smallest of raw, zstd, byte planes + zstd and an XOR delta
-        against the previous save, from a sample; raw where the disk is faster than encoding),
-        ``"raw"``, ``"zstd"`` or ``"grouped"`` (byte planes + zstd, always), the last two optionally
-        with a zstd level (``"zstd:3"``).
-    delta_chain: with ``codec="auto"``, the longest chain of chunks a load resolves: a chunk is a
+        against the previous save, from a sample; whole saves raw where that is measured to be
+        faster), ``"smallest"`` (the same choice, never raw for speed: where bytes cost more than
+        time), ``"raw"``, ``"zstd"`` or ``"grouped"`` (byte planes + zstd, always); all but raw
+        optionally with a zstd level (``"zstd:3"``).
+    delta_chain: with ``codec="auto"`` or ``"smallest"``, the longest chain of chunks a load resolves: a chunk is a
         delta of the one at its place in the previous save, at most ``delta_chain - 1`` deltas in
         a row, then stored whole again (default 8). Deltas keep the previous save in a second host
         buffer (memory: the state's size once more); ``1`` turns both off.
+    delta_budget: the most bytes a load reads for one chunk, as a multiple of its raw size (its
+        chain: the whole chunk and the deltas on it); a delta that would pass it is stored whole
+        instead (default 1.3). Raise it for fewer bytes per save, lower it for faster loads.
     busy: what a save does while the previous one is still writing from the host buffer: ``"wait"``
         for it, or ``"skip"`` this save (logged; the handle says ``skipped``).
     strict: default for ``load``: refuse keys missing on either side.
@@ -74,6 +78,7 @@ class Options:
     chunk_size: int = 16 * MiB
     codec: CodecSpec = field(default_factory=CodecSpec)
     delta_chain: int = 8
+    delta_budget: float = 1.3
     busy: Literal["wait", "skip"] = "wait"
     strict: bool = True
     allow_pickle: bool = False
@@ -101,6 +106,11 @@ class Options:
             raise ConfigError(f"unknown option(s) {unknown}; the options are "
                               f"{', '.join(f.name for f in dataclasses.fields(cls))}")
         o = dict(options)
+        db = o.get("delta_budget", 1.3)
+        if isinstance(db, bool) or not isinstance(db, (int, float)) or not 1.0 <= db <= 64:
+            raise ConfigError(f"delta_budget must be a number from 1 (no deltas on whole chunks that shrank "
+                              f"little) to 64, got {db!r}")
+        o["delta_budget"] = float(db)
         dc = o.get("delta_chain", 8)
         if type(dc) is not int or not 1 <= dc <= 64:
             raise ConfigError(f"delta_chain must be an integer from 1 (no deltas) to 64, got {dc!r}")
@@ -155,7 +165,7 @@ class Options:
     @property
     def deltas(self) -> bool:
         """Whether saves may store chunks as deltas of the previous save (and keep it in memory)."""
-        return self.codec.name == "auto" and self.delta_chain > 1
+        return self.codec.name in CodecSpec.CHOOSING and self.delta_chain > 1
 
     @property
     def threads(self) -> int:

@@ -43,6 +43,7 @@ class SaveJob:
     on_local: Callable[[], None] | None = None  # every chunk durable in the first tier (SaveHandle stage)
     created: list[str] = field(default_factory=list)  # chunks this save wrote where none was stored
     hashes: list[str] = field(default_factory=list)  # per chunk of the buffer, once written
+    mode: str = "encode"  # codec="auto": "raw" stores this save's chunks raw (see codec.Pace)
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,16 @@ class Writer:
     says whether this job may delete what a failed save alone wrote (no other writer is live)."""
 
     def __init__(self, storage: Storage, codec: CodecSpec, io: Executor, leases: Leases | None = None,
-                 delta_chain: int = 1):
+                 delta_chain: int = 1, delta_budget: float = 1.3):
         self.storage = storage
         self.codec = codec
         self.io = io
         self.leases = leases
         # Deltas: a chunk may be stored as the XOR of the chunk at its place in this rank's last
         # committed save (still in the other host buffer), in chains of at most delta_chain chunks.
-        self.delta_chain = delta_chain if codec.name == "auto" else 1
-        self.pace = Pace()  # how fast the first tier takes bytes: auto stores raw where encoding is slower
+        self.delta_chain = delta_chain if codec.name in CodecSpec.CHOOSING else 1
+        self.delta_budget = delta_budget  # a load of a chunk reads at most this times its raw size
+        self.pace = Pace()  # auto: whether saves encode or go raw, from what saves measured
         self._base: tuple[HostBuffer, int, list[str]] | None = None  # (buffer, its generation, chunk hashes)
         # Chunks known to be durable in storage, with what the manifest needs to say about them.
         self.known: dict[str, mf.ChunkInfo] = {}
@@ -116,10 +118,9 @@ class Writer:
                 self.known[h] = found
             return _Put(h, found, "found")
         b = base.resolve(self) if base is not None and base.digest != h else None
-        codec, buffers = encode(data, h, self.codec, width=width, base=b, pace=self.pace, reuse=True)
-        t0 = time.perf_counter()
+        spec = self.codec if job.mode == "encode" else _RAW
+        codec, buffers = encode(data, h, spec, width=width, base=b, reuse=True)
         stored = self.storage.write(mf.chunk_key(h), buffers)
-        self.pace.wrote(stored, time.perf_counter() - t0)
         info = mf.ChunkInfo(len(data), stored, f"{codec}/1", b.digest if codec == "xor" and b is not None else None)
         with self._lock:
             self.known[h] = info
@@ -227,12 +228,16 @@ class Writer:
                 snap_hashes = snap.hashes or [None] * len(layout.chunks)
                 job.created = []
                 bases = self._bases(snap)
+                job.mode = self.pace.mode() if self.codec.name == "auto" else "encode"
+                started = time.perf_counter()
                 puts = run_all(self.io, lambda ch: self._put_chunk(job, buf.view(ch[0].offset, ch[0].length), ch[1],
                                                                    buf.address(ch[0].offset), buf.cpu_core, ch[2],
                                                                    ch[0].width),
                                list(zip(layout.chunks, snap_hashes, bases)))
                 self._restore_missing(job, puts, buf)
                 job.hashes = [p.hash for p in puts]
+                self.pace.record(job.mode, sum(p.info.size for p in puts if p.how in ("written", "created")),
+                                 time.perf_counter() - started)
             finally:
                 buf.release()
             self.storage.flush()
@@ -342,6 +347,9 @@ class Writer:
             self.known = {**self._loaded, **self._committed}
 
 
+_RAW = CodecSpec("raw")
+
+
 @dataclass(frozen=True)
 class _BaseRef:
     """Where a chunk's base is: its bytes in the other host buffer, and its hash."""
@@ -350,11 +358,15 @@ class _BaseRef:
     digest: str
 
     def resolve(self, writer: Writer) -> Base | None:
-        """The base, if it is known to be stored and a delta on it keeps the chain within delta_chain."""
+        """The base, if it is known to be stored and a delta on it keeps the chain within delta_chain
+        links and delta_budget × the chunk's size of bytes read (what is left is the delta's room)."""
         with writer._lock:
             links = _chain_of(writer.known, self.digest)
-        whole = bool(links) and writer.known.get(links[-1]) is not None
-        return Base(self.view, self.digest) if whole and len(links) < writer.delta_chain else None
+            infos = [writer.known.get(x) for x in links]
+        if not links or any(i is None for i in infos) or len(links) >= writer.delta_chain:
+            return None
+        room = int(writer.delta_budget * len(self.view)) - sum(i.stored for i in infos if i is not None)
+        return Base(self.view, self.digest, room) if room > 0 else None
 
 
 def _chain_of(table: dict[str, mf.ChunkInfo], h: str) -> list[str]:
