@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from . import manifest as mf
 from .codec import HEADER_SIZE, Base, decode, parse_header, scratch
 from .errors import CorruptCheckpointError
@@ -88,12 +90,18 @@ def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int
     finally:
         for f in ahead.values():
             f.cancel()
-    raw: memoryview | None = None
-    prev = None
+    # The whole chunk is decoded into scratch memory, then each delta XORs into those same bytes in
+    # place (where a delta is zero, its base's bytes are left as they are); each link's hash is checked.
     size = chunks[h].size
-    for i, (x, data) in enumerate(reversed(blobs)):  # two scratch buffers take turns: base, then result
-        raw = decode_link(data, chunks, x, Base(raw, prev) if raw is not None and prev is not None else None,
-                          scratch(f"link{i % 2}", size))
+    work = scratch("chain", size)
+    (x, data), rest = blobs[-1], blobs[-2::-1]
+    raw = decode_link(data, chunks, x, None, work)
+    if rest and not np.shares_memory(np.frombuffer(raw, np.uint8), work):
+        work[:] = np.frombuffer(raw, np.uint8)  # stored raw: the payload itself came back
+        raw = work.data
+    prev = x
+    for x, data in rest:
+        raw = decode_link(data, chunks, x, Base(raw, prev) if base_of(data, chunks, x) is not None else None, work)
         prev = x
     assert raw is not None
     return raw, read

@@ -37,6 +37,7 @@ it stores raw (:class:`Pace`): ``auto`` never makes saves slower than ``raw`` to
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import threading
@@ -229,21 +230,29 @@ def _nbytes(b) -> int:
 class Pace:
     """Whether ``auto`` encodes a save or stores it raw, from what saves measured.
 
-    A save goes at the pace of its slower part, the encoding (CPU) or the writing (the first tier),
-    and both run at once on the I/O threads; no model of cores, contention and fsync predicts which
-    well on every machine, so ``auto`` measures it: each save's chunk phase reports its throughput
-    (raw bytes of the chunks it wrote ÷ seconds). Saves encode; the third save, and every
-    ``PROBE_EVERY``-th after, is a probe stored raw. While the raw saves' throughput beats the
-    encoded saves' by more than ``MARGIN``, saves are stored raw (then every ``PROBE_EVERY``-th
-    is an encoded probe): on storage faster than compression ``auto`` is never slower than ``raw``;
-    near a tie the bytes saved win (and every later upload of them is smaller)."""
+    A save goes at the pace of its slower part, encoding (CPU) or writing (the first tier), both
+    running at once on the I/O threads. Raw can only win where encoding held a save up: each save
+    reports its chunk phase (raw bytes of the chunks it wrote, seconds) and the CPU time its
+    encoding took. An encoded save that kept the cores at least half busy encoding
+    (``CPU_BOUND``) for at least ``MIN_SECONDS`` is followed by a probe: one save stored raw
+    (the third save at the earliest, then at most one in ``PROBE_EVERY``). While raw saves go more
+    than ``MARGIN`` faster than encoded ones, saves are stored raw, with an encoded probe one in
+    ``PROBE_EVERY``. Saves that encode quickly or wait on the disk (sparse updates, frozen layers,
+    slow storage) never pay for a probe; near a tie the bytes saved win."""
 
     PROBE_EVERY = 16
     MARGIN = 1.1
+    CPU_BOUND = 0.5
+    MIN_SECONDS = 0.1
 
-    def __init__(self) -> None:
+    def __init__(self, cores: int | None = None) -> None:
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.cores = cores
         self.rates: dict[str, float] = {}  # "encode" / "raw": smoothed raw bytes per second of a save's chunk phase
         self.saves = 0
+        self.last_probe = -self.PROBE_EVERY
+        self.cpu_bound = False  # did the last encoded save keep the cores busy encoding?
         self._lock = threading.Lock()
 
     def mode(self) -> str:
@@ -252,17 +261,24 @@ class Pace:
             n = self.saves
             self.saves += 1
             enc, raw = self.rates.get("encode"), self.rates.get("raw")
-        best = "raw" if enc is not None and raw is not None and raw > enc * self.MARGIN else "encode"
-        if n == 2 or (n > 2 and n % self.PROBE_EVERY == 0):
-            return "raw" if best == "encode" else "encode"  # a probe of the other way
-        return best
+            best = "raw" if enc is not None and raw is not None and raw > enc * self.MARGIN else "encode"
+            due = n >= 2 and n - self.last_probe >= self.PROBE_EVERY
+            if due and (best == "raw" or self.cpu_bound):
+                self.last_probe = n
+                return "raw" if best == "encode" else "encode"  # a probe of the other way
+            return best
 
-    def record(self, mode: str, nbytes: int, seconds: float) -> None:
-        """A save's chunk phase wrote ``nbytes`` (raw bytes of the chunks it wrote) in ``seconds``."""
-        if nbytes < (1 << 20) or seconds <= 0:
-            return  # too little to time
-        rate = nbytes / seconds
+    def record(self, mode: str, nbytes: int, seconds: float, encode_cpu_s: float = 0.0) -> None:
+        """A save's chunk phase wrote ``nbytes`` (raw bytes of the chunks it wrote) in ``seconds``,
+        spending ``encode_cpu_s`` of CPU time (all threads) encoding."""
+        if seconds <= 0:
+            return
         with self._lock:
+            if mode == "encode":
+                self.cpu_bound = seconds >= self.MIN_SECONDS and encode_cpu_s >= self.CPU_BOUND * self.cores * seconds
+            if nbytes < (1 << 20):
+                return  # too little to time
+            rate = nbytes / seconds
             old = self.rates.get(mode)
             self.rates[mode] = rate if old is None else 0.5 * old + 0.5 * rate
 
@@ -472,17 +488,24 @@ def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray 
             planes.append(_u8(stored) if length else np.empty(0, np.uint8))
     out = np.empty(n, np.uint8) if out is None else out[:n]
     b = None if base is None else _u8(base)
+    in_place = b is not None and np.shares_memory(b, out)  # a delta decoded into its base's own bytes
     core = _ext.cpu()
     if core is not None:
-        core.ungroup_planes(planes[:w], planes[w], b, n, out)
+        core.ungroup_planes(planes[:w], planes[w], out if in_place else b, n, out)
     else:
         m = n // w
         body = out[: m * w].reshape(m, w)
         for p in range(w):  # a column at a time: numpy's transposed copy back is several times slower
-            body[:, p] = planes[p]
-        out[m * w:] = planes[w]
-        if b is not None:
-            np.bitwise_xor(out, b, out=out)
+            if in_place:
+                body[:, p] ^= planes[p]
+            else:
+                body[:, p] = planes[p]
+        if in_place:
+            out[m * w:] ^= planes[w]
+        else:
+            out[m * w:] = planes[w]
+            if b is not None:
+                np.bitwise_xor(out, b, out=out)
     return out.data
 
 
@@ -513,8 +536,9 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
     name ``expect_hash``, the sizes must agree, the payload must decode, and the decoded bytes must
     hash to ``expect_hash``. A delta (``xor``) needs its ``base``, already verified, whose digest
     its header must name. ``raw_only`` refuses a compressed payload (the caller read it in place
-    as raw bytes). ``out`` (uint8, at least the raw length) receives decoded bytes where given.
-    Raises :class:`CorruptCheckpointError` naming the object."""
+    as raw bytes). ``out`` (uint8, at least the raw length) receives decoded bytes where given; a
+    delta's ``out`` may be its base's own bytes (decoded in place). Raises
+    :class:`CorruptCheckpointError` naming the object."""
     hdr = parse_header(header, name=name)
     check_header(hdr, name=name, expect_hash=expect_hash, expect_len=expect_len, object_len=object_len)
     payload = memoryview(payload).cast("B")

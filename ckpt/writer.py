@@ -44,6 +44,7 @@ class SaveJob:
     created: list[str] = field(default_factory=list)  # chunks this save wrote where none was stored
     hashes: list[str] = field(default_factory=list)  # per chunk of the buffer, once written
     mode: str = "encode"  # codec="auto": "raw" stores this save's chunks raw (see codec.Pace)
+    encode_cpu_s: float = 0.0  # CPU time (all threads) this save spent encoding
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,11 @@ class Writer:
             return _Put(h, found, "found")
         b = base.resolve(self) if base is not None and base.digest != h else None
         spec = self.codec if job.mode == "encode" else _RAW
+        cpu = time.thread_time()
         codec, buffers = encode(data, h, spec, width=width, base=b, reuse=True)
+        cpu = time.thread_time() - cpu
+        with self._lock:
+            job.encode_cpu_s += cpu
         stored = self.storage.write(mf.chunk_key(h), buffers)
         info = mf.ChunkInfo(len(data), stored, f"{codec}/1", b.digest if codec == "xor" and b is not None else None)
         with self._lock:
@@ -237,7 +242,7 @@ class Writer:
                 self._restore_missing(job, puts, buf)
                 job.hashes = [p.hash for p in puts]
                 self.pace.record(job.mode, sum(p.info.size for p in puts if p.how in ("written", "created")),
-                                 time.perf_counter() - started)
+                                 time.perf_counter() - started, job.encode_cpu_s)
             finally:
                 buf.release()
             self.storage.flush()

@@ -71,11 +71,44 @@ void ungroup_any(const uint8_t* planes, const uint8_t* base, uint64_t m, int w, 
 
 // Whole elements at a time: one byte from each plane, stored as one W-byte word (the compiler turns
 // this into byte shuffles; storing a plane at a time with a stride of W is several times slower).
+bool all_zero(const uint8_t* p, uint64_t n) {
+  uint64_t acc = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, p + i, 8);
+    acc |= v;
+  }
+  for (; i < n; ++i) acc |= p[i];
+  return acc == 0;
+}
+
+template <int W>
+void interleave_range(const uint8_t* const* P, const uint8_t* base, uint64_t j0, uint64_t j1, uint8_t* out);
+
+// With a base, blocks where every plane is zero (what did not change) are the base's bytes: copied,
+// or skipped when out is the base itself (a delta decoded in place: then only the planes are read).
 template <int W>
 void interleave(const uint8_t* const* planes, const uint8_t* base, uint64_t m, uint8_t* out) {
+  const uint64_t step = 4096;
+  for (uint64_t j0 = 0; j0 < m; j0 += step) {
+    uint64_t j1 = j0 + step < m ? j0 + step : m;
+    if (base) {
+      bool zero = true;
+      for (int p = 0; p < W && zero; ++p) zero = all_zero(planes[p] + j0, j1 - j0);
+      if (zero) {
+        if (out != base) std::memcpy(out + j0 * W, base + j0 * W, (j1 - j0) * W);
+        continue;
+      }
+    }
+    interleave_range<W>(planes, base, j0, j1, out);
+  }
+}
+
+template <int W>
+void interleave_range(const uint8_t* const* planes, const uint8_t* base, uint64_t j0, uint64_t j1, uint8_t* out) {
   const uint8_t* P[W];
   for (int p = 0; p < W; ++p) P[p] = planes[p];
-  for (uint64_t j = 0; j < m; ++j) {
+  for (uint64_t j = j0; j < j1; ++j) {
     uint8_t e[W];
     for (int p = 0; p < W; ++p) e[p] = P[p][j];
     if (base) {
@@ -132,7 +165,7 @@ void ckpt_xor(const uint8_t* a, const uint8_t* b, uint64_t n, uint8_t* out) {
 extern "C" {
 
 // ckpt_ungroup with the planes in separate buffers: planes[p] holds plane p (n / w bytes), tail the
-// n mod w tail bytes; base may be null. Lets a decoder point at planes where they lie (in the payload,
+// n mod w tail bytes; base may be null, or out itself (XOR in place). Lets a decoder point at planes where they lie (in the payload,
 // or decompressed into scratch) instead of gathering them first.
 int ckpt_ungroup_planes(const uint8_t* const* planes, const uint8_t* tail_src, const uint8_t* base, uint64_t n,
                         int w, uint8_t* out) {
