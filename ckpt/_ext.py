@@ -21,7 +21,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # numpy layouts of the C structs (csrc/copyhash.cpp Seg, csrc/cuda/batched_copy.cu CopyDesc)
 SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<u8")])
-ABI_VERSION = 3  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+ABI_VERSION = 4  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
 DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("nbytes", "<u8")])
@@ -53,34 +53,26 @@ class CpuCore:
         u64 = ctypes.c_uint64
         lib.ckpt_copy_hash.argtypes = [ptr, ptr, u64, ptr, ptr, u64, ptr, ptr, ptr, ctypes.c_int]
         self.simd = {2: "avx2", 1: "sse2", 0: "portable"}.get(lib.ckpt_simd_level(), "?")
-        for name in ("ckpt_group", "ckpt_ungroup"):
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ptr, ptr, u64, ctypes.c_int, ptr]
+        lib.ckpt_group.restype = ctypes.c_int
+        lib.ckpt_group.argtypes = [ptr, ptr, u64, ctypes.c_int, ctypes.c_int, ptr]
         lib.ckpt_ungroup_planes.restype = ctypes.c_int
-        lib.ckpt_ungroup_planes.argtypes = [ptr, ptr, ptr, u64, ctypes.c_int, ptr]
-        lib.ckpt_xor.restype = None
-        lib.ckpt_xor.argtypes = [ptr, ptr, u64, ptr]
+        lib.ckpt_ungroup_planes.argtypes = [ptr, ptr, ptr, u64, ctypes.c_int, ctypes.c_int, ptr]
 
-    def group(self, src: np.ndarray, base: np.ndarray | None, width: int, out: np.ndarray) -> None:
-        """``src`` (XOR ``base``) split into ``width`` byte planes in ``out`` (uint8 arrays of one length)."""
-        self.lib.ckpt_group(src.ctypes.data, None if base is None else base.ctypes.data, src.nbytes, width,
-                            out.ctypes.data)
-
-    def ungroup(self, planes: np.ndarray, base: np.ndarray | None, width: int, out: np.ndarray) -> None:
-        """The inverse of :meth:`group`: ``planes`` back into element order in ``out`` (XOR ``base``)."""
-        self.lib.ckpt_ungroup(planes.ctypes.data, None if base is None else base.ctypes.data, planes.nbytes, width,
-                              out.ctypes.data)
+    def group(self, src: np.ndarray, base: np.ndarray | None, width: int, out: np.ndarray, rot: bool = False) -> None:
+        """``src`` (XOR ``base``; each element rotated left one bit with ``rot``) split into ``width``
+        byte planes in ``out`` (uint8 arrays of one length)."""
+        if self.lib.ckpt_group(src.ctypes.data, None if base is None else base.ctypes.data, src.nbytes, width,
+                               int(rot), out.ctypes.data):
+            raise ValueError(f"byte planes of width {width} (rotated: {rot}) are not supported")
 
     def ungroup_planes(self, planes: list[np.ndarray], tail: np.ndarray, base: np.ndarray | None, n: int,
-                       out: np.ndarray) -> None:
-        """:meth:`ungroup` from planes in separate buffers (each ``n // len(planes)`` bytes) and the tail."""
+                       out: np.ndarray, rot: bool = False) -> None:
+        """The inverse of :meth:`group`, from planes in separate buffers (each ``n // len(planes)``
+        bytes) and the tail; ``base`` may be ``out`` itself."""
         ptrs = (ctypes.c_void_p * len(planes))(*[p.ctypes.data for p in planes])
-        self.lib.ckpt_ungroup_planes(ptrs, tail.ctypes.data, None if base is None else base.ctypes.data, n,
-                                     len(planes), out.ctypes.data)
-
-    def xor(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-        self.lib.ckpt_xor(a.ctypes.data, b.ctypes.data, a.nbytes, out.ctypes.data)
+        if self.lib.ckpt_ungroup_planes(ptrs, tail.ctypes.data, None if base is None else base.ctypes.data, n,
+                                        len(planes), int(rot), out.ctypes.data):
+            raise ValueError(f"byte planes of width {len(planes)} (rotated: {rot}) are not supported")
 
     def xxh3_128(self, ptr: int, length: int) -> str | None:
         """Hex xxh3-128 of ``length`` bytes at ``ptr``; None for inputs of 240 bytes or fewer."""

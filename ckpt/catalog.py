@@ -18,6 +18,7 @@ import torch
 from . import chains
 from . import manifest as mf
 from . import structure as st
+from .codec import trim_scratch
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .loader import load_into
 from .storage import Storage
@@ -195,6 +196,7 @@ def verify(catalog: Catalog, steps: Iterable[int], *, threads: int = 8,
                     result.problems.append(prob)
             if progress is not None:
                 progress(done, result.bytes)
+    trim_scratch()
     result.chunks = len(refs)
     result.problems.sort(key=lambda p: (p.steps[0] if p.steps else -1, p.object))
     return result

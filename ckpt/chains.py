@@ -10,49 +10,63 @@ the chain's stored sizes, one chain at a time per thread.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
 from . import manifest as mf
-from .codec import HEADER_SIZE, Base, decode, parse_header, scratch
+from .codec import HEADER_SIZE, MAX_WIDTH, Base, decode, parse_header, scratch
 from .errors import CorruptCheckpointError
 from .storage import Storage
 
+MAX_READ_FACTOR = 64  # a chain may hold at most this times its chunk's size (the largest delta_budget)
+
+
+def read_limit(info: mf.ChunkInfo) -> int:
+    """The most bytes the object of a chunk described by ``info`` may hold: its entry's stored size,
+    or a copy written again whole by another writer (a chunk's name is its raw bytes' hash, however
+    it is stored), which is at most a little more than raw."""
+    return max(info.stored, info.size + HEADER_SIZE + 8 * (MAX_WIDTH + 1) + info.size // 128 + (64 << 10))
+
 
 def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None) -> bytes | bytearray:
-    """Chunk ``h``'s stored object, never more than its table entry's size. A missing object is damage."""
+    """Chunk ``h``'s stored object, never more than :func:`read_limit`. A missing object is damage."""
     info = chunks[h]
     key = mf.chunk_key(h)
+    limit = read_limit(info)
     try:
-        blob = storage.read_object(key, info.stored)
+        blob = storage.read_object(key, limit)
     except FileNotFoundError as e:
         whose = f" referenced by step {step}" if step is not None else ""
         raise CorruptCheckpointError(f"chunk object {key}{whose} is missing from {storage.describe()} ({e}); "
                                      "the step is damaged", object=key, chunk=h) from None
-    if len(blob) > info.stored:
+    if len(blob) > limit:
         raise CorruptCheckpointError(
-            f"chunk object {key} is larger than the {info.stored} bytes its manifest entry says; it is damaged",
-            object=key, chunk=h)
+            f"chunk object {key} is larger than any form of the {info.size}-byte chunk its manifest entry "
+            "describes; it is damaged", object=key, chunk=h)
     return blob
 
 
 def decode_link(blob, chunks: dict[str, mf.ChunkInfo], h: str, base: Base | None, out=None) -> memoryview:
     """Check and decode one stored chunk; a delta's ``base`` must be the verified raw of the base its
-    header names, which must be the one the table names. ``out``: where to decode (see codec.verify)."""
+    header names. ``out``: where to decode (see codec.verify)."""
     return decode(blob, name=mf.chunk_key(h), expect_hash=h, expect_len=chunks[h].size, base=base, out=out)
 
 
 def base_of(blob, chunks: dict[str, mf.ChunkInfo], h: str) -> str | None:
-    """The base chunk ``h``'s stored header names (None: stored whole), checked against the table."""
+    """The base chunk ``h``'s stored header names (None: stored whole). It must be in the table, so
+    the step keeps it (usually it is the entry's own base; where several writers stored the same
+    chunk differently, the copy that stayed may be another rank's delta, whose base that rank's
+    part of the table lists)."""
     key = mf.chunk_key(h)
     hdr = parse_header(memoryview(blob)[:HEADER_SIZE], name=key)
-    if hdr.base is not None and hdr.base != chunks[h].base:
+    if hdr.base is not None and hdr.base not in chunks:
         raise CorruptCheckpointError(
-            f"chunk object {key} is a delta of {hdr.base}, its manifest entry says "
-            f"{chunks[h].base or 'it is stored whole'}; it is damaged", object=key, chunk=h)
+            f"chunk object {key} is a delta of {hdr.base}, which its step does not list; it is damaged",
+            object=key, chunk=h)
     return hdr.base
 
 
@@ -69,30 +83,44 @@ def _pool() -> ThreadPoolExecutor:
         return _prefetch
 
 
+def _forget_pool() -> None:
+    global _prefetch
+    _prefetch = None  # a forked child has none of its parent's threads: it makes its own
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None = None,
             blob: bytes | bytearray | None = None) -> tuple[memoryview, int]:
     """The raw bytes of chunk ``h`` (its chain read and every link verified) and the bytes read.
-    ``blob`` is ``h``'s object when the caller has read it already. The links the table names are
-    read at once (one round trip of latency, not one per link); each header must then name the next
-    (or say the chunk is whole: the chain ends there). The bytes may lie in this thread's scratch
-    memory: use them before this thread resolves another chunk."""
-    links = mf.chain(chunks, h)
-    ahead = {x: _pool().submit(read_object, storage, chunks, x, step) for x in links[1:]}
+    ``blob`` is ``h``'s object when the caller has read it already. Once its header says it is a
+    delta, the rest of the chain the table names is read at once (two round trips of latency, not
+    one per link); each header must then name the next, or say the chunk is whole (the chain ends
+    there). At most MAX_CHAIN links and MAX_READ_FACTOR times the chunk's size are read. The bytes
+    may lie in this thread's scratch memory: use them before this thread resolves another chunk."""
+    size = chunks[h].size
+    budget = MAX_READ_FACTOR * size + (1 << 20)
+    first = blob if blob is not None else read_object(storage, chunks, h, step)
+    blobs = [(h, first)]
+    read = len(first) if blob is None else 0
+    b = base_of(first, chunks, h)
+    ahead = {x: _pool().submit(read_object, storage, chunks, x, step) for x in (mf.chain(chunks, b) if b else ())}
     try:
-        blobs = [(h, blob if blob is not None else read_object(storage, chunks, h, step))]
-        read = len(blobs[0][1]) if blob is None else 0
-        while (b := base_of(blobs[-1][1], chunks, blobs[-1][0])) is not None:
-            if b not in ahead:  # cannot happen with a checked table: base_of checks the header against it
-                raise CorruptCheckpointError(f"the delta chain of chunk {h} is not the one its manifest names",
+        while b is not None:
+            if len(blobs) > mf.MAX_CHAIN or read > budget:
+                raise CorruptCheckpointError(f"the delta chain of chunk {h} is longer than any step may hold",
                                              object=mf.chunk_key(h), chunk=h)
-            blobs.append((b, ahead[b].result()))
-            read += len(blobs[-1][1])
+            data = ahead[b].result() if b in ahead else read_object(storage, chunks, b, step)
+            blobs.append((b, data))
+            read += len(data)
+            b = base_of(data, chunks, b)
     finally:
-        for f in ahead.values():
-            f.cancel()
+        running = [f for f in ahead.values() if not f.cancel()]
+        wait(running)  # nothing of this chain is read after it returns
     # The whole chunk is decoded into scratch memory, then each delta XORs into those same bytes in
     # place (where a delta is zero, its base's bytes are left as they are); each link's hash is checked.
-    size = chunks[h].size
     work = scratch("chain", size)
     (x, data), rest = blobs[-1], blobs[-2::-1]
     raw = decode_link(data, chunks, x, None, work)

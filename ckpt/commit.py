@@ -166,7 +166,7 @@ class CommitProtocol:
             self._go(seq)
             part = self.writer.write_part(job, comm.rank)
         except BaseException as e:
-            job.snapshot.buffer.release()
+            job.snapshot.release()
             error = e
         if error is None:
             comm.report(seq, Report(Status.OK, job.step).to_json())

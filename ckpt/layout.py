@@ -39,6 +39,7 @@ class ChunkSlot:
     offset: int
     length: int
     width: int = 1  # element width of most of its bytes: the byte planes the delta codecs split it into
+    rotate: bool = False  # those bytes are floats whose sign the codecs rotate out of the top plane
 
 
 @dataclass(frozen=True)
@@ -127,13 +128,19 @@ def element_width(dtype: torch.dtype) -> int:
     return size // 2 if dtype.is_complex else size
 
 
+ROTATED_DTYPES = frozenset({torch.bfloat16, torch.float32, torch.float64})  # 8+ exponent bits after the sign
+
+
 def _with_widths(layout: BufferLayout) -> tuple[ChunkSlot, ...]:
-    """Each chunk with the element width most of its bytes have (1 where they are mostly padding).
-    Every tensor starts 64-byte aligned, so element boundaries fall on multiples of the width."""
-    by_chunk: list[dict[int, int]] = [{} for _ in layout.chunks]
+    """Each chunk with the element width (and kind) most of its bytes have (1 where they are mostly
+    padding). Every tensor starts 64-byte aligned, so element boundaries fall on multiples of the width."""
+    by_chunk: list[dict[tuple[int, bool], int]] = [{} for _ in layout.chunks]
     for slot in layout.slots:
-        w = element_width(slot.dtype)
+        kind = (element_width(slot.dtype), slot.dtype in ROTATED_DTYPES)
         for i, _, n in layout.segments(slot):
-            by_chunk[i][w] = by_chunk[i].get(w, 0) + n
-    return tuple(ChunkSlot(c.offset, c.length, max(counts, key=lambda w: (counts[w], w)) if counts else 1)
-                 for c, counts in zip(layout.chunks, by_chunk))
+            by_chunk[i][kind] = by_chunk[i].get(kind, 0) + n
+    out = []
+    for c, counts in zip(layout.chunks, by_chunk):
+        w, rot = max(counts, key=lambda k: (counts[k], k)) if counts else (1, False)
+        out.append(ChunkSlot(c.offset, c.length, w, rot))
+    return tuple(out)

@@ -275,7 +275,7 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
                 "upgrade ckpt")
         _check((codec == "xor") == (len(c) == 4), name, f"chunk {h}: a delta (xor) and only a delta names a base")
         chunks[h] = ChunkInfo(c[0], c[1], c[2], c[3] if len(c) == 4 else None)
-    _check_chains(chunks, name)
+    check_chains(chunks, name)
     tensors: list[TensorEntry] = []
     seen: set[tuple[str, int | None]] = set()  # (key, owning rank)
     raw_tensors: Any = doc.get("tensors")
@@ -328,7 +328,7 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
                     rank=rank, created=float(created), writer=writer, stats=stats, format_version=doc["format_version"])
 
 
-def _check_chains(chunks: dict[str, ChunkInfo], name: str) -> None:
+def check_chains(chunks: dict[str, ChunkInfo], name: str) -> None:
     """Every base is in the table and has its delta's size; chains end (no loop) within MAX_CHAIN links."""
     depth: dict[str, int] = {}  # deltas between a chunk and the whole chunk its chain ends in
     for h in chunks:

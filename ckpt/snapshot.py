@@ -72,6 +72,13 @@ class Snapshot:
     nonfinite: list[str]  # checked CPU tensors found holding NaN or Inf
     generation: int = 0  # the buffer's generation holding this snapshot (the next snapshot into it changes it)
     other: HostBuffer | None = None  # the other buffer of the pair (it holds the delta base, if any)
+    released: bool = False
+
+    def release(self) -> None:
+        """Give the host buffer back to the next snapshot; only the first call does anything."""
+        if not self.released:
+            self.released = True
+            self.buffer.release()
 
     def poisoned(self) -> list[str]:
         """Every checked tensor holding NaN or Inf, in state order; call after the CUDA copy is done."""
@@ -239,10 +246,9 @@ class HostBuffer:
         self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
         self.generation = 0  # snapshots copied in so far
         # A pair of buffers shares one lock: a save holds both (it reads the other as its base)
-        # until its chunks are durable.
-        self._free: threading.Event = lock_with._free if lock_with is not None else threading.Event()
-        if lock_with is None:
-            self._free.set()
+        # until its chunks are durable. A plain Lock: the thread that takes it (save()) is not the
+        # one that gives it back (the writer).
+        self._lock: threading.Lock = lock_with._lock if lock_with is not None else threading.Lock()
         self.cpu_core = _ext.cpu() if native else None
         self.cuda_core = _ext.cuda() if native else None
         self.threads = threads or min(8, os.cpu_count() or 1)
@@ -265,17 +271,15 @@ class HostBuffer:
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Wait until no save is reading the buffer, then take it."""
-        if not self._free.wait(timeout):
-            return False
-        self._free.clear()
-        return True
+        return self._lock.acquire(timeout=-1 if timeout is None else timeout)
 
     def release(self) -> None:
-        self._free.set()
+        """Give the buffer back; once per :meth:`acquire` (a second release would let two saves in)."""
+        self._lock.release()
 
     @property
     def busy(self) -> bool:
-        return not self._free.is_set()
+        return self._lock.locked()
 
     def copy_in(self, tensors: dict[str, torch.Tensor], guarded: set[int] | frozenset[int] = frozenset(),
                 check: frozenset[str] = frozenset()

@@ -20,8 +20,9 @@ from . import _ext
 from . import manifest as mf
 from ._tasks import run_all
 from .codec import HEADER_SIZE, Base, CodecSpec, Pace, check_header, chunk_hash, encode, parse_header
-from .errors import CorruptCheckpointError, NonFiniteStateError, StepExistsError
+from .errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from .handle import SaveMetrics
+from .layout import ChunkSlot
 from .lease import Leases
 from .snapshot import HostBuffer, Snapshot
 from .storage import Storage
@@ -83,7 +84,7 @@ class Writer:
 
     # -- per chunk, on the I/O pool -------------------------------------------------------------
     def _put_chunk(self, job: SaveJob, data: memoryview, h: str | None, address: int,
-                   core: _ext.CpuCore | None, base: _BaseRef | None, width: int) -> _Put:
+                   core: _ext.CpuCore | None, base: _BaseRef | None, chunk: ChunkSlot) -> _Put:
         if h is None and core is not None:  # not hashed during the snapshot (CUDA bytes)
             h = core.xxh3_128(address, len(data))  # releases the GIL; None for tiny chunks
         if h is None:
@@ -100,7 +101,7 @@ class Writer:
             return _Put(h, twin.result().info, "known")
         assert mine is not None
         try:
-            put = self._store(job, h, data, base, width)
+            put = self._store(job, h, data, base, chunk.width, chunk.rotate)
         except BaseException as e:
             mine.set_exception(e)
             raise
@@ -111,7 +112,7 @@ class Writer:
         return put
 
     def _store(self, job: SaveJob, h: str, data: memoryview, base: _BaseRef | None = None, width: int = 1,
-               again: bool = False) -> _Put:
+               rotate: bool = False, again: bool = False) -> _Put:
         """Write chunk ``h`` unless it is stored already (``again``: write it whole over whatever is there)."""
         found, damaged = (None, True) if again else self._probe(h, len(data))
         if found is not None:
@@ -121,7 +122,7 @@ class Writer:
         b = base.resolve(self) if base is not None and base.digest != h else None
         spec = self.codec if job.mode == "encode" else _RAW
         cpu = time.thread_time()
-        codec, buffers = encode(data, h, spec, width=width, base=b, reuse=True)
+        codec, buffers = encode(data, h, spec, width=width, base=b, rotate=rotate, reuse=True)
         cpu = time.thread_time() - cpu
         with self._lock:
             job.encode_cpu_s += cpu
@@ -205,7 +206,7 @@ class Writer:
                 with self._lock:
                     self.known.pop(p.hash, None)
                 puts[i] = again[p.hash] = self._store(job, p.hash, buf.view(c.offset, c.length), None, c.width,
-                                                      again=True)
+                                                      c.rotate, again=True)
 
     def _check_not_committed(self, step: int) -> None:
         if self.storage.exists(mf.manifest_key(step)):
@@ -237,14 +238,17 @@ class Writer:
                 started = time.perf_counter()
                 puts = run_all(self.io, lambda ch: self._put_chunk(job, buf.view(ch[0].offset, ch[0].length), ch[1],
                                                                    buf.address(ch[0].offset), buf.cpu_core, ch[2],
-                                                                   ch[0].width),
+                                                                   ch[0]),
                                list(zip(layout.chunks, snap_hashes, bases)))
                 self._restore_missing(job, puts, buf)
+                if bases[0] is not None and (base := self._base) is not None and base[0].generation != base[1]:
+                    raise CheckpointError(f"step {job.step}: the previous save's buffer changed while this save "
+                                          "encoded deltas against it (a bug: please report it); nothing was committed")
                 job.hashes = [p.hash for p in puts]
                 self.pace.record(job.mode, sum(p.info.size for p in puts if p.how in ("written", "created")),
                                  time.perf_counter() - started, job.encode_cpu_s)
             finally:
-                buf.release()
+                snap.release()
             self.storage.flush()
             if job.on_local is not None:
                 job.on_local()
@@ -317,8 +321,19 @@ class Writer:
             log.warning("ckpt: removing the chunks of failed step %d failed: %s", job.step, e)
 
     def commit(self, step: int, parts: list[mf.Manifest], per_rank: frozenset[str]) -> mf.Manifest:
-        """Merge every rank's report into the step manifest and commit it (create-only)."""
+        """Merge every rank's report into the step manifest and commit it (create-only).
+
+        Two ranks may store the same chunk (same bytes, same name) differently: as deltas of their
+        own bases, or with other byte-plane widths; the copy written last is the one stored. Where
+        their reports disagree, the stored header decides the entry, and the merged table is checked
+        (every base listed, chains bounded) before anything is committed."""
+        self._settle_conflicts(parts)
         step_manifest = mf.merge(step, parts, per_rank)
+        try:
+            mf.check_chains(step_manifest.chunks, mf.manifest_key(step))
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
+                                         f"({e})") from e
         try:
             self.storage.commit(mf.manifest_key(step), step_manifest.to_json())
         except FileExistsError:
@@ -326,6 +341,25 @@ class Writer:
                 f"step {step} is already committed in {self.storage.describe()}; committed steps are never "
                 "overwritten. Save under a new step number (or delete the old one with retention/`ckpt gc`).") from None
         return step_manifest
+
+    def _settle_conflicts(self, parts: list[mf.Manifest]) -> None:
+        seen: dict[str, mf.ChunkInfo] = {}
+        conflicts: set[str] = set()
+        for part in parts:
+            for h, info in part.chunks.items():
+                if seen.setdefault(h, info) != info:
+                    conflicts.add(h)
+        for h in sorted(conflicts):
+            key = mf.chunk_key(h)
+            hdr = parse_header(self.storage.read(key, 0, HEADER_SIZE), name=key)
+            stored = self.storage.size(key)
+            check_header(hdr, name=key, expect_hash=h, object_len=stored)
+            truth = mf.ChunkInfo(hdr.raw_len, stored, f"{hdr.codec}/1", hdr.base)
+            log.info("ckpt: chunk %s was stored differently by two ranks; the step lists the copy that stayed (%s)",
+                     h, truth.codec)
+            for part in parts:
+                if h in part.chunks:
+                    part.chunks[h] = truth
 
     # -- what the writer trusts to be stored --------------------------------------------------------
     def in_use(self) -> set[str]:

@@ -347,7 +347,7 @@ const uint8_t* copy_piece(uint8_t* dst, const Seg* segs, size_t nsegs, uint64_t 
 extern "C" {
 
 // The layout of this library's calls; Python refuses a library built for another (a stale build).
-int ckpt_abi_version() { return 3; }  // 3: ckpt_group, ckpt_ungroup, ckpt_xor (planes.cpp)
+int ckpt_abi_version() { return 4; }  // 4: ckpt_group, ckpt_ungroup_planes with rotation (planes.cpp)
 
 // 2 = AVX2, 1 = SSE2, 0 = portable C: which accumulator loop this machine runs.
 int ckpt_simd_level() { return g_level; }

@@ -396,3 +396,70 @@ def test_unknown_codecs_and_formats_are_refused_clearly(tmp_path):
         change(d)
         with pytest.raises(error):
             mf.parse(json.dumps(d).encode(), name="m")
+
+
+# -- several ranks --------------------------------------------------------------------------------------
+
+def _sharded_state(rank: int, step: int) -> dict:
+    """Rows of a global (4096, 64) table, a few rows changed per step, saved as each rank's box."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(4096, 64, generator=g)
+    for s in range(1, step + 1):
+        full[torch.randint(0, 4096, (16,), generator=g)] += 0.01 * s
+    rows = slice(0, 1500) if rank == 0 else slice(1500, 4096)
+    return {"table": ckpt.LocalShard(full[rows].clone(), (rows.start, 0), (4096, 64)), "step": step}
+
+
+def _save_sharded(rank: int, world: int, root: str) -> dict:
+    with ckpt.Checkpointer(root, chunk_size=CHUNK, codec="smallest") as c:
+        deltas = 0
+        for s in range(5):
+            deltas += c.save(s, _sharded_state(rank, s)).wait().chunks_delta
+    return {"deltas": deltas}
+
+
+def _load_sharded(rank: int, world: int, root: str) -> bool:
+    want = _sharded_state(rank, 4)
+    got = {"table": ckpt.LocalShard(torch.zeros_like(want["table"].tensor), want["table"].offsets, (4096, 64)),
+           "step": -1}
+    ckpt.Checkpointer(root).load(4, got)
+    return torch.equal(got["table"].tensor, want["table"].tensor) and got["step"] == 4
+
+
+def test_two_ranks_write_deltas_of_their_own_shards_and_any_world_size_loads_them(tmp_path):
+    from dist_helpers import run_ranks
+
+    root = str(tmp_path / "ck")
+    saved = run_ranks(2, _save_sharded, root)
+    assert all(r["deltas"] > 0 for r in saved)  # each rank XORs against its own previous save
+    m = ckpt.Checkpointer(root).manifest(4)
+    assert any(i.base is not None for i in m.chunks.values())
+    assert run_ranks(2, _load_sharded, root) == [True, True]
+    # one process takes the whole table: every shard's chunks and their bases, resolved and verified
+    full = {"table": torch.zeros(4096, 64), "step": -1}
+    ckpt.Checkpointer(root).load(4, full)
+    want = torch.cat([_sharded_state(0, 4)["table"].tensor, _sharded_state(1, 4)["table"].tensor])
+    assert torch.equal(full["table"], want)
+
+
+def test_ranks_that_stored_the_same_chunk_differently_commit_what_stayed(tmp_path):
+    """Two ranks hold the same bytes (same chunk name) and store them differently (other widths, other
+    bases): the copy written last stays, and the committed entry must describe it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt.storage import open_storage
+    from ckpt.writer import Writer
+
+    storage = open_storage(str(tmp_path / "ck"))
+    raw = _chunk(1 << 18)
+    h = chunk_hash(raw)
+    kept = encode(raw, h, CodecSpec("grouped"), width=2)  # the copy that stayed: planes of width 2
+    stored = storage.write(mf.chunk_key(h), kept[1])
+    other = mf.ChunkInfo(len(raw), stored + 1000, "planes/1")  # what the other rank wrote before it
+    entries = (other, mf.ChunkInfo(len(raw), stored, "planes/1"))
+    parts = [mf.Manifest(step=1, kind="rank", rank=r, structure=ckpt.structure.dict_node([], []), tensors=[],
+                         chunks={h: info}) for r, info in enumerate(entries)]
+    with ThreadPoolExecutor(2) as io:
+        m = Writer(storage, CodecSpec("auto"), io).commit(1, parts, frozenset())
+    assert m.chunks[h] == mf.ChunkInfo(len(raw), stored, "planes/1")
+    assert mf.read_step(storage, 1).chunks[h].stored == stored
