@@ -241,7 +241,7 @@ class Writer:
                                                                    ch[0]),
                                list(zip(layout.chunks, snap_hashes, bases)))
                 self._restore_missing(job, puts, buf)
-                if bases[0] is not None and (base := self._base) is not None and base[0].generation != base[1]:
+                if any(bases) and (base := self._base) is not None and base[0].generation != base[1]:
                     raise CheckpointError(f"step {job.step}: the previous save's buffer changed while this save "
                                           "encoded deltas against it (a bug: please report it); nothing was committed")
                 job.hashes = [p.hash for p in puts]
