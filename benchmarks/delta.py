@@ -225,7 +225,7 @@ def zipnn_encode(tensors: dict) -> tuple[int | None, float | None]:
 
 # -- one training --------------------------------------------------------------------------------------
 
-def run_workload(name: str, state: dict, steps, warmup: int, args, root: str) -> dict:
+def run_workload(name: str, state: dict, steps, warmup: int, args, root: str, s3=None) -> dict:
     for _ in range(warmup):
         next(steps)
     dirs = {c: os.path.join(root, f"{name.replace(' ', '-')}-{c}") for c in CODECS}
@@ -261,10 +261,47 @@ def run_workload(name: str, state: dict, steps, warmup: int, args, root: str) ->
                     t0 = time.perf_counter()
                     ckptrs[c].load(args.saves - 1, state)
                     loads[f"{c}_{how}"].append(time.perf_counter() - t0)
+        if s3 is not None:  # the same objects served over S3 (rclone serve s3 on 127.0.0.1)
+            _, so = s3
+            for c in ("smallest", "raw"):
+                prefix = f"{name.replace(' ', '-').replace('%', '')}-{c}"
+                s3_upload(so, dirs[c], f"{S3_BUCKET}/{prefix}")
+                loads[f"{c}_s3"] = []
+                with ckpt.Checkpointer(f"s3://{S3_BUCKET}/{prefix}", storage_options=so) as remote:
+                    for _ in range(args.load_repeats):
+                        t0 = time.perf_counter()
+                        remote.load(args.saves - 1, state)
+                        loads[f"{c}_s3"].append(time.perf_counter() - t0)
     finally:
         for ck in ckptrs.values():
             ck.close()
     return {"name": name, "saves": saves, **{f"load_{k}_s": statistics.median(v) for k, v in loads.items()}}
+
+
+S3_BUCKET = "ckpt-delta"
+
+
+def s3_upload(so: dict, local: str, dest: str) -> None:
+    """Every file of a local checkpoint to ``dest`` (bucket/prefix), through the server."""
+    import s3fs
+    fs = s3fs.S3FileSystem(key=so["key"], secret=so["secret"], client_kwargs=so["client_kwargs"])
+    for d, _, files in os.walk(local):
+        for f in files:
+            path = os.path.join(d, f)
+            fs.put_file(path, f"{dest}/{os.path.relpath(path, local)}")
+
+
+def s3_server(root: str):
+    """``rclone serve s3`` on 127.0.0.1 (installed by the project's setup), or None without it."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    try:
+        from s3_servers import RcloneS3, storage_options
+        srv = RcloneS3(os.path.join(root, "s3")).start()
+    except Exception as e:  # noqa: BLE001 - the S3 column is optional
+        print(f"(no S3 server: {e}; the S3 load column is left out)")
+        return None
+    srv.make_bucket(S3_BUCKET)
+    return srv, storage_options(srv.endpoint)
 
 
 def evict(root: str) -> None:
@@ -290,6 +327,7 @@ def summarize(w: dict) -> dict:
            statistics.median(r["raw_durable_s"] for r in later),
            "load_cold_ratio": w["load_smallest_cold_s"] / w["load_raw_cold_s"],
            "load_warm_ratio": w["load_smallest_warm_s"] / w["load_raw_warm_s"],
+           "load_s3_ratio": (w["load_smallest_s3_s"] / w["load_raw_s3_s"]) if "load_raw_s3_s" in w else None,
            "ckpt_gibs": tot("raw") / tot("ckpt_s") / 2**30}
     if all(r.get("zipnn") for r in later):
         out["vs_zipnn"] = tot("smallest_stored") / tot("zipnn")
@@ -353,6 +391,7 @@ def main() -> None:
     ap.add_argument("--load-repeats", type=int, default=3)
     ap.add_argument("--first", action="store_true", help="also compare codecs on the first save")
     ap.add_argument("--fast-width", type=int, default=2048, help="the /dev/shm run's MLP width")
+    ap.add_argument("--no-s3", action="store_true", help="leave out the loads over S3 (rclone serve s3)")
     ap.add_argument("--quick", action="store_true", help="3 saves, 2 steps apart, 5 warm-up steps")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
@@ -364,14 +403,19 @@ def main() -> None:
     doc: dict = {"command": "python benchmarks/delta.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
                  "machine": platform.machine(), "corpus_mib": data.numel() / 2**20, "saves": args.saves,
                  "every": args.every, "delta_chain": args.delta_chain, "workloads": []}
+    s3root = tempfile.mkdtemp(prefix="ckpt-bench-delta-s3-")
+    s3 = None if args.no_s3 else s3_server(s3root)
     try:
         for name, state, steps, warmup in workloads(args, data):
-            doc["workloads"].append(run_workload(name, state, steps, warmup, args, root))
+            doc["workloads"].append(run_workload(name, state, steps, warmup, args, root, s3))
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root, exist_ok=True)
         doc["fast_disk"] = fast_disk(args, data)
     finally:
+        if s3 is not None:
+            s3[0].stop()
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(s3root, ignore_errors=True)
     doc["summary"] = [summarize(w) for w in doc["workloads"]]
     text = table(doc)
     print(text)
@@ -389,22 +433,24 @@ def table(doc: dict) -> str:
              f"{doc['saves']} per training, delta_chain={doc['delta_chain']}). Bytes are summed over the saves after "
              "the first; ratios below 1 mean ckpt stored less.", "",
              "| training | state (MiB) | ckpt ÷ raw | ÷ zstd-1 | ÷ grouped | ÷ ZipNN | ÷ its first save | target | "
-             "auto ÷ raw | encode GiB/s (ckpt / ZipNN) | durable, auto ÷ raw codec | load ÷ raw codec, cold / warm |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "auto ÷ raw | encode GiB/s (ckpt / ZipNN) | durable, auto ÷ raw codec | load ÷ raw codec, S3 / cold / "
+             "warm |", "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for s in doc["summary"]:
         zipnn = f"{s['ckpt_gibs']:.2f} / {s['zipnn_gibs']:.2f}" if "zipnn_gibs" in s else f"{s['ckpt_gibs']:.2f} / –"
         lines.append(f"| {s['name']} | {s['raw_mib']:.1f} | {s['stored_raw']:.3f} | {s['vs_zstd']:.2f} | "
                      f"{s['vs_grouped']:.2f} | {f2(s.get('vs_zipnn'))} | {s['vs_first']:.3f} | {TARGETS[s['name']]} | "
                      f"{s['auto_raw']:.3f} | "
-                     f"{zipnn} | {s['durable_ratio']:.2f} | {s['load_cold_ratio']:.2f} / {s['load_warm_ratio']:.2f} |")
+                     f"{zipnn} | {s['durable_ratio']:.2f} | {f2(s['load_s3_ratio'])} / {s['load_cold_ratio']:.2f} / "
+                     f"{s['load_warm_ratio']:.2f} |")
     fd = doc.get("fast_disk")
     lines += ["", "ckpt ÷ X: bytes ckpt stored (`codec=\"smallest\"`: deltas against the previous save, byte planes, "
                   "dedup of unchanged chunks) ÷ the bytes X needs for the same tensors. auto ÷ raw: the same for the "
                   "default `codec=\"auto\"`, whose third save is a raw probe (then one in 16). encode: raw bytes per "
                   "second of one thread (ckpt's choice per 4 MiB piece; ZipNN's compress). durable: median time from "
                   "`save()` to committed, auto ÷ raw codec, on this machine's disk. load: the last save, chains "
-                  "resolved and every link verified, ÷ the same state stored raw; cold: its files dropped from the "
-                  "page cache first (read from the disk), warm: read from memory."]
+                  "resolved and every link verified, ÷ the same state stored raw; S3: the same objects served by "
+                  "`rclone serve s3` on 127.0.0.1; cold: its files dropped from the page cache first (read from "
+                  "the disk), warm: read from memory."]
     if fd:
         lines += ["", "On /dev/shm (memory: faster than any compression; a 4-layer MLP with Adam, "
                       f"{fd['state_mib']:.0f} MiB), auto's median save from the fourth on took {fd['auto_s']:.3f} s "
