@@ -1,6 +1,7 @@
 """Build the optional compiled core (csrc/). Everything else about the package is in pyproject.toml.
 
-* ``ckpt/_copyhash*.so`` (C++, fused copy + xxh3-128; byte planes and XOR for the delta codecs): built whenever a C++ compiler is there.
+* ``ckpt/_copyhash*.so`` (C++, fused copy + xxh3-128; byte planes and XOR for the delta codecs):
+  built whenever a C++ compiler is there.
 * ``ckpt/_cuda_copy*.so`` (CUDA, batched device-to-host copy): built when ``nvcc`` is found
   (``$CUDA_HOME/bin/nvcc`` or on PATH), whether or not this machine has a GPU.
 

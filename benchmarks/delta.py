@@ -445,8 +445,9 @@ def table(doc: dict) -> str:
     fd = doc.get("fast_disk")
     lines += ["", "ckpt ÷ X: bytes ckpt stored (`codec=\"smallest\"`: deltas against the previous save, byte planes, "
                   "dedup of unchanged chunks) ÷ the bytes X needs for the same tensors. auto ÷ raw: the same for the "
-                  "default `codec=\"auto\"`, whose third save is a raw probe (then one in 16). encode: raw bytes per "
-                  "second of one thread (ckpt's choice per 4 MiB piece; ZipNN's compress). durable: median time from "
+                  "default `codec=\"auto\"`, which probes raw after saves whose encoding kept the cores busy. "
+                  "encode: raw bytes per second of one thread (ckpt's choice per 4 MiB piece; ZipNN's compress). "
+                  "durable: median time from "
                   "`save()` to committed, auto ÷ raw codec, on this machine's disk. load: the last save, chains "
                   "resolved and every link verified, ÷ the same state stored raw; S3: the same objects served by "
                   "`rclone serve s3` on 127.0.0.1; cold: its files dropped from the page cache first (read from "
