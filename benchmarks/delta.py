@@ -49,6 +49,8 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
+
 import ckpt  # noqa: E402
 from ckpt import codec  # noqa: E402
 from ckpt.layout import element_width  # noqa: E402
@@ -462,12 +464,8 @@ def table(doc: dict) -> str:
 
 
 def plot(doc: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install 'ckpt[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     names = [w["name"] for w in doc["workloads"]]
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))

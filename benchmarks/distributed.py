@@ -52,6 +52,7 @@ import warnings
 from datetime import timedelta
 
 import torch
+from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
@@ -630,12 +631,8 @@ def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed
 
 
 def plot(save_med: dict, load_med: dict, path: str, nbytes: int) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install 'ckpt[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.4]})
     labels, blocked, durable = [], [], []

@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 from save_load import fsync_path, make_state  # noqa: E402  (the same state as the save/load benchmark)
 
 import ckpt  # noqa: E402
@@ -303,12 +304,8 @@ def main() -> None:
 
 
 def plot(doc: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install 'ckpt[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     panels = [k for k in ("signal", "auto") if k in doc]
     if not panels:

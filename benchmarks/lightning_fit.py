@@ -42,6 +42,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins import AsyncCheckpointIO  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
+
 from ckpt.lightning import AsyncCheckpoint, CkptCheckpointIO  # noqa: E402
 
 
@@ -171,12 +173,8 @@ def report(med: dict, overhead: dict, times: dict, saves: dict, params: int, arg
 
 
 def plot(overhead: dict, path: str, args) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install 'ckpt[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     names = [m for m in METHODS if m != "none"]
     fig, ax = plt.subplots(figsize=(9, 4))

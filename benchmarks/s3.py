@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 warnings.filterwarnings("ignore")
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
+from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 from s3_servers import MotoS3, RcloneS3, storage_options  # noqa: E402
 
 import ckpt  # noqa: E402
@@ -177,13 +178,8 @@ def main() -> None:
         json.dump({"args": vars(args), "bytes": size, "times": times, "median": med,
                    "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                "torch": torch.__version__}}, f, indent=1)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install 'ckpt[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
     names = list(med)

@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
@@ -349,12 +350,8 @@ def report(med: dict, nbytes: int, args, first_stall: float | None) -> None:
 
 
 def plot(med: dict, path: str, nbytes: int) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot; pip install 'ckpt[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     names = list(med)
     fig, ax = plt.subplots(figsize=(9, 4.5))

@@ -96,3 +96,14 @@ def test_benchmark_script_runs_and_checks_what_it_loaded(tmp_path):
             "--out", str(tmp_path))
     assert "| ckpt |" in p.stdout and "| dcp.async_save |" in p.stdout
     assert (tmp_path / "save_load.md").exists() and (tmp_path / "save_load.json").exists()
+
+
+def test_delta_benchmark_script_runs(tmp_path):
+    """Smoke test of benchmarks/delta.py (3 saves of each training, no S3), so its table stays runnable.
+    ZipNN is not a dependency: without it the ZipNN columns say so."""
+    p = run("benchmarks/delta.py", "--quick", "--no-s3", "--out", str(tmp_path))
+    for name in ("gpt-fp32", "gpt-bf16", "embedding", "frozen-90%"):
+        assert f"| {name} |" in p.stdout
+    doc = json.loads((tmp_path / "delta.json").read_text())
+    emb = next(s for s in doc["summary"] if s["name"] == "embedding")
+    assert emb["stored_raw"] < 0.1  # sparse updates stored as small deltas
