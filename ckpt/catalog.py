@@ -172,7 +172,7 @@ def verify(catalog: Catalog, steps: Iterable[int], *, threads: int = 8,
 
     def problem(h: str, err: Exception) -> Problem:
         key = mf.chunk_key(h)
-        if isinstance(err, CorruptCheckpointError) and "is missing" in str(err):
+        if isinstance(err, chains.MissingChunkError):
             return Problem(key, "missing", str(err), [], h)
         if isinstance(err, CorruptCheckpointError):
             return Problem(key, "corrupt", str(err), [], h)

@@ -32,6 +32,17 @@ def read_limit(info: mf.ChunkInfo) -> int:
     return max(info.stored, info.size + HEADER_SIZE + 8 * (MAX_WIDTH + 1) + info.size // 128 + (64 << 10))
 
 
+class MissingChunkError(CorruptCheckpointError):
+    """A chunk object a step references is not stored (damage, told apart from a bad copy by verify)."""
+
+
+def missing(storage: Storage, h: str, step: int | None, e: Exception) -> MissingChunkError:
+    key = mf.chunk_key(h)
+    whose = f" referenced by step {step}" if step is not None else ""
+    return MissingChunkError(f"chunk object {key}{whose} is missing from {storage.describe()} ({e}); the step is "
+                             "damaged", object=key, chunk=h)
+
+
 def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None) -> bytes | bytearray:
     """Chunk ``h``'s stored object, never more than :func:`read_limit`. A missing object is damage."""
     info = chunks[h]
@@ -40,9 +51,7 @@ def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step:
     try:
         blob = storage.read_object(key, limit)
     except FileNotFoundError as e:
-        whose = f" referenced by step {step}" if step is not None else ""
-        raise CorruptCheckpointError(f"chunk object {key}{whose} is missing from {storage.describe()} ({e}); "
-                                     "the step is damaged", object=key, chunk=h) from None
+        raise missing(storage, h, step, e) from None
     if len(blob) > limit:
         raise CorruptCheckpointError(
             f"chunk object {key} is larger than any form of the {info.size}-byte chunk its manifest entry "

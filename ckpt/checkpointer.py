@@ -148,6 +148,7 @@ class Checkpointer:
             self._protocol.abandon(seq, step, e)
             raise
         metrics.stall_s = time.perf_counter() - started
+        metrics.host_bytes = self._snapshots.host_bytes
         if snap is None:
             metrics.skipped = True
             log.info("ckpt: skipped the save of step %d: the previous save is still writing (busy='skip')", step)

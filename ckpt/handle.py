@@ -26,6 +26,7 @@ class SaveMetrics:
     chunks_written: int = 0
     chunks_reused: int = 0  # chunks already stored (dedup): not written again
     chunks_delta: int = 0  # chunks written as a delta of the chunk at their place in the previous save
+    host_bytes: int = 0  # host memory the snapshot buffers hold (twice the state with deltas)
     duration_s: float | None = None  # from the save() call until the step was committed
     skipped: bool = False  # busy="skip" dropped this save
     local_s: float | None = None  # from the save() call until every chunk was durable in the first tier

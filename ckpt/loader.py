@@ -519,9 +519,7 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
                 return HEADER_SIZE + n
             # stored another way than the entry says (another writer's copy of the same bytes): decoded below
     except FileNotFoundError as e:
-        raise CorruptCheckpointError(
-            f"chunk object {key} referenced by step {m.step} is missing from {storage.describe()} ({e}); "
-            "the step is damaged", object=key, chunk=h) from None
+        raise chains.missing(storage, h, m.step, e) from None
     blob = chains.read_object(storage, m.chunks, h, m.step)
     raw, more = chains.resolve(storage, m.chunks, h, m.step, blob)  # a delta: its chain, every link verified
     src = np.frombuffer(raw, dtype=np.uint8)

@@ -78,21 +78,26 @@ class ChunkInfo:
 
 
 def chain(chunks: dict[str, ChunkInfo], h: str) -> list[str]:
-    """``h`` and its bases, newest first, ending with a chunk stored whole (the table is checked:
-    every base is in it and chains are acyclic and at most MAX_CHAIN long)."""
+    """``h`` and its bases, newest first, down to the chunk stored whole. A base the table lacks ends
+    the list (and is in it, so callers see it); a table that :func:`parse` checked lacks none."""
     out = [h]
-    while (b := chunks[out[-1]].base) is not None:
+    while out[-1] in chunks and (b := chunks[out[-1]].base) is not None and len(out) <= MAX_CHAIN:
         out.append(b)
     return out
 
 
-def closure(chunks: dict[str, ChunkInfo], hashes) -> dict[str, ChunkInfo]:
-    """The chunks ``hashes`` name and every base they need, from ``chunks``."""
+def closure(chunks: dict[str, ChunkInfo], hashes, missing: set[str] | None = None) -> dict[str, ChunkInfo]:
+    """The chunks ``hashes`` name and every base they need, from ``chunks``. A chunk the table lacks
+    is added to ``missing`` where that is given (else KeyError)."""
     out: dict[str, ChunkInfo] = {}
     for h in hashes:
-        while h is not None and h not in out:
-            out[h] = chunks[h]
-            h = out[h].base
+        for x in chain(chunks, h):
+            if x in out:
+                break
+            if x not in chunks and missing is not None:
+                missing.add(x)
+                break
+            out[x] = chunks[x]
     return out
 
 

@@ -163,20 +163,9 @@ class Writer:
         need; and the bases this writer no longer knows (so cannot vouch for)."""
         table = {p.hash: p.info for p in puts}
         unknown: set[str] = set()
-        todo = [i.base for i in table.values() if i.base is not None]
         with self._lock:
-            while todo:
-                b = todo.pop()
-                if b in table or b in unknown:
-                    continue
-                info = self.known.get(b)
-                if info is None:
-                    unknown.add(b)
-                    continue
-                table[b] = info
-                if info.base is not None:
-                    todo.append(info.base)
-        return table, unknown
+            known = {**self.known, **table}
+        return mf.closure(known, table, unknown), unknown
 
     def _restore_missing(self, job: SaveJob, puts: list[_Put], buf: HostBuffer) -> None:
         """Chunks taken from the dedup table, and the bases of deltas, must still be stored: another
@@ -201,7 +190,7 @@ class Writer:
         for i, p in enumerate(puts):
             if p.hash in again:
                 puts[i] = again[p.hash]
-            elif any(x in gone for x in _chain_of(table, p.hash)):
+            elif any(x in gone for x in mf.chain(table, p.hash)):
                 c = layout.chunks[i]
                 with self._lock:
                     self.known.pop(p.hash, None)
@@ -278,8 +267,9 @@ class Writer:
         hashes = [p.hash for p in puts]
         chunk_table, unknown = self._table(puts)
         if unknown:  # _restore_missing rewrote every chunk whose chain it could not vouch for
-            raise CorruptCheckpointError(f"step {job.step}: delta base(s) {sorted(unknown)[:3]} are unknown to the "
-                                         "writer; not committing a step that could not be loaded")
+            raise CorruptCheckpointError(f"step {job.step} was not committed: delta base(s) {sorted(unknown)[:3]} are "
+                                         "unknown to the writer, so the step could not be loaded. This is a bug "
+                                         "(please report it); the committed steps are unaffected, save again")
         new = {p.hash: p.info for p in puts if p.how in ("written", "created")}
         m.chunks = len(chunk_table)
         m.chunks_written = len(new)
@@ -400,25 +390,12 @@ class _BaseRef:
         """The base, if it is known to be stored and a delta on it keeps the chain within delta_chain
         links and delta_budget × the chunk's size of bytes read (what is left is the delta's room)."""
         with writer._lock:
-            links = _chain_of(writer.known, self.digest)
+            links = mf.chain(writer.known, self.digest)
             infos = [writer.known.get(x) for x in links]
         if not links or any(i is None for i in infos) or len(links) >= writer.delta_chain:
             return None
         room = int(writer.delta_budget * len(self.view)) - sum(i.stored for i in infos if i is not None)
         return Base(self.view, self.digest, room) if room > 0 else None
-
-
-def _chain_of(table: dict[str, mf.ChunkInfo], h: str) -> list[str]:
-    """``h`` and its bases as far as ``table`` knows them (empty if ``h`` is not in it); a link
-    ``table`` does not hold ends the list."""
-    out: list[str] = []
-    cur: str | None = h
-    while cur is not None and len(out) <= mf.MAX_CHAIN:
-        out.append(cur)
-        if cur not in table:
-            break
-        cur = table[cur].base
-    return out
 
 
 def _refuse_poison(step: int, rank: int, bad: list[str]) -> None:

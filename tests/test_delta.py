@@ -66,6 +66,7 @@ def test_sparse_and_frozen_state_is_stored_as_small_deltas_in_bounded_chains(tmp
             written[s] = c.save(s, state).wait()
             states[s] = state
         assert c._snapshots.spare is not None  # the previous save stays in the second buffer
+        assert written[9].host_bytes == 2 * c._snapshots.buffer.nbytes and written[0].host_bytes < written[9].host_bytes
     first = written[0].written_bytes
     longest, whole_again, prev = 0, 0, set()
     for s in range(1, 10):
