@@ -32,13 +32,14 @@ from .handle import SaveHandle, SaveMetrics
 from .loader import LoadStats
 from .options import Options
 from .reader import Pickled, Reader, open
+from .redundancy_config import Parity, Replicas
 from .sharding import LocalShard, PerRank
 from .snapshot import fence
 from .state import RNGState
 
 __all__ = [
     "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",
-    "PerRank", "fence", "open", "Reader", "Pickled",
+    "PerRank", "fence", "open", "Reader", "Pickled", "Replicas", "Parity",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "DistributedSaveError", "IncompatibleFormatError", "NonFiniteStateError", "NotACheckpointError",
     "PartialStateError", "ReshardError", "StateMismatchError", "StepExistsError", "StorageError",

@@ -22,18 +22,21 @@ from . import at_exit, events
 from . import manifest as mf
 from ._tasks import run_all
 from .codec import verify_object
-from .commit import CommitProtocol
+from .commit import CommitProtocol, LocalCommits
 from .dist import make_comm
 from .errors import CheckpointError, ConfigError
 from .handle import SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
 from .options import MiB, Options
+from .redundancy import Peers
+from .redundancy_config import Parity, Replicas
 from .retention import Retention
 from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, Interval, Schedule
 from .snapshot import Snapshotter
 from .state import flatten
 from .storage import open_tiered
+from .storage.tiered import TieredStorage
 from .writer import SaveJob, Writer
 
 log = logging.getLogger("ckpt")
@@ -64,13 +67,15 @@ class Checkpointer:
                  timeout: float = 600.0, native: bool = True, snapshot_threads: int | None = None,
                  check_finite: bool | Literal["all"] = True, every: int | float | str | None = None,
                  preemption: bool | list[int] = False, mtbf: float = DEFAULT_MTBF,
-                 max_overhead: float = DEFAULT_MAX_OVERHEAD):
+                 max_overhead: float = DEFAULT_MAX_OVERHEAD, redundancy: Replicas | Parity | None = None,
+                 persist_every: int | None = None, failure_domain: str | None = None, keep_local: int = 2):
         options = Options.build(
             keep_last=keep_last, keep_every=keep_every, local_dir=local_dir, chunk_size=chunk_size, codec=codec,
             delta_chain=delta_chain, delta_budget=delta_budget, busy=busy, strict=strict, allow_pickle=allow_pickle,
             io_threads=io_threads, storage_options=storage_options, timeout=timeout, native=native,
             snapshot_threads=snapshot_threads, check_finite=check_finite, every=every, preemption=preemption,
-            mtbf=mtbf, max_overhead=max_overhead)
+            mtbf=mtbf, max_overhead=max_overhead, redundancy=redundancy, persist_every=persist_every,
+            failure_domain=failure_domain, keep_local=keep_local)
         self._open(path, options, process_group)
 
     @classmethod
@@ -87,7 +92,7 @@ class Checkpointer:
         self.options = options
         self._comm = make_comm(process_group, options.timeout)
         self.storage = open_tiered(self.path, options.local_dir, options.storage_options, verify=verify_object,
-                                   upload_threads=options.threads)
+                                   upload_threads=options.threads, local_commits=options.tiered_commits)
         # The threads every stage runs on, owned here and handed to the stages.
         self._io = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-io")
         self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
@@ -97,21 +102,47 @@ class Checkpointer:
         self._leases = Leases(self.storage.durable_tier(), wait_s=options.timeout)
         self._writer = Writer(self.storage, options.codec, self._io, self._leases, options.delta_chain,
                               options.delta_budget)
-        self._retention = Retention(self.storage, manifests, options.keep_last, options.keep_every,
-                                    lambda keys: run_all(self._io, self.storage.delete, keys), self._leases,
+        self._tiers = self._open_tiers(process_group) if options.tiered_commits else None
+        durable = self.storage.durable_tier()  # with local commits, each tier keeps its own steps
+        self._retention = Retention(durable if self._tiers else self.storage, manifests, options.keep_last,
+                                    options.keep_every, lambda keys: run_all(self._io, durable.delete, keys)
+                                    if self._tiers else run_all(self._io, self.storage.delete, keys), self._leases,
                                     in_use=self._writer.in_use)
         self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
-                                        self._retention.after_commit, self._leases)
+                                        self._after_commit, self._leases, self._tiers)
         self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads,
                                       options.check_finite, pair=options.deltas)
         self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
-        self._loader = Loader(self.storage, self._comm, self._io, manifests)
+        self._loader = Loader(self.storage, self._comm, self._io, manifests, self._tiers)
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
         self._ledger = SaveLedger()  # steps taken, saves in flight, failures nobody has seen yet
         self._closed = False
         at_exit.track(self)
+
+    def _open_tiers(self, process_group: Any) -> LocalCommits:
+        """Local commits: every node's local_dir is a committed checkpoint, kept to ``keep_local`` steps,
+        protected by peers when ``redundancy`` says so."""
+        storage = self.storage
+        assert isinstance(storage, TieredStorage)  # Options.build refuses local commits without local_dir
+        local = storage.local
+        self._local_leases = Leases(local, wait_s=self.options.timeout)
+        self._local_retention = Retention(local, mf.ManifestCache(local, maxsize=64), self.options.keep_local, None,
+                                          lambda keys: run_all(self._io, local.delete, keys), self._local_leases,
+                                          in_use=self._writer.in_use)
+        peers = Peers(self._comm, self.options.redundancy, self.options.failure_domain, local, process_group,
+                      self.options.timeout)
+        if self.options.redundancy is not None:
+            log.info("ckpt: local tier %s protected by %s", local.root, peers.describe())
+        return LocalCommits(storage, local, peers, lambda job: self._local_retention.apply_after(job.step))
+
+    def _after_commit(self, committed: mf.Manifest) -> None:
+        """Coordinator, after a commit: the checkpoint path's retention, when the save went there."""
+        if self._tiers is None or self._tiers.storage.persist:
+            self._retention.after_commit(committed)
+        else:
+            self._manifests.put(committed)
 
     # -- saving ---------------------------------------------------------------------------------------
     @property
@@ -128,10 +159,12 @@ class Checkpointer:
         """Host buffer layouts made so far: one on the first save, one more per structure change."""
         return self._snapshots.layouts_made
 
-    def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
+    def save(self, step: int, state: dict[str, Any], *, persist: bool | None = None) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and write it in the background; returns once every
         tensor is copied (later in-place changes are not saved). With several ranks, every rank calls
-        it with the same step and writes its own shard; the step commits once all parts are durable."""
+        it with the same step and writes its own shard; the step commits once all parts are durable.
+        With ``persist_every``, ``persist=True`` also uploads this save (``False``: local tiers only;
+        every rank must pass the same)."""
         started = time.perf_counter()
         self._check_open()
         self._loader.check_whole(step)
@@ -158,7 +191,7 @@ class Checkpointer:
         future: Future = Future()
         handle = SaveHandle(step, metrics, future, started=started)
         job = SaveJob(step=step, seq=seq, snapshot=snap, structure=flat.structure, metrics=metrics, started=started,
-                      on_local=handle.mark_local)
+                      on_local=handle.mark_local, persist=self._persists(seq, emergency, persist))
         self._ledger.add(handle)
         at_exit.saving(self, future)  # finished at interpreter exit, even if nobody closes this
         self._protocol.submit(job, future)
@@ -166,6 +199,19 @@ class Checkpointer:
         if emergency:
             self._emergency = handle
         return handle
+
+    def _persists(self, seq: int, emergency: bool, asked: bool | None) -> bool:
+        """Whether save number ``seq`` goes to the checkpoint path (the same answer on every rank)."""
+        tiers = self._tiers
+        if tiers is None:
+            return True
+        if not tiers.local_held:
+            self._local_leases.hold()  # `ckpt gc` on this node's tier keeps out of this writer's way
+            tiers.local_held = True
+        every = self.options.persist_every
+        if asked is not None:
+            return asked
+        return every is None or emergency or seq % every == 0
 
     # -- when to save ---------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -276,6 +322,8 @@ class Checkpointer:
             self._commit_thread.shutdown(wait=True)
             self._io.shutdown(wait=True)
             self._leases.release()
+            if self._tiers is not None:
+                self._local_leases.release()
             self.storage.close()  # the host buffer goes with this object (adopt_buffer may still take it)
 
     def _check_open(self) -> None:

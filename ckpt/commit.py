@@ -18,6 +18,12 @@ group's store (:class:`~ckpt.dist.Comm`), with deadlines. For one save, on each 
 5. on the coordinator, what comes after a commit (retention) runs before the next save's ``go``.
    A save that was not committed deletes the chunks each rank alone created for it.
 
+With local commits (``redundancy`` / ``persist_every``: :class:`LocalCommits`), each rank's local tier
+is a committed checkpoint of its own. Between 2 and 3 every rank runs the peer exchange
+(:meth:`ckpt.redundancy.Peers.protect`, also when it failed or skipped, so nobody waits for it); rank
+reports travel through the store; the decision carries the manifest, and every rank commits it to its
+own tier; only saves marked ``persist`` go to the checkpoint path.
+
 A process saving alone runs exactly this, with a :class:`~ckpt.dist.LocalComm`; its own error is
 then the save's error, instead of a :class:`DistributedSaveError` naming rank 0.
 """
@@ -37,6 +43,9 @@ from .dist import Comm
 from .errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
 from .handle import SaveMetrics
 from .lease import Leases
+from .redundancy import Peers
+from .storage import LocalStorage
+from .storage.tiered import TieredStorage
 from .writer import SaveJob, Writer
 
 log = logging.getLogger("ckpt")
@@ -57,13 +66,37 @@ class Decision:
     status: Status
     ranks: tuple[int, ...] = ()  # the ranks that failed, skipped or did not answer
     message: str = ""
+    manifest: str = ""  # with local commits: the committed manifest, for every rank's own tier
 
     def to_json(self) -> dict:
-        return {"status": self.status.value, "ranks": list(self.ranks), "message": self.message}
+        return {"status": self.status.value, "ranks": list(self.ranks), "message": self.message,
+                "manifest": self.manifest}
 
     @classmethod
     def from_json(cls, doc: dict) -> Decision:
-        return cls(Status(doc["status"]), tuple(doc.get("ranks", ())), doc.get("message", ""))
+        return cls(Status(doc["status"]), tuple(doc.get("ranks", ())), doc.get("message", ""), doc.get("manifest", ""))
+
+
+@dataclass
+class LocalCommits:
+    """What a save needs when every rank's local tier is a committed checkpoint: the tiered storage
+    (its ``persist`` switch is set per save), this rank's tier, the peers protecting it (or None),
+    and what runs on every rank after a commit (the local tier's retention)."""
+
+    storage: TieredStorage
+    local: LocalStorage
+    peers: Peers  # the ranks' failure domains and their own process group (bytes move only with redundancy)
+    after_commit: Callable[[SaveJob], None]
+    local_held: bool = False  # this rank holds its writer lease on its tier
+
+    def commit(self, step: int, manifest: str) -> None:
+        """Commit ``step`` to this rank's tier (the coordinator's already is)."""
+        try:
+            self.local.commit(mf.manifest_key(step), manifest.encode())
+        except FileExistsError:
+            pass  # another rank sharing this node's tier committed it first
+        except CheckpointError as e:  # committed on the other tiers; this one only lacks the manifest
+            log.warning("ckpt: step %d is committed, but not in this rank's local tier: %s", step, e)
 
 
 @dataclass(frozen=True)
@@ -89,7 +122,8 @@ class CommitProtocol:
     resolved, before other ranks may start the next save's writes (retention goes there)."""
 
     def __init__(self, comm: Comm, writer: Writer, io: Executor, commit_thread: Executor,
-                 after_commit: Callable[[mf.Manifest], None], leases: Leases):
+                 after_commit: Callable[[mf.Manifest], None], leases: Leases, tiers: LocalCommits | None = None):
+        self.tiers = tiers
         self.comm = comm
         self.writer = writer
         self.io = io
@@ -107,6 +141,8 @@ class CommitProtocol:
         self.comm.report(seq, Report(Status.SKIP, step).to_json())
         if self.comm.rank == 0:
             self.commit_thread.submit(self._decide_alone, seq, Decision(Status.SKIP, (0,)))
+        else:
+            self.commit_thread.submit(self._absent, "skip")
 
     def abandon(self, seq: int, step: int, error: BaseException) -> None:
         """``save()`` failed on this rank before its job existed: tell the others at once."""
@@ -116,6 +152,8 @@ class CommitProtocol:
             self.comm.report(seq, Report(Status.FAIL, step, msg).to_json())
             if self.comm.rank == 0:
                 self.commit_thread.submit(self._decide_alone, seq, Decision(Status.FAIL, (0,), f"rank 0: {msg}"))
+            else:
+                self.commit_thread.submit(self._absent, "fail")
         except DistributedSaveError:
             pass
 
@@ -136,6 +174,8 @@ class CommitProtocol:
         future.set_result(job.metrics)
         if committed is not None:
             self.after_commit(committed)
+        if job.committed and self.tiers is not None:
+            self.tiers.after_commit(job)
 
     def _go(self, seq: int) -> None:
         """Every rank, before a save writes anything: the coordinator holds the lease and says go;
@@ -162,12 +202,20 @@ class CommitProtocol:
         comm, seq = self.comm, job.seq
         part: mf.Manifest | None = None
         error: BaseException | None = None
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.storage.persist = job.persist
+            job.metrics.persisted = job.persist
         try:
             self._go(seq)
             part = self.writer.write_part(job, comm.rank)
         except BaseException as e:
             job.snapshot.release()
             error = e
+        if tiers is not None:
+            error = self._protect(job, part if error is None else None, tiers) or error
+            if error is None and part is not None:
+                comm.send_part(seq, part.to_json())
         if error is None:
             comm.report(seq, Report(Status.OK, job.step).to_json())
         else:
@@ -186,6 +234,9 @@ class CommitProtocol:
         if decision.status is not Status.OK:
             self.writer.discard(job)  # this save's own new chunks: nothing committed refers to them
         if decision.status is Status.OK:
+            if tiers is not None and comm.rank != 0:
+                tiers.commit(job.step, decision.manifest)
+            job.committed = True
             job.metrics.duration_s = time.perf_counter() - job.started
             if committed is not None:
                 _log_commit(committed, job.metrics)
@@ -236,9 +287,10 @@ class CommitProtocol:
                                                      f"{sorted(steps)}")
             else:
                 assert part is not None  # this rank reported ok
-                parts = [part] + list(self.io.map(lambda r: _read_part(self.writer, job.step, r), range(1, comm.world)))
+                read = _read_part if self.tiers is None else self._sent_part
+                parts = [part] + list(self.io.map(lambda r: read(self.writer, job.step, r, seq), range(1, comm.world)))
                 committed = self.writer.commit(job.step, parts, job.snapshot.per_rank)
-                decision = Decision(Status.OK)
+                decision = Decision(Status.OK, manifest=committed.to_json().decode() if self.tiers is not None else "")
         except StepExistsError as e:
             decision, error = Decision(Status.EXISTS, (), str(e)), e
         except BaseException as e:
@@ -247,10 +299,50 @@ class CommitProtocol:
         comm.publish(seq, decision.to_json())
         return decision, committed, error
 
+    def _protect(self, job: SaveJob, part: mf.Manifest | None, tiers: LocalCommits) -> BaseException | None:
+        """The peer exchange of one save (every rank takes part, failed or not); its error, if any."""
+        if tiers.peers.redundancy is None:
+            return None
+        started = time.perf_counter()
+        try:
+            stats = tiers.peers.protect(job.step, part, "ok" if part is not None else "fail")
+        except BaseException as e:
+            return e
+        if stats is not None:
+            job.metrics.peer_sent_bytes, job.metrics.peer_stored_bytes = stats.sent_bytes, stats.stored_bytes
+            job.metrics.peer_s = time.perf_counter() - started
+        return None
+
+    def _absent(self, status: str) -> None:
+        """A rank that takes no part in a save (skipped, or failed before it began) still takes part in
+        its peer exchange, so the others do not wait for it."""
+        if self.tiers is not None and self.tiers.peers.redundancy is not None:
+            try:
+                self.tiers.peers.protect(-1, None, status)
+            except CheckpointError as e:
+                log.error("ckpt: %s", e)
+
+    def _sent_part(self, writer: Writer, step: int, rank: int, seq: int) -> mf.Manifest:
+        """Rank ``rank``'s report, sent through the store (its local tier is not readable here)."""
+        key = mf.rank_key(step, rank)
+        data = self.comm.part(seq, rank)
+        if data is None:
+            raise DistributedSaveError(f"rank {rank}'s report for step {step} did not arrive", ranks=[rank])
+        try:
+            m = mf.parse(data, name=key)
+        except CheckpointError as e:
+            raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
+        if m.kind != "rank" or m.rank != rank or m.step != step:
+            raise DistributedSaveError(f"{key} describes rank {m.rank} step {m.step}", ranks=[rank])
+        return m
+
     def _decide_alone(self, seq: int, decision: Decision) -> None:
         """Coordinator, for a save it took no part in: let the others run it, and publish its fate."""
         try:
-            self._go(seq)
+            try:
+                self._go(seq)
+            finally:
+                self._absent(decision.status.value)
             self.comm.publish(seq, decision.to_json())
         except Exception as e:
             log.error("ckpt: %s", e)
@@ -264,7 +356,7 @@ class CommitProtocol:
                 log.error("ckpt: %s", e)
 
 
-def _read_part(writer: Writer, step: int, rank: int) -> mf.Manifest:
+def _read_part(writer: Writer, step: int, rank: int, seq: int = 0) -> mf.Manifest:
     try:
         return mf.read_rank_part(writer.storage, step, rank)
     except (CheckpointError, FileNotFoundError, OSError) as e:

@@ -12,7 +12,9 @@ same on every rank because every rank calls ``save`` in the same order:
 ``p/<seq>/inv/<rank>``     a rank's tensor inventory, when its state's structure changed
 ``p/<seq>/plan/<rank>``    the coordinator's answer: which tensors that rank writes
 ``q/<seq>/r/<rank>``       a rank's report for the save (see :mod:`ckpt.commit`)
-``q/<seq>/result``         the coordinator's decision
+``q/<seq>/part/<rank>``    a rank's report itself, when saves commit to local tiers (no shared storage)
+``q/<seq>/result``         the coordinator's decision (with the manifest, when saves commit to local tiers)
+``fd/<rank>``              a rank's failure domain (:mod:`ckpt.redundancy`)
 ``q/<seq>/go``             the coordinator holds the lease and finished everything queued before this
                            save (retention): the other ranks may write its chunks
 ``l/<n>/<rank>``           agreement on which step a ``load`` ends up loading
@@ -219,6 +221,13 @@ class Comm(abc.ABC):
                     deadline = min(deadline, time.monotonic() + min(self.timeout, 5.0))
         return reports, missing
 
+    def send_part(self, seq: int, data: bytes) -> None:
+        """A rank's report for save ``seq``, for the coordinator (when reports live in local tiers only)."""
+        self._put(f"q/{seq}/part/{self.rank}", data)
+
+    def part(self, seq: int, rank: int) -> bytes | None:
+        return self._get(f"q/{seq}/part/{rank}", self._deadline())
+
     def publish(self, seq: int, doc: dict) -> None:
         self.set(f"q/{seq}/result", doc)
 
@@ -237,6 +246,7 @@ class Comm(abc.ABC):
         if old < 0:
             return
         keys = [f"q/{old}/result", f"q/{old}/go"] + [f"q/{old}/r/{r}" for r in range(self.world)]
+        keys += [f"q/{old}/part/{r}" for r in range(self.world)]
         keys += [f"p/{old}/inv/{r}" for r in range(self.world)] + [f"p/{old}/plan/{r}" for r in range(self.world)]
         for k in keys:
             if not self._delete(k):

@@ -30,6 +30,10 @@ class SaveMetrics:
     duration_s: float | None = None  # from the save() call until the step was committed
     skipped: bool = False  # busy="skip" dropped this save
     local_s: float | None = None  # from the save() call until every chunk was durable in the first tier
+    persisted: bool = True  # uploaded to the checkpoint path (persist_every); False: committed to the local tiers only
+    peer_sent_bytes: int = 0  # redundancy: bytes this rank sent to peers (replicas, parity segments)
+    peer_stored_bytes: int = 0  # redundancy: bytes this rank stored for its peers (replicas, parity blocks)
+    peer_s: float | None = None  # redundancy: seconds the exchange with peers took (after the snapshot)
 
 
 def as_checkpoint_error(step: int, e: BaseException) -> CheckpointError:

@@ -29,6 +29,7 @@ from . import manifest as mf
 from . import structure as st
 from ._tasks import run_all
 from .codec import HEADER_SIZE, check_header, parse_header, trim_scratch, verify
+from .commit import LocalCommits
 from .dist import Comm
 from .errors import (
     CheckpointError,
@@ -63,6 +64,9 @@ class LoadStats:
     local_chunks: int | None = None  # chunks served by the local tier (None: no local tier)
     remote_chunks: int | None = None  # chunks read from the remote tier
     local_rejected: list[str] = field(default_factory=list)  # local copies that failed their check
+    source: str = "checkpoint"  # "local tiers" (local commits) or "checkpoint" (the checkpoint path)
+    peer_chunks: int | None = None  # local commits: chunks this rank got from peers' tiers
+    rebuilt_chunks: int | None = None  # local commits: chunks this rank rebuilt from parity
 
 
 def _shape_str(shape: tuple[int, ...] | list[int]) -> str:
@@ -75,7 +79,9 @@ class Loader:
     ``latest`` is the newest step every rank sees; with ``fallback`` a damaged step is reported and
     the newest older step that loads on every rank is used instead."""
 
-    def __init__(self, storage: Storage, comm: Comm, io: Executor, manifests: mf.ManifestCache):
+    def __init__(self, storage: Storage, comm: Comm, io: Executor, manifests: mf.ManifestCache,
+                 tiers: LocalCommits | None = None):
+        self.tiers = tiers
         self.storage = storage
         self.comm = comm
         self.io = io
@@ -94,12 +100,18 @@ class Loader:
         """The committed steps, ascending (a path that is a file is not a checkpoint)."""
         if self.storage.root_state() == "file":
             raise NotACheckpointError(f"{self.storage.describe()} is a file, not a checkpoint directory")
+        if self.tiers is not None:
+            self.tiers.storage.persist = True
+            tiers = self.tiers.storage
+            return sorted(set(mf.committed_steps(tiers.remote)) | set(mf.committed_steps(tiers.local)))
         return mf.committed_steps(self.storage)
 
     def load(self, step: int | Literal["latest"], state: dict[str, Any], *, strict: bool, allow_pickle: bool,
              fallback: bool = False, rank_map: RankMap | None = None) -> tuple[mf.Manifest, LoadStats] | None:
         """Load ``step`` (or the newest committed one) into ``state``; None when ``"latest"`` finds
         no committed step (a new run)."""
+        if self.tiers is not None:
+            return self._load_tiered(step, state, strict, allow_pickle, fallback, rank_map)
         if step != "latest":
             if type(step) is not int or not 0 <= step <= mf.MAX_STEP:
                 raise ConfigError(f"step must be 'latest' or an integer from 0 to 2**63 - 1, got {step!r}")
@@ -142,13 +154,98 @@ class Loader:
                                      f"the newest failed: {first_error}",
                                      object=first_error.object, chunk=first_error.chunk) from first_error
 
-    def _attempt(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool, rank_map: RankMap | None
+    # -- local commits: the local tiers first ---------------------------------------------------------
+    def _load_tiered(self, step: int | Literal["latest"], state: dict[str, Any], strict: bool, allow_pickle: bool,
+                     fallback: bool, rank_map: RankMap | None) -> tuple[mf.Manifest, LoadStats] | None:
+        """The newest step recoverable from the local tiers and their peers (or ``step``), else the
+        newest (or that) step of the checkpoint path."""
+        assert self.tiers is not None
+        tiers, peers = self.tiers, self.tiers.peers
+        tiers.storage.persist = True  # no save is in flight: reads and checks concern both tiers
+        if step != "latest" and (type(step) is not int or not 0 <= step <= mf.MAX_STEP):
+            raise ConfigError(f"step must be 'latest' or an integer from 0 to 2**63 - 1, got {step!r}")
+        remote = tiers.storage.remote
+        views = peers.gather({"local": mf.committed_steps(tiers.local), "remote": mf.committed_steps(remote)})
+        holder: dict[int, int] = {}
+        for r, v in enumerate(views):
+            for s in v["local"]:
+                holder.setdefault(s, r)
+        remote_steps = set.intersection(*(set(v["remote"]) for v in views))  # every rank sees them
+        newest_remote = max(remote_steps) if remote_steps else None
+        if step == "latest":
+            candidates = sorted((s for s in holder if newest_remote is None or s >= newest_remote), reverse=True)
+        else:
+            candidates = [step] if step in holder else []
+            if not candidates and step not in remote_steps:
+                raise CheckpointNotFoundError(
+                    f"step {step} is committed neither in the local tiers nor in {remote.describe()}; committed "
+                    f"steps: {short_list(sorted(set(holder) | remote_steps)) or 'none'}")
+        for s in candidates:
+            data = peers.broadcast(bytes(tiers.local.read(mf.manifest_key(s))) if peers.rank == holder[s] else None,
+                                   holder[s])
+            m = mf.parse(data, name=f"{mf.manifest_key(s)} of rank {holder[s]}'s local tier")
+            survey = peers.survey(s, m, persisted=s in remote_steps)
+            ok, why = peers.recoverable(survey, m)
+            if ok:
+                lost = len(survey.lost(m.chunks))
+                log.info("ckpt: loading step %d from the local tiers (%s%s)", s,
+                         "the newest step" if s == max(holder) else "the newest recoverable step",
+                         f"; {lost} chunk(s) lost with their tier are rebuilt or fetched" if lost else "")
+                return self._load_local(s, m, data, survey, state, strict, allow_pickle, rank_map)
+            if step != "latest":
+                raise CorruptCheckpointError(f"step {s} cannot be recovered from the local tiers: {why}")
+            log.warning("ckpt: step %d is committed in the local tiers but cannot be recovered from them: %s", s, why)
+        target = newest_remote if step == "latest" else step
+        if target is None:
+            log.info("ckpt: no checkpoint in the local tiers or at %s: starting fresh", remote.describe())
+            events.emit("fresh", self.comm.rank)
+            return None
+        if step == "latest":
+            log.info("ckpt: loading step %d from %s (%s)", target, remote.describe(),
+                     "no step of the local tiers is newer and recoverable" if holder else "the local tiers are empty")
+        done, err = self._attempt(target, state, strict, allow_pickle, rank_map)
+        if done is None:
+            assert err is not None
+            raise _advise(err, "Load another step (ckptr.steps() lists them).")
+        return done
+
+    def _load_local(self, step: int, m: mf.Manifest, data: bytes, survey: Any, state: dict[str, Any], strict: bool,
+                    allow_pickle: bool, rank_map: RankMap | None) -> tuple[mf.Manifest, LoadStats]:
+        assert self.tiers is not None
+        peers = self.tiers.peers
+        fetched: list[Any] = []
+
+        def before_read(needed: set[str]) -> None:
+            fetched.append(peers.fetch(survey, m, mf.closure(m.chunks, needed).keys()))
+
+        done, err = self._attempt(step, state, strict, allow_pickle, rank_map, manifest=m, before_read=before_read)
+        if not fetched:  # this rank failed before it could say what it needs: the others wait for that
+            try:
+                peers.fetch(survey, m, None)
+            except CheckpointError:
+                pass
+        if done is None:
+            assert err is not None
+            raise err
+        if not self.tiers.local.exists(mf.manifest_key(step)):  # a tier that lost the step has it back
+            self.tiers.commit(step, data.decode())
+        _, stats = done
+        stats.source = "local tiers"
+        if fetched:
+            got = fetched[0]
+            stats.peer_chunks, stats.rebuilt_chunks = got.peer_chunks, got.rebuilt_chunks
+            if stats.local_chunks is not None:
+                stats.local_chunks = max(0, stats.local_chunks - got.peer_chunks - got.rebuilt_chunks)
+        return done
+
+    def _attempt(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool, rank_map: RankMap | None,
+                 manifest: mf.Manifest | None = None, before_read: Callable[[set[str]], None] | None = None
                  ) -> tuple[tuple[mf.Manifest, LoadStats] | None, CheckpointError | None]:
         """Load one step; with several ranks, agree on whether every rank managed."""
         done, err = None, None
         changed = [False]
         try:
-            done = self._load_step(step, state, strict, allow_pickle, rank_map, changed)
+            done = self._load_step(step, state, strict, allow_pickle, rank_map, changed, manifest, before_read)
         except CheckpointError as e:
             err = _naming(e, step)
         if err is None:
@@ -165,12 +262,13 @@ class Loader:
         return done, err
 
     def _load_step(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool,
-                   rank_map: RankMap | None, changed: list[bool]) -> tuple[mf.Manifest, LoadStats]:
-        m = mf.read_step(self.storage, step)
+                   rank_map: RankMap | None, changed: list[bool], manifest: mf.Manifest | None = None,
+                   before_read: Callable[[set[str]], None] | None = None) -> tuple[mf.Manifest, LoadStats]:
+        m = manifest if manifest is not None else mf.read_step(self.storage, step)
         self.storage.reset_tier_counters()
         stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
                           rank=self.comm.rank, world=self.comm.world, rank_map=rank_map,
-                          on_change=lambda: changed.__setitem__(0, True))
+                          on_change=lambda: changed.__setitem__(0, True), before_read=before_read)
         self.manifests.put(m)
         trim_scratch()  # decoding chains kept chunk-sized buffers per thread: loads are rare
         tiers = self.storage.tier_counters()
@@ -205,13 +303,15 @@ def short_list(steps: list[int]) -> str:
 
 def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict: bool, allow_pickle: bool,
               io: Executor, rank: int = 0, world: int = 1, rank_map: RankMap | None = None,
-              on_change: Callable[[], None] | None = None) -> LoadStats:
+              on_change: Callable[[], None] | None = None,
+              before_read: Callable[[set[str]], None] | None = None) -> LoadStats:
     """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
 
     Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
     layout of modules and optimizers, pickles, the values themselves); then the chunks are read,
     every read finished or cancelled before this returns, and the values put in place. ``on_change``
-    is called just before the state is first changed (so a failure after it means a half-loaded state)."""
+    is called just before the state is first changed (so a failure after it means a half-loaded state);
+    ``before_read(chunks)`` before the first chunk is read, with every chunk the reads need."""
     if _init_optimizers(state, m) and on_change is not None:
         on_change()
     target = flatten(state, for_target=True)
@@ -361,6 +461,8 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
                                      object=mf.manifest_key(m.step)) from e
 
     stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
+    if before_read is not None:
+        before_read(set(feeds))
     if on_change is not None:
         on_change()
     reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()))

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from .codec import CodecSpec
 from .errors import ConfigError
+from .redundancy_config import Parity, Replicas
 from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, parse_every, parse_signals, positive
 
 MiB = 1 << 20
@@ -70,6 +71,17 @@ class Options:
         signal.SIGUSR1]`` on SLURM). The handlers only set a flag.
     mtbf: the mean time between failures, in seconds, ``every="auto"`` plans for (default 4 hours).
     max_overhead: the share of training time saves may stall it under ``every="auto"`` (default 0.02).
+    redundancy: protect the local tiers against node loss: :class:`~ckpt.Replicas` ``(r)`` (each
+        rank's chunks also go to r-1 ranks in other failure domains) or :class:`~ckpt.Parity`
+        ``(data=k, parity=m)`` (Reed-Solomon over groups of k+m ranks; any m lost domains of a group
+        are rebuilt). Needs ``local_dir``; every save commits to the local tiers.
+    persist_every: upload every N-th save to the checkpoint path (the first save and emergency saves
+        always are); the others commit only to the local tiers. Needs ``local_dir``. With
+        ``redundancy`` and no ``persist_every``, every save is uploaded.
+    failure_domain: what this rank fails together with (default: its host name, shared through the
+        process group's store). Replicas and parity never share a domain with what they protect.
+    keep_local: how many committed steps each local tier keeps (default 2; it must fit on the local
+        disk). ``keep_last`` bounds the checkpoint path's steps.
     """
 
     keep_last: int | None = None
@@ -92,6 +104,10 @@ class Options:
     preemption: tuple[int, ...] = ()  # signal numbers, once built
     mtbf: float = DEFAULT_MTBF
     max_overhead: float = DEFAULT_MAX_OVERHEAD
+    redundancy: Replicas | Parity | None = None
+    persist_every: int | None = None
+    failure_domain: str | None = None
+    keep_local: int = 2
 
     @classmethod
     def build(cls, **options: Any) -> Options:
@@ -114,7 +130,7 @@ class Options:
         dc = o.get("delta_chain", 8)
         if type(dc) is not int or not 1 <= dc <= 64:
             raise ConfigError(f"delta_chain must be an integer from 1 (no deltas) to 64, got {dc!r}")
-        for name in ("keep_last", "keep_every", "io_threads", "snapshot_threads"):
+        for name in ("keep_last", "keep_every", "io_threads", "snapshot_threads", "persist_every"):
             v = o.get(name)
             if v is not None and (type(v) is not int or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
@@ -153,6 +169,19 @@ class Options:
             o["mtbf"] = positive("mtbf (seconds)", o["mtbf"])
         if "max_overhead" in o:
             o["max_overhead"] = positive("max_overhead", o["max_overhead"], upper=1.0)
+        red = o.get("redundancy")
+        if red is not None and not isinstance(red, (Replicas, Parity)):
+            raise ConfigError(f"redundancy must be ckpt.Replicas(r) or ckpt.Parity(data=k, parity=m), got {red!r}")
+        kl = o.get("keep_local", 2)
+        if type(kl) is not int or kl < 1:
+            raise ConfigError(f"keep_local must be a positive integer (steps each local tier keeps), got {kl!r}")
+        fd = o.get("failure_domain")
+        if fd is not None and (not isinstance(fd, str) or not fd):
+            raise ConfigError(f"failure_domain must be a non-empty string (e.g. the node's name), got {fd!r}")
+        if (red is not None or o.get("persist_every") is not None) and o.get("local_dir") is None:
+            what = "redundancy" if red is not None else "persist_every"
+            raise ConfigError(f"{what} needs local_dir: every save commits to a local directory (NVMe) on each node, "
+                              "and only some are uploaded to the checkpoint path")
         return cls(**o)
 
     def replace(self, **changes: Any) -> Options:
@@ -161,6 +190,11 @@ class Options:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def tiered_commits(self) -> bool:
+        """Whether saves commit to each node's local tier (and only some go to the checkpoint path)."""
+        return self.redundancy is not None or self.persist_every is not None
 
     @property
     def deltas(self) -> bool:

@@ -151,10 +151,15 @@ class Retention:
         """Apply retention now that ``committed`` is; a failure is logged, never raised (the save
         itself succeeded, and retention tries again after the next one)."""
         self.manifests.put(committed)
+        self.apply_after(committed.step)
+
+    def apply_after(self, step: int) -> None:
+        """Apply retention now that ``step`` is committed (logged, never raised)."""
         try:
-            self._apply(committed.step)
+            self._apply(step)
         except Exception as e:
-            log.warning("ckpt: retention after step %d failed (nothing committed was lost): %s", committed.step, e)
+            log.warning("ckpt: retention in %s after step %d failed (nothing committed was lost): %s",
+                        self.storage.describe(), step, e)
 
     def _apply(self, step: int) -> None:
         retains = self.keep_last is not None or self.keep_every is not None

@@ -46,6 +46,8 @@ class SaveJob:
     hashes: list[str] = field(default_factory=list)  # per chunk of the buffer, once written
     mode: str = "encode"  # codec="auto": "raw" stores this save's chunks raw (see codec.Pace)
     encode_cpu_s: float = 0.0  # CPU time (all threads) this save spent encoding
+    persist: bool = True  # uploaded to the checkpoint path (else committed to the local tiers only)
+    committed: bool = False  # set once the step is committed (on every rank)
 
 
 @dataclass(frozen=True)

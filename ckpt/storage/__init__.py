@@ -38,7 +38,8 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
 
 
 def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = None, *,
-                verify: Callable[[str, list[memoryview]], None], upload_threads: int = 8) -> Storage:
+                verify: Callable[[str, list[memoryview]], None], upload_threads: int = 8,
+                local_commits: bool = False) -> Storage:
     """The storage of a Checkpointer: ``url`` alone, or ``local_dir`` staged in front of it.
 
     ``verify(key, parts)`` checks a chunk object (its bytes, in order as read) before the local tier
@@ -53,4 +54,4 @@ def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = 
         raise ConfigError(f"local_dir must be a local directory, got {local_dir!r}")
     if isinstance(remote, LocalStorage) and remote.root == local.root:
         raise ConfigError(f"local_dir {local_dir!r} is the checkpoint path itself; leave local_dir out")
-    return TieredStorage(local, remote, verify=verify, upload_threads=upload_threads)
+    return TieredStorage(local, remote, verify=verify, upload_threads=upload_threads, local_commits=local_commits)

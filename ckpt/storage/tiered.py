@@ -15,6 +15,12 @@ truth: a step exists when its MANIFEST.json exists there.
   chunk format is the codec's business, not the storage's); a copy that fails is ignored, reported
   (``tier_counters().local_rejected``, a warning) and read from the remote instead.
 * Deletes go to both tiers (local first), so retention and GC apply to both.
+
+With ``local_commits`` (``redundancy`` or ``persist_every``: the local tier is a committed checkpoint
+of its own), ``persist`` says whether the save in progress is uploaded. While it is False, writes,
+``exists`` and ``commit`` concern the local tier alone; the next persisted save uploads what it
+reuses from the local tier through ``exists`` (which heals). The commit protocol sets it per save,
+on its one thread.
 """
 
 from __future__ import annotations
@@ -46,8 +52,11 @@ Verify = Callable[[str, list[memoryview]], None]
 
 
 class TieredStorage(Storage):
-    def __init__(self, local: LocalStorage, remote: Storage, *, verify: Verify, upload_threads: int = 8):
+    def __init__(self, local: LocalStorage, remote: Storage, *, verify: Verify, upload_threads: int = 8,
+                 local_commits: bool = False):
         self.local = local
+        self.local_commits = local_commits
+        self.persist = True  # the save in progress is uploaded (always, unless local_commits)
         self.remote = remote
         self.url = remote.url
         self._verify = verify
@@ -89,6 +98,8 @@ class TieredStorage(Storage):
             self._counters.uploaded += 1
 
     def write(self, key: str, buffers: Sequence) -> int:
+        if not self.persist:
+            return self.local.write(key, buffers)
         if not _is_chunk(key):
             # A step file: every chunk before it must be durable remotely first.
             self.drain()
@@ -124,6 +135,9 @@ class TieredStorage(Storage):
             raise StorageError(f"uploading to {self.remote.describe()} failed: {first}") from first
 
     def commit(self, key: str, data: bytes) -> None:
+        if not self.persist:
+            self.local.commit(key, data)
+            return
         self.drain()
         self.local.flush()
         self.remote.commit(key, data)  # the commit point: the durable tier
@@ -221,6 +235,8 @@ class TieredStorage(Storage):
         return self.remote.mtime(key)
 
     def exists(self, key: str) -> bool:
+        if not self.persist:
+            return self.local.exists(key)
         if self.remote.exists(key):
             return True
         if _is_chunk(key) and self.local.exists(key):

@@ -1,0 +1,520 @@
+"""Node loss without object storage: every rank's local tier is protected by its peers.
+
+:class:`Peers` is made with the Checkpointer, on every rank. It learns each rank's failure domain
+through the store (the host name unless ``failure_domain=`` says otherwise), makes a gloo process
+group of its own for the bytes (never the training group, never from two threads at once: saves use
+it on the commit thread, loads on the caller's thread after every save has finished), and places:
+
+* ``Replicas(r)``: rank i's chunks also go to r-1 ranks, one in each of the r-1 domains after its own;
+* ``Parity(k, m)``: ranks are dealt round-robin over the domains into groups of k+m, each in distinct
+  domains; :mod:`ckpt.erasure` lays out the stripes.
+
+Save (:meth:`Peers.protect`, after this rank's chunks are durable locally, before it reports ``ok``):
+one gather of every rank's chunk table, then the bytes. Replica targets say which chunks they lack
+(steady state: the new ones) and receive exactly those; parity holders receive the segments of their
+stripes and store the parity blocks in the step's directory, with the group's layout. Every object
+received is checked (hash or frame check) before it is written.
+
+Load (:meth:`Peers.survey`, :meth:`Peers.fetch`): every rank says which chunks of the step its tier
+holds; a rank missing chunks it needs gets each from the holder with the least to send, or rebuilds
+the member that held it from any k blocks of each of its stripes. Everything arrives in the rank's
+own tier (which heals it), verified, and the load then reads it as a local chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from . import erasure
+from . import manifest as mf
+from .codec import verify_object
+from .dist import Comm
+from .errors import CheckpointError, ConfigError, CorruptCheckpointError, DistributedSaveError
+from .redundancy_config import Parity, Replicas
+from .storage import LocalStorage
+
+log = logging.getLogger("ckpt")
+
+WAVE_BYTES = 256 << 20  # bytes in flight between two ranks at once (the rest waits for the next wave)
+Item = tuple  # what one transfer carries: ("chunk", hash) | ("seg", group, member, q) | ("par", group, name)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    item: Item
+    size: int
+
+
+@dataclass
+class PeerStats:
+    """What the peer exchange of one save or load moved."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    stored_bytes: int = 0  # replicas and parity blocks this rank stored for its peers
+    peer_chunks: int = 0  # chunks this rank got from peers (load)
+    rebuilt_chunks: int = 0  # chunks this rank rebuilt from parity (load)
+
+
+@dataclass
+class Survey:
+    """Which rank's tier holds what of one step (the same on every rank)."""
+
+    step: int
+    holders: dict[str, list[int]] = field(default_factory=dict)  # chunk -> ranks holding it
+    parity: dict[str, list[int]] = field(default_factory=dict)  # parity file name -> ranks holding it
+    layouts: dict[int, erasure.GroupLayout] = field(default_factory=dict)
+    persisted: bool = False  # the step is committed remotely too
+
+    def lost(self, hashes: Iterable[str]) -> list[str]:
+        return sorted(h for h in hashes if not self.holders.get(h))
+
+
+def _domains_order(domains: list[str]) -> tuple[list[str], dict[str, list[int]]]:
+    names = sorted(set(domains))
+    members: dict[str, list[int]] = {d: [] for d in names}
+    for r, d in enumerate(domains):
+        members[d].append(r)
+    return names, members
+
+
+def replica_targets(domains: list[str], copies: int) -> list[list[int]]:
+    """For each rank, the ranks holding its copies: one in each of the copies-1 domains after its
+    own (in sorted order of domain names), the member at the same position within that domain."""
+    names, members = _domains_order(domains)
+    if len(names) < copies:
+        raise ConfigError(f"Replicas({copies}) needs {copies} failure domains; this job has {len(names)} "
+                          f"({', '.join(names[:6])}). Run on more nodes, lower r, or set failure_domain= per rank "
+                          "where ranks fail separately (tests, containers).")
+    out = []
+    for r, d in enumerate(domains):
+        pos = members[d].index(r)
+        di = names.index(d)
+        targets = []
+        for j in range(1, copies):
+            peers = members[names[(di + j) % len(names)]]
+            targets.append(peers[pos % len(peers)])
+        out.append(targets)
+    return out
+
+
+def parity_groups(domains: list[str], k: int, m: int) -> list[list[int]]:
+    """Ranks dealt round-robin over the domains, cut into groups of k+m in distinct domains."""
+    n = k + m
+    names, members = _domains_order(domains)
+    if len(domains) % n:
+        raise ConfigError(f"Parity(data={k}, parity={m}) groups ranks by {n}; this job has {len(domains)} rank(s), "
+                          f"not a multiple of {n}. Choose data+parity dividing the world size.")
+    dealt: list[int] = []
+    depth = max(len(v) for v in members.values())
+    for i in range(depth):
+        dealt += [members[d][i] for d in names if i < len(members[d])]
+    groups = [dealt[i: i + n] for i in range(0, len(dealt), n)]
+    for g in groups:
+        if len({domains[r] for r in g}) < n:
+            raise ConfigError(f"Parity(data={k}, parity={m}) needs each group of {n} ranks in {n} distinct failure "
+                              f"domains; this job has {len(names)} domain(s) of sizes "
+                              f"{sorted(len(v) for v in members.values())}. Use fewer ranks per group or balance "
+                              "the domains (failure_domain= overrides the host name).")
+    return groups
+
+
+class Peers:
+    """The ranks of one Checkpointer protecting each other's local tiers (see the module docstring)."""
+
+    def __init__(self, comm: Comm, redundancy: Replicas | Parity | None, failure_domain: str | None,
+                 local: LocalStorage, process_group: Any, timeout: float):
+        self.rank, self.world = comm.rank, comm.world
+        self.redundancy = redundancy
+        self.local = local
+        self.timeout = timeout
+        domain = failure_domain or socket.gethostname()
+        self.group: Any = None
+        self._global: list[int] = [0]
+        if self.world == 1:
+            self.domains = [domain]
+        else:
+            import torch.distributed as dist
+
+            comm.set(f"fd/{self.rank}", {"domain": domain})
+            deadline = time.monotonic() + timeout
+            docs = [comm.get(f"fd/{r}", deadline) for r in range(self.world)]
+            missing = [r for r, d in enumerate(docs) if d is None]
+            if missing:
+                raise DistributedSaveError(f"rank(s) {missing} did not say their failure domain within {timeout:.0f}s",
+                                           ranks=missing)
+            self.domains = [str(d["domain"]) for d in docs if d is not None]
+            self._global = (dist.get_process_group_ranks(process_group) if process_group is not None
+                            else list(range(dist.get_world_size())))
+            # The bytes travel on a group of their own: the commit thread may use it while the
+            # training thread runs collectives on its group.
+            self.group = dist.new_group(self._global, backend="gloo", timeout=timedelta(seconds=timeout),
+                                        use_local_synchronization=True)
+        self.targets: list[list[int]] = []
+        self.groups: list[list[int]] = []
+        if isinstance(redundancy, Replicas):
+            self.targets = replica_targets(self.domains, redundancy.copies)
+        elif isinstance(redundancy, Parity):
+            self.groups = parity_groups(self.domains, redundancy.data, redundancy.parity)
+
+    def describe(self) -> str:
+        r = self.redundancy
+        what = (f"{r.copies} replicas" if isinstance(r, Replicas) else
+                f"parity {r.data}+{r.parity}" if isinstance(r, Parity) else "no redundancy")
+        return f"{what} over {len(set(self.domains))} failure domain(s)"
+
+    # -- talking -------------------------------------------------------------------------------------
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (all ranks call it in the same order)."""
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as e:
+            raise DistributedSaveError(f"rank {self.rank}: the peer exchange failed ({type(e).__name__}: {e}); a peer "
+                                       "may have died", ranks=[]) from e
+        return out
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=self._global[src], group=self.group)
+        except Exception as e:
+            raise DistributedSaveError(f"rank {self.rank}: the peer exchange failed ({type(e).__name__}: {e})",
+                                       ranks=[src]) from e
+        return box[0]
+
+    def exchange(self, plan: list[Transfer], read: Callable[[Item], bytes | bytearray],
+                 received: Callable[[int, Item, memoryview], None], stats: PeerStats) -> None:
+        """Move every transfer of ``plan`` (the same list on every rank) from its source to its
+        destination, in waves of at most WAVE_BYTES per pair of ranks."""
+        mine = [t for t in plan if (t.src == self.rank) != (t.dst == self.rank) and t.size > 0]
+        if not mine:
+            return
+        import torch
+        import torch.distributed as dist
+
+        pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+        for t in mine:
+            pairs[(t.src, t.dst)].append(t)
+        waves: dict[tuple[int, int], list[list[tuple[int, Transfer]]]] = {}
+        for key, ts in pairs.items():
+            cut: list[list[tuple[int, Transfer]]] = [[]]
+            used = 0
+            for i, t in enumerate(ts):
+                if cut[-1] and used + t.size > WAVE_BYTES:
+                    cut.append([])
+                    used = 0
+                cut[-1].append((i, t))
+                used += t.size
+            waves[key] = cut
+        try:
+            for w in range(max(len(v) for v in waves.values())):
+                works, inbox = [], []
+                for (src, dst), cut in sorted(waves.items()):
+                    if w >= len(cut):
+                        continue
+                    for tag, t in cut[w]:
+                        if src == self.rank:
+                            data = read(t.item)
+                            if len(data) != t.size:
+                                raise CorruptCheckpointError(f"{t.item} is {len(data)} bytes here, {t.size} expected")
+                            buf = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data,
+                                                   dtype=torch.uint8)
+                            works.append(dist.isend(buf, dst=self._global[dst], group=self.group, tag=tag))
+                            stats.sent_bytes += t.size
+                        else:
+                            buf = torch.empty(t.size, dtype=torch.uint8)
+                            works.append(dist.irecv(buf, src=self._global[src], group=self.group, tag=tag))
+                            inbox.append((t, buf))
+                for work in works:
+                    if work is not None:
+                        work.wait()
+                for t, buf in inbox:
+                    received(t.src, t.item, buf.numpy().data)
+                    stats.received_bytes += t.size
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise DistributedSaveError(f"rank {self.rank}: sending chunks to peers failed ({type(e).__name__}: {e}); "
+                                       "a peer may have died", ranks=[]) from e
+
+    # -- this rank's tier ----------------------------------------------------------------------------
+    def _store_chunk(self, h: str, data: memoryview) -> None:
+        key = mf.chunk_key(h)
+        verify_object(key, [data])  # a copy that arrived damaged is never stored
+        self.local.write(key, [data])
+
+    def _read_range(self, member: erasure.Member, start: int, end: int) -> bytearray:
+        out = bytearray()
+        for h, off, n in member.pieces(start, end):
+            out += self.local.read(mf.chunk_key(h), off, off + n)
+        return out
+
+    # -- saving --------------------------------------------------------------------------------------
+    def protect(self, step: int, part: mf.Manifest | None, status: str) -> PeerStats | None:
+        """Every rank, every save, after its chunks are durable locally: give peers what protects this
+        rank's chunks and store what protects theirs. ``status`` is ``ok`` (``part`` is this rank's
+        report), or ``fail``/``skip`` (then nobody moves anything). None when some rank was not ok."""
+        table = sorted((h, info.stored) for h, info in part.chunks.items()) if part is not None else []
+        docs = self.gather({"status": status if part is not None or status != "ok" else "fail", "chunks": table})
+        if any(d["status"] != "ok" for d in docs):
+            return None
+        stats = PeerStats()
+        if isinstance(self.redundancy, Replicas):
+            self._replicate(docs, stats)
+        elif isinstance(self.redundancy, Parity):
+            self._parity(step, docs, stats)
+        self.local.flush()
+        return stats
+
+    def _replicate(self, docs: list[dict], stats: PeerStats) -> None:
+        sources = [s for s in range(self.world) if self.rank in self.targets[s]]
+        wants = {s: [h for h, _ in docs[s]["chunks"] if not self.local.exists(mf.chunk_key(h))] for s in sources}
+        every = self.gather(wants)
+        plan = []
+        for dst in range(self.world):
+            for src, hashes in sorted(every[dst].items()):
+                sizes = dict(docs[src]["chunks"])
+                plan += [Transfer(src, dst, ("chunk", h), sizes[h]) for h in hashes]
+
+        def received(src: int, item: Item, data: memoryview) -> None:
+            self._store_chunk(item[1], data)
+            stats.stored_bytes += len(data)
+
+        self.exchange(plan, lambda item: self.local.read(mf.chunk_key(item[1])), received, stats)
+
+    def _layouts(self, docs: list[dict]) -> list[erasure.GroupLayout]:
+        assert isinstance(self.redundancy, Parity)
+        k, m = self.redundancy.data, self.redundancy.parity
+        return [erasure.GroupLayout.build(g, k, m, [erasure.Member(r, [(h, n) for h, n in docs[r]["chunks"]])
+                                                    for r in ranks])
+                for g, ranks in enumerate(self.groups)]
+
+    def _parity(self, step: int, docs: list[dict], stats: PeerStats) -> None:
+        layouts = self._layouts(docs)
+        plan = []
+        for lay in layouts:
+            for st in lay.stripes:
+                for pos, q in st.data:
+                    mem = lay.members[pos]
+                    a, b = mem.segment(q, lay.k)
+                    for j, holder in enumerate(st.parity):
+                        plan.append(Transfer(mem.rank, lay.members[holder].rank, ("seg", lay.group, pos, q, j), b - a))
+        mine = next(lay for lay in layouts if any(mem.rank == self.rank for mem in lay.members))
+        me = next(p for p, mem in enumerate(mine.members) if mem.rank == self.rank)
+        got: dict[tuple[int, int], bytes] = {}
+
+        def read(item: Item) -> bytearray:
+            _, _, pos, q, _ = item
+            mem = mine.members[pos]
+            return self._read_range(mem, *mem.segment(q, mine.k))
+
+        def received(src: int, item: Item, data: memoryview) -> None:
+            got[(item[2], item[3])] = bytes(data)
+
+        self.exchange(plan, read, received, stats)
+        d = mf.step_dir(step)
+        for st in mine.stripes:
+            if me not in st.parity or st.length == 0:
+                continue
+            blocks = []
+            for pos, q in st.data:
+                if mine.members[pos].rank == self.rank:  # cannot happen: holders give no data to their stripe
+                    raise AssertionError("a parity holder holds its own data")
+                blocks.append(got.get((pos, q), b""))
+            j = st.parity.index(me)
+            block = erasure.encode(mine.k, mine.m, blocks, st.length, j)
+            self.local.write(f"{d}/{mine.parity_name(st.index, j)}", [block])
+            stats.stored_bytes += len(block)
+        self.local.write(f"{d}/{mine.name}", [json.dumps(mine.to_json()).encode()])
+
+    # -- loading -------------------------------------------------------------------------------------
+    def survey(self, step: int, m: mf.Manifest, persisted: bool) -> Survey:
+        """Every rank's holdings of step ``step`` (one gather)."""
+        hashes = sorted(m.chunks)
+        held = bytearray((len(hashes) + 7) // 8)
+        for i, h in enumerate(hashes):
+            if self.local.exists(mf.chunk_key(h)):
+                held[i // 8] |= 1 << (i % 8)
+        d = mf.step_dir(step)
+        names = [n for n in self.local.list(d) if n.startswith("parity-")]
+        layouts = {}
+        for n in names:
+            if n.endswith(".json"):
+                try:
+                    layouts[n] = json.loads(self.local.read(f"{d}/{n}", 0, mf.MAX_MANIFEST_BYTES))
+                except (ValueError, FileNotFoundError):
+                    pass
+        docs = self.gather({"held": bytes(held), "parity": [n for n in names if not n.endswith(".json")],
+                            "layouts": layouts})
+        s = Survey(step, persisted=persisted)
+        for r, doc in enumerate(docs):
+            bits = doc["held"]
+            for i, h in enumerate(hashes):
+                if bits[i // 8] >> (i % 8) & 1:
+                    s.holders.setdefault(h, []).append(r)
+            for n in doc["parity"]:
+                s.parity.setdefault(n, []).append(r)
+            for n, lay in doc["layouts"].items():
+                if n not in {x.name for x in s.layouts.values()}:
+                    parsed = erasure.GroupLayout.from_json(lay, f"{mf.step_dir(step)}/{n}")
+                    s.layouts[parsed.group] = parsed
+        return s
+
+    def _rebuild_plan(self, s: Survey, group: int, pos: int, dst: int) -> list[tuple[int, list[tuple[int, int, Item,
+                                                                                                       int]]]]:
+        """How ``dst`` rebuilds member ``pos`` of ``group``: per stripe holding its data, k blocks as
+        (block number, source rank, item, size). Raises CorruptCheckpointError if a stripe has fewer."""
+        lay = s.layouts[group]
+        out = []
+        for st in lay.stripes:
+            mine = [q for p, q in st.data if p == pos]
+            if not mine:
+                continue
+            blocks: list[tuple[int, int, Item, int]] = []
+            for b, (p, q) in enumerate(st.data):
+                if p == pos:
+                    continue
+                mem = lay.members[p]
+                a, e = mem.segment(q, lay.k)
+                pieces = mem.pieces(a, e)
+                holders = set.intersection(*[set(s.holders.get(h, [])) for h, _, _ in pieces]) if pieces else {dst}
+                if holders:
+                    src = dst if dst in holders else min(holders)
+                    blocks.append((b, src, ("seg", group, p, q), e - a))
+            for j in range(lay.m):
+                name = lay.parity_name(st.index, j)
+                holders_p = s.parity.get(name, [])
+                if holders_p:
+                    src = dst if dst in holders_p else min(holders_p)
+                    blocks.append((lay.k + j, src, ("par", group, name), st.length))
+            if len(blocks) < lay.k:
+                raise CorruptCheckpointError(
+                    f"step {s.step}: rank {lay.members[pos].rank}'s chunks are gone from every local tier, and stripe "
+                    f"{st.index} of parity group {group} has {len(blocks)} of the {lay.k} blocks needed to rebuild "
+                    "them (more failure domains were lost than the parity covers)")
+            out.append((st.index, blocks[: lay.k]))
+        return out
+
+    def _unrecoverable(self, s: Survey, hashes: Iterable[str]) -> tuple[dict[tuple[int, int], list[str]], str | None]:
+        """Lost chunks by the (group, member) that rebuilds them, and why some cannot be (None: all can)."""
+        by_member: dict[tuple[int, int], list[str]] = defaultdict(list)
+        for h in s.lost(hashes):
+            where = next(((g, p) for g, lay in s.layouts.items() if (p := lay.member_of(h)) is not None), None)
+            if where is None:
+                return by_member, (f"chunk {h} is held by no surviving local tier" +
+                                   (" and no parity layout covers it" if isinstance(self.redundancy, Parity) else ""))
+            by_member[where].append(h)
+        for g, p in by_member:
+            try:
+                self._rebuild_plan(s, g, p, self.rank)
+            except CorruptCheckpointError as e:
+                return by_member, str(e)
+        return by_member, None
+
+    def recoverable(self, s: Survey, m: mf.Manifest) -> tuple[bool, str]:
+        """Whether every chunk of the step can be had from the local tiers (a peer's, or rebuilt)."""
+        _, why = self._unrecoverable(s, m.chunks)
+        if why is None:
+            return True, ""
+        return s.persisted, why
+
+    def fetch(self, s: Survey, m: mf.Manifest, needed: Iterable[str] | None) -> PeerStats:
+        """Collective: every rank gets the chunks it ``needed`` (None: it failed before it could say,
+        and every rank raises) into its own tier, from peers or rebuilt from parity."""
+        mine = None if needed is None else sorted(h for h in set(needed) if self.rank not in s.holders.get(h, []))
+        every = self.gather({"ok": needed is not None, "needs": mine or []})
+        bad = [r for r, d in enumerate(every) if not d["ok"]]
+        if bad:
+            raise CheckpointError(f"rank(s) {bad} could not plan the load of step {s.step}")
+        plan: list[Transfer] = []
+        load = [0] * self.world
+        rebuild: dict[int, dict[tuple[int, int], list[tuple[int, list]]]] = defaultdict(dict)
+        for dst, doc in enumerate(every):
+            lost = []
+            for h in doc["needs"]:
+                holders = [r for r in s.holders.get(h, []) if r != dst]
+                if not holders:
+                    lost.append(h)
+                    continue
+                src = min(holders, key=lambda r: (load[r], r))
+                size = m.chunks[h].stored
+                load[src] += size
+                plan.append(Transfer(src, dst, ("chunk", h), size))
+            by_member, why = self._unrecoverable(s, lost)
+            if why is not None and not s.persisted:
+                raise CorruptCheckpointError(f"step {s.step} cannot be recovered from the local tiers: {why}")
+            for (g, p) in (by_member if why is None else {}):
+                stripes = self._rebuild_plan(s, g, p, dst)
+                rebuild[dst][(g, p)] = stripes
+                for _, blocks in stripes:
+                    plan += [Transfer(src, dst, item, size) for _, src, item, size in blocks if src != dst]
+        stats = PeerStats()
+        got: dict[Item, bytes] = {}
+
+        def read(item: Item) -> bytes | bytearray:
+            if item[0] == "chunk":
+                return self.local.read(mf.chunk_key(item[1]))
+            if item[0] == "par":
+                return self.local.read(f"{mf.step_dir(s.step)}/{item[2]}")
+            _, g, p, q = item
+            mem = s.layouts[g].members[p]
+            return self._read_range(mem, *mem.segment(q, s.layouts[g].k))
+
+        def received(src: int, item: Item, data: memoryview) -> None:
+            if item[0] == "chunk":
+                self._store_chunk(item[1], data)
+                stats.peer_chunks += 1
+            else:
+                got[item] = bytes(data)
+
+        self.exchange(plan, read, received, stats)
+        for (g, p), stripes in rebuild.get(self.rank, {}).items():
+            stats.rebuilt_chunks += self._rebuild(s, g, p, stripes, got, read)
+        self.local.flush()
+        return stats
+
+    def _rebuild(self, s: Survey, g: int, pos: int, stripes: list, got: dict, read: Callable) -> int:
+        lay = s.layouts[g]
+        mem = lay.members[pos]
+        data = bytearray(mem.size)
+        for t, blocks in stripes:
+            st = lay.stripes[t]
+            have = {b: (got[item] if item in got else read(item)) for b, _, item, _ in blocks}
+            decoded = erasure.decode(lay.k, lay.m, have, st.length)
+            b = next(i for i, (p, _) in enumerate(st.data) if p == pos)
+            q = st.data[b][1]
+            a, e = mem.segment(q, lay.k)
+            data[a:e] = decoded[b][: e - a]
+        view, off, n = memoryview(data), 0, 0
+        for h, size in mem.objects:
+            if not self.local.exists(mf.chunk_key(h)):
+                try:
+                    self._store_chunk(h, view[off: off + size])
+                except CorruptCheckpointError as e:
+                    raise CorruptCheckpointError(f"step {s.step}: chunk {h} rebuilt from parity group {g} does not "
+                                                 f"verify ({e}); the parity blocks are damaged", chunk=h) from e
+                n += 1
+            off += size
+        log.info("ckpt: rebuilt %d chunk(s) (%.1f MiB) of rank %d's tier from parity group %d", n, mem.size / 2**20,
+                 mem.rank, g)
+        return n
+
