@@ -190,7 +190,8 @@ class Loader:
                 lost = len(survey.lost(m.chunks))
                 log.info("ckpt: loading step %d from the local tiers (%s%s)", s,
                          "the newest step" if s == max(holder) else "the newest recoverable step",
-                         f"; {lost} chunk(s) lost with their tier are rebuilt or fetched" if lost else "")
+                         "" if not lost else f"; {lost} chunk(s) lost with their tier are read from {remote.describe()}"
+                         if why else f"; {lost} chunk(s) lost with their tier come from peers or parity")
                 return self._load_local(s, m, data, survey, state, strict, allow_pickle, rank_map)
             if step != "latest":
                 raise CorruptCheckpointError(f"step {s} cannot be recovered from the local tiers: {why}")

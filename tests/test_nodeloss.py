@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -18,19 +19,27 @@ from ckpt import erasure
 from ckpt.redundancy import parity_groups, replica_targets
 from tests.dist_helpers import run_ranks
 
-ROWS, COLS = 256, 512  # 512 KiB of float32 per rank: 8 chunks of 64 KiB
+ROWS, COLS = 1024, 512  # a 2 MiB float32 tensor sharded by rows: 8 chunks of 64 KiB per rank of 4
 CHUNK = 64 * 1024
 
 
+def _global(step: int) -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(step))
+
+
+def _rows(rank: int, world: int) -> slice:
+    per = ROWS // world
+    return slice(rank * per, (rank + 1) * per)
+
+
 def _state(rank: int, world: int, step: int) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    local = torch.randn(ROWS, COLS, generator=g)
-    return {"w": ckpt.LocalShard(local, (rank * ROWS, 0), (world * ROWS, COLS)),
+    local = _global(step)[_rows(rank, world)].clone()
+    return {"w": ckpt.LocalShard(local, (_rows(rank, world).start, 0), (ROWS, COLS)),
             "bias": torch.full((16,), float(step)), "step": step}
 
 
 def _empty(rank: int, world: int) -> dict:
-    return {"w": ckpt.LocalShard(torch.zeros(ROWS, COLS), (rank * ROWS, 0), (world * ROWS, COLS)),
+    return {"w": ckpt.LocalShard(torch.zeros(ROWS // world, COLS), (_rows(rank, world).start, 0), (ROWS, COLS)),
             "bias": torch.zeros(16), "step": -1}
 
 
@@ -38,19 +47,24 @@ def _digest(state: dict) -> str:
     return hashlib.sha256(state["w"].tensor.numpy().tobytes() + state["bias"].numpy().tobytes()).hexdigest()
 
 
+def _expected(rank: int, world: int, step: int) -> str:
+    return _digest(_state(rank, world, step))
+
+
 def _redundancy(kind: str):
     return ckpt.Replicas(2) if kind == "replicas" else ckpt.Parity(data=3, parity=1)
 
 
 def _ckptr(root: str, rank: int, kind: str, **kw) -> ckpt.Checkpointer:
+    kw.setdefault("timeout", 60)
     return ckpt.Checkpointer(os.path.join(root, "remote"), local_dir=os.path.join(root, f"node{rank}"),
                              redundancy=_redundancy(kind), failure_domain=f"node{rank}", chunk_size=CHUNK,
-                             codec="raw", timeout=60, **kw)
+                             codec="raw", **kw)
 
 
 def _save_body(rank: int, world: int, root: str, kind: str, steps: list[int], persist_every: int) -> dict:
     out = {}
-    with _ckptr(root, rank, kind, persist_every=persist_every, keep_local=2) as c:
+    with _ckptr(root, rank, kind, persist_every=persist_every, keep_local=2, keep_last=1) as c:
         for s in steps:
             state = _state(rank, world, s)
             h = c.save(s, state)
@@ -65,10 +79,18 @@ def _load_body(rank: int, world: int, root: str, kind: str) -> dict:
         state = _empty(rank, world)
         step = c.load("latest", state)
         st = c.last_load
-        assert st is not None
+        assert st is not None and step is not None
+        assert _digest(state) == _expected(rank, world, step), f"rank {rank}: wrong bytes for step {step}"
         return {"step": step, "digest": _digest(state), "source": st.source, "peer": st.peer_chunks,
                 "rebuilt": st.rebuilt_chunks, "remote": st.remote_chunks, "local": st.local_chunks,
                 "state_step": state["step"]}
+
+
+def _steps(root: str, tier: str) -> list[int]:
+    d = os.path.join(root, tier, "steps")
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(n) for n in os.listdir(d) if os.path.exists(os.path.join(d, n, "MANIFEST.json")))
 
 
 @pytest.mark.parametrize("kind", ["replicas", "parity"])
@@ -77,9 +99,9 @@ def test_wiped_tier_resumes_newest_local_step_from_peers(tmp_path, kind):
     saved = run_ranks(4, _save_body, root, kind, [1, 2, 3, 4, 5], 3)
     assert [saved[0][s]["persisted"] for s in (1, 2, 3, 4, 5)] == [True, False, False, True, False]
     assert all(saved[r][5]["sent"] > 0 for r in range(4))
-    committed_remote = sorted(int(n) for n in os.listdir(os.path.join(root, "remote", "steps")))
-    assert 5 not in committed_remote or not os.path.exists(
-        os.path.join(root, "remote", "steps", f"{5:012d}", "MANIFEST.json"))
+    # retention per tier: keep_last=1 on the checkpoint path, keep_local=2 on every node
+    assert _steps(root, "remote") == [4]
+    assert all(_steps(root, f"node{r}") == [4, 5] for r in range(4))
     shutil.rmtree(os.path.join(root, "node2"))
     loaded = run_ranks(4, _load_body, root, kind)
     for r in range(4):
@@ -91,6 +113,130 @@ def test_wiped_tier_resumes_newest_local_step_from_peers(tmp_path, kind):
     got = loaded[2]["peer"] if kind == "replicas" else loaded[2]["rebuilt"]
     assert got and got > 0
     assert os.path.exists(os.path.join(root, "node2", "steps", f"{5:012d}", "MANIFEST.json"))  # the tier healed
+
+
+@pytest.mark.parametrize("wiped,expect", [((0, 2), 5), ((1, 2), 4)])
+def test_two_wiped_domains_with_two_replicas_give_a_correct_step(tmp_path, wiped, expect):
+    """Replicas(2) puts rank i's copy on node i+1: losing nodes 0 and 2 leaves a copy of everything
+    (the local step 5 loads); losing 1 and 2 loses rank 1's chunks, so the newest remote step (4) loads."""
+    root = str(tmp_path)
+    run_ranks(4, _save_body, root, "replicas", [1, 2, 3, 4, 5], 3)
+    for r in wiped:
+        shutil.rmtree(os.path.join(root, f"node{r}"))
+    loaded = run_ranks(4, _load_body, root, "replicas")
+    assert [x["step"] for x in loaded] == [expect] * 4  # and every rank's bytes are checked in _load_body
+    if expect == 5:
+        assert all(x["source"] == "local tiers" and x["remote"] == 0 for x in loaded)
+    else:  # step 4 is still in tiers 0 and 3; rank 1's chunks, gone with both its copies, come from the remote
+        assert loaded[1]["remote"] > 0 and loaded[0]["remote"] == 0
+
+
+def _reshard_save(rank: int, world: int, root: str) -> None:
+    with _ckptr(root, rank, "replicas", persist_every=10) as c:
+        for s in (1, 2):
+            c.save(s, _state(rank, world, s)).wait()
+
+
+def test_resharding_load_from_local_tiers(tmp_path):
+    """Saved on 2 ranks, loaded on 4: the two new ranks' tiers are empty, and they get their rows from
+    the tiers of the ranks that saved them; nothing is read from the checkpoint path."""
+    root = str(tmp_path)
+    run_ranks(2, _reshard_save, root)
+    loaded = run_ranks(4, _load_body, root, "replicas")
+    assert [x["step"] for x in loaded] == [2] * 4
+    assert all(x["source"] == "local tiers" and x["remote"] == 0 for x in loaded)
+    assert loaded[2]["peer"] > 0 and loaded[3]["peer"] > 0
+
+
+def _killed_body(rank: int, world: int, root: str, victim: int) -> dict:
+    """Saves 1 and 2 commit; during save 3's replication the victim SIGKILLs itself after storing
+    one replica chunk (a real kill, mid-transfer); the others see save 3 fail."""
+    from ckpt.redundancy import Peers
+
+    if rank == victim:
+        original = Peers.exchange
+
+        def exchange(self, plan, read, received, stats):
+            def dying(src, item, data):
+                received(src, item, data)
+                if self._step_seen >= 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            return original(self, plan, read, dying, stats)
+
+        Peers.exchange = exchange  # type: ignore[method-assign]
+    c = _ckptr(root, rank, "replicas", persist_every=2, timeout=15)
+    out = {}
+    for s in (1, 2, 3):
+        c._tiers.peers._step_seen = s  # type: ignore[union-attr]
+        try:
+            c.save(s, _state(rank, world, s)).wait()
+            out[s] = "ok"
+        except ckpt.CheckpointError as e:
+            out[s] = type(e).__name__
+    return out
+
+
+def test_kill_during_replication_leaves_every_committed_local_step_whole(tmp_path):
+    root = str(tmp_path)
+    got = run_ranks(4, _killed_body, root, 1, may_die=(1,), timeout=240)
+    assert got[1] is None  # the victim died
+    for r in (0, 2, 3):
+        assert got[r][1] == got[r][2] == "ok" and got[r][3] != "ok", got[r]
+    from ckpt import manifest as mf
+    from ckpt.codec import verify_object
+    from ckpt.storage import LocalStorage
+
+    for r in range(4):
+        tier = LocalStorage(os.path.join(root, f"node{r}"))
+        steps = _steps(root, f"node{r}")
+        assert 3 not in steps and steps, (r, steps)
+        for s in steps:
+            m = mf.read_step(tier, s)
+            for h in m.chunks:  # every chunk this tier holds verifies; none is torn
+                if tier.exists(mf.chunk_key(h)):
+                    verify_object(mf.chunk_key(h), [memoryview(tier.read(mf.chunk_key(h)))])
+    loaded = run_ranks(4, _load_body, root, "replicas")
+    assert [x["step"] for x in loaded] == [2] * 4  # the newest committed step, from the local tiers
+    assert all(x["source"] == "local tiers" for x in loaded)
+
+
+def test_options_are_checked_before_anything_is_opened(tmp_path):
+    with pytest.raises(ckpt.ConfigError, match="local_dir"):
+        ckpt.Checkpointer(str(tmp_path / "r"), redundancy=ckpt.Replicas(2))
+    with pytest.raises(ckpt.ConfigError, match="persist_every"):
+        ckpt.Checkpointer(str(tmp_path / "r"), persist_every=0, local_dir=str(tmp_path / "l"))
+    with pytest.raises(ckpt.ConfigError, match="Replicas"):
+        ckpt.Replicas(1)
+    with pytest.raises(ckpt.ConfigError, match="Parity"):
+        ckpt.Parity(data=0, parity=1)
+    with pytest.raises(ckpt.ConfigError, match="redundancy must be"):
+        ckpt.Checkpointer(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), redundancy=2)
+    with pytest.raises(ckpt.ConfigError, match="2 failure domains"):  # one process is one domain
+        ckpt.Checkpointer(str(tmp_path / "r"), local_dir=str(tmp_path / "l"), redundancy=ckpt.Replicas(2))
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_persist_every_alone_commits_locally_and_uploads_every_nth(tmp_path):
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, keep_local=3, chunk_size=CHUNK) as c:
+        handles = [c.save(s, _state(0, 1, s)) for s in (1, 2, 3, 4)]
+        c.wait()
+        assert [h.metrics.persisted for h in handles] == [True, False, True, False]
+        assert c.steps() == [1, 2, 3, 4]
+    assert _steps(str(tmp_path), "remote") == [1, 3]
+    assert _steps(str(tmp_path), "local") == [2, 3, 4]
+    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
+        state = _empty(0, 1)
+        assert c.load("latest", state) == 4
+        assert c.last_load is not None and c.last_load.source == "local tiers" and c.last_load.remote_chunks == 0
+        assert _digest(state) == _expected(0, 1, 4)
+    shutil.rmtree(local)  # the node is gone: the newest uploaded step
+    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
+        state = _empty(0, 1)
+        assert c.load("latest", state) == 3
+        assert c.last_load is not None and c.last_load.source == "checkpoint"
+        assert _digest(state) == _expected(0, 1, 3)
 
 
 # -- pure placement and layout -------------------------------------------------------------------
