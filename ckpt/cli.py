@@ -1,10 +1,10 @@
 """The ``ckpt`` command line: look at, check, compare, clean up and export checkpoints.
 
-    ckpt ls      URL [--verify] [--json]
+    ckpt ls      URL [--verify] [--local DIR ...] [--json]
     ckpt inspect URL [--step S] [--json]
     ckpt verify  URL [--step S | --all] [--json]
     ckpt diff    URL A B [--max-diff] [--exit-code] [--json]
-    ckpt gc      URL [--dry-run] [--grace 1h] [--keep-last N] [--json]
+    ckpt gc      URL [--dry-run] [--grace 1h] [--keep-last N] [--local DIR --keep-local N] [--json]
     ckpt export  URL [--step S] --to FILE.safetensors|FILE.pt [--keys PREFIX] [--rank R]
     ckpt chaos   [--kills N] [--seed S] [--timeout T] [--workdir DIR] -- COMMAND ... {dir} ...
 
@@ -174,20 +174,72 @@ def _step_doc(cat: Catalog, s: int, earlier: set[str]) -> dict:
             "written_bytes": m.stats.get("written_bytes"), "writer": m.writer}
 
 
+def _local_tiers(dirs: list[str]) -> list[Catalog]:
+    from .storage import LocalStorage
+
+    out = []
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise ConfigError(f"--local {d!r}: no such directory (a node's local_dir)")
+        try:
+            out.append(Catalog(LocalStorage(d)))
+        except CheckpointError:  # an empty tier (a replaced node): it holds nothing
+            continue
+    return out
+
+
+def _where(docs: list[dict], remote: set[int], tiers: list[Catalog], n_dirs: int) -> list[dict]:
+    """With ``--local``: for every step, whether the checkpoint path has it, which local tiers
+    committed it, and the share of its chunks the local tiers hold between them (what a restore
+    without the checkpoint path can get; parity rebuilds more). Steps only the local tiers have are
+    added."""
+    by_step = {d["step"]: d for d in docs}
+    local: dict[int, list[int]] = {}
+    for i, cat in enumerate(tiers):
+        for s in cat.committed:
+            local.setdefault(s, []).append(i)
+    for s, holders in local.items():
+        if s not in by_step:
+            first = tiers[holders[0]]
+            by_step[s] = _step_doc(first, s, first.earlier_chunks(s))
+    for s, d in by_step.items():
+        d["remote"] = s in remote
+        d["local_tiers"] = [tiers[i].storage.describe() for i in local.get(s, [])]
+        m = next((tiers[i].manifest(s) for i in local.get(s, []) if tiers[i].manifest(s) is not None), None)
+        if m is not None and m.chunks:
+            held = sum(1 for h in m.chunks if any(t.storage.exists(mf.chunk_key(h)) for t in tiers))
+            d["local_chunks_held"] = held / len(m.chunks)
+        d["where"] = " + ".join(
+            x for x in ("remote" if s in remote else "", f"{len(local.get(s, []))}/{n_dirs} local" if s in local
+                        else "") if x) or "-"
+        if "local_chunks_held" in d and s in local:
+            d["where"] += f" ({d['local_chunks_held']:.0%} of chunks)"
+    return sorted(by_step.values(), key=lambda d: d["step"])
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
+    tiers = _local_tiers(args.local or [])
+    try:
+        cat: Catalog | None = _catalog(args)
+    except CheckpointError:
+        if not tiers:
+            raise
+        cat = None  # nothing uploaded yet: the local tiers alone
     docs: list[dict] = []
     earlier: set[str] = set()
-    for s in cat.committed:
-        docs.append(_step_doc(cat, s, earlier))
-        m = cat.manifest(s)
-        if m is not None:
-            earlier |= m.chunks.keys()
-    for s in cat.incomplete:
-        docs.append({"step": s, "status": "incomplete", "rank_files": len(cat.rank_files(s))})
+    if cat is not None:
+        for s in cat.committed:
+            docs.append(_step_doc(cat, s, earlier))
+            m = cat.manifest(s)
+            if m is not None:
+                earlier |= m.chunks.keys()
+        for s in cat.incomplete:
+            docs.append({"step": s, "status": "incomplete", "rank_files": len(cat.rank_files(s))})
     docs.sort(key=lambda d: d["step"])
+    if args.local:
+        docs = _where(docs, set(cat.committed) if cat is not None else set(), tiers, len(args.local))
     problems = []
-    if args.verify:
+    if args.verify and cat is not None:
         res = _verify(args, cat, cat.committed)
         problems = res.problems
         bad: dict[int, int] = {}
@@ -217,8 +269,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else:
             rows.append([d["step"], "-", "-", "-", "-", "-", "-",
                          f"incomplete: {d['rank_files']} rank file(s), no manifest"])
-    out.table(["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "status"], rows,
-              {0, 2, 3, 4, 5, 6})
+        if args.local:
+            rows[-1].append(d.get("where", "-"))
+    out.table(["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "status"] +
+              (["where"] if args.local else []), rows, {0, 2, 3, 4, 5, 6})
     for p in problems:
         print(f"{p.kind}: {p.object} (step {', '.join(map(str, p.steps))}): {p.message}", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
@@ -397,20 +451,42 @@ def _age(s: float | None) -> str:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    """``ckpt gc URL``; with ``--local DIR`` also each node's local tier, with its own ``--keep-local``."""
+    from .storage import LocalStorage
+
+    roots: list[tuple[str, Catalog, int | None]] = [(args.url, _catalog(args), args.keep_last)]
+    for d in args.local or []:
+        if not os.path.isdir(d):
+            raise ConfigError(f"--local {d!r}: no such directory (a node's local_dir)")
+        try:
+            roots.append((d, Catalog(LocalStorage(d)), args.keep_local))
+        except CheckpointError:
+            continue  # an empty tier holds no garbage
+    results = [_gc_one(args, url, cat, keep) for url, cat, keep in roots]
+    if args.json:
+        doc = results[0]
+        if args.local:
+            doc["local"] = results[1:]
+        _dump(doc)
+    return max(r["exit"] for r in results)
+
+
+def _gc_one(args: argparse.Namespace, url: str, cat: Catalog, keep_last: int | None) -> dict:
     from . import gc
 
-    cat = _catalog(args)
-    plan = gc.plan(cat, grace_s=args.grace, keep_last=args.keep_last)
+    plan = gc.plan(cat, grace_s=args.grace, keep_last=keep_last)
     removed = plan.remove if args.dry_run else gc.run(cat, plan)
     status = EXIT_FAILED if plan.unreadable else EXIT_OK
+    doc = {"schema": "ckpt-gc/1", "url": url, "dry_run": args.dry_run, "grace_s": args.grace,
+           "retention_steps": plan.retention, "removed" if not args.dry_run else "would_remove":
+           [i.to_json() for i in removed], "bytes": sum(i.bytes for i in removed),
+           "kept_younger_than_grace": [i.to_json() for i in plan.young],
+           "damaged_steps": {str(s): e for s, e in plan.unreadable.items()},
+           "live_writers": [{"id": w.id, "pid": w.pid, "host": w.host} for w in plan.writers], "exit": status}
     if args.json:
-        _dump({"schema": "ckpt-gc/1", "url": args.url, "dry_run": args.dry_run, "grace_s": args.grace,
-               "retention_steps": plan.retention, "removed" if not args.dry_run else "would_remove":
-               [i.to_json() for i in removed], "bytes": sum(i.bytes for i in removed),
-               "kept_younger_than_grace": [i.to_json() for i in plan.young],
-               "damaged_steps": {str(s): e for s, e in plan.unreadable.items()},
-               "live_writers": [{"id": w.id, "pid": w.pid, "host": w.host} for w in plan.writers]})
-        return status
+        return doc
+    if args.local:
+        print(f"{url}:")
     out = Out()
     verb = "would remove" if args.dry_run else "removed"
     if removed:
@@ -428,13 +504,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         out.write(f"kept: {len(plan.young)} object(s) younger than the grace period ({_age(args.grace)}); "
                   "a running save may still commit them")
     if plan.writers:
-        out.write(f"deferred: {plan.writers[0].describe()} is saving into {args.url}; no chunk, temp file or "
+        out.write(f"deferred: {plan.writers[0].describe()} is saving into {url}; no chunk, temp file or "
                   "unfinished step was touched, and the chunks of removed steps are left for it (or a later gc) "
                   "to delete")
     for s, e in plan.unreadable.items():
         print(f"ckpt: gc: step {s} has a damaged manifest, so which chunks it needs is unknown: no chunk "
               f"was removed and retention was skipped ({e})", file=sys.stderr)
-    return status
+    return doc
 
 
 # -- export -------------------------------------------------------------------------------------------
@@ -557,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = add("ls", "committed steps with time, world size, raw/stored/new bytes; incomplete and damaged steps", cmd_ls)
     ls.add_argument("--verify", action="store_true", help="also re-read and re-hash every chunk")
+    ls.add_argument("--local", action="append", metavar="DIR",
+                    help="a node's local_dir (repeatable): also list the steps committed only there, and per step "
+                         "which tiers hold it and the share of its chunks they hold between them")
     ls.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
 
     ins = add("inspect", "one step in depth: tensors, shards, codecs, new/reused chunks, values", cmd_inspect)
@@ -584,6 +663,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "90s, 30m, 1h (default), 2d, 0")
     gcp.add_argument("--keep-last", type=_positive, metavar="N",
                      help="also delete all but the newest N committed steps (and chunks only they use)")
+    gcp.add_argument("--local", action="append", metavar="DIR",
+                     help="also collect a node's local_dir (repeatable), as its own checkpoint: replicas and parity "
+                          "blocks of committed steps are kept")
+    gcp.add_argument("--keep-local", type=_positive, metavar="N",
+                     help="in each --local tier, keep only the newest N committed steps")
     gcp.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
 
     exp = add("export", "write one step as a single unsharded .safetensors or .pt file", cmd_export)

@@ -102,6 +102,9 @@ def test_wiped_tier_resumes_newest_local_step_from_peers(tmp_path, kind):
     # retention per tier: keep_last=1 on the checkpoint path, keep_local=2 on every node
     assert _steps(root, "remote") == [4]
     assert all(_steps(root, f"node{r}") == [4, 5] for r in range(4))
+    listing = _ls(root, [f"node{r}" for r in range(4)])
+    assert listing[4]["remote"] and len(listing[4]["local_tiers"]) == 4
+    assert not listing[5]["remote"] and len(listing[5]["local_tiers"]) == 4 and listing[5]["local_chunks_held"] == 1
     shutil.rmtree(os.path.join(root, "node2"))
     loaded = run_ranks(4, _load_body, root, kind)
     for r in range(4):
@@ -113,6 +116,20 @@ def test_wiped_tier_resumes_newest_local_step_from_peers(tmp_path, kind):
     got = loaded[2]["peer"] if kind == "replicas" else loaded[2]["rebuilt"]
     assert got and got > 0
     assert os.path.exists(os.path.join(root, "node2", "steps", f"{5:012d}", "MANIFEST.json"))  # the tier healed
+
+
+def _ls(root: str, tiers: list[str]) -> dict[int, dict]:
+    import contextlib
+    import io
+    import json
+
+    from ckpt import cli
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(["ls", os.path.join(root, "remote"), "--json",
+                         *[a for t in tiers for a in ("--local", os.path.join(root, t))]]) == 0
+    return {d["step"]: d for d in json.loads(buf.getvalue())["steps"]}
 
 
 @pytest.mark.parametrize("wiped,expect", [((0, 2), 5), ((1, 2), 4)])
@@ -231,6 +248,12 @@ def test_persist_every_alone_commits_locally_and_uploads_every_nth(tmp_path):
         assert c.load("latest", state) == 4
         assert c.last_load is not None and c.last_load.source == "local tiers" and c.last_load.remote_chunks == 0
         assert _digest(state) == _expected(0, 1, 4)
+    from ckpt import cli
+
+    assert cli.main(["gc", remote, "--local", local, "--keep-local", "1", "--grace", "0"]) == 0
+    assert _steps(str(tmp_path), "local") == [4] and _steps(str(tmp_path), "remote") == [1, 3]
+    listing = _ls(str(tmp_path), ["local"])
+    assert sorted(listing) == [1, 3, 4] and listing[4]["where"].startswith("1/1 local")
     shutil.rmtree(local)  # the node is gone: the newest uploaded step
     with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
         state = _empty(0, 1)
