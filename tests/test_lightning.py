@@ -267,3 +267,16 @@ def test_a_fit_that_ends_between_saves_keeps_its_last_step_and_reports_resume(tm
         trainer(9, [AsyncCheckpoint(url, every_n_train_steps=3)]).fit(Tiny(), Batches())
     assert f"Restored all states from the checkpoint at {url} (ckpt step 7)" in caplog.text
     assert ckpt.Checkpointer(url).steps() == [3, 6, 7, 9]
+
+
+def test_local_commits_upload_the_last_step(tmp_path):
+    """With persist_every, the callback's saves commit to local_dir; the one at the end of the fit is
+    uploaded too (the node may not come back), so a resume from the checkpoint path alone gets it."""
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    cb = AsyncCheckpoint(remote, local_dir=local, every_n_train_steps=2, persist_every=100, keep_local=5)
+    trainer(7, [cb]).fit(Tiny(), Batches())
+    committed = sorted(int(n) for n in os.listdir(os.path.join(remote, "steps"))
+                       if os.path.exists(os.path.join(remote, "steps", n, "MANIFEST.json")))
+    assert committed == [2, 7]  # the first save (as every first save) and the last step
+    local_steps = sorted(int(n) for n in os.listdir(os.path.join(local, "steps")))
+    assert local_steps == [2, 4, 6, 7]

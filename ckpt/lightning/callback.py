@@ -220,7 +220,7 @@ class AsyncCheckpoint(CheckpointBase):
         assert self.checkpointer is not None
         started = time.monotonic()
         if self._last_step != trainer.global_step:
-            self._save(trainer)
+            self._save(trainer, persist=True)  # the node may not come back: upload it (persist_every)
         for h in self.handles:
             h.wait()  # raises if the emergency save failed: the last committed step is still whole
         self.preempted = True
@@ -230,7 +230,7 @@ class AsyncCheckpoint(CheckpointBase):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.save_on_train_end and not self._skip(trainer) and trainer.global_step > 0:
-            self._save(trainer)  # the last step, unless a trigger just saved it (_skip says so)
+            self._save(trainer, persist=True)  # the last step, unless a trigger just saved it (_skip says so)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._skip(trainer) or self.every_n_epochs is None:
@@ -244,7 +244,7 @@ class AsyncCheckpoint(CheckpointBase):
     def _skip(self, trainer: Any) -> bool:
         return bool(self._skip_stage(trainer) or self.checkpointer is None or self._last_step == trainer.global_step)
 
-    def _save(self, trainer: Any) -> None:
+    def _save(self, trainer: Any, persist: bool | None = None) -> None:
         assert self.checkpointer is not None
         for h in self.handles:  # surface a failed background save on the training thread
             if h.done() and h.exception() is not None:
@@ -255,7 +255,7 @@ class AsyncCheckpoint(CheckpointBase):
         if self.save_rng:
             state["rng"] = RNGState()
         try:
-            h = self.checkpointer.save(step, state)
+            h = self.checkpointer.save(step, state, persist=persist)
         except UnsupportedValueError as e:
             raise UnsupportedValueError(str(e) + PICKLE_HINT.format(who="AsyncCheckpoint")) from e
         except StepExistsError:
