@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -279,8 +280,20 @@ class Checkpointer:
             return None
         m, self.last_load = done
         self._retention.protect(m.step)  # retention never deletes the step this run resumed from
-        self._writer.learn(m.chunks)  # the next save reuses these chunks without probing storage
+        if self._tiers is None or self.last_load.source != "checkpoint":
+            self._writer.learn(m.chunks)  # the next save reuses these chunks without probing storage
+        # (loaded from the checkpoint path with local commits: this rank's tier lacks them, so the next
+        # local-only save must ask the tier and write what it lacks, or its step would name chunks no tier holds)
+        if self._tiers is not None and self._tiers.heal is not None:
+            heal, self._tiers.heal = self._tiers.heal, None
+            # in the background, before the next save (the same thread): this rank's tier gets back what
+            # the load took from peers or the checkpoint path; wait() and close() wait for it
+            self._commit_thread.submit(self._heal, heal)
         return m.step
+
+    def _heal(self, heal: Callable[[], bool]) -> None:
+        if not heal():  # the tier lacks some of the loaded chunks: the next save must not take them as stored
+            self._writer.forget_loaded()
 
     # -- queries --------------------------------------------------------------------------------------
     def steps(self) -> list[int]:

@@ -88,6 +88,7 @@ class LocalCommits:
     peers: Peers  # the ranks' failure domains and their own process group (bytes move only with redundancy)
     after_commit: Callable[[SaveJob], None]
     local_held: bool = False  # this rank holds its writer lease on its tier
+    heal: Callable[[], bool] | None = None  # after a load from the local tiers: make this rank's tier whole
 
     def commit(self, step: int, manifest: str) -> None:
         """Commit ``step`` to this rank's tier (the coordinator's already is)."""

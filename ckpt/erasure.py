@@ -118,7 +118,7 @@ def encode(k: int, m: int, blocks: Sequence[bytes | bytearray | memoryview], len
     return zfec.Encoder(k, k + m).encode(padded, (k + which,))[0]
 
 
-def decode(k: int, m: int, blocks: dict[int, bytes | bytearray], length: int) -> list[bytes]:
+def decode(k: int, m: int, blocks: dict[int, bytes | bytearray | memoryview], length: int) -> list[bytes]:
     """The k data blocks of a stripe from any k of its blocks (block number -> bytes, data blocks
     zero-padded to ``length``)."""
     import zfec

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
@@ -28,7 +29,7 @@ from . import chains, events
 from . import manifest as mf
 from . import structure as st
 from ._tasks import run_all
-from .codec import HEADER_SIZE, check_header, parse_header, trim_scratch, verify
+from .codec import HEADER_SIZE, check_header, parse_header, trim_scratch, verify, verify_object
 from .commit import LocalCommits
 from .dist import Comm
 from .errors import (
@@ -212,24 +213,42 @@ class Loader:
 
     def _load_local(self, step: int, m: mf.Manifest, data: bytes, survey: Any, state: dict[str, Any], strict: bool,
                     allow_pickle: bool, rank_map: RankMap | None) -> tuple[mf.Manifest, LoadStats]:
+        """Load ``step`` from the local tiers. Chunks this rank's tier lacks come from peers (or are
+        rebuilt) into memory and are read from there; the tier itself is healed afterwards, in the
+        background (``tiers.heal``, run by the Checkpointer on its commit thread), so the load waits
+        only for the exchange."""
         assert self.tiers is not None
-        peers = self.tiers.peers
+        tiers = self.tiers
+        peers, storage = tiers.peers, tiers.storage
         fetched: list[Any] = []
+        held: list[str] = []
+        wanted: set[str] = set()
+
+        def keep(key: str, blob: memoryview) -> None:
+            storage.hold(key, blob)
+            held.append(key)
 
         def before_read(needed: set[str]) -> None:
-            fetched.append(peers.fetch(survey, m, mf.closure(m.chunks, needed).keys()))
+            want = mf.closure(m.chunks, needed).keys()
+            wanted.update(want)
+            fetched.append(peers.fetch(survey, m, want, keep))
 
-        done, err = self._attempt(step, state, strict, allow_pickle, rank_map, manifest=m, before_read=before_read)
-        if not fetched:  # this rank failed before it could say what it needs: the others wait for that
-            try:
-                peers.fetch(survey, m, None)
-            except CheckpointError:
-                pass
+        try:
+            done, err = self._attempt(step, state, strict, allow_pickle, rank_map, manifest=m,
+                                      before_read=before_read)
+            if not fetched:  # this rank failed before it could say what it needs: the others wait for that
+                try:
+                    peers.fetch(survey, m, None)
+                except CheckpointError:
+                    pass
+        except BaseException:
+            storage.release(held)
+            raise
         if done is None:
+            storage.release(held)
             assert err is not None
             raise err
-        if not self.tiers.local.exists(mf.manifest_key(step)):  # a tier that lost the step has it back
-            self.tiers.commit(step, data.decode())
+        tiers.heal = lambda: self._heal(step, data, held, wanted)
         _, stats = done
         stats.source = "local tiers"
         if fetched:
@@ -238,6 +257,42 @@ class Loader:
             if stats.local_chunks is not None:
                 stats.local_chunks = max(0, stats.local_chunks - got.peer_chunks - got.rebuilt_chunks)
         return done
+
+    def _heal(self, step: int, data: bytes, held: list[str], wanted: set[str]) -> bool:
+        """After a load from the local tiers: write what came from peers (held in memory) and what
+        came from the checkpoint path (read again) into this rank's tier, then commit the step there
+        if the tier had lost it. A failure costs only the copy: it is logged, nothing else changes."""
+        assert self.tiers is not None
+        tiers = self.tiers
+        local, storage = tiers.local, tiers.storage
+        t0 = time.perf_counter()
+        wrote = from_remote = 0
+        try:
+            for key in held:
+                blob = storage.held(key)
+                if blob is not None and not local.exists(key):
+                    local.write(key, [blob])
+                    wrote += 1
+            for h in sorted(wanted):
+                key = mf.chunk_key(h)
+                if storage.held(key) is None and not local.exists(key):  # read from the checkpoint path
+                    remote = storage.remote.read(key)
+                    verify_object(key, [memoryview(remote)])
+                    local.write(key, [remote])
+                    from_remote += 1
+            local.flush()
+            if not local.exists(mf.manifest_key(step)):  # a tier that lost the step has it back
+                tiers.commit(step, data.decode())
+            if wrote or from_remote:
+                log.info("ckpt: healed this rank's local tier %s with %d chunk(s) from peers and %d from %s (%.2fs)",
+                         local.root, wrote, from_remote, storage.remote.describe(), time.perf_counter() - t0)
+            return True
+        except Exception as e:
+            log.warning("ckpt: this rank's local tier %s was not healed after loading step %d (%s: %s); the next "
+                        "saves write their chunks anew", local.root, step, type(e).__name__, e)
+            return False
+        finally:
+            storage.release(held)
 
     def _attempt(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool, rank_map: RankMap | None,
                  manifest: mf.Manifest | None = None, before_read: Callable[[set[str]], None] | None = None

@@ -437,9 +437,15 @@ class Peers:
             return True, ""
         return s.persisted, why
 
-    def fetch(self, s: Survey, m: mf.Manifest, needed: Iterable[str] | None) -> PeerStats:
+    def fetch(self, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
+              keep: Callable[[str, memoryview], None] | None = None) -> PeerStats:
         """Collective: every rank gets the chunks it ``needed`` (None: it failed before it could say,
-        and every rank raises) into its own tier, from peers or rebuilt from parity."""
+        and every rank raises) from peers or rebuilt from parity, each verified, then handed to
+        ``keep(storage key, bytes)`` (default: written to this rank's tier)."""
+        def to_tier(key: str, data: memoryview) -> None:
+            self.local.write(key, [data])
+
+        store: Callable[[str, memoryview], None] = keep or to_tier
         mine = None if needed is None else sorted(h for h in set(needed) if self.rank not in s.holders.get(h, []))
         every = self.gather({"ok": needed is not None, "needs": mine or []})
         bad = [r for r, d in enumerate(every) if not d["ok"]]
@@ -468,7 +474,7 @@ class Peers:
                 for _, blocks in stripes:
                     plan += [Transfer(src, dst, item, size) for _, src, item, size in blocks if src != dst]
         stats = PeerStats()
-        got: dict[Item, bytes] = {}
+        got: dict[Item, bytes | memoryview] = {}
 
         def read(item: Item) -> bytes | bytearray:
             if item[0] == "chunk":
@@ -481,18 +487,21 @@ class Peers:
 
         def received(src: int, item: Item, data: memoryview) -> None:
             if item[0] == "chunk":
-                self._store_chunk(item[1], data)
+                key = mf.chunk_key(item[1])
+                verify_object(key, [data])  # a copy that arrived damaged is never used
+                store(key, data)
                 stats.peer_chunks += 1
             else:
-                got[item] = bytes(data)
+                got[item] = data  # the received buffer itself, alive as long as this view
 
         self.exchange(plan, read, received, stats)
         for (g, p), stripes in rebuild.get(self.rank, {}).items():
-            stats.rebuilt_chunks += self._rebuild(s, g, p, stripes, got, read)
+            stats.rebuilt_chunks += self._rebuild(s, g, p, stripes, got, read, store)
         self.local.flush()
         return stats
 
-    def _rebuild(self, s: Survey, g: int, pos: int, stripes: list, got: dict, read: Callable) -> int:
+    def _rebuild(self, s: Survey, g: int, pos: int, stripes: list, got: dict, read: Callable,
+                 keep: Callable[[str, memoryview], None]) -> int:
         lay = s.layouts[g]
         mem = lay.members[pos]
         data = bytearray(mem.size)
@@ -506,9 +515,11 @@ class Peers:
             data[a:e] = decoded[b][: e - a]
         view, off, n = memoryview(data), 0, 0
         for h, size in mem.objects:
-            if not self.local.exists(mf.chunk_key(h)):
+            key = mf.chunk_key(h)
+            if not self.local.exists(key):
                 try:
-                    self._store_chunk(h, view[off: off + size])
+                    verify_object(key, [view[off: off + size]])
+                    keep(key, view[off: off + size])
                 except CorruptCheckpointError as e:
                     raise CorruptCheckpointError(f"step {s.step}: chunk {h} rebuilt from parity group {g} does not "
                                                  f"verify ({e}); the parity blocks are damaged", chunk=h) from e

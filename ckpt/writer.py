@@ -365,6 +365,13 @@ class Writer:
             self._loaded = dict(chunks)
             self.known.update(chunks)
 
+    def forget_loaded(self) -> None:
+        """The loaded step's chunks are not all where the next save writes (a local tier that could
+        not be healed): ask storage again instead of trusting them."""
+        with self._lock:
+            self._loaded = {}
+            self.known = dict(self._committed)
+
     def settle(self, committed: mf.Manifest | None, job: SaveJob | None = None) -> None:
         """After a save's decision: trust only the chunks of the loaded step and of this rank's last
         committed part (``committed``, when this save committed: its buffer becomes the base of the

@@ -115,7 +115,11 @@ def test_wiped_tier_resumes_newest_local_step_from_peers(tmp_path, kind):
         assert loaded[r]["remote"] == 0  # not one chunk from the checkpoint path
     got = loaded[2]["peer"] if kind == "replicas" else loaded[2]["rebuilt"]
     assert got and got > 0
-    assert os.path.exists(os.path.join(root, "node2", "steps", f"{5:012d}", "MANIFEST.json"))  # the tier healed
+    # node 2's tier was healed behind the load (close() waited for it): its step and chunks are back
+    assert os.path.exists(os.path.join(root, "node2", "steps", f"{5:012d}", "MANIFEST.json"))
+    again = run_ranks(4, _load_body, root, kind)
+    assert again[2]["step"] == 5 and again[2]["peer"] == 0 and again[2]["rebuilt"] == 0 and again[2]["remote"] == 0
+    assert again[2]["local"] > 0
 
 
 def _ls(root: str, tiers: list[str]) -> dict[int, dict]:
@@ -260,6 +264,42 @@ def test_persist_every_alone_commits_locally_and_uploads_every_nth(tmp_path):
         assert c.load("latest", state) == 3
         assert c.last_load is not None and c.last_load.source == "checkpoint"
         assert _digest(state) == _expected(0, 1, 3)
+        # the next saves, the same data (the first is uploaded, the second is not): the chunks go to the
+        # empty tier, not taken as known from the load or the checkpoint path (the tier would hold steps
+        # naming chunks it lacks), and nothing is uploaded twice
+        first, second = c.save(5, _state(0, 1, 3)), c.save(6, _state(0, 1, 3))
+        c.wait()
+        assert first.metrics.persisted and not second.metrics.persisted
+        assert c.storage.tier_counters().uploaded == 0  # no chunk went to the checkpoint path again
+    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
+        state = _empty(0, 1)
+        assert c.load("latest", state) == 6
+        assert c.last_load is not None and c.last_load.source == "local tiers" and c.last_load.remote_chunks == 0
+        assert _digest(state) == _expected(0, 1, 3)
+
+
+def test_chunks_read_from_the_checkpoint_path_heal_the_tier(tmp_path):
+    """A tier that lost chunks of an uploaded step loads them from the checkpoint path, and gets them
+    back behind the load: the next load reads nothing remotely."""
+    import glob
+
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
+        c.save(1, _state(0, 1, 1))
+    chunks = sorted(glob.glob(os.path.join(local, "chunks", "*", "*")))
+    lost = chunks[::2]
+    assert len(chunks) > 4
+    for p in lost:
+        os.remove(p)
+    for again in (False, True):
+        with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
+            state = _empty(0, 1)
+            assert c.load("latest", state) == 1
+            st = c.last_load
+            assert st is not None and st.source == "local tiers"
+            assert st.remote_chunks == (0 if again else len(lost))
+            assert _digest(state) == _expected(0, 1, 1)
+        assert all(os.path.exists(p) for p in chunks)  # close() waited for the heal
 
 
 # -- pure placement and layout -------------------------------------------------------------------

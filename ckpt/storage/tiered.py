@@ -21,13 +21,17 @@ of its own), ``persist`` says whether the save in progress is uploaded. While it
 ``exists`` and ``commit`` concern the local tier alone; the next persisted save uploads what it
 reuses from the local tier through ``exists`` (which heals). The commit protocol sets it per save,
 on its one thread.
+
+``hold(key, data)`` puts a verified chunk in front of both tiers, in memory: a load whose chunks came
+from peers (or were rebuilt from parity) reads them from there, while the local tier is healed
+behind it; ``release(keys)`` drops them once they are written.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import CheckpointError, StorageError
@@ -66,6 +70,22 @@ class TieredStorage(Storage):
         self._lock = threading.Lock()
         self._counters = TierCounters()
         self._failed: str | None = None  # the first upload failure since the last drain
+        self._held: dict[str, memoryview] = {}  # verified chunks in memory, read before either tier
+        self._remote_has: set[str] = set()  # chunks the remote has and the local tier lacks (local commits)
+
+    def hold(self, key: str, data: memoryview) -> None:
+        """Serve ``key`` from ``data`` (already verified) until :meth:`release`."""
+        with self._lock:
+            self._held[key] = memoryview(data).cast("B")
+
+    def held(self, key: str) -> memoryview | None:
+        with self._lock:
+            return self._held.get(key)
+
+    def release(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for k in keys:
+                self._held.pop(k, None)
 
     def describe(self) -> str:
         return f"{self.remote.describe()} (staged in {self.local.root})"
@@ -109,6 +129,9 @@ class TieredStorage(Storage):
             return n
         n = self.local.write(key, buffers)
         with self._lock:
+            if key in self._remote_has:  # see exists(): uploaded already
+                self._remote_has.discard(key)
+                return n
             self._pending.append(self._uploads.submit(self._upload, key))
         return n
 
@@ -188,6 +211,10 @@ class TieredStorage(Storage):
         return value
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> Blob:
+        mem = self.held(key)
+        if mem is not None:
+            return self._hit(bytes(mem[start:end])) if start is None and end is None else bytes(mem[start:end])
+
         def local() -> object:
             if start is not None or end is not None:  # a part, e.g. a header probe: the caller checks it
                 return self.local.read(key, start, end)
@@ -198,6 +225,10 @@ class TieredStorage(Storage):
                                  count=start is None and end is None)
 
     def read_object(self, key: str, limit: int) -> Blob:
+        mem = self.held(key)
+        if mem is not None:
+            return self._hit(bytes(mem[: limit + 1]))
+
         def local() -> object:
             blob = self.local.read(key, 0, limit + 1)
             return self._hit(blob) if self._local_ok(key, blob) else _MISS
@@ -205,6 +236,16 @@ class TieredStorage(Storage):
         return self._local_first(key, local, lambda: self.remote.read_object(key, limit))
 
     def readv(self, key: str, buffers: Sequence, offset: int = 0) -> int:
+        mem = self.held(key)
+        if mem is not None:
+            pos = offset
+            for b in buffers:
+                v = memoryview(b).cast("B")
+                n = max(0, min(len(v), len(mem) - pos))
+                v[:n] = mem[pos: pos + n]
+                pos += n
+            return self._hit(pos - offset)
+
         def local() -> object:
             # the bytes before `offset` are read too, into a scratch buffer: the copy is checked whole
             prefix = bytearray(offset)
@@ -224,6 +265,9 @@ class TieredStorage(Storage):
         return self._local_first(key, local, lambda: self.remote.readv(key, buffers, offset))
 
     def size(self, key: str) -> int:
+        mem = self.held(key)
+        if mem is not None:
+            return len(mem)
         if _is_chunk(key) and key not in self._bad:
             try:
                 return self.local.size(key)
@@ -238,6 +282,12 @@ class TieredStorage(Storage):
         if not self.persist:
             return self.local.exists(key)
         if self.remote.exists(key):
+            if self.local_commits and _is_chunk(key) and not self.local.exists(key):
+                # the local tier is a checkpoint too, and lacks it (a run restarted from the checkpoint
+                # path): the writer writes it, into the local tier only
+                with self._lock:
+                    self._remote_has.add(key)
+                return False
             return True
         if _is_chunk(key) and self.local.exists(key):
             blob = self.local.read(key)
