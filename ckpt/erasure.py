@@ -110,12 +110,20 @@ class GroupLayout:
             raise CorruptCheckpointError(f"parity layout {name} is damaged ({e})", object=name) from e
 
 
+def _padded(b: bytes | bytearray | memoryview, length: int) -> bytes | bytearray | memoryview:
+    """``b`` zero-padded to ``length`` (itself, not a copy, when it is that long: zfec reads any buffer)."""
+    if len(b) == length:
+        return b
+    out = bytearray(length)
+    out[: len(b)] = b
+    return out
+
+
 def encode(k: int, m: int, blocks: Sequence[bytes | bytearray | memoryview], length: int, which: int) -> bytes:
     """Parity block ``which`` (0..m-1) of k data blocks, each zero-padded to ``length``."""
     import zfec
 
-    padded = tuple(bytes(b) + bytes(length - len(b)) for b in blocks)
-    return zfec.Encoder(k, k + m).encode(padded, (k + which,))[0]
+    return zfec.Encoder(k, k + m).encode([_padded(b, length) for b in blocks], (k + which,))[0]
 
 
 def decode(k: int, m: int, blocks: dict[int, bytes | bytearray | memoryview], length: int) -> list[bytes]:
@@ -124,5 +132,4 @@ def decode(k: int, m: int, blocks: dict[int, bytes | bytearray | memoryview], le
     import zfec
 
     nums = sorted(blocks)[:k]
-    padded = [bytes(blocks[b]) + bytes(length - len(blocks[b])) for b in nums]
-    return list(zfec.Decoder(k, k + m).decode(padded, nums))
+    return list(zfec.Decoder(k, k + m).decode([_padded(blocks[b], length) for b in nums], nums))

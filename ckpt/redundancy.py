@@ -53,6 +53,7 @@ class Transfer:
     dst: int
     item: Item
     size: int
+    room: int = 0  # the receiver's buffer is this long (zeros after ``size``): a stripe block arrives padded
 
 
 @dataclass
@@ -241,8 +242,9 @@ class Peers:
                             works.append(dist.isend(buf, dst=self._global[dst], group=self.group, tag=tag))
                             stats.sent_bytes += t.size
                         else:
-                            buf = torch.empty(t.size, dtype=torch.uint8)
-                            works.append(dist.irecv(buf, src=self._global[src], group=self.group, tag=tag))
+                            buf = torch.empty(max(t.size, t.room), dtype=torch.uint8)
+                            buf[t.size:].zero_()
+                            works.append(dist.irecv(buf[: t.size], src=self._global[src], group=self.group, tag=tag))
                             inbox.append((t, buf))
                 for work in works:
                     if work is not None:
@@ -317,10 +319,11 @@ class Peers:
                     mem = lay.members[pos]
                     a, b = mem.segment(q, lay.k)
                     for j, holder in enumerate(st.parity):
-                        plan.append(Transfer(mem.rank, lay.members[holder].rank, ("seg", lay.group, pos, q, j), b - a))
+                        plan.append(Transfer(mem.rank, lay.members[holder].rank, ("seg", lay.group, pos, q, j), b - a,
+                                             st.length))
         mine = next(lay for lay in layouts if any(mem.rank == self.rank for mem in lay.members))
         me = next(p for p, mem in enumerate(mine.members) if mem.rank == self.rank)
-        got: dict[tuple[int, int], bytes] = {}
+        got: dict[tuple[int, int], memoryview] = {}
 
         def read(item: Item) -> bytearray:
             _, _, pos, q, _ = item
@@ -328,7 +331,7 @@ class Peers:
             return self._read_range(mem, *mem.segment(q, mine.k))
 
         def received(src: int, item: Item, data: memoryview) -> None:
-            got[(item[2], item[3])] = bytes(data)
+            got[(item[2], item[3])] = data  # the received buffer, padded to the stripe's length
 
         self.exchange(plan, read, received, stats)
         d = mf.step_dir(step)
@@ -471,8 +474,9 @@ class Peers:
             for (g, p) in (by_member if why is None else {}):
                 stripes = self._rebuild_plan(s, g, p, dst)
                 rebuild[dst][(g, p)] = stripes
-                for _, blocks in stripes:
-                    plan += [Transfer(src, dst, item, size) for _, src, item, size in blocks if src != dst]
+                for t, blocks in stripes:
+                    length = s.layouts[g].stripes[t].length  # segments arrive padded to it, as zfec wants them
+                    plan += [Transfer(src, dst, item, size, length) for _, src, item, size in blocks if src != dst]
         stats = PeerStats()
         got: dict[Item, bytes | memoryview] = {}
 
@@ -504,7 +508,7 @@ class Peers:
                  keep: Callable[[str, memoryview], None]) -> int:
         lay = s.layouts[g]
         mem = lay.members[pos]
-        data = bytearray(mem.size)
+        segs: list[tuple[int, int, memoryview]] = []  # the member's bytes [a, e), in the decoded blocks
         for t, blocks in stripes:
             st = lay.stripes[t]
             have = {b: (got[item] if item in got else read(item)) for b, _, item, _ in blocks}
@@ -512,14 +516,28 @@ class Peers:
             b = next(i for i, (p, _) in enumerate(st.data) if p == pos)
             q = st.data[b][1]
             a, e = mem.segment(q, lay.k)
-            data[a:e] = decoded[b][: e - a]
-        view, off, n = memoryview(data), 0, 0
+            if e > a:
+                segs.append((a, e, memoryview(decoded[b])[: e - a]))
+        segs.sort(key=lambda x: x[0])
+
+        def span(start: int, end: int) -> memoryview:
+            """Bytes [start, end) of the member: a view when one segment holds them, else joined."""
+            parts = [v[max(start, a) - a: min(end, e) - a] for a, e, v in segs if a < end and e > start]
+            if len(parts) == 1:
+                return parts[0]
+            out = bytearray()
+            for part in parts:
+                out += part
+            return memoryview(out)
+
+        off, n = 0, 0
         for h, size in mem.objects:
             key = mf.chunk_key(h)
             if not self.local.exists(key):
+                blob = span(off, off + size)
                 try:
-                    verify_object(key, [view[off: off + size]])
-                    keep(key, view[off: off + size])
+                    verify_object(key, [blob])
+                    keep(key, blob)
                 except CorruptCheckpointError as e:
                     raise CorruptCheckpointError(f"step {s.step}: chunk {h} rebuilt from parity group {g} does not "
                                                  f"verify ({e}); the parity blocks are damaged", chunk=h) from e
