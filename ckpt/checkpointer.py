@@ -138,9 +138,9 @@ class Checkpointer:
             log.info("ckpt: local tier %s protected by %s", local.root, peers.describe())
         return LocalCommits(storage, local, peers, lambda job: self._local_retention.apply_after(job.step))
 
-    def _after_commit(self, committed: mf.Manifest) -> None:
+    def _after_commit(self, committed: mf.Manifest, persisted: bool) -> None:
         """Coordinator, after a commit: the checkpoint path's retention, when the save went there."""
-        if self._tiers is None or self._tiers.storage.persist:
+        if persisted:
             self._retention.after_commit(committed)
         else:
             self._manifests.put(committed)

@@ -80,7 +80,7 @@ class Decision:
 @dataclass
 class LocalCommits:
     """What a save needs when every rank's local tier is a committed checkpoint: the tiered storage
-    (its ``persist`` switch is set per save), this rank's tier, the peers protecting it (or None),
+    (each save runs inside its ``saving(persist)``), this rank's tier, the peers protecting it (or None),
     and what runs on every rank after a commit (the local tier's retention)."""
 
     storage: TieredStorage
@@ -119,11 +119,12 @@ class Report:
 class CommitProtocol:
     """Runs the background half of each save on ``commit_thread`` (one thread: saves commit in order).
 
-    ``after_commit(manifest)`` runs on the coordinator after a step is committed and its handle has
+    ``after_commit(manifest, persisted)`` runs on the coordinator after a step is committed and its handle has
     resolved, before other ranks may start the next save's writes (retention goes there)."""
 
     def __init__(self, comm: Comm, writer: Writer, io: Executor, commit_thread: Executor,
-                 after_commit: Callable[[mf.Manifest], None], leases: Leases, tiers: LocalCommits | None = None):
+                 after_commit: Callable[[mf.Manifest, bool], None], leases: Leases,
+                 tiers: LocalCommits | None = None):
         self.tiers = tiers
         self.comm = comm
         self.writer = writer
@@ -174,7 +175,7 @@ class CommitProtocol:
             self._forget(job.seq)
         future.set_result(job.metrics)
         if committed is not None:
-            self.after_commit(committed)
+            self.after_commit(committed, job.persist)
         if job.committed and self.tiers is not None:
             self.tiers.after_commit(job)
 
@@ -200,13 +201,17 @@ class CommitProtocol:
         self.leases.own.add(doc["lease"])  # the job's own lease never stands in its way
 
     def _save(self, job: SaveJob) -> mf.Manifest | None:
+        if self.tiers is None:
+            return self._save_in(job)
+        job.metrics.persisted = job.persist
+        with self.tiers.storage.saving(job.persist):
+            return self._save_in(job)
+
+    def _save_in(self, job: SaveJob) -> mf.Manifest | None:
         comm, seq = self.comm, job.seq
         part: mf.Manifest | None = None
         error: BaseException | None = None
         tiers = self.tiers
-        if tiers is not None:
-            tiers.storage.persist = job.persist
-            job.metrics.persisted = job.persist
         try:
             self._go(seq)
             part = self.writer.write_part(job, comm.rank)

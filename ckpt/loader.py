@@ -102,7 +102,6 @@ class Loader:
         if self.storage.root_state() == "file":
             raise NotACheckpointError(f"{self.storage.describe()} is a file, not a checkpoint directory")
         if self.tiers is not None:
-            self.tiers.storage.persist = True
             tiers = self.tiers.storage
             return sorted(set(mf.committed_steps(tiers.remote)) | set(mf.committed_steps(tiers.local)))
         return mf.committed_steps(self.storage)
@@ -162,7 +161,6 @@ class Loader:
         newest (or that) step of the checkpoint path."""
         assert self.tiers is not None
         tiers, peers = self.tiers, self.tiers.peers
-        tiers.storage.persist = True  # no save is in flight: reads and checks concern both tiers
         if step != "latest" and (type(step) is not int or not 0 <= step <= mf.MAX_STEP):
             raise ConfigError(f"step must be 'latest' or an integer from 0 to 2**63 - 1, got {step!r}")
         remote = tiers.storage.remote

@@ -142,7 +142,7 @@ class Writer:
         or a delta whose chain is broken, is there: then a whole copy is written over it)."""
         key = mf.chunk_key(h)
         try:
-            hdr = parse_header(self.storage.read(key, 0, HEADER_SIZE), name=key)
+            hdr = parse_header(self.storage.head(key, HEADER_SIZE), name=key)
             stored = self.storage.size(key)
             check_header(hdr, name=key, expect_hash=h, expect_len=size, object_len=stored)
         except FileNotFoundError:
@@ -343,7 +343,7 @@ class Writer:
                     conflicts.add(h)
         for h in sorted(conflicts):
             key = mf.chunk_key(h)
-            hdr = parse_header(self.storage.read(key, 0, HEADER_SIZE), name=key)
+            hdr = parse_header(self.storage.head(key, HEADER_SIZE), name=key)
             stored = self.storage.size(key)
             check_header(hdr, name=key, expect_hash=h, object_len=stored)
             truth = mf.ChunkInfo(hdr.raw_len, stored, f"{hdr.codec}/1", hdr.base)

@@ -119,7 +119,7 @@ def test_commit_protocol_alone_commits_retains_and_raises_its_own_error(io):
     snaps = Snapshotter(comm, CHUNK, native=False)
     after = []
     with ThreadPoolExecutor(1) as commit_thread:
-        proto = CommitProtocol(comm, w, io, commit_thread, lambda m: after.append(m.step), Leases(storage))
+        proto = CommitProtocol(comm, w, io, commit_thread, lambda m, _persisted: after.append(m.step), Leases(storage))
         futures = []
         for seq, step in enumerate((1, 2, 2)):
             from concurrent.futures import Future

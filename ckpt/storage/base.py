@@ -50,6 +50,11 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...
 
+    def head(self, key: str, n: int) -> Blob:
+        """The first ``n`` bytes of ``key`` as a save sees it: what the writer reads to decide that a
+        chunk is stored already (FileNotFoundError if it is not, for that save)."""
+        return self.read(key, 0, n)
+
     @abc.abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Names directly under the directory ``prefix`` (no listing cache); empty if it is absent."""

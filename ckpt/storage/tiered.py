@@ -17,10 +17,14 @@ truth: a step exists when its MANIFEST.json exists there.
 * Deletes go to both tiers (local first), so retention and GC apply to both.
 
 With ``local_commits`` (``redundancy`` or ``persist_every``: the local tier is a committed checkpoint
-of its own), ``persist`` says whether the save in progress is uploaded. While it is False, writes,
-``exists`` and ``commit`` concern the local tier alone; the next persisted save uploads what it
-reuses from the local tier through ``exists`` (which heals). The commit protocol sets it per save,
-on its one thread.
+of its own), a save runs inside ``saving(persist)`` (the commit protocol, on its one thread):
+``persist`` says whether it is uploaded. Local-only, writes, ``exists``, ``head`` and ``commit``
+concern the local tier alone; uploaded, a chunk counts as stored (``exists``, ``head``) only when
+both tiers have it: one only the local tier has is uploaded then (the heal path of failed uploads),
+one only the remote has is written again, into the local tier alone. So every step a tier commits
+names chunks that tier holds, and an uploaded one chunks the remote holds. Outside a save both
+tiers are read (the local first for chunks); a step file the remote lacks is read from the local
+tier (a step committed only there).
 
 ``hold(key, data)`` puts a verified chunk in front of both tiers, in memory: a load whose chunks came
 from peers (or were rebuilt from parity) reads them from there, while the local tier is healed
@@ -29,9 +33,10 @@ behind it; ``release(keys)`` drops them once they are written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import CheckpointError, StorageError
@@ -72,6 +77,17 @@ class TieredStorage(Storage):
         self._failed: str | None = None  # the first upload failure since the last drain
         self._held: dict[str, memoryview] = {}  # verified chunks in memory, read before either tier
         self._remote_has: set[str] = set()  # chunks the remote has and the local tier lacks (local commits)
+
+    @contextlib.contextmanager
+    def saving(self, persist: bool) -> Iterator[None]:
+        """Around one save (local commits): ``persist`` is whether it is uploaded."""
+        self.persist = persist
+        try:
+            yield
+        finally:
+            self.persist = True
+            with self._lock:
+                self._remote_has.clear()
 
     def hold(self, key: str, data: memoryview) -> None:
         """Serve ``key`` from ``data`` (already verified) until :meth:`release`."""
@@ -189,8 +205,16 @@ class TieredStorage(Storage):
 
     def _local_first(self, key: str, local, remote, *, count: bool = True):
         """``local()`` for a chunk, unless it is missing or damaged (it returns _MISS after rejecting
-        the copy): then ``remote()``. Every other key goes to the remote directly. ``count``: a
-        read of the chunk's contents (not of its header alone), for the tier counters."""
+        the copy): then ``remote()``. Every other key goes to the remote (with local commits: then to
+        the local tier, if the remote lacks it). ``count``: a read of the chunk's contents (not of its
+        header alone), for the tier counters."""
+        if not _is_chunk(key):
+            try:
+                return remote()
+            except FileNotFoundError:
+                if not self.local_commits:
+                    raise
+                return local()
         if _is_chunk(key):
             try:
                 got = local()
@@ -216,7 +240,7 @@ class TieredStorage(Storage):
             return self._hit(bytes(mem[start:end])) if start is None and end is None else bytes(mem[start:end])
 
         def local() -> object:
-            if start is not None or end is not None:  # a part, e.g. a header probe: the caller checks it
+            if start is not None or end is not None or not _is_chunk(key):  # the caller checks a part
                 return self.local.read(key, start, end)
             blob = self.local.read(key)
             return self._hit(blob) if self._local_ok(key, blob) else _MISS
@@ -231,6 +255,8 @@ class TieredStorage(Storage):
 
         def local() -> object:
             blob = self.local.read(key, 0, limit + 1)
+            if not _is_chunk(key):
+                return blob
             return self._hit(blob) if self._local_ok(key, blob) else _MISS
 
         return self._local_first(key, local, lambda: self.remote.read_object(key, limit))
@@ -247,6 +273,8 @@ class TieredStorage(Storage):
             return self._hit(pos - offset)
 
         def local() -> object:
+            if not _is_chunk(key):
+                return self.local.readv(key, buffers, offset)
             # the bytes before `offset` are read too, into a scratch buffer: the copy is checked whole
             prefix = bytearray(offset)
             n = self.local.readv(key, [prefix, *buffers])
@@ -277,6 +305,13 @@ class TieredStorage(Storage):
 
     def mtime(self, key: str) -> float | None:
         return self.remote.mtime(key)
+
+    def head(self, key: str, n: int) -> Blob:
+        if self.local_commits and _is_chunk(key):
+            if not self.exists(key):  # in this save's sense: see the module's docstring
+                raise FileNotFoundError(key)
+            return self.local.read(key, 0, n)
+        return self.read(key, 0, n)
 
     def exists(self, key: str) -> bool:
         if not self.persist:
