@@ -40,19 +40,18 @@ import json
 import math
 import os
 import platform
-import queue
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
-from datetime import timedelta
 
 import torch
 from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from dist_helpers import run_ranks  # noqa: E402  (tests/: ranks on a gloo group, each its own process)
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
@@ -409,72 +408,23 @@ PHASES = {"save": phase_save, "load": phase_load}
 # ---------------------------------------------------------------------------------------------
 # a pool of worker processes; each phase makes a fresh gloo group of the first M workers
 
-def _rank_entry(rank: int, world: int, port: int, phase: str, kwargs: dict, outbox) -> None:
+def _phase(rank: int, world: int, phase: str, kwargs: dict):
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    import torch.distributed as dist
-    import torch.distributed.checkpoint  # imported before any timing
-    import torch.distributed.tensor
+    import torch.distributed.checkpoint  # noqa: F401  (imported before any timing)
+    import torch.distributed.tensor  # noqa: F401
 
-    status, payload = "ok", None
-    try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
-        payload = PHASES[phase](rank, world, **kwargs)
-    except BaseException:  # sent to the driver
-        status, payload = "error", traceback.format_exc()
-    outbox.put((rank, status, payload))
-    try:
-        if status == "ok":
-            dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return PHASES[phase](rank, world, **kwargs)
 
 
 def run_phase(phase: str, world: int, timeout: float = 900.0, **kwargs) -> dict:
     """Run a phase on a fresh gloo group of `world` new processes; rank 0's result (phases reduce
     over ranks themselves). Fresh processes per world size: nothing carries over between groups."""
-    import torch.multiprocessing as mp
-
     t0 = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    outbox = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, phase, kwargs, outbox), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < world:
-            try:
-                r, status, payload = outbox.get(timeout=5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
-                if dead or time.monotonic() > deadline:
-                    which = dead or sorted(set(range(world)) - set(got))
-                    raise SystemExit(f"{phase} on {world} ranks: rank(s) {which} "
-                                     f"{'died' if dead else f'gave no result in {timeout:.0f}s'}") from None
-                continue
-            got[r] = (status, payload)
-            if status == "error":
-                raise SystemExit(f"{phase} on {world} ranks failed on rank {r}:\n{payload}")
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(got) == world and all(s == "ok" for s, _ in got.values()) else 1)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(world, _phase, phase, kwargs, timeout=timeout, pg_timeout=300.0)[0]
     print(f"  ({phase} on {world} ranks: {time.perf_counter() - t0:.1f}s with process start-up)", flush=True)
-    return got[0][1]
+    return got
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,16 +49,12 @@ import json
 import math
 import os
 import platform
-import queue
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
-from datetime import timedelta
 
 import torch
 
@@ -67,7 +63,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
+from dist_helpers import run_ranks  # noqa: E402  (tests/: ranks on a gloo group, each its own process)
+from distributed import synced  # noqa: E402  (benchmarks/, the script's own folder)
+from plotting import pyplot  # noqa: E402
 from s3_servers import RcloneS3, storage_options  # noqa: E402  (tests/, the project's S3 test servers)
 
 import ckpt  # noqa: E402
@@ -143,15 +141,6 @@ def open_ckptr(cfg: str, rank: int, a: dict, local_dir: str | None = None) -> ck
         chunk_size=a["chunk_size"], timeout=300)
 
 
-def synced() -> None:
-    """Every rank's dirty pages flushed (one os.sync is machine-wide), then everyone starts together."""
-    import torch.distributed as dist
-    dist.barrier()
-    if dist.get_rank() == 0:
-        os.sync()
-    dist.barrier()
-
-
 def gathered(x) -> list:
     import torch.distributed as dist
     out: list = [None] * dist.get_world_size()
@@ -173,8 +162,12 @@ def wipe(rank: int, root: str) -> None:
     dist.barrier()
 
 
-def rank_body(rank: int, a: dict) -> dict:
+def rank_body(rank: int, world: int, a: dict) -> dict:
+    """One rank's whole run (on a gloo group of WORLD processes made by tests/dist_helpers.run_ranks)."""
     import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    torch.set_num_threads(1)
 
     st = State(rank, a["mib"])
     ckptrs = {cfg: open_ckptr(cfg, rank, a) for cfg in CONFIGS}
@@ -284,71 +277,6 @@ def check_sources(what: str, ranks: list[dict]) -> None:
         need(n2["remote_chunks"] == 0 and n2["rebuilt_chunks"] > 0, "node 2 did not rebuild its chunks")
 
 
-def _rank_entry(rank: int, port: int, a: dict, outbox) -> None:
-    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    import torch.distributed as dist
-
-    status, payload = "ok", None
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=timedelta(seconds=a["timeout"]))
-        payload = rank_body(rank, a)
-    except BaseException:  # sent to the driver
-        status, payload = "error", traceback.format_exc()
-    outbox.put((rank, status, payload if rank == 0 or status == "error" else None))
-    try:
-        if status == "ok":
-            dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(a: dict, timeout: float) -> dict:
-    """The 4 ranks, freshly spawned; rank 0's result (it gathered everyone's numbers)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    outbox = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, port, a, outbox), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < WORLD:
-            try:
-                r, status, payload = outbox.get(timeout=5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
-                if dead or time.monotonic() > deadline:
-                    which = dead or sorted(set(range(WORLD)) - set(got))
-                    raise SystemExit(f"rank(s) {which} {'died' if dead else f'gave no result in {timeout:.0f}s'}"
-                                     ) from None
-                continue
-            got[r] = (status, payload)
-            if status == "error":
-                raise SystemExit(f"rank {r} failed:\n{payload}")
-    finally:
-        ok = len(got) == WORLD and all(s == "ok" for s, _ in got.values())
-        for p in procs:
-            p.join(timeout=30 if ok else 1)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    return got[0][1]  # type: ignore[return-value]
-
-
-# ---------------------------------------------------------------------------------------------
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib-per-rank", type=float, default=256.0, help="state per rank, MiB (4 ranks)")
@@ -386,7 +314,7 @@ def main() -> None:
         a = {"mib": args.mib_per_rank, "saves": args.saves, "restores": args.restores, "chunk_size": chunk,
              "root": os.path.join(root, "nodes"), "endpoint": server.endpoint, "run": "bench",
              "timeout": min(args.timeout, 600.0)}
-        res = run_ranks(a, args.timeout)
+        res = run_ranks(WORLD, rank_body, a, timeout=args.timeout, pg_timeout=a["timeout"])[0]
     finally:
         if server is not None:
             server.stop()

@@ -7,35 +7,30 @@
 
     results = run_ranks(3, body, str(tmp_path))   # one result per rank, in rank order
 
-A rank that raises makes ``run_ranks`` fail with that rank's traceback. Ranks listed in
-``may_die`` may exit without a result (tests that kill a rank); their entry is None.
+A rank that raises makes ``run_ranks`` fail with that rank's traceback, and a rank that exits
+without a result makes it fail at once (not after ``timeout``), unless it is listed in ``may_die``
+(tests that kill a rank: its entry is None). The benchmarks use it too.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from s3_servers import free_port
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn, rank: int, world: int, port: int, results, args, hard_exit: bool) -> None:
+def _entry(fn, rank: int, world: int, port: int, results, args, hard_exit: bool, pg_timeout: float) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     status, payload = "ok", None
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+                                timeout=timedelta(seconds=pg_timeout))
         payload = fn(rank, world, *args)
     except BaseException:  # sent to the test
         status, payload = "error", traceback.format_exc()
@@ -51,15 +46,17 @@ def _entry(fn, rank: int, world: int, port: int, results, args, hard_exit: bool)
         pass
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 180.0, may_die: tuple[int, ...] = ()) -> list:
+def run_ranks(world: int, fn, *args, timeout: float = 180.0, may_die: tuple[int, ...] = (),
+              pg_timeout: float = 120.0) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, bool(may_die)), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, bool(may_die), pg_timeout),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, tuple[str, object]] = {}
+    gone: set[int] = set()  # exited without a result at the last look (its result may still be in the pipe)
     deadline = time.monotonic() + timeout
     try:
         while len(out) < world:
@@ -69,16 +66,22 @@ def run_ranks(world: int, fn, *args, timeout: float = 180.0, may_die: tuple[int,
                 continue
             except queue.Empty:
                 pass
-            for r in may_die:
-                if r not in out and not procs[r].is_alive():
-                    out[r] = ("died", None)
+            dead = {r for r in range(world) if r not in out and not procs[r].is_alive()}
+            for r in dead & set(may_die):
+                out[r] = ("died", None)
+            lost = sorted((dead & gone) - set(may_die))  # dead at two looks a second apart, nothing came
+            if lost:
+                raise AssertionError(f"rank(s) {lost} exited without a result (exit codes "
+                                     f"{[procs[r].exitcode for r in lost]}); results so far: {out}")
+            gone = dead
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world)) - set(out))
                 exited = {r: procs[r].exitcode for r in missing if not procs[r].is_alive()}
                 raise TimeoutError(f"ranks {missing} gave no result within {timeout}s (exited: {exited})")
     finally:
+        finished = len(out) == world and all(status != "error" for status, _ in out.values())
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if finished else 1)  # after a failure the others may wait in a collective
             if p.is_alive():
                 p.kill()
     errors = [(r, payload) for r, (status, payload) in sorted(out.items()) if status == "error"]
