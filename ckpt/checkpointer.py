@@ -133,10 +133,14 @@ class Checkpointer:
                                           lambda keys: run_all(self._io, local.delete, keys), self._local_leases,
                                           in_use=self._writer.in_use)
         peers = Peers(self._comm, self.options.redundancy, self.options.failure_domain, local, process_group,
-                      self.options.timeout)
+                      self.options.timeout, lease_id=self._local_leases.writer_id)
         if self.options.redundancy is not None:
             log.info("ckpt: local tier %s protected by %s", local.root, peers.describe())
-        return LocalCommits(storage, local, peers, lambda job: self._local_retention.apply_after(job.step))
+        self._local_leases.own |= peers.tier_leases  # the ranks sharing this tier write beside us, not in our way
+        if not peers.tier_leader:  # another rank sharing this tier applies its retention
+            return LocalCommits(storage, local, peers, lambda job: None, self._local_leases)
+        return LocalCommits(storage, local, peers, lambda job: self._local_retention.apply_after(job.step),
+                            self._local_leases)
 
     def _after_commit(self, committed: mf.Manifest, persisted: bool) -> None:
         """Coordinator, after a commit: the checkpoint path's retention, when the save went there."""
@@ -206,9 +210,6 @@ class Checkpointer:
         tiers = self._tiers
         if tiers is None:
             return True
-        if not tiers.local_held:
-            self._local_leases.hold()  # `ckpt gc` on this node's tier keeps out of this writer's way
-            tiers.local_held = True
         every = self.options.persist_every
         if asked is not None:
             return asked

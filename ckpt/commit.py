@@ -87,7 +87,7 @@ class LocalCommits:
     local: LocalStorage
     peers: Peers  # the ranks' failure domains and their own process group (bytes move only with redundancy)
     after_commit: Callable[[SaveJob], None]
-    local_held: bool = False  # this rank holds its writer lease on its tier
+    lease: Leases  # this rank's writer lease on its tier (`ckpt gc` there keeps out of the way), held by each save
     heal: Callable[[], bool] | None = None  # after a load from the local tiers: make this rank's tier whole
 
     def commit(self, step: int, manifest: str) -> None:
@@ -213,6 +213,8 @@ class CommitProtocol:
         error: BaseException | None = None
         tiers = self.tiers
         try:
+            if tiers is not None:
+                tiers.lease.hold()  # cheap while held; renewed when close to lapsing
             self._go(seq)
             part = self.writer.write_part(job, comm.rank)
         except BaseException as e:

@@ -14,7 +14,6 @@ same on every rank because every rank calls ``save`` in the same order:
 ``q/<seq>/r/<rank>``       a rank's report for the save (see :mod:`ckpt.commit`)
 ``q/<seq>/part/<rank>``    a rank's report itself, when saves commit to local tiers (no shared storage)
 ``q/<seq>/result``         the coordinator's decision (with the manifest, when saves commit to local tiers)
-``fd/<rank>``              a rank's failure domain (:mod:`ckpt.redundancy`)
 ``q/<seq>/go``             the coordinator holds the lease and finished everything queued before this
                            save (retention): the other ranks may write its chunks
 ``l/<n>/<rank>``           agreement on which step a ``load`` ends up loading

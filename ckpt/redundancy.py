@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -134,33 +134,30 @@ class Peers:
     """The ranks of one Checkpointer protecting each other's local tiers (see the module docstring)."""
 
     def __init__(self, comm: Comm, redundancy: Replicas | Parity | None, failure_domain: str | None,
-                 local: LocalStorage, process_group: Any, timeout: float):
+                 local: LocalStorage, process_group: Any, timeout: float, lease_id: str = ""):
         self.rank, self.world = comm.rank, comm.world
         self.redundancy = redundancy
         self.local = local
-        self.timeout = timeout
-        domain = failure_domain or socket.gethostname()
         self.group: Any = None
         self._global: list[int] = [0]
-        if self.world == 1:
-            self.domains = [domain]
-        else:
+        if self.world > 1:
             import torch.distributed as dist
 
-            comm.set(f"fd/{self.rank}", {"domain": domain})
-            deadline = time.monotonic() + timeout
-            docs = [comm.get(f"fd/{r}", deadline) for r in range(self.world)]
-            missing = [r for r, d in enumerate(docs) if d is None]
-            if missing:
-                raise DistributedSaveError(f"rank(s) {missing} did not say their failure domain within {timeout:.0f}s",
-                                           ranks=missing)
-            self.domains = [str(d["domain"]) for d in docs if d is not None]
             self._global = (dist.get_process_group_ranks(process_group) if process_group is not None
                             else list(range(dist.get_world_size())))
             # The bytes travel on a group of their own: the commit thread may use it while the
             # training thread runs collectives on its group.
             self.group = dist.new_group(self._global, backend="gloo", timeout=timedelta(seconds=timeout),
                                         use_local_synchronization=True)
+        host = socket.gethostname()
+        docs = self.gather({"domain": failure_domain or host, "tier": f"{host}:{os.path.realpath(local.root)}",
+                            "lease": lease_id})
+        self.domains = [str(d["domain"]) for d in docs]
+        # Ranks on one node usually share its local_dir: one of them (the lowest) applies the tier's
+        # retention, and takes the others' writer leases for its own (they are not in its way).
+        sharing = [r for r, d in enumerate(docs) if d["tier"] == docs[self.rank]["tier"]]
+        self.tier_leader = sharing[0] == self.rank
+        self.tier_leases = {str(docs[r]["lease"]) for r in sharing}
         self.targets: list[list[int]] = []
         self.groups: list[list[int]] = []
         if isinstance(redundancy, Replicas):

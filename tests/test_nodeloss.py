@@ -226,6 +226,44 @@ def test_kill_during_replication_leaves_every_committed_local_step_whole(tmp_pat
     assert all(x["source"] == "local tiers" for x in loaded)
 
 
+def _shared_body(rank: int, world: int, root: str, steps: list[int]) -> dict:
+    """Two ranks per node, sharing the node's local_dir (the usual layout: one NVMe per node)."""
+    node = rank // 2
+    with ckpt.Checkpointer(os.path.join(root, "remote"), local_dir=os.path.join(root, f"node{node}"),
+                           redundancy=ckpt.Replicas(2), failure_domain=f"node{node}", chunk_size=CHUNK, codec="raw",
+                           persist_every=3, keep_local=2, keep_last=1, timeout=60) as c:
+        if not steps:
+            state = _empty(rank, world)
+            step = c.load("latest", state)
+            assert step is not None and _digest(state) == _expected(rank, world, step)
+            return {"step": step, "source": c.last_load.source, "remote": c.last_load.remote_chunks}
+        for s in steps:
+            c.save(s, _state(rank, world, s)).wait()
+    return {}
+
+
+def test_ranks_sharing_a_node_tier_keep_it_to_keep_local(tmp_path):
+    """One rank per tier applies its retention and the others' leases do not stop it: the tier holds
+    exactly the chunks of its keep_local steps (not every chunk ever written, parked)."""
+    from ckpt.catalog import Catalog
+    from ckpt.storage import LocalStorage
+
+    root = str(tmp_path)
+    run_ranks(4, _shared_body, root, [1, 2, 3, 4, 5, 6])
+    for node in ("node0", "node1"):
+        tier = os.path.join(root, node)
+        cat = Catalog(LocalStorage(tier))
+        assert sorted(cat.committed) == [5, 6]
+        referenced = set().union(*(cat.require(s).chunks.keys() for s in cat.committed))
+        chunks = os.path.join(tier, "chunks")
+        stored = {n for d in os.listdir(chunks) for n in os.listdir(os.path.join(chunks, d))}
+        assert stored == referenced, (node, len(stored), len(referenced))
+    shutil.rmtree(os.path.join(root, "node1"))
+    loaded = run_ranks(4, _shared_body, root, [])
+    assert [x["step"] for x in loaded] == [6] * 4
+    assert all(x["source"] == "local tiers" and x["remote"] == 0 for x in loaded)
+
+
 def test_options_are_checked_before_anything_is_opened(tmp_path):
     with pytest.raises(ckpt.ConfigError, match="local_dir"):
         ckpt.Checkpointer(str(tmp_path / "r"), redundancy=ckpt.Replicas(2))
