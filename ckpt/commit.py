@@ -144,7 +144,7 @@ class CommitProtocol:
         if self.comm.rank == 0:
             self.commit_thread.submit(self._decide_alone, seq, Decision(Status.SKIP, (0,)))
         else:
-            self.commit_thread.submit(self._absent, "skip")
+            self.commit_thread.submit(self._absent)
 
     def abandon(self, seq: int, step: int, error: BaseException) -> None:
         """``save()`` failed on this rank before its job existed: tell the others at once."""
@@ -155,7 +155,7 @@ class CommitProtocol:
             if self.comm.rank == 0:
                 self.commit_thread.submit(self._decide_alone, seq, Decision(Status.FAIL, (0,), f"rank 0: {msg}"))
             else:
-                self.commit_thread.submit(self._absent, "fail")
+                self.commit_thread.submit(self._absent)
         except DistributedSaveError:
             pass
 
@@ -313,7 +313,7 @@ class CommitProtocol:
             return None
         started = time.perf_counter()
         try:
-            stats = tiers.peers.protect(job.step, part, "ok" if part is not None else "fail")
+            stats = tiers.peers.protect(job.step, part)
         except BaseException as e:
             return e
         if stats is not None:
@@ -321,12 +321,12 @@ class CommitProtocol:
             job.metrics.peer_s = time.perf_counter() - started
         return None
 
-    def _absent(self, status: str) -> None:
+    def _absent(self) -> None:
         """A rank that takes no part in a save (skipped, or failed before it began) still takes part in
         its peer exchange, so the others do not wait for it."""
         if self.tiers is not None and self.tiers.peers.redundancy is not None:
             try:
-                self.tiers.peers.protect(-1, None, status)
+                self.tiers.peers.protect(-1, None)
             except CheckpointError as e:
                 log.error("ckpt: %s", e)
 
@@ -350,7 +350,7 @@ class CommitProtocol:
             try:
                 self._go(seq)
             finally:
-                self._absent(decision.status.value)
+                self._absent()
             self.comm.publish(seq, decision.to_json())
         except Exception as e:
             log.error("ckpt: %s", e)

@@ -14,6 +14,7 @@ blocks, enough to decode the lost segments.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ class Member:
     rank: int  # the rank that saved this data
     objects: list[tuple[str, int]]  # (chunk hash, stored size), in hash order
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return sum(n for _, n in self.objects)
 

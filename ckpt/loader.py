@@ -236,7 +236,7 @@ class Loader:
                                       before_read=before_read)
             if not fetched:  # this rank failed before it could say what it needs: the others wait for that
                 try:
-                    peers.fetch(survey, m, None)
+                    peers.fetch(survey, m, None, keep)
                 except CheckpointError:
                     pass
         except BaseException:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from . import erasure
 from . import manifest as mf
 from .codec import verify_object
@@ -44,7 +46,9 @@ from .storage import LocalStorage
 log = logging.getLogger("ckpt")
 
 WAVE_BYTES = 256 << 20  # bytes in flight between two ranks at once (the rest waits for the next wave)
-Item = tuple  # what one transfer carries: ("chunk", hash) | ("seg", group, member, q) | ("par", group, name)
+# What one transfer carries: ("chunk", hash) | ("seg", group, member, q) (a member's segment; at save time
+# with the receiving parity holder's number appended) | ("par", group, parity file name)
+Item = tuple
 
 
 @dataclass(frozen=True)
@@ -182,8 +186,7 @@ class Peers:
         try:
             dist.all_gather_object(out, obj, group=self.group)
         except Exception as e:
-            raise DistributedSaveError(f"rank {self.rank}: the peer exchange failed ({type(e).__name__}: {e}); a peer "
-                                       "may have died", ranks=[]) from e
+            raise self._broken(e, []) from e
         return out
 
     def broadcast(self, obj: Any, src: int) -> Any:
@@ -195,9 +198,14 @@ class Peers:
         try:
             dist.broadcast_object_list(box, src=self._global[src], group=self.group)
         except Exception as e:
-            raise DistributedSaveError(f"rank {self.rank}: the peer exchange failed ({type(e).__name__}: {e})",
-                                       ranks=[src]) from e
+            raise self._broken(e, [src]) from e
         return box[0]
+
+    def _broken(self, e: Exception, ranks: list[int]) -> DistributedSaveError:
+        return DistributedSaveError(
+            f"rank {self.rank}: the exchange with peers over the local tiers' process group failed "
+            f"({type(e).__name__}: {e}); a peer may have died. Committed steps are untouched; restart the job "
+            "(it resumes from the newest step the tiers or the checkpoint path can give back)", ranks=ranks)
 
     def exchange(self, plan: list[Transfer], read: Callable[[Item], bytes | bytearray],
                  received: Callable[[int, Item, memoryview], None], stats: PeerStats) -> None:
@@ -233,7 +241,10 @@ class Peers:
                         if src == self.rank:
                             data = read(t.item)
                             if len(data) != t.size:
-                                raise CorruptCheckpointError(f"{t.item} is {len(data)} bytes here, {t.size} expected")
+                                raise CorruptCheckpointError(
+                                    f"{t.item[0]} {t.item[1:]} in this rank's local tier {self.local.root} is "
+                                    f"{len(data)} bytes, {t.size} expected: the tier is damaged (delete that step "
+                                    "there, or the whole tier: peers rebuild it on the next load)")
                             buf = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data,
                                                    dtype=torch.uint8)
                             works.append(dist.isend(buf, dst=self._global[dst], group=self.group, tag=tag))
@@ -252,29 +263,39 @@ class Peers:
         except CheckpointError:
             raise
         except Exception as e:
-            raise DistributedSaveError(f"rank {self.rank}: sending chunks to peers failed ({type(e).__name__}: {e}); "
-                                       "a peer may have died", ranks=[]) from e
+            raise self._broken(e, []) from e
 
     # -- this rank's tier ----------------------------------------------------------------------------
-    def _store_chunk(self, h: str, data: memoryview) -> None:
+    def _store_chunk(self, h: str, data: memoryview, keep: Callable[[str, memoryview], None] | None = None) -> None:
+        """Verify chunk ``h`` (a copy that arrived damaged, or was rebuilt wrong, is never used), then
+        write it to this rank's tier, or hand it to ``keep(storage key, bytes)``."""
         key = mf.chunk_key(h)
-        verify_object(key, [data])  # a copy that arrived damaged is never stored
-        self.local.write(key, [data])
+        verify_object(key, [data])
+        if keep is None:
+            self.local.write(key, [data])
+        else:
+            keep(key, data)
 
     def _read_range(self, member: erasure.Member, start: int, end: int) -> bytearray:
-        out = bytearray()
+        out = bytearray(end - start)
+        view, pos = memoryview(out), 0
         for h, off, n in member.pieces(start, end):
-            out += self.local.read(mf.chunk_key(h), off, off + n)
+            got = self.local.readv(mf.chunk_key(h), [view[pos: pos + n]], off)
+            if got != n:
+                raise CorruptCheckpointError(f"chunk {h} in this rank's local tier {self.local.root} is shorter than "
+                                             "its manifest says: the tier is damaged (delete the step there, or the "
+                                             "whole tier: peers rebuild it on the next load)", chunk=h)
+            pos += n
         return out
 
     # -- saving --------------------------------------------------------------------------------------
-    def protect(self, step: int, part: mf.Manifest | None, status: str) -> PeerStats | None:
+    def protect(self, step: int, part: mf.Manifest | None) -> PeerStats | None:
         """Every rank, every save, after its chunks are durable locally: give peers what protects this
-        rank's chunks and store what protects theirs. ``status`` is ``ok`` (``part`` is this rank's
-        report), or ``fail``/``skip`` (then nobody moves anything). None when some rank was not ok."""
+        rank's chunks (``part``, its report) and store what protects theirs. A rank without a part
+        (it failed, or skipped the save) still takes part: then nobody moves anything, and it is None."""
         table = sorted((h, info.stored) for h, info in part.chunks.items()) if part is not None else []
-        docs = self.gather({"status": status if part is not None or status != "ok" else "fail", "chunks": table})
-        if any(d["status"] != "ok" for d in docs):
+        docs = self.gather({"ok": part is not None, "chunks": table})
+        if not all(d["ok"] for d in docs):
             return None
         stats = PeerStats()
         if isinstance(self.redundancy, Replicas):
@@ -291,8 +312,9 @@ class Peers:
         plan = []
         for dst in range(self.world):
             for src, hashes in sorted(every[dst].items()):
-                sizes = dict(docs[src]["chunks"])
-                plan += [Transfer(src, dst, ("chunk", h), sizes[h]) for h in hashes]
+                if self.rank in (src, dst):  # exchange() moves only this rank's transfers
+                    sizes = dict(docs[src]["chunks"])
+                    plan += [Transfer(src, dst, ("chunk", h), sizes[h]) for h in hashes]
 
         def received(src: int, item: Item, data: memoryview) -> None:
             self._store_chunk(item[1], data)
@@ -300,26 +322,20 @@ class Peers:
 
         self.exchange(plan, lambda item: self.local.read(mf.chunk_key(item[1])), received, stats)
 
-    def _layouts(self, docs: list[dict]) -> list[erasure.GroupLayout]:
-        assert isinstance(self.redundancy, Parity)
-        k, m = self.redundancy.data, self.redundancy.parity
-        return [erasure.GroupLayout.build(g, k, m, [erasure.Member(r, [(h, n) for h, n in docs[r]["chunks"]])
-                                                    for r in ranks])
-                for g, ranks in enumerate(self.groups)]
-
     def _parity(self, step: int, docs: list[dict], stats: PeerStats) -> None:
-        layouts = self._layouts(docs)
-        plan = []
-        for lay in layouts:
-            for st in lay.stripes:
-                for pos, q in st.data:
-                    mem = lay.members[pos]
-                    a, b = mem.segment(q, lay.k)
-                    for j, holder in enumerate(st.parity):
-                        plan.append(Transfer(mem.rank, lay.members[holder].rank, ("seg", lay.group, pos, q, j), b - a,
-                                             st.length))
-        mine = next(lay for lay in layouts if any(mem.rank == self.rank for mem in lay.members))
-        me = next(p for p, mem in enumerate(mine.members) if mem.rank == self.rank)
+        assert isinstance(self.redundancy, Parity)
+        g, ranks = next((g, ranks) for g, ranks in enumerate(self.groups) if self.rank in ranks)
+        mine = erasure.GroupLayout.build(g, self.redundancy.data, self.redundancy.parity,
+                                         [erasure.Member(r, [(h, n) for h, n in docs[r]["chunks"]]) for r in ranks])
+        me = ranks.index(self.rank)
+        plan = []  # transfers stay within a group: this group's are all this rank takes part in
+        for st in mine.stripes:
+            for pos, q in st.data:
+                mem = mine.members[pos]
+                a, b = mem.segment(q, mine.k)
+                for j, holder in enumerate(st.parity):
+                    plan.append(Transfer(mem.rank, mine.members[holder].rank, ("seg", g, pos, q, j), b - a,
+                                         st.length))
         got: dict[tuple[int, int], memoryview] = {}
 
         def read(item: Item) -> bytearray:
@@ -335,11 +351,7 @@ class Peers:
         for st in mine.stripes:
             if me not in st.parity or st.length == 0:
                 continue
-            blocks = []
-            for pos, q in st.data:
-                if mine.members[pos].rank == self.rank:  # cannot happen: holders give no data to their stripe
-                    raise AssertionError("a parity holder holds its own data")
-                blocks.append(got.get((pos, q), b""))
+            blocks = [got.get((pos, q), b"") for pos, q in st.data]
             j = st.parity.index(me)
             block = erasure.encode(mine.k, mine.m, blocks, st.length, j)
             self.local.write(f"{d}/{mine.parity_name(st.index, j)}", [block])
@@ -367,10 +379,9 @@ class Peers:
                             "layouts": layouts})
         s = Survey(step, persisted=persisted)
         for r, doc in enumerate(docs):
-            bits = doc["held"]
-            for i, h in enumerate(hashes):
-                if bits[i // 8] >> (i % 8) & 1:
-                    s.holders.setdefault(h, []).append(r)
+            bits = np.unpackbits(np.frombuffer(doc["held"], np.uint8), bitorder="little")[: len(hashes)]
+            for i in np.flatnonzero(bits).tolist():
+                s.holders.setdefault(hashes[i], []).append(r)
             for n in doc["parity"]:
                 s.parity.setdefault(n, []).append(r)
             for n, lay in doc["layouts"].items():
@@ -387,7 +398,7 @@ class Peers:
         out = []
         for st in lay.stripes:
             mine = [q for p, q in st.data if p == pos]
-            if not mine:
+            if not mine or st.length == 0:  # nothing of the member here, or no bytes at all (no parity files)
                 continue
             blocks: list[tuple[int, int, Item, int]] = []
             for b, (p, q) in enumerate(st.data):
@@ -438,22 +449,19 @@ class Peers:
         return s.persisted, why
 
     def fetch(self, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
-              keep: Callable[[str, memoryview], None] | None = None) -> PeerStats:
+              keep: Callable[[str, memoryview], None]) -> PeerStats:
         """Collective: every rank gets the chunks it ``needed`` (None: it failed before it could say,
         and every rank raises) from peers or rebuilt from parity, each verified, then handed to
-        ``keep(storage key, bytes)`` (default: written to this rank's tier)."""
-        def to_tier(key: str, data: memoryview) -> None:
-            self.local.write(key, [data])
-
-        store: Callable[[str, memoryview], None] = keep or to_tier
+        ``keep(storage key, bytes)``."""
         mine = None if needed is None else sorted(h for h in set(needed) if self.rank not in s.holders.get(h, []))
         every = self.gather({"ok": needed is not None, "needs": mine or []})
         bad = [r for r, d in enumerate(every) if not d["ok"]]
         if bad:
-            raise CheckpointError(f"rank(s) {bad} could not plan the load of step {s.step}")
+            raise CheckpointError(f"rank(s) {bad} could not plan the load of step {s.step} (their own errors say "
+                                  "why); load again once that is mended")
         plan: list[Transfer] = []
         load = [0] * self.world
-        rebuild: dict[int, dict[tuple[int, int], list[tuple[int, list]]]] = defaultdict(dict)
+        rebuild: dict[tuple[int, int], tuple[list[tuple[int, list]], list[str]]] = {}  # this rank's
         for dst, doc in enumerate(every):
             lost = []
             for h in doc["needs"]:
@@ -468,9 +476,10 @@ class Peers:
             by_member, why = self._unrecoverable(s, lost)
             if why is not None and not s.persisted:
                 raise CorruptCheckpointError(f"step {s.step} cannot be recovered from the local tiers: {why}")
-            for (g, p) in (by_member if why is None else {}):
+            for (g, p), hashes in (by_member if why is None else {}).items():
                 stripes = self._rebuild_plan(s, g, p, dst)
-                rebuild[dst][(g, p)] = stripes
+                if dst == self.rank:
+                    rebuild[(g, p)] = (stripes, hashes)
                 for t, blocks in stripes:
                     length = s.layouts[g].stripes[t].length  # segments arrive padded to it, as zfec wants them
                     plan += [Transfer(src, dst, item, size, length) for _, src, item, size in blocks if src != dst]
@@ -488,21 +497,20 @@ class Peers:
 
         def received(src: int, item: Item, data: memoryview) -> None:
             if item[0] == "chunk":
-                key = mf.chunk_key(item[1])
-                verify_object(key, [data])  # a copy that arrived damaged is never used
-                store(key, data)
+                self._store_chunk(item[1], data, keep)
                 stats.peer_chunks += 1
             else:
                 got[item] = data  # the received buffer itself, alive as long as this view
 
         self.exchange(plan, read, received, stats)
-        for (g, p), stripes in rebuild.get(self.rank, {}).items():
-            stats.rebuilt_chunks += self._rebuild(s, g, p, stripes, got, read, store)
-        self.local.flush()
+        for (g, p), (stripes, hashes) in rebuild.items():
+            stats.rebuilt_chunks += self._rebuild(s, g, p, stripes, got, read, hashes, keep)
         return stats
 
-    def _rebuild(self, s: Survey, g: int, pos: int, stripes: list, got: dict, read: Callable,
+    def _rebuild(self, s: Survey, g: int, pos: int, stripes: list, got: dict, read: Callable, wanted: list[str],
                  keep: Callable[[str, memoryview], None]) -> int:
+        """Member ``pos`` of group ``g`` decoded from k blocks per stripe; its chunks in ``wanted``
+        verified and kept."""
         lay = s.layouts[g]
         mem = lay.members[pos]
         segs: list[tuple[int, int, memoryview]] = []  # the member's bytes [a, e), in the decoded blocks
@@ -527,14 +535,11 @@ class Peers:
                 out += part
             return memoryview(out)
 
-        off, n = 0, 0
+        off, n, want = 0, 0, set(wanted)
         for h, size in mem.objects:
-            key = mf.chunk_key(h)
-            if not self.local.exists(key):
-                blob = span(off, off + size)
+            if h in want:
                 try:
-                    verify_object(key, [blob])
-                    keep(key, blob)
+                    self._store_chunk(h, span(off, off + size), keep)
                 except CorruptCheckpointError as e:
                     raise CorruptCheckpointError(f"step {s.step}: chunk {h} rebuilt from parity group {g} does not "
                                                  f"verify ({e}); the parity blocks are damaged", chunk=h) from e

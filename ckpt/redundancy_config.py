@@ -26,9 +26,6 @@ class Replicas:
         if type(self.copies) is not int or not 2 <= self.copies <= 16:
             raise ConfigError(f"Replicas(r) needs r from 2 (one copy on a peer) to 16, got {self.copies!r}")
 
-    def domains_needed(self) -> int:
-        return self.copies
-
 
 @dataclass(frozen=True)
 class Parity:
@@ -47,10 +44,3 @@ class Parity:
                 raise ConfigError(f"Parity({name}=...) must be a positive integer, got {v!r}")
         if self.data + self.parity > 256:
             raise ConfigError(f"Parity(data={self.data}, parity={self.parity}): at most 256 ranks per group")
-
-    @property
-    def group(self) -> int:
-        return self.data + self.parity
-
-    def domains_needed(self) -> int:
-        return self.group
