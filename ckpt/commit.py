@@ -107,13 +107,14 @@ class Report:
     status: Status
     step: int
     message: str = ""
+    persist: bool = True  # with local commits: this rank's save goes to the checkpoint path too
 
     def to_json(self) -> dict:
-        return {"status": self.status.value, "step": self.step, "message": self.message}
+        return {"status": self.status.value, "step": self.step, "message": self.message, "persist": self.persist}
 
     @classmethod
     def from_json(cls, doc: dict) -> Report:
-        return cls(Status(doc["status"]), doc["step"], doc.get("message", ""))
+        return cls(Status(doc["status"]), doc["step"], doc.get("message", ""), bool(doc.get("persist", True)))
 
 
 class CommitProtocol:
@@ -225,7 +226,7 @@ class CommitProtocol:
             if error is None and part is not None:
                 comm.send_part(seq, part.to_json())
         if error is None:
-            comm.report(seq, Report(Status.OK, job.step).to_json())
+            comm.report(seq, Report(Status.OK, job.step, persist=job.persist).to_json())
         else:
             status = (Status.EXISTS if isinstance(error, StepExistsError) else
                       Status.NONFINITE if isinstance(error, NonFiniteStateError) else Status.FAIL)
@@ -293,6 +294,11 @@ class CommitProtocol:
             elif len(steps) > 1:
                 decision = Decision(Status.FAIL, (), "ranks saved different step numbers in the same save() call: "
                                                      f"{sorted(steps)}")
+            elif len({v.persist for v in reports.values()}) > 1:
+                up = sorted(r for r, v in reports.items() if v.persist)
+                decision = Decision(Status.FAIL, (), f"ranks {up} uploaded this save and the others did not: pass the "
+                                                     "same persist= to save() on every rank (or leave it None, and "
+                                                     "persist_every decides for all)")
             else:
                 assert part is not None  # this rank reported ok
                 read = _read_part if self.tiers is None else self._sent_part

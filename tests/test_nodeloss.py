@@ -264,6 +264,22 @@ def test_ranks_sharing_a_node_tier_keep_it_to_keep_local(tmp_path):
     assert all(x["source"] == "local tiers" and x["remote"] == 0 for x in loaded)
 
 
+def _persist_differs_body(rank: int, world: int, root: str) -> str:
+    with _ckptr(root, rank, "replicas", persist_every=5) as c:
+        c.save(1, _state(rank, world, 1)).wait()
+        try:
+            c.save(2, _state(rank, world, 2), persist=rank == 0).wait()
+        except ckpt.DistributedSaveError as e:
+            return str(e)
+        return "committed"
+
+
+def test_ranks_that_disagree_on_persist_commit_nothing(tmp_path):
+    got = run_ranks(4, _persist_differs_body, str(tmp_path))
+    assert all("pass the same persist=" in g for g in got), got
+    assert _steps(str(tmp_path), "remote") == [1] and all(_steps(str(tmp_path), f"node{r}") == [1] for r in range(4))
+
+
 def test_options_are_checked_before_anything_is_opened(tmp_path):
     with pytest.raises(ckpt.ConfigError, match="local_dir"):
         ckpt.Checkpointer(str(tmp_path / "r"), redundancy=ckpt.Replicas(2))
