@@ -36,6 +36,7 @@ from rich.text import Text
 from . import __version__
 from . import manifest as mf
 from .catalog import Catalog, tensor_kind, verify
+from .codec import is_chunk_hash
 from .errors import CheckpointError, ConfigError
 from .reader import Reader
 from .structure import preview, strip_pickles, value_nodes
@@ -174,7 +175,8 @@ def _step_doc(cat: Catalog, s: int, earlier: set[str]) -> dict:
             "written_bytes": m.stats.get("written_bytes"), "writer": m.writer}
 
 
-def _local_tiers(dirs: list[str]) -> list[Catalog]:
+def _local_tiers(dirs: list[str]) -> list[tuple[str, Catalog]]:
+    """Each ``--local`` directory with its catalog (an empty tier, a replaced node's, is left out)."""
     from .storage import LocalStorage
 
     out = []
@@ -182,10 +184,16 @@ def _local_tiers(dirs: list[str]) -> list[Catalog]:
         if not os.path.isdir(d):
             raise ConfigError(f"--local {d!r}: no such directory (a node's local_dir)")
         try:
-            out.append(Catalog(LocalStorage(d)))
-        except CheckpointError:  # an empty tier (a replaced node): it holds nothing
+            out.append((d, Catalog(LocalStorage(d))))
+        except CheckpointError:  # an empty tier holds nothing
             continue
     return out
+
+
+def _chunks_held(cat: Catalog) -> set[str]:
+    """Every chunk a tier holds (one listing per prefix, not a stat per chunk and step)."""
+    st = cat.storage
+    return {n for p in st.list("chunks") for n in st.list(f"chunks/{p}") if is_chunk_hash(n)}
 
 
 def _where(docs: list[dict], remote: set[int], tiers: list[Catalog], n_dirs: int) -> list[dict]:
@@ -202,12 +210,13 @@ def _where(docs: list[dict], remote: set[int], tiers: list[Catalog], n_dirs: int
         if s not in by_step:
             first = tiers[holders[0]]
             by_step[s] = _step_doc(first, s, first.earlier_chunks(s))
+    anywhere = set().union(*(_chunks_held(t) for t in tiers)) if tiers else set()
     for s, d in by_step.items():
         d["remote"] = s in remote
         d["local_tiers"] = [tiers[i].storage.describe() for i in local.get(s, [])]
-        m = next((tiers[i].manifest(s) for i in local.get(s, []) if tiers[i].manifest(s) is not None), None)
+        m = next((m for i in local.get(s, []) if (m := tiers[i].manifest(s)) is not None), None)
         if m is not None and m.chunks:
-            held = sum(1 for h in m.chunks if any(t.storage.exists(mf.chunk_key(h)) for t in tiers))
+            held = sum(1 for h in m.chunks if h in anywhere)
             d["local_chunks_held"] = held / len(m.chunks)
         d["where"] = " + ".join(
             x for x in ("remote" if s in remote else "", f"{len(local.get(s, []))}/{n_dirs} local" if s in local
@@ -218,7 +227,7 @@ def _where(docs: list[dict], remote: set[int], tiers: list[Catalog], n_dirs: int
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    tiers = _local_tiers(args.local or [])
+    tiers = [cat for _, cat in _local_tiers(args.local or [])]
     try:
         cat: Catalog | None = _catalog(args)
     except CheckpointError:
@@ -452,16 +461,8 @@ def _age(s: float | None) -> str:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """``ckpt gc URL``; with ``--local DIR`` also each node's local tier, with its own ``--keep-local``."""
-    from .storage import LocalStorage
-
     roots: list[tuple[str, Catalog, int | None]] = [(args.url, _catalog(args), args.keep_last)]
-    for d in args.local or []:
-        if not os.path.isdir(d):
-            raise ConfigError(f"--local {d!r}: no such directory (a node's local_dir)")
-        try:
-            roots.append((d, Catalog(LocalStorage(d)), args.keep_local))
-        except CheckpointError:
-            continue  # an empty tier holds no garbage
+    roots += [(d, cat, args.keep_local) for d, cat in _local_tiers(args.local or [])]
     results = [_gc_one(args, url, cat, keep) for url, cat, keep in roots]
     if args.json:
         doc = results[0]
