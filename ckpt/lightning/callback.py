@@ -149,17 +149,16 @@ class AsyncCheckpoint(CheckpointBase):
             # second fit continues from memory, as Lightning does)
             return
         assert self.checkpointer is not None
-        step = self.checkpointer.latest()
-        if step is None:
-            return
-        saved = self.checkpointer.manifest(step).top_keys
         state: dict[str, Any] = {KEY: {}}
-        if self.save_rng and "rng" in saved:
-            state["rng"] = RNGState()
+        if self.save_rng:
+            state["rng"] = RNGState()  # restored if the step has it (strict=False: left alone if not)
         try:
-            self.checkpointer.load(step, state, strict=False)
+            # "latest": every rank agrees on the step (with local commits, the newest one the nodes can give back)
+            step = self.checkpointer.load("latest", state, strict=False)
         except UnsupportedValueError as e:
             raise UnsupportedValueError(f"{e} (AsyncCheckpoint(allow_pickle=True) allows it.)") from e
+        if step is None:
+            return
         _inject(trainer, state[KEY])
         self.resumed_step = self._last_step = step
         rank_zero_info(f"Restored all states from the checkpoint at {self.url} (ckpt step {step})")
