@@ -179,6 +179,17 @@ class Loader:
                 raise CheckpointNotFoundError(
                     f"step {step} is committed neither in the local tiers nor in {remote.describe()}; committed "
                     f"steps: {short_list(sorted(set(holder) | remote_steps)) or 'none'}")
+        first_error: CorruptCheckpointError | None = None
+
+        def failed(err: CheckpointError) -> None:
+            """A candidate that did not load: on to the next with ``fallback``, else raise."""
+            nonlocal first_error
+            if not isinstance(err, CorruptCheckpointError) or not fallback:
+                raise _advise(err, "load('latest', state, fallback=True) loads the newest step that verifies."
+                              if step == "latest" else "Load another step (ckptr.steps() lists them).")
+            log.warning("ckpt: %s; falling back to an older step", err)
+            first_error = first_error or err
+
         for s in candidates:
             data = peers.broadcast(bytes(tiers.local.read(mf.manifest_key(s))) if peers.rank == holder[s] else None,
                                    holder[s])
@@ -191,26 +202,41 @@ class Loader:
                          "the newest step" if s == max(holder) else "the newest recoverable step",
                          "" if not lost else f"; {lost} chunk(s) lost with their tier are read from {remote.describe()}"
                          if why else f"; {lost} chunk(s) lost with their tier come from peers or parity")
-                return self._load_local(s, m, data, survey, state, strict, allow_pickle, rank_map)
+                done, err = self._load_local(s, m, data, survey, state, strict, allow_pickle, rank_map)
+                if done is not None:
+                    return done
+                assert err is not None
+                failed(err)
+                continue
             if step != "latest":
                 raise CorruptCheckpointError(f"step {s} cannot be recovered from the local tiers: {why}")
             log.warning("ckpt: step %d is committed in the local tiers but cannot be recovered from them: %s", s, why)
-        target = newest_remote if step == "latest" else step
-        if target is None:
+        targets = sorted(remote_steps, reverse=True) if step == "latest" else [step] if step in remote_steps else []
+        if not targets:
+            if first_error is not None:
+                raise CorruptCheckpointError(f"no committed step loads cleanly from the local tiers, and "
+                                             f"{remote.describe()} has none; the newest failed: {first_error}",
+                                             object=first_error.object, chunk=first_error.chunk) from first_error
             log.info("ckpt: no checkpoint in the local tiers or at %s: starting fresh", remote.describe())
             events.emit("fresh", self.comm.rank)
             return None
         if step == "latest":
-            log.info("ckpt: loading step %d from %s (%s)", target, remote.describe(),
-                     "no step of the local tiers is newer and recoverable" if holder else "the local tiers are empty")
-        done, err = self._attempt(target, state, strict, allow_pickle, rank_map)
-        if done is None:
+            log.info("ckpt: loading step %d from %s (%s)", targets[0], remote.describe(),
+                     "no step of the local tiers is newer and loads" if holder else "the local tiers are empty")
+        for s in targets:
+            done, err = self._attempt(s, state, strict, allow_pickle, rank_map)
+            if done is not None:
+                return done
             assert err is not None
-            raise _advise(err, "Load another step (ckptr.steps() lists them).")
-        return done
+            failed(err)
+        assert first_error is not None
+        raise CorruptCheckpointError(f"no committed step of the local tiers or {remote.describe()} loads cleanly; "
+                                     f"the newest failed: {first_error}",
+                                     object=first_error.object, chunk=first_error.chunk) from first_error
 
     def _load_local(self, step: int, m: mf.Manifest, data: bytes, survey: Any, state: dict[str, Any], strict: bool,
-                    allow_pickle: bool, rank_map: RankMap | None) -> tuple[mf.Manifest, LoadStats]:
+                    allow_pickle: bool, rank_map: RankMap | None
+                    ) -> tuple[tuple[mf.Manifest, LoadStats] | None, CheckpointError | None]:
         """Load ``step`` from the local tiers. Chunks this rank's tier lacks come from peers (or are
         rebuilt) into memory and are read from there; the tier itself is healed afterwards, in the
         background (``tiers.heal``, run by the Checkpointer on its commit thread), so the load waits
@@ -244,8 +270,7 @@ class Loader:
             raise
         if done is None:
             storage.release(held)
-            assert err is not None
-            raise err
+            return None, err
         tiers.heal = lambda: self._heal(step, data, held, wanted)
         _, stats = done
         stats.source = "local tiers"
@@ -254,7 +279,7 @@ class Loader:
             stats.peer_chunks, stats.rebuilt_chunks = got.peer_chunks, got.rebuilt_chunks
             if stats.local_chunks is not None:
                 stats.local_chunks = max(0, stats.local_chunks - got.peer_chunks - got.rebuilt_chunks)
-        return done
+        return done, None
 
     def _heal(self, step: int, data: bytes, held: list[str], wanted: set[str]) -> bool:
         """After a load from the local tiers: write what came from peers (held in memory) and what

@@ -355,6 +355,29 @@ def test_a_local_only_save_writes_what_only_the_checkpoint_path_has(tmp_path):
         assert _digest(state) == _expected(0, 1, 1)
 
 
+def test_fallback_past_a_damaged_local_step(tmp_path):
+    """A local-only step whose chunk is damaged (and not held elsewhere) fails the load with advice;
+    fallback=True loads the newest step that verifies (here the uploaded one)."""
+    import glob
+
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
+        c.save(1, _state(0, 1, 1))
+        c.save(2, _state(0, 1, 2))
+    old = {os.path.basename(p) for p in glob.glob(os.path.join(remote, "chunks", "*", "*"))}
+    victim = next(p for p in sorted(glob.glob(os.path.join(local, "chunks", "*", "*")))
+                  if os.path.basename(p) not in old)  # a chunk of step 2 alone
+    with open(victim, "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\xff" * 8)
+    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
+        with pytest.raises(ckpt.CorruptCheckpointError, match="fallback=True"):
+            c.load("latest", _empty(0, 1))
+        state = _empty(0, 1)
+        assert c.load("latest", state, fallback=True) == 1
+        assert _digest(state) == _expected(0, 1, 1)
+
+
 def test_chunks_read_from_the_checkpoint_path_heal_the_tier(tmp_path):
     """A tier that lost chunks of an uploaded step loads them from the checkpoint path, and gets them
     back behind the load: the next load reads nothing remotely."""
