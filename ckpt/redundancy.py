@@ -209,14 +209,11 @@ class Peers:
 
     def exchange(self, plan: list[Transfer], read: Callable[[Item], bytes | bytearray],
                  received: Callable[[int, Item, memoryview], None], stats: PeerStats) -> None:
-        """Move every transfer of ``plan`` (the same list on every rank) from its source to its
-        destination, in waves of at most WAVE_BYTES per pair of ranks."""
+        """Collective: move every transfer of ``plan`` (the same list on every rank) from its source to
+        its destination, in waves of at most WAVE_BYTES per pair of ranks. A rank whose read or check
+        fails still finishes every wave (sending zeros instead), so no peer waits for bytes that never
+        come; then every rank raises the first failure."""
         mine = [t for t in plan if (t.src == self.rank) != (t.dst == self.rank) and t.size > 0]
-        if not mine:
-            return
-        import torch
-        import torch.distributed as dist
-
         pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
         for t in mine:
             pairs[(t.src, t.dst)].append(t)
@@ -231,39 +228,68 @@ class Peers:
                 cut[-1].append((i, t))
                 used += t.size
             waves[key] = cut
+        failure: CheckpointError | None = None
         try:
-            for w in range(max(len(v) for v in waves.values())):
-                works, inbox = [], []
-                for (src, dst), cut in sorted(waves.items()):
-                    if w >= len(cut):
-                        continue
-                    for tag, t in cut[w]:
-                        if src == self.rank:
-                            data = read(t.item)
-                            if len(data) != t.size:
-                                raise CorruptCheckpointError(
-                                    f"{t.item[0]} {t.item[1:]} in this rank's local tier {self.local.root} is "
-                                    f"{len(data)} bytes, {t.size} expected: the tier is damaged (delete that step "
-                                    "there, or the whole tier: peers rebuild it on the next load)")
-                            buf = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data,
-                                                   dtype=torch.uint8)
-                            works.append(dist.isend(buf, dst=self._global[dst], group=self.group, tag=tag))
-                            stats.sent_bytes += t.size
-                        else:
-                            buf = torch.empty(max(t.size, t.room), dtype=torch.uint8)
-                            buf[t.size:].zero_()
-                            works.append(dist.irecv(buf[: t.size], src=self._global[src], group=self.group, tag=tag))
-                            inbox.append((t, buf))
-                for work in works:
-                    if work is not None:
-                        work.wait()
-                for t, buf in inbox:
-                    received(t.src, t.item, buf.numpy().data)
-                    stats.received_bytes += t.size
-        except CheckpointError:
-            raise
+            for w in range(max((len(v) for v in waves.values()), default=0)):
+                failure = self._wave(w, waves, read, received, stats) or failure
         except Exception as e:
             raise self._broken(e, []) from e
+        views = self.gather(None if failure is None else
+                            {"message": str(failure), "corrupt": isinstance(failure, CorruptCheckpointError)})
+        bad = [(r, v) for r, v in enumerate(views) if v is not None]
+        if failure is not None:
+            raise failure
+        if bad:
+            r, v = bad[0]
+            why = f"rank {r} could not take its part in the exchange with peers: {v['message']}"
+            if v["corrupt"]:  # damaged bytes in a tier, not a broken job: an older step may still load
+                raise CorruptCheckpointError(why)
+            raise DistributedSaveError(why, ranks=[r for r, _ in bad])
+
+    def _wave(self, w: int, waves: dict[tuple[int, int], list[list[tuple[int, Transfer]]]],
+              read: Callable[[Item], bytes | bytearray], received: Callable[[int, Item, memoryview], None],
+              stats: PeerStats) -> CheckpointError | None:
+        """Wave ``w`` of :meth:`exchange`: every send and receive posted, then waited for; the first
+        failure of this rank's own reads or checks."""
+        import torch
+        import torch.distributed as dist
+
+        failure: CheckpointError | None = None
+        works, inbox = [], []
+        for (src, dst), cut in sorted(waves.items()):
+            if w >= len(cut):
+                continue
+            for tag, t in cut[w]:
+                if src == self.rank:
+                    try:
+                        data = read(t.item)
+                        if len(data) != t.size:
+                            raise CorruptCheckpointError(
+                                f"{t.item[0]} {t.item[1:]} in this rank's local tier {self.local.root} is "
+                                f"{len(data)} bytes, {t.size} expected: the tier is damaged (delete that step "
+                                "there, or the whole tier: peers rebuild it on the next load)")
+                    except (CheckpointError, OSError) as e:
+                        failure = failure or (e if isinstance(e, CheckpointError) else
+                                              CorruptCheckpointError(f"reading {t.item} for a peer failed: {e}"))
+                        data = bytes(t.size)  # the peer still gets its bytes (and will not use them)
+                    buf = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
+                    works.append(dist.isend(buf, dst=self._global[dst], group=self.group, tag=tag))
+                    stats.sent_bytes += t.size
+                else:
+                    buf = torch.empty(max(t.size, t.room), dtype=torch.uint8)
+                    buf[t.size:].zero_()
+                    works.append(dist.irecv(buf[: t.size], src=self._global[src], group=self.group, tag=tag))
+                    inbox.append((t, buf))
+        for work in works:
+            if work is not None:
+                work.wait()
+        for t, buf in inbox:
+            try:
+                received(t.src, t.item, buf.numpy().data)
+            except CheckpointError as e:
+                failure = failure or e
+            stats.received_bytes += t.size
+        return failure
 
     # -- this rank's tier ----------------------------------------------------------------------------
     def _store_chunk(self, h: str, data: memoryview, keep: Callable[[str, memoryview], None] | None = None) -> None:

@@ -136,6 +136,42 @@ def _ls(root: str, tiers: list[str]) -> dict[int, dict]:
     return {d["step"]: d for d in json.loads(buf.getvalue())["steps"]}
 
 
+def _load_or_error(rank: int, world: int, root: str, fallback: bool) -> dict:
+    with _ckptr(root, rank, "replicas", persist_every=3) as c:
+        state = _empty(rank, world)
+        try:
+            step = c.load("latest", state, fallback=fallback)
+        except ckpt.CheckpointError as e:
+            return {"error": type(e).__name__, "message": str(e)}
+        assert step is not None and _digest(state) == _expected(rank, world, step)
+        return {"step": step, "remote": c.last_load.remote_chunks}
+
+
+def test_a_damaged_replica_fails_the_load_on_every_rank_and_fallback_passes_it(tmp_path):
+    """Node 2 is wiped and node 3's copies of its chunks are damaged: the load of the local step fails
+    on every rank (none waits for the others), naming the damage; fallback=True ends at the newest
+    uploaded step, rank 2's chunks read from the checkpoint path."""
+    root = str(tmp_path)
+    run_ranks(4, _save_body, root, "replicas", [1, 2, 3, 4, 5], 3)
+    mine = {n for d in os.listdir(os.path.join(root, "node2", "chunks"))
+            for n in os.listdir(os.path.join(root, "node2", "chunks", d))}
+    shutil.rmtree(os.path.join(root, "node2"))
+    damaged = 0
+    for d in os.listdir(os.path.join(root, "node3", "chunks")):
+        for n in set(os.listdir(os.path.join(root, "node3", "chunks", d))) & mine:
+            with open(os.path.join(root, "node3", "chunks", d, n), "r+b") as f:
+                f.seek(-8, os.SEEK_END)
+                f.write(b"\xff" * 8)
+            damaged += 1
+    assert damaged
+    failed = run_ranks(4, _load_or_error, root, False, timeout=120)
+    assert all(x.get("error") == "CorruptCheckpointError" for x in failed), failed
+    assert all("fallback=True" in x["message"] for x in failed)
+    loaded = run_ranks(4, _load_or_error, root, True, timeout=120)
+    assert [x.get("step") for x in loaded] == [4] * 4, loaded
+    assert loaded[2]["remote"] > 0
+
+
 @pytest.mark.parametrize("wiped,expect", [((0, 2), 5), ((1, 2), 4)])
 def test_two_wiped_domains_with_two_replicas_give_a_correct_step(tmp_path, wiped, expect):
     """Replicas(2) puts rank i's copy on node i+1: losing nodes 0 and 2 leaves a copy of everything
