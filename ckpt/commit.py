@@ -343,12 +343,9 @@ class CommitProtocol:
         if data is None:
             raise DistributedSaveError(f"rank {rank}'s report for step {step} did not arrive", ranks=[rank])
         try:
-            m = mf.parse(data, name=key)
+            return mf.parse_rank_part(data, step, rank)
         except CheckpointError as e:
             raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
-        if m.kind != "rank" or m.rank != rank or m.step != step:
-            raise DistributedSaveError(f"{key} describes rank {m.rank} step {m.step}", ranks=[rank])
-        return m
 
     def _decide_alone(self, seq: int, decision: Decision) -> None:
         """Coordinator, for a save it took no part in: let the others run it, and publish its fate."""

@@ -110,11 +110,11 @@ class Loader:
              fallback: bool = False, rank_map: RankMap | None = None) -> tuple[mf.Manifest, LoadStats] | None:
         """Load ``step`` (or the newest committed one) into ``state``; None when ``"latest"`` finds
         no committed step (a new run)."""
+        if step != "latest" and (type(step) is not int or not 0 <= step <= mf.MAX_STEP):
+            raise ConfigError(f"step must be 'latest' or an integer from 0 to 2**63 - 1, got {step!r}")
         if self.tiers is not None:
             return self._load_tiered(step, state, strict, allow_pickle, fallback, rank_map)
         if step != "latest":
-            if type(step) is not int or not 0 <= step <= mf.MAX_STEP:
-                raise ConfigError(f"step must be 'latest' or an integer from 0 to 2**63 - 1, got {step!r}")
             if not self.storage.exists(mf.manifest_key(step)):
                 steps = self.steps()
                 raise CheckpointNotFoundError(
@@ -161,8 +161,6 @@ class Loader:
         newest (or that) step of the checkpoint path."""
         assert self.tiers is not None
         tiers, peers = self.tiers, self.tiers.peers
-        if step != "latest" and (type(step) is not int or not 0 <= step <= mf.MAX_STEP):
-            raise ConfigError(f"step must be 'latest' or an integer from 0 to 2**63 - 1, got {step!r}")
         remote = tiers.storage.remote
         views = peers.gather({"local": mf.committed_steps(tiers.local), "remote": mf.committed_steps(remote)})
         holder: dict[int, int] = {}

@@ -447,7 +447,13 @@ def read_step(storage: Storage, step: int) -> Manifest:
 def read_rank_part(storage: Storage, step: int, rank: int) -> Manifest:
     """Rank ``rank``'s report for ``step`` (what it wrote), parsed and checked to be that report."""
     key = rank_key(step, rank)
-    m = parse(_read_bounded(storage, key), name=key)
+    return parse_rank_part(_read_bounded(storage, key), step, rank)
+
+
+def parse_rank_part(data: bytes | bytearray, step: int, rank: int) -> Manifest:
+    """A rank report's bytes (from storage, or sent through the store), checked to be rank ``rank``'s for ``step``."""
+    key = rank_key(step, rank)
+    m = parse(data, name=key)
     if m.kind != "rank" or m.rank != rank or m.step != step:
         raise CorruptCheckpointError(f"{key} describes rank {m.rank} step {m.step}, not rank {rank} step {step}",
                                      object=key)
