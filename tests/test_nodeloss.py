@@ -86,6 +86,19 @@ def _load_body(rank: int, world: int, root: str, kind: str) -> dict:
                 "state_step": state["step"]}
 
 
+def _load_alone(remote: str, local: str, step: int, data_of: int | None = None, source: str = "local tiers",
+                remote_chunks: int | None = 0) -> None:
+    """One process with local commits loads "latest": ``step``, from ``source``, with ``remote_chunks``
+    chunks read remotely (None: any), bit-exact with the state saved as step ``data_of`` (default: step)."""
+    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
+        state = _empty(0, 1)
+        assert c.load("latest", state) == step
+        st = c.last_load
+        assert st is not None and st.source == source
+        assert remote_chunks is None or st.remote_chunks == remote_chunks, st
+        assert _digest(state) == _expected(0, 1, step if data_of is None else data_of)
+
+
 def _steps(root: str, tier: str) -> list[int]:
     d = os.path.join(root, tier, "steps")
     if not os.path.isdir(d):
@@ -343,10 +356,7 @@ def test_persist_every_alone_commits_locally_and_uploads_every_nth(tmp_path):
     assert _steps(str(tmp_path), "local") == [2, 3, 4]
     with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
         assert c.manifest(4).step == 4  # committed in the local tier only, read from there
-        state = _empty(0, 1)
-        assert c.load("latest", state) == 4
-        assert c.last_load is not None and c.last_load.source == "local tiers" and c.last_load.remote_chunks == 0
-        assert _digest(state) == _expected(0, 1, 4)
+    _load_alone(remote, local, 4)
     from ckpt import cli
 
     assert cli.main(["gc", remote, "--local", local, "--keep-local", "1", "--grace", "0"]) == 0
@@ -366,11 +376,7 @@ def test_persist_every_alone_commits_locally_and_uploads_every_nth(tmp_path):
         c.wait()
         assert first.metrics.persisted and not second.metrics.persisted
         assert c.storage.tier_counters().uploaded == 0  # no chunk went to the checkpoint path again
-    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
-        state = _empty(0, 1)
-        assert c.load("latest", state) == 6
-        assert c.last_load is not None and c.last_load.source == "local tiers" and c.last_load.remote_chunks == 0
-        assert _digest(state) == _expected(0, 1, 3)
+    _load_alone(remote, local, 6, data_of=3)
 
 
 def test_a_local_only_save_writes_what_only_the_checkpoint_path_has(tmp_path):
@@ -384,11 +390,7 @@ def test_a_local_only_save_writes_what_only_the_checkpoint_path_has(tmp_path):
         first, second = c.save(2, _state(0, 1, 2)), c.save(3, _state(0, 1, 1))  # step 3: step 1's data again
         c.wait()
         assert first.metrics.persisted and not second.metrics.persisted
-    with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
-        state = _empty(0, 1)
-        assert c.load("latest", state) == 3
-        assert c.last_load is not None and c.last_load.source == "local tiers" and c.last_load.remote_chunks == 0
-        assert _digest(state) == _expected(0, 1, 1)
+    _load_alone(remote, local, 3, data_of=1)
 
 
 def test_fallback_past_a_damaged_local_step(tmp_path):
@@ -428,13 +430,7 @@ def test_chunks_read_from_the_checkpoint_path_heal_the_tier(tmp_path):
     for p in lost:
         os.remove(p)
     for again in (False, True):
-        with ckpt.Checkpointer(remote, local_dir=local, persist_every=2, chunk_size=CHUNK) as c:
-            state = _empty(0, 1)
-            assert c.load("latest", state) == 1
-            st = c.last_load
-            assert st is not None and st.source == "local tiers"
-            assert st.remote_chunks == (0 if again else len(lost))
-            assert _digest(state) == _expected(0, 1, 1)
+        _load_alone(remote, local, 1, remote_chunks=0 if again else len(lost))
         assert all(os.path.exists(p) for p in chunks)  # close() waited for the heal
 
 
