@@ -174,8 +174,12 @@ def run(catalog: Catalog, p: GcPlan, delete_many: DeleteMany | None = None) -> l
         p.writers = writers
         remaining = [s for s in catalog.committed if s not in p.retention]
         if p.retention:
-            delete_steps(storage, catalog.manifests, p.retention, remaining, delete_many, park=bool(writers))
-            done += [i for i in p.remove if i.kind == "step" or (i.kind == "chunk" and not writers)]
+            _, doomed = delete_steps(storage, catalog.manifests, p.retention, remaining, delete_many,
+                                     park=bool(writers))
+            # only what retention itself deleted is done: the planned chunks of parked lists are
+            # deleted below (marking them done here left them on disk once their lists were removed)
+            gone = set() if writers else {mf.chunk_key(h) for h in doomed}
+            done += [i for i in p.remove if i.kind == "step" or (i.kind == "chunk" and i.key in gone)]
         if writers:
             return done
         lists = list(parked(storage)) if not p.unreadable else []

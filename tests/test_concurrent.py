@@ -60,6 +60,24 @@ def collect_and_check_clean(root: str) -> None:
         assert not os.path.isdir(os.path.join(root, folder)) or not os.listdir(os.path.join(root, folder))
 
 
+def test_gc_with_retention_also_deletes_the_chunks_of_parked_lists(tmp_path):
+    """Retention that parked a step's chunks (another writer was live), then gc with a step of its
+    own to retire: both sets go, and the parked list with them (the flake of the test below: gc took
+    the parked chunks for deleted by its own retention and removed their list)."""
+    from ckpt import manifest as mf
+    from ckpt.retention import delete_steps
+
+    root = str(tmp_path / "ck")
+    with ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw") as c:
+        for step in (1, 2, 3):
+            c.save(step, {"w": torch.randn(3 * CHUNK // 4, generator=torch.Generator().manual_seed(step))})
+    storage = LocalStorage(root)
+    cache = mf.ManifestCache(storage)
+    delete_steps(storage, cache, [1], [2, 3], lambda keys: [storage.delete(k) for k in keys], park=True)
+    assert os.listdir(os.path.join(root, "retired"))
+    collect_and_check_clean(root)  # keep_last=1: step 2 retired by gc itself, step 1's chunks parked
+
+
 def test_gc_in_a_loop_beside_a_training_process(tmp_path):
     root, stop, log = str(tmp_path / "ck"), str(tmp_path / "stop"), str(tmp_path / "trainer.json")
     looping = child("gc", root, "1", stop)
