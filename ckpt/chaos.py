@@ -138,7 +138,8 @@ class _Run:
         finally:
             self._out.close()
 
-    def tail(self, n: int = 2000) -> str:
+    def tail(self, n: int = 8000) -> str:
+        """The end of the run's output: long enough to hold a worker's own error above torchrun's summary."""
         with open(self.log, "rb") as f:
             data = f.read()
         return data[-n:].decode(errors="replace")
