@@ -38,6 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 
+# ``torch.optim`` deletes the name ``optimizer`` from its namespace (``del optimizer`` in its
+# __init__), so ``torch.optim.optimizer.register_optimizer_step_pre_hook`` raises AttributeError even
+# though the submodule is loaded: import the function from its module.
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 from . import _ext
 from .dist import Comm, Inventory
 from .layout import BufferLayout, TensorSlot, make_layout
@@ -354,6 +359,8 @@ class HostBuffer:
         # unguarded tensors first: the compute stream waits for them right away (on the device)
         fast = [(s, t) for s, t in slots if t.data_ptr() not in guarded]
         slow = [(s, t) for s, t in slots if t.data_ptr() in guarded]
+        if slow:
+            install_step_hook()  # before any copy is launched: a failure here leaves nothing in flight
         keep: list = []
         with torch.cuda.stream(side), torch.no_grad():
             self._launch(fast, side, keep)
@@ -366,7 +373,7 @@ class HostBuffer:
             verdict = _finite_on_device(checked) if checked else None
             done = torch.cuda.Event()
             done.record(side)
-        snap = CudaSnapshot(done, keep, verdict)
+        snap = CudaSnapshot(done, keep, verdict, device)
         if slow:
             fence_optimizers(snap)
         return snap
@@ -423,8 +430,10 @@ class CudaSnapshot:
     """A device-to-host copy in flight: ``event`` completes when the host buffer holds the snapshot
     (and the NaN/Inf verdicts of the checked CUDA tensors, if any)."""
 
-    def __init__(self, event: torch.cuda.Event, keep: list, verdict: tuple[list[str], torch.Tensor] | None = None):
+    def __init__(self, event: torch.cuda.Event, keep: list, verdict: tuple[list[str], torch.Tensor] | None = None,
+                 device: torch.device | None = None):
         self.event = event
+        self.device = device  # where the copied tensors live: the fence waits on that device's stream
         self._keep = keep  # pinned piece lists the kernel reads
         self._verdict = verdict
 
@@ -459,27 +468,36 @@ _pending_lock = threading.Lock()
 _hook_handle = None
 
 
-def fence_optimizers(snap: CudaSnapshot) -> None:
-    """Make the next ``optimizer.step()`` (any optimizer) wait on the device for ``snap``'s copy."""
+def install_step_hook() -> None:
+    """Register the global optimizer pre-step hook that runs :func:`fence` (once per process)."""
     global _hook_handle
     with _pending_lock:
-        _pending.add(snap)
         if _hook_handle is None:
-            _hook_handle = torch.optim.optimizer.register_optimizer_step_pre_hook(_wait_before_step)
+            _hook_handle = register_optimizer_step_pre_hook(_wait_before_step)
+
+
+def fence_optimizers(snap: CudaSnapshot) -> None:
+    """Make the next ``optimizer.step()`` (any optimizer) wait on the device for ``snap``'s copy."""
+    install_step_hook()
+    with _pending_lock:
+        _pending.add(snap)
 
 
 def fence(stream: torch.cuda.Stream | None = None) -> None:
-    """Make ``stream`` (default: the current one) wait, on the device, for every snapshot copy in flight.
+    """Make ``stream`` (default: the current stream of each snapshot's device) wait, on the device, for
+    every snapshot copy in flight.
 
     The optimizer pre-step hook does this before every ``optimizer.step()``; call it yourself before
-    changing saved CUDA parameters in place by other means."""
+    changing saved CUDA parameters in place by other means. A snapshot stays fenced until its copy is
+    done (another optimizer on another stream must wait for it too)."""
     with _pending_lock:
         snaps = list(_pending)
-        _pending.clear()
-    s = stream or torch.cuda.current_stream()
     for snap in snaps:
-        if not snap.query():
-            s.wait_event(snap.event)
+        if snap.query():
+            with _pending_lock:
+                _pending.discard(snap)
+            continue
+        (stream or torch.cuda.current_stream(snap.device)).wait_event(snap.event)
 
 
 def _wait_before_step(optimizer, args, kwargs) -> None:
