@@ -52,7 +52,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 
 import ckpt  # noqa: E402
-from ckpt import codec  # noqa: E402
+from ckpt.encode import CodecSpec, encode  # noqa: E402
+from ckpt.format.chunk import Base  # noqa: E402
 from ckpt.layout import element_width  # noqa: E402
 
 PIECE = 4 << 20
@@ -187,21 +188,21 @@ def zstd_bytes(tensors: dict) -> int:
 
 
 def grouped_bytes(tensors: dict) -> int:
-    spec = codec.CodecSpec("grouped")
-    return sum(sum(len(b) for b in codec.encode(p, "0" * 32, spec, width=element_width(t.dtype))[1][1:])
+    spec = CodecSpec("grouped")
+    return sum(sum(len(b) for b in encode(p, "0" * 32, spec, width=element_width(t.dtype))[1][1:])
                for t in tensors.values() for p in pieces(t))
 
 
 def ckpt_encode(tensors: dict, prev: dict | None) -> tuple[int, float]:
     """ckpt's auto choice per 4 MiB piece (the previous save's piece as base), one thread: bytes, seconds."""
-    spec = codec.CodecSpec("auto")
+    spec = CodecSpec("auto")
     size, seconds = 0, 0.0
     for k, t in tensors.items():
         old = list(pieces(prev[k])) if prev is not None and k in prev and prev[k].shape == t.shape else None
         for i, p in enumerate(pieces(t)):
-            base = codec.Base(old[i], "1" * 32) if old is not None else None
+            base = Base(old[i], "1" * 32) if old is not None else None
             t0 = time.perf_counter()
-            _, bufs = codec.encode(p, "0" * 32, spec, width=element_width(t.dtype), base=base)
+            _, bufs = encode(p, "0" * 32, spec, width=element_width(t.dtype), base=base)
             seconds += time.perf_counter() - t0
             size += sum(len(memoryview(b).cast("B")) for b in bufs[1:])
     return size, seconds

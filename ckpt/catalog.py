@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import chains
-from . import manifest as mf
 from . import structure as st
-from .codec import trim_scratch
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from .format import chains, paths
+from .format import manifest as mf
+from .format.planes import trim_scratch
 from .loader import load_into
 from .storage import Storage
 from .structure import DTYPES
@@ -37,7 +37,7 @@ class Catalog:
             raise NotACheckpointError(f"{storage.describe()}: no such checkpoint directory")
         self.committed = mf.committed_steps(storage)
         self.incomplete = [s for s in mf.step_candidates(storage) if s not in set(self.committed)]
-        if not self.committed and not self.incomplete and not storage.list("chunks"):
+        if not self.committed and not self.incomplete and not storage.list(paths.CHUNKS):
             raise NotACheckpointError(f"{storage.describe()} holds no ckpt checkpoint (no steps, no chunks)")
         self.manifests = mf.ManifestCache(storage)
 
@@ -58,7 +58,8 @@ class Catalog:
                 f"{', '.join(map(str, self.committed)) or 'none'}")
         m = self.manifest(step)
         if m is None:
-            raise CorruptCheckpointError(f"step {step} is damaged: {self.errors[step]}", object=mf.manifest_key(step))
+            raise CorruptCheckpointError(f"step {step} is damaged: {self.errors[step]}",
+                                         object=paths.manifest_key(step))
         return m
 
     def resolve(self, step: int | str | None) -> int:
@@ -94,7 +95,7 @@ class Catalog:
         return out
 
     def rank_files(self, step: int) -> list[str]:
-        return [n for n in self.storage.list(mf.step_dir(step)) if n.startswith("rank-") and n.endswith(".json")]
+        return [n for n in self.storage.list(paths.step_dir(step)) if n.startswith("rank-") and n.endswith(".json")]
 
 
 # -- tensors ------------------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def verify(catalog: Catalog, steps: Iterable[int], *, threads: int = 8,
     for s in steps:
         m = catalog.manifest(s)
         if m is None:
-            result.problems.append(Problem(mf.manifest_key(s), "corrupt", catalog.errors[s], [s]))
+            result.problems.append(Problem(paths.manifest_key(s), "corrupt", catalog.errors[s], [s]))
             continue
         for h, info in m.chunks.items():
             refs.setdefault(h, (info, []))[1].append(s)
@@ -171,7 +172,7 @@ def verify(catalog: Catalog, steps: Iterable[int], *, threads: int = 8,
     roots, children = chains.trees(table, table)
 
     def problem(h: str, err: Exception) -> Problem:
-        key = mf.chunk_key(h)
+        key = paths.chunk_key(h)
         if isinstance(err, chains.MissingChunkError):
             return Problem(key, "missing", str(err), [], h)
         if isinstance(err, CorruptCheckpointError):

@@ -20,12 +20,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from . import at_exit, events
-from . import manifest as mf
 from ._tasks import run_all
-from .codec import verify_object
 from .commit import CommitProtocol, LocalCommits
 from .dist import make_comm
 from .errors import CheckpointError, ConfigError
+from .format import manifest as mf
+from .format.chunk import verify_object
 from .handle import SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
 from .loader import Loader, LoadStats, RankMap

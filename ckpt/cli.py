@@ -34,10 +34,11 @@ from rich.table import Table
 from rich.text import Text
 
 from . import __version__
-from . import manifest as mf
 from .catalog import Catalog, tensor_kind, verify
-from .codec import is_chunk_hash
 from .errors import CheckpointError, ConfigError
+from .format import manifest as mf
+from .format import paths
+from .format.chunk import is_chunk_hash
 from .reader import Reader
 from .structure import preview, strip_pickles, value_nodes
 
@@ -193,7 +194,7 @@ def _local_tiers(dirs: list[str]) -> list[tuple[str, Catalog]]:
 def _chunks_held(cat: Catalog) -> set[str]:
     """Every chunk a tier holds (one listing per prefix, not a stat per chunk and step)."""
     st = cat.storage
-    return {n for p in st.list("chunks") for n in st.list(f"chunks/{p}") if is_chunk_hash(n)}
+    return {n for p in st.list(paths.CHUNKS) for n in st.list(f"{paths.CHUNKS}/{p}") if is_chunk_hash(n)}
 
 
 def _where(docs: list[dict], remote: set[int], tiers: list[Catalog], n_dirs: int) -> list[dict]:

@@ -38,9 +38,10 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from . import events
-from . import manifest as mf
 from .dist import Comm
 from .errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
+from .format import manifest as mf
+from .format import paths
 from .handle import SaveMetrics
 from .lease import Leases
 from .redundancy import Peers
@@ -93,7 +94,7 @@ class LocalCommits:
     def commit(self, step: int, manifest: str) -> None:
         """Commit ``step`` to this rank's tier (the coordinator's already is)."""
         try:
-            self.local.commit(mf.manifest_key(step), manifest.encode())
+            self.local.commit(paths.manifest_key(step), manifest.encode())
         except FileExistsError:
             pass  # another rank sharing this node's tier committed it first
         except CheckpointError as e:  # committed on the other tiers; this one only lacks the manifest
@@ -338,7 +339,7 @@ class CommitProtocol:
 
     def _sent_part(self, writer: Writer, step: int, rank: int, seq: int) -> mf.Manifest:
         """Rank ``rank``'s report, sent through the store (its local tier is not readable here)."""
-        key = mf.rank_key(step, rank)
+        key = paths.rank_key(step, rank)
         data = self.comm.part(seq, rank)
         if data is None:
             raise DistributedSaveError(f"rank {rank}'s report for step {step} did not arrive", ranks=[rank])
@@ -371,7 +372,7 @@ def _read_part(writer: Writer, step: int, rank: int, seq: int = 0) -> mf.Manifes
     try:
         return mf.read_rank_part(writer.storage, step, rank)
     except (CheckpointError, FileNotFoundError, OSError) as e:
-        key = mf.rank_key(step, rank)
+        key = paths.rank_key(step, rank)
         raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
 
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 from . import structure as st
 from .errors import DistributedSaveError, StateMismatchError
-from .sharding import Box, intersect, volume
+from .format.boxes import Box, intersect, volume
 from .state import Flat
 
 _instances: dict[int, tuple[Any, itertools.count]] = {}

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import CorruptCheckpointError
+from .format.paths import parity_block_name, parity_layout_name
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,11 @@ class GroupLayout:
 
     def parity_name(self, t: int, j: int) -> str:
         """File name (in the step's directory) of stripe t's parity block j."""
-        return f"parity-g{self.group}-s{t}-p{j}"
+        return parity_block_name(self.group, t, j)
 
     @property
     def name(self) -> str:
-        return f"parity-g{self.group}.json"
+        return parity_layout_name(self.group)
 
     def member_of(self, h: str) -> int | None:
         for pos, mem in enumerate(self.members):

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import manifest as mf
 from .catalog import Catalog, read_tensors
 from .errors import ConfigError, StorageError, UnsupportedValueError
+from .format import manifest as mf
 from .structure import DTYPES, has_pickle, strip_pickles, value_nodes
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}

@@ -26,9 +26,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import manifest as mf
 from .catalog import Catalog
-from .codec import is_chunk_hash
+from .format import manifest as mf
+from .format import paths
+from .format.chunk import is_chunk_hash
 from .lease import LeaseInfo, Leases, list_leases
 from .retention import DeleteMany, delete_steps, parked, to_delete
 from .storage import Storage
@@ -110,8 +111,8 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
             referenced |= m.chunks.keys()
     retired: dict[str, int] = {}
     for s in p.retention:
-        p.remove.append(Item("step", mf.step_dir(s), sum(_size(storage, f"{mf.step_dir(s)}/{n}")
-                                                       for n in storage.list(mf.step_dir(s))), None, s))
+        p.remove.append(Item("step", paths.step_dir(s), sum(_size(storage, f"{paths.step_dir(s)}/{n}")
+                                                       for n in storage.list(paths.step_dir(s))), None, s))
         m = catalog.manifest(s)
         for h, info in (m.chunks.items() if m is not None else ()):
             if h not in referenced:
@@ -122,14 +123,14 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
         for chunks in parked(storage).values():
             for h in chunks:
                 if h not in referenced and h not in retired:
-                    retired[h] = _size(storage, mf.chunk_key(h))
+                    retired[h] = _size(storage, paths.chunk_key(h))
     for h, nbytes in sorted(retired.items()):
-        p.remove.append(Item("chunk", mf.chunk_key(h), nbytes, None))
+        p.remove.append(Item("chunk", paths.chunk_key(h), nbytes, None))
     referenced |= retired.keys()  # removed by retention, not as orphans
 
     # Incomplete steps, and temp files in committed step directories.
     for s in catalog.incomplete:
-        d = mf.step_dir(s)
+        d = paths.step_dir(s)
         names = storage.list(d)
         ages = [_age(storage, f"{d}/{n}", now) for n in names] or [_age(storage, d, now)]
         known = [a for a in ages if a is not None]
@@ -138,7 +139,7 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
     for s in steps:
         if s in p.retention:
             continue
-        d = mf.step_dir(s)
+        d = paths.step_dir(s)
         for n in storage.list(d):
             if TMP_MARK in n:
                 key = f"{d}/{n}"
@@ -146,13 +147,13 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
 
     # Chunks: orphans (no committed manifest names them) and temp files beside them. With a damaged
     # committed manifest the references are unknown, so no chunk is an orphan.
-    for prefix in storage.list("chunks"):
+    for prefix in storage.list(paths.CHUNKS):
         if TMP_MARK in prefix:  # not written by ckpt there, but a temp file all the same
-            key = f"chunks/{prefix}"
+            key = f"{paths.CHUNKS}/{prefix}"
             classify(Item("temp", key, _size(storage, key), _age(storage, key, now)))
             continue
-        for n in storage.list(f"chunks/{prefix}"):
-            key = f"chunks/{prefix}/{n}"
+        for n in storage.list(f"{paths.CHUNKS}/{prefix}"):
+            key = f"{paths.CHUNKS}/{prefix}/{n}"
             if TMP_MARK in n:
                 classify(Item("temp", key, _size(storage, key), _age(storage, key, now)))
             elif is_chunk_hash(n) and n[:2] == prefix and n not in referenced and not p.unreadable:
@@ -178,7 +179,7 @@ def run(catalog: Catalog, p: GcPlan, delete_many: DeleteMany | None = None) -> l
                                      park=bool(writers))
             # only what retention itself deleted is done: the planned chunks of parked lists are
             # deleted below (marking them done here left them on disk once their lists were removed)
-            gone = set() if writers else {mf.chunk_key(h) for h in doomed}
+            gone = set() if writers else {paths.chunk_key(h) for h in doomed}
             done += [i for i in p.remove if i.kind == "step" or (i.kind == "chunk" and i.key in gone)]
         if writers:
             return done
@@ -193,7 +194,7 @@ def run(catalog: Catalog, p: GcPlan, delete_many: DeleteMany | None = None) -> l
                 continue
             d = item.key
             assert item.step is not None
-            if storage.exists(mf.manifest_key(item.step)):
+            if storage.exists(paths.manifest_key(item.step)):
                 continue  # it committed since the plan was made: it is a step now, not garbage
             names = storage.list(d)
             # rank reports before anything else, so a half-removed step never looks more complete

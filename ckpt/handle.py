@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .errors import CheckpointError, ConfigError, StepExistsError, StorageError
-from .manifest import MAX_STEP
+from .format.manifest import MAX_STEP
 
 Stage = Literal["snapshot", "local", "committed"]
 

@@ -33,11 +33,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .errors import StorageError
+from .format.paths import LEASES, lease_key
 from .storage import Storage
 
 log = logging.getLogger("ckpt")
 
-PREFIX = "leases"
 TTL_S = 60.0  # a lease is renewed every TTL_S / 4 seconds while it is held
 SKEW_S = 30.0  # clocks of two hosts may disagree this much
 
@@ -70,11 +70,11 @@ class LeaseInfo:
 def list_leases(storage: Storage) -> list[LeaseInfo]:
     """Every lease found under the root (live or not); unreadable ones are skipped."""
     out = []
-    for name in storage.list(PREFIX):
+    for name in storage.list(LEASES):
         if not name.endswith(".json"):
             continue
         try:
-            doc = json.loads(storage.read(f"{PREFIX}/{name}", 0, 4096))
+            doc = json.loads(storage.read(f"{LEASES}/{name}", 0, 4096))
             out.append(LeaseInfo(str(doc["id"]), str(doc["kind"]), int(doc["pid"]), str(doc["host"]),
                                  float(doc["expires"])))
         except (FileNotFoundError, ValueError, KeyError, TypeError):
@@ -102,7 +102,7 @@ class Leases:
     def _write(self, lease_id: str, kind: str) -> float:
         expires = time.time() + self.ttl
         doc = {"id": lease_id, "kind": kind, "pid": os.getpid(), "host": socket.gethostname(), "expires": expires}
-        self.storage.write(f"{PREFIX}/{lease_id}.json", [json.dumps(doc).encode()])
+        self.storage.write(lease_key(lease_id), [json.dumps(doc).encode()])
         return expires
 
     def _heartbeat(self) -> None:
@@ -155,7 +155,7 @@ class Leases:
             if time.monotonic() > deadline:
                 raise StorageError(
                     f"another process has been deleting chunks in {self.storage.describe()} for more than "
-                    f"{self.wait_s:.0f}s ({busy[0].describe()}); if it is dead, delete {PREFIX}/{busy[0].id}.json")
+                    f"{self.wait_s:.0f}s ({busy[0].describe()}); if it is dead, delete {lease_key(busy[0].id)}")
             log.info("ckpt: waiting for %s to finish deleting chunks in %s", busy[0].describe(),
                      self.storage.describe())
             time.sleep(delay)  # polling a lease held by another process: nothing to wait on here
@@ -167,7 +167,7 @@ class Leases:
             return
         self._untrack(self.writer_id)
         try:
-            self.storage.delete(f"{PREFIX}/{self.writer_id}.json")
+            self.storage.delete(lease_key(self.writer_id))
         except Exception as e:  # it expires on its own
             log.warning("ckpt: removing the writer lease from %s failed: %s", self.storage.describe(), e)
 
@@ -195,7 +195,7 @@ class Leases:
             self._untrack(lease_id)
             self.own.discard(lease_id)
             try:
-                self.storage.delete(f"{PREFIX}/{lease_id}.json")
+                self.storage.delete(lease_key(lease_id))
             except Exception as e:  # it expires on its own
                 log.warning("ckpt: removing a deletion lease from %s failed: %s", self.storage.describe(), e)
 
@@ -204,4 +204,4 @@ class Leases:
         now = time.time()
         for x in list_leases(self.storage):
             if x.id not in self.own and not x.live(now):
-                self.storage.delete(f"{PREFIX}/{x.id}.json")
+                self.storage.delete(lease_key(x.id))

@@ -25,11 +25,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import chains, events
-from . import manifest as mf
+from . import events
 from . import structure as st
 from ._tasks import run_all
-from .codec import HEADER_SIZE, check_header, parse_header, trim_scratch, verify, verify_object
 from .commit import LocalCommits
 from .dist import Comm
 from .errors import (
@@ -43,7 +41,12 @@ from .errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
-from .sharding import Box, contiguous_run, intersect, is_dtensor, next_needed, volume
+from .format import chains, paths
+from .format import manifest as mf
+from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
+from .format.chunk import HEADER_SIZE, check_header, parse_header, verify, verify_object
+from .format.planes import trim_scratch
+from .sharding import is_dtensor
 from .state import apply, flatten
 from .storage import Storage
 from .structure import DTYPES
@@ -115,7 +118,7 @@ class Loader:
         if self.tiers is not None:
             return self._load_tiered(step, state, strict, allow_pickle, fallback, rank_map)
         if step != "latest":
-            if not self.storage.exists(mf.manifest_key(step)):
+            if not self.storage.exists(paths.manifest_key(step)):
                 steps = self.steps()
                 raise CheckpointNotFoundError(
                     f"step {step} is not committed in {self.storage.describe()}; committed steps: "
@@ -189,9 +192,9 @@ class Loader:
             first_error = first_error or err
 
         for s in candidates:
-            data = peers.broadcast(bytes(tiers.local.read(mf.manifest_key(s))) if peers.rank == holder[s] else None,
+            data = peers.broadcast(bytes(tiers.local.read(paths.manifest_key(s))) if peers.rank == holder[s] else None,
                                    holder[s])
-            m = mf.parse(data, name=f"{mf.manifest_key(s)} of rank {holder[s]}'s local tier")
+            m = mf.parse(data, name=f"{paths.manifest_key(s)} of rank {holder[s]}'s local tier")
             survey = peers.survey(s, m, persisted=s in remote_steps)
             ok, why = peers.recoverable(survey, m)
             if ok:
@@ -295,14 +298,14 @@ class Loader:
                     local.write(key, [blob])
                     wrote += 1
             for h in sorted(wanted):
-                key = mf.chunk_key(h)
+                key = paths.chunk_key(h)
                 if storage.held(key) is None and not local.exists(key):  # read from the checkpoint path
                     remote = storage.remote.read(key)
                     verify_object(key, [memoryview(remote)])
                     local.write(key, [remote])
                     from_remote += 1
             local.flush()
-            if not local.exists(mf.manifest_key(step)):  # a tier that lost the step has it back
+            if not local.exists(paths.manifest_key(step)):  # a tier that lost the step has it back
                 tiers.commit(step, data.decode())
             if wrote or from_remote:
                 log.info("ckpt: healed this rank's local tier %s with %d chunk(s) from peers and %d from %s (%.2fs)",
@@ -528,14 +531,14 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
             raise CorruptCheckpointError(
                 f"step {m.step}: the saved shards of {key!r} cover {covered} of the {need} elements this rank "
                 "needs; the manifest is damaged",
-                object=mf.manifest_key(m.step))
+                object=paths.manifest_key(m.step))
 
     # The values are rebuilt before any read: unpickling, or a node that cannot be rebuilt, fails now.
     try:
         decoded = st.rebuild(structure, values, allow_pickle=allow_pickle)
     except (TypeError, ValueError, KeyError) as e:
         raise CorruptCheckpointError(f"step {m.step}: its values cannot be rebuilt ({type(e).__name__}: {e})",
-                                     object=mf.manifest_key(m.step)) from e
+                                     object=paths.manifest_key(m.step)) from e
 
     stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
     if before_read is not None:
@@ -682,7 +685,7 @@ def _init_optimizers(state: dict[str, Any], m: mf.Manifest) -> bool:
 
 def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
     info = m.chunks[h]
-    key = mf.chunk_key(h)
+    key = paths.chunk_key(h)
     try:
         if info.codec.startswith("raw/") and len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size:
             # The whole chunk feeds one contiguous run: its payload is read straight into the tensor,

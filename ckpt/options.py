@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .codec import CodecSpec
+from .encode import CodecSpec
 from .errors import ConfigError
 from .redundancy_config import Parity, Replicas
 from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, parse_every, parse_signals, positive

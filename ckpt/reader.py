@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from . import manifest as mf
 from . import structure as st
 from .catalog import Catalog, TensorChange, VerifyResult, diff, read_tensors, verify
 from .errors import ConfigError
 from .export import ExportResult, export
+from .format import manifest as mf
 from .storage import open_storage
 
 Step = int | str | None  # a step number, or None / "latest" for the newest committed step

@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 
 from . import erasure
-from . import manifest as mf
-from .codec import verify_object
 from .dist import Comm
 from .errors import CheckpointError, ConfigError, CorruptCheckpointError, DistributedSaveError
+from .format import manifest as mf
+from .format import paths
+from .format.chunk import verify_object
 from .redundancy_config import Parity, Replicas
 from .storage import LocalStorage
 
@@ -295,7 +296,7 @@ class Peers:
     def _store_chunk(self, h: str, data: memoryview, keep: Callable[[str, memoryview], None] | None = None) -> None:
         """Verify chunk ``h`` (a copy that arrived damaged, or was rebuilt wrong, is never used), then
         write it to this rank's tier, or hand it to ``keep(storage key, bytes)``."""
-        key = mf.chunk_key(h)
+        key = paths.chunk_key(h)
         verify_object(key, [data])
         if keep is None:
             self.local.write(key, [data])
@@ -306,7 +307,7 @@ class Peers:
         out = bytearray(end - start)
         view, pos = memoryview(out), 0
         for h, off, n in member.pieces(start, end):
-            got = self.local.readv(mf.chunk_key(h), [view[pos: pos + n]], off)
+            got = self.local.readv(paths.chunk_key(h), [view[pos: pos + n]], off)
             if got != n:
                 raise CorruptCheckpointError(f"chunk {h} in this rank's local tier {self.local.root} is shorter than "
                                              "its manifest says: the tier is damaged (delete the step there, or the "
@@ -333,7 +334,7 @@ class Peers:
 
     def _replicate(self, docs: list[dict], stats: PeerStats) -> None:
         sources = [s for s in range(self.world) if self.rank in self.targets[s]]
-        wants = {s: [h for h, _ in docs[s]["chunks"] if not self.local.exists(mf.chunk_key(h))] for s in sources}
+        wants = {s: [h for h, _ in docs[s]["chunks"] if not self.local.exists(paths.chunk_key(h))] for s in sources}
         every = self.gather(wants)
         plan = []
         for dst in range(self.world):
@@ -346,7 +347,7 @@ class Peers:
             self._store_chunk(item[1], data)
             stats.stored_bytes += len(data)
 
-        self.exchange(plan, lambda item: self.local.read(mf.chunk_key(item[1])), received, stats)
+        self.exchange(plan, lambda item: self.local.read(paths.chunk_key(item[1])), received, stats)
 
     def _parity(self, step: int, docs: list[dict], stats: PeerStats) -> None:
         assert isinstance(self.redundancy, Parity)
@@ -373,7 +374,7 @@ class Peers:
             got[(item[2], item[3])] = data  # the received buffer, padded to the stripe's length
 
         self.exchange(plan, read, received, stats)
-        d = mf.step_dir(step)
+        d = paths.step_dir(step)
         for st in mine.stripes:
             if me not in st.parity or st.length == 0:
                 continue
@@ -390,9 +391,9 @@ class Peers:
         hashes = sorted(m.chunks)
         held = bytearray((len(hashes) + 7) // 8)
         for i, h in enumerate(hashes):
-            if self.local.exists(mf.chunk_key(h)):
+            if self.local.exists(paths.chunk_key(h)):
                 held[i // 8] |= 1 << (i % 8)
-        d = mf.step_dir(step)
+        d = paths.step_dir(step)
         names = [n for n in self.local.list(d) if n.startswith("parity-")]
         layouts = {}
         for n in names:
@@ -412,7 +413,7 @@ class Peers:
                 s.parity.setdefault(n, []).append(r)
             for n, lay in doc["layouts"].items():
                 if n not in {x.name for x in s.layouts.values()}:
-                    parsed = erasure.GroupLayout.from_json(lay, f"{mf.step_dir(step)}/{n}")
+                    parsed = erasure.GroupLayout.from_json(lay, f"{paths.step_dir(step)}/{n}")
                     s.layouts[parsed.group] = parsed
         return s
 
@@ -514,9 +515,9 @@ class Peers:
 
         def read(item: Item) -> bytes | bytearray:
             if item[0] == "chunk":
-                return self.local.read(mf.chunk_key(item[1]))
+                return self.local.read(paths.chunk_key(item[1]))
             if item[0] == "par":
-                return self.local.read(f"{mf.step_dir(s.step)}/{item[2]}")
+                return self.local.read(f"{paths.step_dir(s.step)}/{item[2]}")
             _, g, p, q = item
             mem = s.layouts[g].members[p]
             return self._read_range(mem, *mem.segment(q, s.layouts[g].k))

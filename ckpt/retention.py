@@ -18,16 +18,17 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import manifest as mf
-from .codec import is_chunk_hash
 from .errors import CheckpointError
+from .format import manifest as mf
+from .format import paths
+from .format.chunk import is_chunk_hash
+from .format.paths import RETIRED, retired_key
 from .lease import Leases
 from .storage import Storage
 
 log = logging.getLogger("ckpt")
 
 DeleteMany = Callable[[list[str]], Any]  # deletes every key given; what it returns is ignored
-RETIRED = "retired"
 
 
 def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int],
@@ -68,18 +69,18 @@ def delete_steps(storage: Storage, cache: mf.ManifestCache, victims: list[int], 
             log.warning("ckpt: retention: step %d has an unreadable manifest (%s); its chunks are left for gc", s, e)
     doomed = sorted(garbage - _references(cache, remaining) - set(keep))
     for s in victims:
-        storage.delete(mf.manifest_key(s))  # the step stops existing here
+        storage.delete(paths.manifest_key(s))  # the step stops existing here
         cache.drop(s)
-        for name in storage.list(mf.step_dir(s)):
-            storage.delete(f"{mf.step_dir(s)}/{name}")
-        storage.delete(mf.step_dir(s))
+        for name in storage.list(paths.step_dir(s)):
+            storage.delete(f"{paths.step_dir(s)}/{name}")
+        storage.delete(paths.step_dir(s))
     storage.flush()
     if park:
         if doomed:
             doc = {"steps": victims, "chunks": doomed}
-            storage.write(f"{RETIRED}/{victims[0]:012d}-{uuid.uuid4().hex[:12]}.json", [json.dumps(doc).encode()])
+            storage.write(retired_key(f"{victims[0]:012d}-{uuid.uuid4().hex[:12]}.json"), [json.dumps(doc).encode()])
     else:
-        delete_many([mf.chunk_key(h) for h in doomed])
+        delete_many([paths.chunk_key(h) for h in doomed])
     storage.flush()
     return len(victims), doomed
 
@@ -90,7 +91,7 @@ def parked(storage: Storage) -> dict[str, list[str]]:
     for name in storage.list(RETIRED):
         if not name.endswith(".json"):  # e.g. another deleter's marker still being written (``*.tmp-*``)
             continue
-        key = f"{RETIRED}/{name}"
+        key = retired_key(name)
         try:
             doc = json.loads(storage.read(key))
             chunks = [h for h in doc["chunks"] if isinstance(h, str) and is_chunk_hash(h)]
@@ -109,7 +110,7 @@ def collect_parked(storage: Storage, cache: mf.ManifestCache, committed: list[in
         return []
     candidates = set().union(*lists.values()) - _references(cache, committed) - set(keep)
     doomed = sorted(candidates)
-    delete_many([mf.chunk_key(h) for h in doomed])
+    delete_many([paths.chunk_key(h) for h in doomed])
     storage.flush()
     for key in lists:
         storage.delete(key)
@@ -120,7 +121,7 @@ def remove_checkpoint(storage: Storage) -> None:
     """Delete a whole checkpoint: every step's manifest first (so a removal cut short leaves no step
     that looks committed but lacks its chunks), then everything else, root included."""
     for s in mf.committed_steps(storage):
-        storage.delete(mf.manifest_key(s))
+        storage.delete(paths.manifest_key(s))
     storage.flush()
     storage.remove_root()
 

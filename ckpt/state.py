@@ -25,7 +25,8 @@ import torch
 
 from . import structure as st
 from .errors import CheckpointError, ConfigError, StateMismatchError, UnsupportedValueError
-from .sharding import Box, LocalShard, dtensor_box, is_dtensor
+from .format.boxes import Box
+from .sharding import LocalShard, dtensor_box, is_dtensor
 
 
 def is_stateful(obj: Any) -> bool:

@@ -17,10 +17,12 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 from . import _ext
-from . import manifest as mf
 from ._tasks import run_all
-from .codec import HEADER_SIZE, Base, CodecSpec, Pace, check_header, chunk_hash, encode, parse_header
+from .encode import CodecSpec, Pace, encode
 from .errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
+from .format import manifest as mf
+from .format import paths
+from .format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
 from .handle import SaveMetrics
 from .layout import ChunkSlot
 from .lease import Leases
@@ -128,7 +130,7 @@ class Writer:
         cpu = time.thread_time() - cpu
         with self._lock:
             job.encode_cpu_s += cpu
-        stored = self.storage.write(mf.chunk_key(h), buffers)
+        stored = self.storage.write(paths.chunk_key(h), buffers)
         info = mf.ChunkInfo(len(data), stored, f"{codec}/1", b.digest if codec == "xor" and b is not None else None)
         with self._lock:
             self.known[h] = info
@@ -140,7 +142,7 @@ class Writer:
         """Is chunk ``h`` already stored (by an earlier run)? Read its header to describe it, and for
         a delta its base's, down its chain. Returns (what is stored or None, whether a damaged copy,
         or a delta whose chain is broken, is there: then a whole copy is written over it)."""
-        key = mf.chunk_key(h)
+        key = paths.chunk_key(h)
         try:
             hdr = parse_header(self.storage.head(key, HEADER_SIZE), name=key)
             stored = self.storage.size(key)
@@ -178,7 +180,7 @@ class Writer:
         table, gone = self._table(puts)
         fresh = {p.hash for p in puts if p.how != "known"}  # written or probed by this save
         check = [h for h in table if h not in fresh]
-        gone |= {h for h, ok in zip(check, run_all(self.io, lambda h: self.storage.exists(mf.chunk_key(h)), check))
+        gone |= {h for h, ok in zip(check, run_all(self.io, lambda h: self.storage.exists(paths.chunk_key(h)), check))
                  if not ok}
         if not gone:
             return
@@ -200,7 +202,7 @@ class Writer:
                                                       c.rotate, again=True)
 
     def _check_not_committed(self, step: int) -> None:
-        if self.storage.exists(mf.manifest_key(step)):
+        if self.storage.exists(paths.manifest_key(step)):
             raise StepExistsError(
                 f"step {step} is already committed in {self.storage.describe()}; committed steps are never "
                 "overwritten. Save under a new step number (or delete the old one with retention/`ckpt gc`).")
@@ -245,7 +247,7 @@ class Writer:
                 job.on_local()
             part = self._report(job, rank, puts)
             self._check_not_committed(job.step)  # a committed step's rank reports never change
-            self.storage.write(mf.rank_key(job.step, rank), [part.to_json()])
+            self.storage.write(paths.rank_key(job.step, rank), [part.to_json()])
             return part
         except BaseException:
             self.discard(job)
@@ -306,7 +308,7 @@ class Writer:
                 log.info("ckpt: step %d failed; its %d new chunk(s) are left for `ckpt gc` (another writer is live)",
                          job.step, len(created))
                 return
-            run_all(self.io, self.storage.delete, [mf.chunk_key(h) for h in created])
+            run_all(self.io, self.storage.delete, [paths.chunk_key(h) for h in created])
             self.storage.flush()
             log.info("ckpt: step %d failed; removed the %d chunk(s) it had written", job.step, len(created))
         except Exception as e:  # the save's own error matters more; gc removes them later
@@ -322,12 +324,12 @@ class Writer:
         self._settle_conflicts(parts)
         step_manifest = mf.merge(step, parts, per_rank)
         try:
-            mf.check_chains(step_manifest.chunks, mf.manifest_key(step))
+            mf.check_chains(step_manifest.chunks, paths.manifest_key(step))
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
                                          f"({e})") from e
         try:
-            self.storage.commit(mf.manifest_key(step), step_manifest.to_json())
+            self.storage.commit(paths.manifest_key(step), step_manifest.to_json())
         except FileExistsError:
             raise StepExistsError(
                 f"step {step} is already committed in {self.storage.describe()}; committed steps are never "
@@ -342,7 +344,7 @@ class Writer:
                 if seen.setdefault(h, info) != info:
                     conflicts.add(h)
         for h in sorted(conflicts):
-            key = mf.chunk_key(h)
+            key = paths.chunk_key(h)
             hdr = parse_header(self.storage.head(key, HEADER_SIZE), name=key)
             stored = self.storage.size(key)
             check_header(hdr, name=key, expect_hash=h, object_len=stored)

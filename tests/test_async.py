@@ -13,7 +13,7 @@ import torch
 from conftest import chunk_files, clone_tensors, make_state
 
 import ckpt
-from ckpt import manifest as mf
+from ckpt.format import paths
 
 
 def test_snapshot_is_the_state_at_save_time(ckdir, gate):
@@ -133,7 +133,7 @@ def test_keep_last_deletes_old_steps_and_only_their_chunks(ckdir):
         referenced |= c.manifest(s).chunks.keys()
     on_disk = {os.path.basename(p) for p in chunk_files(ckdir)}
     assert on_disk == referenced  # nothing unreferenced left, nothing referenced deleted
-    assert not os.path.exists(os.path.join(ckdir, mf.step_dir(1)))
+    assert not os.path.exists(os.path.join(ckdir, paths.step_dir(1)))
     target = {"w": torch.empty_like(w), "frozen": torch.empty_like(frozen)}
     assert c.load("latest", target) == 5 and torch.equal(target["w"], w)
     c.close()

@@ -22,8 +22,9 @@ from dist_helpers import run_ranks
 
 import ckpt
 from ckpt import cli
-from ckpt import manifest as mf
-from ckpt.codec import CodecSpec, chunk_hash, encode
+from ckpt.encode import CodecSpec, encode
+from ckpt.format import paths
+from ckpt.format.chunk import chunk_hash
 from ckpt.storage.local import LocalStorage
 
 KiB = 1024
@@ -46,7 +47,7 @@ def rows(out: str) -> list[list[str]]:
 
 
 def chunk_path(root: str, h: str) -> str:
-    return os.path.join(root, mf.chunk_key(h))
+    return os.path.join(root, paths.chunk_key(h))
 
 
 def frozen_and_moving(step: int) -> dict:
@@ -112,7 +113,7 @@ def test_ls_reports_sizes_new_bytes_incomplete_and_damaged_steps(ckdir, run, mon
     assert table[4][0] == "4" and table[4][7].startswith("incomplete")
 
     # A manifest that does not parse: the step is damaged, ls says so and exits 1.
-    with open(os.path.join(ckdir, mf.manifest_key(2)), "wb") as f:
+    with open(os.path.join(ckdir, paths.manifest_key(2)), "wb") as f:
         f.write(b'{"format": "ckpt", truncated')
     rc, out, _ = run("ls", ckdir)
     assert rc == 1
@@ -129,7 +130,7 @@ def test_ls_verify_marks_the_steps_that_reference_a_bad_chunk(ckdir, run):
     assert rc == 1
     status = {r[0]: r[7] for r in rows(out)[1:]}
     assert status["1"].startswith("CORRUPT") and status["2"] == "verified" and status["3"] == "verified"
-    assert mf.chunk_key(only_1) in err
+    assert paths.chunk_key(only_1) in err
 
 
 # -- inspect and export on a checkpoint saved by two ranks ----------------------------------------------
@@ -271,16 +272,16 @@ def test_verify_names_each_corrupt_or_missing_object_and_the_steps_using_it(ckdi
     rc, out, _ = run("verify", ckdir)  # the latest step only
     assert rc == 1
     found = {r[1]: r for r in rows(out)[1:]}
-    assert set(found) == {mf.chunk_key(shared), mf.chunk_key(latest)}
-    assert found[mf.chunk_key(shared)][0] == "corrupt" and found[mf.chunk_key(shared)][2] == "3"
+    assert set(found) == {paths.chunk_key(shared), paths.chunk_key(latest)}
+    assert found[paths.chunk_key(shared)][0] == "corrupt" and found[paths.chunk_key(shared)][2] == "3"
 
     rc, out, _ = run("verify", ckdir, "--all", "--json")
     doc = json.loads(out)
     assert rc == 1 and doc["schema"] == "ckpt-verify/1" and doc["ok"] is False
     probs = {p["object"]: p for p in doc["problems"]}
-    assert probs[mf.chunk_key(shared)]["steps"] == [1, 2, 3] and "hash" in probs[mf.chunk_key(shared)]["message"]
-    assert probs[mf.chunk_key(only_1)]["kind"] == "missing" and probs[mf.chunk_key(only_1)]["steps"] == [1]
-    assert probs[mf.chunk_key(latest)]["kind"] == "corrupt" and probs[mf.chunk_key(latest)]["steps"] == [3]
+    assert probs[paths.chunk_key(shared)]["steps"] == [1, 2, 3] and "hash" in probs[paths.chunk_key(shared)]["message"]
+    assert probs[paths.chunk_key(only_1)]["kind"] == "missing" and probs[paths.chunk_key(only_1)]["steps"] == [1]
+    assert probs[paths.chunk_key(latest)]["kind"] == "corrupt" and probs[paths.chunk_key(latest)]["steps"] == [3]
     assert len(probs) == 3 and doc["chunks"] == len(m1.chunks.keys() | c.manifest(2).chunks.keys() | m3.chunks.keys())
 
     rc, _, err = run("verify", ckdir, "--step", 9)
@@ -346,7 +347,7 @@ def _orphan(root: str, seed: int) -> str:
     os.makedirs(os.path.dirname(chunk_path(root, h)), exist_ok=True)
     with open(chunk_path(root, h), "wb") as f:
         f.write(b"".join(bytes(b) for b in bufs))
-    return mf.chunk_key(h)
+    return paths.chunk_key(h)
 
 
 def make_garbage(root: str, monkeypatch) -> dict[str, set[str]]:
@@ -361,25 +362,25 @@ def make_garbage(root: str, monkeypatch) -> dict[str, set[str]]:
     monkeypatch.undo()
     rel = lambda p: os.path.relpath(p, root)  # noqa: E731
     old = {"orphan": {rel(p) for p in set(chunk_files(root)) - before} | {_orphan(root, 1)},
-           "incomplete": {mf.step_dir(4)}, "temp": set()}
+           "incomplete": {paths.step_dir(4)}, "temp": set()}
     young = {"orphan": {_orphan(root, 2)}, "incomplete": set(), "temp": set()}
     for group, name in ((old, "chunks/ab/" + "ab" * 16 + ".tmp-0123456789ab"),
-                        (old, mf.manifest_key(3) + ".tmp-aaaaaaaaaaaa"),
+                        (old, paths.manifest_key(3) + ".tmp-aaaaaaaaaaaa"),
                         (young, "chunks/cd/" + "cd" * 16 + ".tmp-ba9876543210")):
         os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
         with open(os.path.join(root, name), "wb") as f:
             f.write(b"partial")
         group["temp"].add(name)
     # a second failed save, just now: its step directory is young
-    os.makedirs(os.path.join(root, mf.step_dir(5)))
-    shutil.copy(os.path.join(root, mf.rank_key(4, 0)), os.path.join(root, mf.rank_key(5, 0)))
-    young["incomplete"].add(mf.step_dir(5))
+    os.makedirs(os.path.join(root, paths.step_dir(5)))
+    shutil.copy(os.path.join(root, paths.rank_key(4, 0)), os.path.join(root, paths.rank_key(5, 0)))
+    young["incomplete"].add(paths.step_dir(5))
     t = time.time() - 2 * HOUR
     young_paths = {os.path.join(root, k) for ks in young.values() for k in ks}
     for d, _, files in os.walk(root):
         for f in files:
             p = os.path.join(d, f)
-            if p not in young_paths and not p.startswith(os.path.join(root, mf.step_dir(5))):
+            if p not in young_paths and not p.startswith(os.path.join(root, paths.step_dir(5))):
                 os.utime(p, (t, t))
     return {"old": old, "young": young, "states": states}
 
@@ -404,8 +405,8 @@ def test_gc_removes_only_old_garbage_and_every_committed_step_still_loads(ckdir,
     want = f"removed: {len(g['old']['orphan'])} orphan chunk(s), 2 temp file(s), 1 incomplete step(s)"
     assert rc == 0 and want in out
     gone = {k for ks in g["old"].values() for k in ks}
-    assert not [f for f in every_file() if f in gone or f.startswith(mf.step_dir(4))]
-    assert set(every_file()) == set(files) - {f for f in files if f in gone or f.startswith(mf.step_dir(4))}
+    assert not [f for f in every_file() if f in gone or f.startswith(paths.step_dir(4))]
+    assert set(every_file()) == set(files) - {f for f in files if f in gone or f.startswith(paths.step_dir(4))}
     for s, st in g["states"].items():
         assert_loads(ckdir, s, st)
     assert run("verify", ckdir, "--all")[0] == 0
@@ -417,7 +418,7 @@ def test_gc_removes_only_old_garbage_and_every_committed_step_still_loads(ckdir,
     rc, out, _ = run("gc", ckdir, "--keep-last", "1", "--grace", "0")  # retention, by request
     assert rc == 0 and ckpt.Checkpointer(ckdir).steps() == [3]
     assert_loads(ckdir, 3, g["states"][3])
-    referenced = {mf.chunk_key(h) for h in ckpt.Checkpointer(ckdir).manifest(3).chunks}
+    referenced = {paths.chunk_key(h) for h in ckpt.Checkpointer(ckdir).manifest(3).chunks}
     assert {os.path.relpath(p, ckdir) for p in chunk_files(ckdir)} == referenced
 
 
@@ -498,12 +499,12 @@ def test_memory_url_end_to_end(run, tmp_path):
         got = torch.load(tmp_path / "m.pt", weights_only=True)
         assert rc == 0 and torch.equal(got["moving"], states[2]["moving"])
         h = next(iter(tensor_entry(ckpt.Checkpointer(url).manifest(1), "moving").shards[0].segments)).chunk
-        fs.rm(f"/cli-test/run/{mf.chunk_key(h)}")
+        fs.rm(f"/cli-test/run/{paths.chunk_key(h)}")
         rc, out, _ = run("verify", url, "--all")
-        assert rc == 1 and mf.chunk_key(h) in out and "missing" in out
-        fs.pipe_file(f"/cli-test/run/{mf.step_dir(9)}/rank-00000.json", b"{}")
+        assert rc == 1 and paths.chunk_key(h) in out and "missing" in out
+        fs.pipe_file(f"/cli-test/run/{paths.step_dir(9)}/rank-00000.json", b"{}")
         rc, out, _ = run("gc", url, "--grace", "0", "--json")  # memory:// reports creation times
-        assert {i["object"] for i in json.loads(out)["removed"]} == {mf.step_dir(9)}
+        assert {i["object"] for i in json.loads(out)["removed"]} == {paths.step_dir(9)}
         rc, out, _ = run("gc", url, "--storage-option", "use_listings_cache=false", "--json")
         assert rc == 0 and json.loads(out)["removed"] == []
     finally:

@@ -64,7 +64,7 @@ def test_gc_with_retention_also_deletes_the_chunks_of_parked_lists(tmp_path):
     """Retention that parked a step's chunks (another writer was live), then gc with a step of its
     own to retire: both sets go, and the parked list with them (the flake of the test below: gc took
     the parked chunks for deleted by its own retention and removed their list)."""
-    from ckpt import manifest as mf
+    from ckpt.format import manifest as mf
     from ckpt.retention import delete_steps
 
     root = str(tmp_path / "ck")

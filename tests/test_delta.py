@@ -14,9 +14,12 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import CorruptCheckpointError, IncompatibleFormatError, cli, codec
-from ckpt import manifest as mf
-from ckpt.codec import Base, CodecSpec, Pace, chunk_hash, encode, verify_object
+from ckpt import CorruptCheckpointError, IncompatibleFormatError, cli
+from ckpt.encode import CodecSpec, Pace, encode
+from ckpt.format import manifest as mf
+from ckpt.format import paths
+from ckpt.format.chunk import Base, chunk_hash, decode, verify_object
+from ckpt.format.planes import group, ungroup
 
 CHUNK = 64 * 1024
 
@@ -150,7 +153,7 @@ def test_keep_last_keeps_the_bases_of_kept_steps_and_gc_removes_only_the_rest(tm
 def _retention_killed_after(root: str, kill_after: int) -> int:
     """Run retention (keep the newest 2) on ``root`` in a forked child that SIGKILLs itself before
     delete number ``kill_after + 1``; returns the child's wait status (0: it finished)."""
-    from ckpt.manifest import ManifestCache, committed_steps
+    from ckpt.format.manifest import ManifestCache, committed_steps
     from ckpt.retention import delete_steps, to_delete
     from ckpt.storage import open_storage
 
@@ -227,7 +230,7 @@ def test_a_base_deleted_by_another_process_is_written_again_whole(tmp_path):
         gone = sorted({i.base for i in m1.chunks.values() if i.base is not None})
         assert gone
         for h in gone:  # e.g. a bucket lifecycle rule
-            os.unlink(os.path.join(root, mf.chunk_key(h)))
+            os.unlink(os.path.join(root, paths.chunk_key(h)))
         s, state = next(gen)
         c.save(s, state).wait()
         states[s] = state
@@ -246,7 +249,7 @@ def test_verify_names_a_damaged_base_and_every_step_and_delta_it_breaks(tmp_path
     m2 = ckpt.Checkpointer(root).manifest(2)
     delta = next(h for h in sorted(data_chunks(m2, "emb")) if m2.chunks[h].codec == "xor/1")
     base = mf.chain(m2.chunks, delta)[-1]
-    path = os.path.join(root, mf.chunk_key(base))
+    path = os.path.join(root, paths.chunk_key(base))
     blob = bytearray(open(path, "rb").read())
     blob[-100] ^= 0x40
     open(path, "wb").write(bytes(blob))
@@ -304,14 +307,14 @@ def test_compiled_core_and_numpy_write_the_same_bytes(monkeypatch, n, width):
     for disabled in ("", "1"):
         monkeypatch.setenv("CKPT_NO_EXT", disabled)
         encs = [encode(raw, h, CodecSpec(name), width=width, base=base) for name in ("grouped", "auto")]
-        g = codec.group(raw, base.raw, width)
-        back = codec.ungroup(g, base.raw, width, np.empty(len(raw), np.uint8))
+        g = group(raw, base.raw, width)
+        back = ungroup(g, base.raw, width, np.empty(len(raw), np.uint8))
         assert bytes(back) == bytes(raw)
         outs.append([b"".join(bytes(b) for b in e[1]) for e in encs] + [g.tobytes()])
         for (name, _), blob in zip(encs, outs[-1]):
-            assert bytes(codec.decode(blob, name="x", expect_hash=h, base=base)) == bytes(raw), name
+            assert bytes(decode(blob, name="x", expect_hash=h, base=base)) == bytes(raw), name
             work = np.frombuffer(bytes(base.raw), np.uint8).copy()  # a delta decoded in place, into its base
-            got = codec.decode(blob, name="x", expect_hash=h, base=Base(work.data, base.digest), out=work)
+            got = decode(blob, name="x", expect_hash=h, base=Base(work.data, base.digest), out=work)
             assert bytes(got) == bytes(raw), name
     assert outs[0] == outs[1]
 
@@ -325,11 +328,11 @@ def test_auto_picks_xor_where_it_pays_and_refuses_bad_deltas():
     name, bufs = encode(raw, h, CodecSpec("auto"), width=4, base=Base(braw, bh))
     blob = b"".join(bytes(b) for b in bufs)
     assert name == "xor" and len(blob) < 0.05 * len(raw)
-    assert bytes(codec.decode(blob, name="x", expect_hash=h, base=Base(braw, bh))) == bytes(raw)
+    assert bytes(decode(blob, name="x", expect_hash=h, base=Base(braw, bh))) == bytes(raw)
     verify_object(f"chunks/{h[:2]}/{h}", [memoryview(blob)])  # a tier's check needs no base
     other = Base(memoryview(bytes(len(raw))), "0" * 32)
     with pytest.raises(CorruptCheckpointError, match="base"):
-        codec.decode(blob, name="x", expect_hash=h, base=other)
+        decode(blob, name="x", expect_hash=h, base=other)
     bad = bytearray(blob)
     bad[-3] ^= 1
     with pytest.raises(CorruptCheckpointError, match="payload check"):
@@ -382,10 +385,10 @@ def test_unknown_codecs_and_formats_are_refused_clearly(tmp_path):
     blob = bytearray(b"".join(bytes(b) for b in encode(raw, h, CodecSpec("grouped"), width=4)[1]))
     blob[10] = 9  # a codec id from a newer ckpt
     with pytest.raises(IncompatibleFormatError, match="codec id 9"):
-        codec.decode(bytes(blob), name="x", expect_hash=h)
+        decode(bytes(blob), name="x", expect_hash=h)
     root = str(tmp_path / "ck")
     save_run(root, 2)
-    path = os.path.join(root, mf.manifest_key(1))
+    path = os.path.join(root, paths.manifest_key(1))
     doc = json.load(open(path))
     assert doc["format_version"] == 4
     h1 = next(k for k, v in doc["chunks"].items() if v[2] == "xor/1")
@@ -455,7 +458,7 @@ def test_ranks_that_stored_the_same_chunk_differently_commit_what_stayed(tmp_pat
     raw = _chunk(1 << 18)
     h = chunk_hash(raw)
     kept = encode(raw, h, CodecSpec("grouped"), width=2)  # the copy that stayed: planes of width 2
-    stored = storage.write(mf.chunk_key(h), kept[1])
+    stored = storage.write(paths.chunk_key(h), kept[1])
     other = mf.ChunkInfo(len(raw), stored + 1000, "planes/1")  # what the other rank wrote before it
     entries = (other, mf.ChunkInfo(len(raw), stored, "planes/1"))
     parts = [mf.Manifest(step=1, kind="rank", rank=r, structure=ckpt.structure.dict_node([], []), tensors=[],

@@ -15,7 +15,7 @@ from conftest import tensor_entry
 from dist_helpers import run_ranks
 
 import ckpt
-from ckpt import manifest as mf
+from ckpt.format import manifest as mf
 from ckpt.storage.local import LocalStorage
 
 KiB = 1024

@@ -11,7 +11,7 @@ import torch
 from conftest import chunk_files, make_state
 
 import ckpt
-from ckpt import manifest as mf
+from ckpt.format import paths
 
 
 def _save_steps(ckdir, steps=(1, 2), **kw):
@@ -33,7 +33,7 @@ def _chunks_of(ckdir, step):
 
 
 def _chunk_path(ckdir, h):
-    return os.path.join(ckdir, mf.chunk_key(h))
+    return os.path.join(ckdir, paths.chunk_key(h))
 
 
 @pytest.mark.parametrize("damage", ["bitflip", "truncate", "delete", "header"])
@@ -56,7 +56,7 @@ def test_damaged_chunk_is_reported_by_name(ckdir, damage):
             f.write(b"NOTCKPT!")
     with pytest.raises(ckpt.CorruptCheckpointError) as ei:
         ckpt.Checkpointer(ckdir).load("latest", {"w": torch.empty(64, 1024), "step": 0})
-    assert ei.value.object == mf.chunk_key(h) and h in str(ei.value)
+    assert ei.value.object == paths.chunk_key(h) and h in str(ei.value)
     assert "fallback=True" in str(ei.value)
 
 
@@ -86,18 +86,18 @@ def test_fallback_loads_the_newest_good_step_and_says_so(ckdir, caplog):
 
 def test_corrupt_manifest(ckdir):
     _save_steps(ckdir)
-    key = os.path.join(ckdir, mf.manifest_key(2))
+    key = os.path.join(ckdir, paths.manifest_key(2))
     open(key, "wb").write(open(key, "rb").read()[:-20])
     with pytest.raises(ckpt.CorruptCheckpointError, match="not valid JSON") as ei:
         ckpt.Checkpointer(ckdir).load("latest", {"w": torch.empty(64, 1024), "step": 0})
-    assert ei.value.object == mf.manifest_key(2)
+    assert ei.value.object == paths.manifest_key(2)
     assert ckpt.Checkpointer(ckdir).load("latest", {"w": torch.empty(64, 1024), "step": 0}, fallback=True) == 1
 
 
 @pytest.mark.parametrize("tamper", ["traversal", "segment_past_end", "bad_dtype", "sizes_disagree", "neg_shape"])
 def test_tampered_manifest_is_refused_before_any_read(ckdir, tamper):
     _save_steps(ckdir, steps=(1,))
-    path = os.path.join(ckdir, mf.manifest_key(1))
+    path = os.path.join(ckdir, paths.manifest_key(1))
     doc = json.load(open(path))
     t = next(t for t in doc["tensors"] if t["key"] == "w")
     seg = t["shards"][0]["segments"][0]
@@ -116,12 +116,12 @@ def test_tampered_manifest_is_refused_before_any_read(ckdir, tamper):
     open(path, "w").write(json.dumps(doc))
     with pytest.raises(ckpt.CorruptCheckpointError) as ei:
         ckpt.Checkpointer(ckdir).load(1, {"w": torch.empty(64, 1024), "step": 0})
-    assert ei.value.object == mf.manifest_key(1)
+    assert ei.value.object == paths.manifest_key(1)
 
 
 def test_newer_format_is_refused_with_upgrade_advice(ckdir):
     _save_steps(ckdir, steps=(1,))
-    path = os.path.join(ckdir, mf.manifest_key(1))
+    path = os.path.join(ckdir, paths.manifest_key(1))
     doc = json.load(open(path))
     doc["format_version"] = 99
     open(path, "w").write(json.dumps(doc))
@@ -131,7 +131,7 @@ def test_newer_format_is_refused_with_upgrade_advice(ckdir):
 
 def test_unknown_codec_is_refused(ckdir):
     _save_steps(ckdir, steps=(1,))
-    path = os.path.join(ckdir, mf.manifest_key(1))
+    path = os.path.join(ckdir, paths.manifest_key(1))
     doc = json.load(open(path))
     for v in doc["chunks"].values():
         v[2] = "lz5/1"

@@ -12,7 +12,7 @@ import xxhash
 
 import ckpt
 from ckpt import _ext
-from ckpt.codec import chunk_hash
+from ckpt.format.chunk import chunk_hash
 from ckpt.layout import make_layout
 from ckpt.snapshot import HostBuffer
 

@@ -17,7 +17,7 @@ from golden import DATA, delta_state, digest, model_state, plain_state, shard_st
 
 import ckpt
 from ckpt import cli
-from ckpt import manifest as mf
+from ckpt.format import manifest as mf
 
 EXPECTED = json.load(open(os.path.join(DATA, "expected.json")))
 

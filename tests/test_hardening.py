@@ -18,8 +18,8 @@ import zstandard
 from conftest import chunk_files, tensor_entry
 
 import ckpt
-from ckpt import codec
-from ckpt import manifest as mf
+from ckpt.format import paths
+from ckpt.format.chunk import HEADER, MAGIC, NO_BASE, chunk_hash, decode
 from ckpt.storage.local import LocalStorage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -195,7 +195,7 @@ def test_malformed_manifests_are_corrupt_and_fallback_passes_them(ckdir, how, ca
     with ckpt.Checkpointer(ckdir) as c:
         c.save(1, {"w": torch.ones(100), "cfg": {"a": 1}})
         c.save(2, {"w": torch.full((100,), 2.0), "cfg": {"a": 2}})
-    path = os.path.join(ckdir, mf.manifest_key(2))
+    path = os.path.join(ckdir, paths.manifest_key(2))
     with open(path) as f:
         doc = json.load(f)
     with open(path, "wb") as f:
@@ -214,13 +214,13 @@ def test_malformed_manifests_are_corrupt_and_fallback_passes_them(ckdir, how, ca
 
 def test_a_chunk_that_decompresses_to_more_than_declared_is_refused_in_bounded_memory():
     raw = bytes(range(256)) * 4096
-    h = codec.chunk_hash(raw)
+    h = chunk_hash(raw)
     bomb = zstandard.ZstdCompressor(level=3).compress(bytes(256 << 20))  # 256 MiB of zeros, ~8 KiB stored
-    blob = codec.HEADER.pack(codec.MAGIC, 1, 1, 0, 0, len(raw), bytes.fromhex(h), codec.NO_BASE, len(bomb)) + bomb
+    blob = HEADER.pack(MAGIC, 1, 1, 0, 0, len(raw), bytes.fromhex(h), NO_BASE, len(bomb)) + bomb
     tracemalloc.start()
     try:
         with pytest.raises(ckpt.CorruptCheckpointError, match="more than"):
-            codec.decode(blob, name="bomb", expect_hash=h, expect_len=len(raw))
+            decode(blob, name="bomb", expect_hash=h, expect_len=len(raw))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -287,7 +287,7 @@ def test_a_fifo_or_directory_in_place_of_a_chunk_fails_fast_and_falls_back(ckdir
 def test_saving_a_committed_step_again_changes_nothing_of_it(ckdir):
     with ckpt.Checkpointer(ckdir) as c:
         c.save(3, {"w": torch.ones(10)})
-    rank_file = os.path.join(ckdir, mf.rank_key(3, 0))
+    rank_file = os.path.join(ckdir, paths.rank_key(3, 0))
     before = open(rank_file, "rb").read(), os.stat(rank_file).st_mtime_ns
     c = ckpt.Checkpointer(ckdir)
     with pytest.raises(ckpt.StepExistsError):

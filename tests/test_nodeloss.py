@@ -257,8 +257,9 @@ def test_kill_during_replication_leaves_every_committed_local_step_whole(tmp_pat
     assert got[1] is None  # the victim died
     for r in (0, 2, 3):
         assert got[r][1] == got[r][2] == "ok" and got[r][3] != "ok", got[r]
-    from ckpt import manifest as mf
-    from ckpt.codec import verify_object
+    from ckpt.format import manifest as mf
+    from ckpt.format import paths
+    from ckpt.format.chunk import verify_object
     from ckpt.storage import LocalStorage
 
     for r in range(4):
@@ -268,8 +269,8 @@ def test_kill_during_replication_leaves_every_committed_local_step_whole(tmp_pat
         for s in steps:
             m = mf.read_step(tier, s)
             for h in m.chunks:  # every chunk this tier holds verifies; none is torn
-                if tier.exists(mf.chunk_key(h)):
-                    verify_object(mf.chunk_key(h), [memoryview(tier.read(mf.chunk_key(h)))])
+                if tier.exists(paths.chunk_key(h)):
+                    verify_object(paths.chunk_key(h), [memoryview(tier.read(paths.chunk_key(h)))])
     loaded = run_ranks(4, _load_body, root, "replicas")
     assert [x["step"] for x in loaded] == [2] * 4  # the newest committed step, from the local tiers
     assert all(x["source"] == "local tiers" for x in loaded)

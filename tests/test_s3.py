@@ -19,7 +19,7 @@ from conftest import BUCKET, MiB, fast, s3_url
 from s3_servers import FaultProxy, RcloneS3
 
 import ckpt
-from ckpt import manifest as mf
+from ckpt.format import paths
 from ckpt.storage import open_storage
 from ckpt.storage.s3 import S3Storage
 
@@ -91,10 +91,10 @@ def test_commit_waits_for_uploads_and_stage_order(rclone_server, tmp_path, monke
             h.wait("local")
             assert entered.wait(60)  # an upload is under way, and held
             assert h.stage == "local" and not h.done()
-            assert not direct.exists(mf.manifest_key(1))
+            assert not direct.exists(paths.manifest_key(1))
             gate.set()
             h.wait()
-            assert h.stage == "committed" and direct.exists(mf.manifest_key(1))
+            assert h.stage == "committed" and direct.exists(paths.manifest_key(1))
             assert h.metrics.local_s < h.metrics.duration_s
     finally:
         gate.set()
@@ -221,7 +221,7 @@ def test_restore_prefers_local_and_ignores_damaged_copy(moto_server, tmp_path, c
     with ckpt.Checkpointer(url, local_dir=local, storage_options=so) as c:
         with caplog.at_level(logging.WARNING, logger="ckpt"):
             assert_loaded(c, 1, s1)
-        assert c.last_load.local_rejected == [mf.chunk_key(os.path.basename(chunks[0]))]
+        assert c.last_load.local_rejected == [paths.chunk_key(os.path.basename(chunks[0]))]
         assert c.last_load.remote_chunks == 2 and c.last_load.local_chunks == n - 2
         assert "damaged" in caplog.text
 
@@ -234,9 +234,9 @@ def test_staged_chunk_missing_remotely_is_uploaded_before_reuse(moto_server, tmp
         c.save(1, s1).wait()
         remote = c.storage.remote
         victim = sorted(c.manifest(1).chunks)[0]
-        remote.delete(mf.chunk_key(victim))
+        remote.delete(paths.chunk_key(victim))
         c.save(2, s1).wait()  # reuses every chunk; the missing one is healed from the local copy
-        assert remote.exists(mf.chunk_key(victim))
+        assert remote.exists(paths.chunk_key(victim))
     with ckpt.Checkpointer(url, storage_options=so) as c:
         assert_loaded(c, 2, s1)
 
@@ -269,10 +269,10 @@ def test_retention_keep_last_and_keep_every_on_both_tiers(rclone_server, tmp_pat
 
 RETENTION_CHILD = r"""
 import os, signal, sys
-from ckpt.codec import verify_object
-from ckpt.manifest import ManifestCache, committed_steps
+from ckpt.format.manifest import ManifestCache, committed_steps
 from ckpt.retention import delete_steps, to_delete
 from ckpt.storage import open_tiered
+from ckpt.format.chunk import verify_object
 url, local, endpoint, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 so = {"key": "ckpttest", "secret": "ckpttestsecret", "client_kwargs": {"endpoint_url": endpoint}}
 st = open_tiered(url, local, so, verify=verify_object)

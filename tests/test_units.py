@@ -9,15 +9,17 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import CorruptCheckpointError, IncompatibleFormatError, codec
-from ckpt import manifest as mf
+from ckpt import CorruptCheckpointError, IncompatibleFormatError
 from ckpt import structure as st
 from ckpt.commit import Decision, Report, Status
 from ckpt.dist import Inventory, InventoryRow, LocalComm, WriteAssignment
+from ckpt.encode import CodecSpec, encode
+from ckpt.format import manifest as mf
+from ckpt.format.boxes import contiguous_run, next_needed
+from ckpt.format.chunk import chunk_hash, decode, verify, verify_object
 from ckpt.layout import ALIGN, make_layout
 from ckpt.options import Options
 from ckpt.retention import to_delete
-from ckpt.sharding import contiguous_run, next_needed
 from ckpt.state import flatten
 
 
@@ -51,47 +53,47 @@ def test_layout_is_stable_for_the_same_structure():
 
 def test_codec_roundtrip_and_header_checks():
     raw = memoryview(bytes(range(256)) * 4096)
-    h = codec.chunk_hash(raw)
-    for spec in (codec.CodecSpec("raw"), codec.CodecSpec("zstd", 3), codec.CodecSpec("auto")):
-        name, bufs = codec.encode(raw, h, spec)
+    h = chunk_hash(raw)
+    for spec in (CodecSpec("raw"), CodecSpec("zstd", 3), CodecSpec("auto")):
+        name, bufs = encode(raw, h, spec)
         blob = b"".join(bytes(b) for b in bufs)
-        assert bytes(codec.decode(blob, name="x", expect_hash=h, expect_len=len(raw))) == bytes(raw)
+        assert bytes(decode(blob, name="x", expect_hash=h, expect_len=len(raw))) == bytes(raw)
         assert name == ("raw" if spec.name == "raw" else "zstd")
     with pytest.raises(CorruptCheckpointError, match="header hash"):
-        codec.decode(blob, name="x", expect_hash="0" * 32)
+        decode(blob, name="x", expect_hash="0" * 32)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
-        codec.decode(blob[:10], name="x", expect_hash=h)
+        decode(blob[:10], name="x", expect_hash=h)
     future = bytearray(blob)
     future[8:10] = (9).to_bytes(2, "little")
     with pytest.raises(IncompatibleFormatError, match="pip install -U ckpt"):
-        codec.decode(bytes(future), name="x", expect_hash=h)
+        decode(bytes(future), name="x", expect_hash=h)
 
 
 def test_one_validity_check_for_stored_chunks():
-    """codec.verify is the check every reader uses: in one buffer or as header + payload read in place."""
+    """verify is the check every reader uses: in one buffer or as header + payload read in place."""
     raw = memoryview(bytes(range(256)) * 1024)
-    h = codec.chunk_hash(raw)
-    _, bufs = codec.encode(raw, h, codec.CodecSpec("raw"))
+    h = chunk_hash(raw)
+    _, bufs = encode(raw, h, CodecSpec("raw"))
     header, payload = bytes(bufs[0]), bytes(bufs[1])
-    assert bytes(codec.verify("k", h, header, payload, expect_len=len(raw), object_len=64 + len(raw))) == bytes(raw)
+    assert bytes(verify("k", h, header, payload, expect_len=len(raw), object_len=64 + len(raw))) == bytes(raw)
     with pytest.raises(CorruptCheckpointError, match="raw bytes, the manifest says"):
-        codec.verify("k", h, header, payload, expect_len=len(raw) + 1)
+        verify("k", h, header, payload, expect_len=len(raw) + 1)
     with pytest.raises(CorruptCheckpointError, match="truncated or padded"):
-        codec.verify("k", h, header, payload, object_len=64 + len(raw) + 1)
+        verify("k", h, header, payload, object_len=64 + len(raw) + 1)
     with pytest.raises(CorruptCheckpointError, match="truncated or padded"):
-        codec.verify("k", h, header, payload[:-1])
+        verify("k", h, header, payload[:-1])
     flipped = bytearray(payload)
     flipped[7] ^= 1
     with pytest.raises(CorruptCheckpointError, match="hash check"):
-        codec.verify("k", h, header, flipped)
-    _, zbufs = codec.encode(raw, h, codec.CodecSpec("zstd"))
+        verify("k", h, header, flipped)
+    _, zbufs = encode(raw, h, CodecSpec("zstd"))
     with pytest.raises(CorruptCheckpointError, match="stored as zstd"):  # read in place as raw: refused
-        codec.verify("k", h, bytes(zbufs[0]), bytes(zbufs[1]), raw_only=True)
+        verify("k", h, bytes(zbufs[0]), bytes(zbufs[1]), raw_only=True)
     key = f"chunks/{h[:2]}/{h}"
-    codec.verify_object(key, [memoryview(header + payload)])
-    codec.verify_object(key, [memoryview(header), memoryview(payload)])
+    verify_object(key, [memoryview(header + payload)])
+    verify_object(key, [memoryview(header), memoryview(payload)])
     with pytest.raises(CorruptCheckpointError):
-        codec.verify_object(f"chunks/00/{'0' * 32}", [memoryview(header + payload)])
+        verify_object(f"chunks/00/{'0' * 32}", [memoryview(header + payload)])
 
 
 def test_manifest_json_roundtrip():
@@ -223,7 +225,7 @@ def test_structure_walkers():
 
 def test_options_are_checked_once_and_normalised():
     o = Options.build(codec="zstd:3", local_dir=__import__("pathlib").Path("/tmp/x"), timeout=5)
-    assert o.codec == codec.CodecSpec("zstd", 3) and o.local_dir == "/tmp/x" and o.timeout == 5.0
+    assert o.codec == CodecSpec("zstd", 3) and o.local_dir == "/tmp/x" and o.timeout == 5.0
     assert o.replace(keep_last=2).keep_last == 2 and o.keep_last is None
     for bad, match in [({"keep_last": 0}, "keep_last"), ({"chunk_size": 10}, "chunk_size"),
                        ({"busy": "later"}, "busy"), ({"timeout": -1}, "timeout"), ({"codec": "lz4"}, "codec"),

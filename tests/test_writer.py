@@ -11,10 +11,12 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import manifest as mf
-from ckpt.codec import CodecSpec, decode
 from ckpt.commit import CommitProtocol
 from ckpt.dist import LocalComm
+from ckpt.encode import CodecSpec
+from ckpt.format import manifest as mf
+from ckpt.format import paths
+from ckpt.format.chunk import decode
 from ckpt.handle import SaveMetrics
 from ckpt.lease import Leases
 from ckpt.snapshot import Snapshotter
@@ -60,7 +62,7 @@ def test_part_chunks_and_report_then_create_only_commit(io):
     assert local == [True] and not job.snapshot.buffer.busy  # the buffer is free once chunks are durable
     assert part.kind == "rank" and mf.read_rank_part(storage, 1, 0).chunks == part.chunks
     for h, info in part.chunks.items():  # every chunk stored, whole and verifiable
-        raw = decode(storage.read(mf.chunk_key(h)), name=h, expect_hash=h, expect_len=info.size)
+        raw = decode(storage.read(paths.chunk_key(h)), name=h, expect_hash=h, expect_len=info.size)
         assert len(raw) == info.size
     assert job.metrics.chunks == len(part.chunks) == job.metrics.chunks_written
     committed = w.commit(1, [part], frozenset())

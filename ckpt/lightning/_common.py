@@ -7,9 +7,10 @@ import logging
 import os
 from typing import Any
 
-from .. import manifest as mf
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, UnsupportedValueError
+from ..format import manifest as mf
+from ..format import paths
 from ..state import RNGState
 from ..storage import open_storage
 
@@ -47,7 +48,7 @@ def locate(path: Any) -> tuple[str, int | None] | None:
     head, name = os.path.split(path)
     parent, steps = os.path.split(head)
     try:
-        if steps == "steps" and name.isdigit() and open_storage(parent).exists(mf.manifest_key(int(name))):
+        if steps == "steps" and name.isdigit() and open_storage(parent).exists(paths.manifest_key(int(name))):
             return parent, int(name)
         storage = open_storage(path)
         if storage.root_state() == "file":

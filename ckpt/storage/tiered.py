@@ -40,14 +40,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import CheckpointError, StorageError
+from ..format.paths import is_chunk_key
 from .base import Blob, RootState, Storage, TierCounters
 from .local import LocalStorage
 
 log = logging.getLogger("ckpt")
-
-
-def _is_chunk(key: str) -> bool:
-    return key.startswith("chunks/")
 
 
 _MISS = object()  # a local copy that was there but failed its check
@@ -136,7 +133,7 @@ class TieredStorage(Storage):
     def write(self, key: str, buffers: Sequence) -> int:
         if not self.persist:
             return self.local.write(key, buffers)
-        if not _is_chunk(key):
+        if not is_chunk_key(key):
             # A step file: every chunk before it must be durable remotely first.
             self.drain()
             n = self.local.write(key, buffers)
@@ -208,14 +205,14 @@ class TieredStorage(Storage):
         the copy): then ``remote()``. Every other key goes to the remote (with local commits: then to
         the local tier, if the remote lacks it). ``count``: a read of the chunk's contents (not of its
         header alone), for the tier counters."""
-        if not _is_chunk(key):
+        if not is_chunk_key(key):
             try:
                 return remote()
             except FileNotFoundError:
                 if not self.local_commits:
                     raise
                 return local()
-        if _is_chunk(key):
+        if is_chunk_key(key):
             try:
                 got = local()
                 if got is not _MISS:
@@ -240,7 +237,7 @@ class TieredStorage(Storage):
             return self._hit(bytes(mem[start:end])) if start is None and end is None else bytes(mem[start:end])
 
         def local() -> object:
-            if start is not None or end is not None or not _is_chunk(key):  # the caller checks a part
+            if start is not None or end is not None or not is_chunk_key(key):  # the caller checks a part
                 return self.local.read(key, start, end)
             blob = self.local.read(key)
             return self._hit(blob) if self._local_ok(key, blob) else _MISS
@@ -255,7 +252,7 @@ class TieredStorage(Storage):
 
         def local() -> object:
             blob = self.local.read(key, 0, limit + 1)
-            if not _is_chunk(key):
+            if not is_chunk_key(key):
                 return blob
             return self._hit(blob) if self._local_ok(key, blob) else _MISS
 
@@ -273,7 +270,7 @@ class TieredStorage(Storage):
             return self._hit(pos - offset)
 
         def local() -> object:
-            if not _is_chunk(key):
+            if not is_chunk_key(key):
                 return self.local.readv(key, buffers, offset)
             # the bytes before `offset` are read too, into a scratch buffer: the copy is checked whole
             prefix = bytearray(offset)
@@ -296,7 +293,7 @@ class TieredStorage(Storage):
         mem = self.held(key)
         if mem is not None:
             return len(mem)
-        if _is_chunk(key) and key not in self._bad:
+        if is_chunk_key(key) and key not in self._bad:
             try:
                 return self.local.size(key)
             except FileNotFoundError:
@@ -307,7 +304,7 @@ class TieredStorage(Storage):
         return self.remote.mtime(key)
 
     def head(self, key: str, n: int) -> Blob:
-        if self.local_commits and _is_chunk(key):
+        if self.local_commits and is_chunk_key(key):
             if not self.exists(key):  # in this save's sense: see the module's docstring
                 raise FileNotFoundError(key)
             return self.local.read(key, 0, n)
@@ -317,14 +314,14 @@ class TieredStorage(Storage):
         if not self.persist:
             return self.local.exists(key)
         if self.remote.exists(key):
-            if self.local_commits and _is_chunk(key) and not self.local.exists(key):
+            if self.local_commits and is_chunk_key(key) and not self.local.exists(key):
                 # the local tier is a checkpoint too, and lacks it (a run restarted from the checkpoint
                 # path): the writer writes it, into the local tier only
                 with self._lock:
                     self._remote_has.add(key)
                 return False
             return True
-        if _is_chunk(key) and self.local.exists(key):
+        if is_chunk_key(key) and self.local.exists(key):
             blob = self.local.read(key)
             if self._local_ok(key, blob):  # staged but never uploaded (an earlier failed save): heal
                 self.remote.write(key, [blob])

@@ -17,10 +17,12 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
+from ..errors import CorruptCheckpointError
+from ..storage.base import Storage
 from . import manifest as mf
-from .codec import HEADER_SIZE, MAX_WIDTH, Base, decode, parse_header, scratch
-from .errors import CorruptCheckpointError
-from .storage import Storage
+from .chunk import HEADER_SIZE, MAX_WIDTH, Base, decode, parse_header
+from .paths import chunk_key
+from .planes import scratch
 
 MAX_READ_FACTOR = 64  # a chain may hold at most this times its chunk's size (the largest delta_budget)
 
@@ -37,7 +39,7 @@ class MissingChunkError(CorruptCheckpointError):
 
 
 def missing(storage: Storage, h: str, step: int | None, e: Exception) -> MissingChunkError:
-    key = mf.chunk_key(h)
+    key = chunk_key(h)
     whose = f" referenced by step {step}" if step is not None else ""
     return MissingChunkError(f"chunk object {key}{whose} is missing from {storage.describe()} ({e}); the step is "
                              "damaged", object=key, chunk=h)
@@ -46,7 +48,7 @@ def missing(storage: Storage, h: str, step: int | None, e: Exception) -> Missing
 def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None) -> bytes | bytearray:
     """Chunk ``h``'s stored object, never more than :func:`read_limit`. A missing object is damage."""
     info = chunks[h]
-    key = mf.chunk_key(h)
+    key = chunk_key(h)
     limit = read_limit(info)
     try:
         blob = storage.read_object(key, limit)
@@ -62,7 +64,7 @@ def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step:
 def decode_link(blob, chunks: dict[str, mf.ChunkInfo], h: str, base: Base | None, out=None) -> memoryview:
     """Check and decode one stored chunk; a delta's ``base`` must be the verified raw of the base its
     header names. ``out``: where to decode (see codec.verify)."""
-    return decode(blob, name=mf.chunk_key(h), expect_hash=h, expect_len=chunks[h].size, base=base, out=out)
+    return decode(blob, name=chunk_key(h), expect_hash=h, expect_len=chunks[h].size, base=base, out=out)
 
 
 def base_of(blob, chunks: dict[str, mf.ChunkInfo], h: str) -> str | None:
@@ -70,7 +72,7 @@ def base_of(blob, chunks: dict[str, mf.ChunkInfo], h: str) -> str | None:
     the step keeps it (usually it is the entry's own base; where several writers stored the same
     chunk differently, the copy that stayed may be another rank's delta, whose base that rank's
     part of the table lists)."""
-    key = mf.chunk_key(h)
+    key = chunk_key(h)
     hdr = parse_header(memoryview(blob)[:HEADER_SIZE], name=key)
     if hdr.base is not None and hdr.base not in chunks:
         raise CorruptCheckpointError(
@@ -120,7 +122,7 @@ def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int
         while b is not None:
             if len(blobs) > mf.MAX_CHAIN or read > budget:
                 raise CorruptCheckpointError(f"the delta chain of chunk {h} is longer than any step may hold",
-                                             object=mf.chunk_key(h), chunk=h)
+                                             object=chunk_key(h), chunk=h)
             data = ahead[b].result() if b in ahead else read_object(storage, chunks, b, step)
             blobs.append((b, data))
             read += len(data)
@@ -168,7 +170,7 @@ def walk(storage: Storage, chunks: dict[str, mf.ChunkInfo], root: str, children:
         h, base, inherited = stack.pop()
         if inherited is not None:
             visit(h, 0, CorruptCheckpointError(f"chunk {h} cannot be decoded: its base is damaged ({inherited})",
-                                               object=mf.chunk_key(h), chunk=h))
+                                               object=chunk_key(h), chunk=h))
             err: Exception | None = inherited
             raw = None
         else:

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import structure as st
-from ._version import __version__
-from .codec import CODEC_VERSIONS, is_chunk_hash
-from .errors import (
+from .. import structure as st
+from .._version import __version__
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -28,11 +26,14 @@ from .errors import (
     NotACheckpointError,
     StateMismatchError,
 )
-from .sharding import intersect, volume
-from .structure import DTYPES
+from ..structure import DTYPES
+from .boxes import intersect, volume
+from .chunk import CODEC_VERSIONS, is_chunk_hash
+from .paths import STEP_DIR_RE, STEPS, manifest_key, rank_key
 
 if TYPE_CHECKING:
-    from .storage import Storage
+    from ..storage.base import Storage
+
 
 FORMAT = "ckpt"
 FORMAT_VERSION = 4  # 2 adds per-rank entries and nodes, 3 numpy values as raw bytes, 4 the planes and xor
@@ -42,25 +43,6 @@ MAX_CHUNK_BYTES = 1 << 34  # 16 GiB: a sanity bound on what a manifest may claim
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
 MAX_STEP = (1 << 63) - 1  # steps are non-negative 64-bit integers
 MAX_WORLD = 1 << 24
-
-
-STEP_DIR_RE = re.compile(r"^\d{12,19}$")  # step_dir's own names: 12 digits, more for steps >= 10**12
-
-
-def step_dir(step: int) -> str:
-    return f"steps/{step:012d}"
-
-
-def manifest_key(step: int) -> str:
-    return f"{step_dir(step)}/MANIFEST.json"
-
-
-def rank_key(step: int, rank: int) -> str:
-    return f"{step_dir(step)}/rank-{rank:05d}.json"
-
-
-def chunk_key(h: str) -> str:
-    return f"chunks/{h[:2]}/{h}"
 
 
 @dataclass
@@ -411,7 +393,7 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
 
 def step_candidates(storage: Storage) -> list[int]:
     """Step numbers that have a directory (committed or not), ascending."""
-    steps = (int(n) for n in storage.list("steps") if STEP_DIR_RE.match(n) and f"{int(n):012d}" == n)
+    steps = (int(n) for n in storage.list(STEPS) if STEP_DIR_RE.match(n) and f"{int(n):012d}" == n)
     return sorted(s for s in steps if s <= MAX_STEP)
 
 
