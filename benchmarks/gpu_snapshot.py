@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ckpt
-from ckpt import snapshot
+from ckpt import cuda_snapshot
 from ckpt.layout import make_layout
 from ckpt.snapshot import HostBuffer
 
@@ -80,15 +80,16 @@ def throughput(gib: float, reps: int) -> list[dict]:
     layout = make_layout(state, 16 << 20)
     rows = [{"method": "floor: one cudaMemcpyAsync (flat)", "s": floor_copy(nbytes, reps), "host_s": float("nan")}]
     pool = HostBuffer(layout, native=True)
-    ways = [(f"ckpt (kernel < {snapshot.KERNEL_MAX_BYTES >> 10} KiB, else memcpy)", snapshot.KERNEL_MAX_BYTES),
+    kmax = cuda_snapshot.KERNEL_MAX_BYTES
+    ways = [(f"ckpt (kernel < {kmax >> 10} KiB, else memcpy)", kmax),
             ("ckpt, kernel only", 1 << 62), ("ckpt, cudaMemcpyAsync only", 0)]
-    default = snapshot.KERNEL_MAX_BYTES
+    default = cuda_snapshot.KERNEL_MAX_BYTES
     for name, k in ways:
-        snapshot.KERNEL_MAX_BYTES = k
+        cuda_snapshot.KERNEL_MAX_BYTES = k
         time_copy(pool, state, 1)
         s, h = time_copy(pool, state, reps)
         rows.append({"method": name, "s": s, "host_s": h})
-    snapshot.KERNEL_MAX_BYTES = default
+    cuda_snapshot.KERNEL_MAX_BYTES = default
     plain = HostBuffer(layout, native=False)
     plain.buffer = pool.buffer  # same destination memory
     time_copy(plain, state, 1)
@@ -112,7 +113,7 @@ def size_classes(reps: int) -> list[dict]:
         pool = HostBuffer(layout, native=True)
         row = {"tensor": size, "count": n}
         for name, k in [("kernel", 1 << 62), ("memcpy", 0)]:
-            snapshot.KERNEL_MAX_BYTES = k
+            cuda_snapshot.KERNEL_MAX_BYTES = k
             time_copy(pool, state, 1)
             row[name], row[name + "_host"] = time_copy(pool, state, reps)
         plain = HostBuffer(layout, native=False)
@@ -122,7 +123,7 @@ def size_classes(reps: int) -> list[dict]:
             row[k + "_GiBs"] = n * size / GiB / row[k]
         rows.append(row)
         del state, pool, plain
-    snapshot.KERNEL_MAX_BYTES = 1 << 20
+    cuda_snapshot.KERNEL_MAX_BYTES = 1 << 20
     return rows
 
 

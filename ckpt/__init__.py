@@ -12,6 +12,7 @@
 
 from ._version import __version__
 from .checkpointer import Checkpointer
+from .cuda_snapshot import fence
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -34,7 +35,6 @@ from .options import Options
 from .reader import Pickled, Reader, open
 from .redundancy_config import Parity, Replicas
 from .sharding import LocalShard, PerRank
-from .snapshot import fence
 from .state import RNGState
 
 __all__ = [

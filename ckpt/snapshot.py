@@ -7,20 +7,16 @@ steady-state saves touch no new memory.
 
 CPU tensors are copied before ``save()`` returns; with the compiled core (csrc/copyhash.cpp) the copy
 runs on several threads and hashes each chunk while its bytes are in cache, so the writer does not
-read the buffer a second time to hash it. CUDA tensors are copied on a side stream and ``save()``
-returns right after the launch; the host never waits:
-
-* tensors that an optimizer in the saved state updates (its parameters and its state) are guarded by
-  a global optimizer pre-step hook that makes the stepping stream wait for the copy on the device;
-* every other CUDA tensor (buffers such as BatchNorm statistics, loose tensors, parameters no saved
-  optimizer owns) is copied first, and the current stream waits for those copies at once, on the
-  device, so nothing later on it can change them mid-copy;
-* the background writer waits on the copy's event before it reads the buffer.
+read the buffer a second time to hash it. CUDA tensors are copied on a side stream per device and
+``save()`` returns right after the launch; the host never waits (:mod:`ckpt.cuda_snapshot`: the
+copies, the device-side NaN/Inf check and the optimizer pre-step fence). The background writer
+waits on the copy's events before it reads the buffer, and the buffer is handed back only once
+every copy into it is done.
 
 The same pass checks the state for NaN and Inf (:func:`finite_checked` says which tensors): on CPU
 the compiled core tests each element right after copying it, while it is in cache; without the core
-torch checks the copy; on a GPU a reduction per dtype runs on the side stream after the copy, and
-its verdict travels with the copy's event. The writer refuses the save before writing anything.
+torch checks the copy; on a GPU a reduction per dtype runs on the side stream, before anything
+queued later may change the tensors, and its verdict travels with the copy's event. The writer refuses the save before writing anything.
 
 :class:`Snapshotter` owns the buffer between saves: it remakes the layout (and asks the coordinator
 which tensors this rank writes) only when the state's structure changes.
@@ -31,30 +27,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-# ``torch.optim`` deletes the name ``optimizer`` from its namespace (``del optimizer`` in its
-# __init__), so ``torch.optim.optimizer.register_optimizer_step_pre_hook`` raises AttributeError even
-# though the submodule is loaded: import the function from its module.
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
 from . import _ext
+from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native
 from .dist import Comm, Inventory
 from .layout import BufferLayout, TensorSlot, make_layout
 from .state import Flat, Leaf
 from .structure import dtype_name
 
 log = logging.getLogger("ckpt")
-
-# Pieces at least this large go through cudaMemcpyAsync (copy engines, SMs stay free for training);
-# smaller ones are batched into one kernel launch. Measured on H100: see README "GPU snapshot".
-KERNEL_MAX_BYTES = int(os.environ.get("CKPT_KERNEL_MAX_BYTES", 1 << 20))
-
 
 @dataclass
 class Share:
@@ -80,10 +66,15 @@ class Snapshot:
     released: bool = False
 
     def release(self) -> None:
-        """Give the host buffer back to the next snapshot; only the first call does anything."""
+        """Give the host buffer back to the next snapshot, once every CUDA copy into it is done (on
+        every path, failures included); only the first call does anything."""
         if not self.released:
             self.released = True
-            self.buffer.release()
+            try:
+                if self.cuda is not None:
+                    self.cuda.synchronize()
+            finally:
+                self.buffer.release()
 
     def poisoned(self) -> list[str]:
         """Every checked tensor holding NaN or Inf, in state order; call after the CUDA copy is done."""
@@ -230,11 +221,11 @@ def optimizer_guarded(state: dict[str, Any]) -> set[int]:
             for group in v.param_groups:
                 for p in group["params"]:
                     if p.is_cuda:
-                        out.add(p.data_ptr())
+                        out.add(_local(p).data_ptr())  # a DTensor's own data_ptr() is 0
             for pst in v.state.values():
                 for t in pst.values():
                     if isinstance(t, torch.Tensor) and t.is_cuda:
-                        out.add(t.data_ptr())
+                        out.add(_local(t).data_ptr())
     return out
 
 
@@ -302,8 +293,13 @@ class HostBuffer:
             if slot.nbytes:
                 src = tensors[slot.key]
                 (cuda_slots if src.device.type == "cuda" else cpu_slots).append((slot, src))
-        pending = self._copy_cuda(cuda_slots, guarded, check) if cuda_slots else None
-        hashes, bad = self._copy_cpu(cpu_slots, check)
+        pending = copy_to_host(cuda_slots, guarded, check, self._launch) if cuda_slots else None
+        try:
+            hashes, bad = self._copy_cpu(cpu_slots, check)
+        except BaseException:
+            if pending is not None:
+                pending.synchronize()  # the caller hands the buffer back: no copy may still write into it
+            raise
         return pending, hashes, bad
 
     # -- CPU --------------------------------------------------------------------------------------
@@ -323,7 +319,7 @@ class HostBuffer:
         keys: list[str] = []
         with torch.no_grad():
             for slot, src in slots:
-                if src.is_contiguous() and not (src.is_conj() or src.is_neg()) and src.dtype == slot.dtype:
+                if _plain(src, slot.dtype):
                     kind = _ext.CHECK_KINDS[dtype_name(src.dtype)] if slot.key in check else 0
                     segs[len(keys)] = (src.data_ptr(), slot.offset, slot.nbytes, kind)
                     keys.append(slot.key)
@@ -350,156 +346,25 @@ class HostBuffer:
                     want[i] = 0
         return want
 
-    # -- CUDA -------------------------------------------------------------------------------------
-    def _copy_cuda(self, slots: list, guarded: set[int] | frozenset[int], check: frozenset[str]) -> CudaSnapshot:
-        device = slots[0][1].device
-        compute = torch.cuda.current_stream(device)
-        side = _side_stream(device)
-        side.wait_stream(compute)  # the copy sees every update queued before save()
-        # unguarded tensors first: the compute stream waits for them right away (on the device)
-        fast = [(s, t) for s, t in slots if t.data_ptr() not in guarded]
-        slow = [(s, t) for s, t in slots if t.data_ptr() in guarded]
-        if slow:
-            install_step_hook()  # before any copy is launched: a failure here leaves nothing in flight
-        keep: list = []
-        with torch.cuda.stream(side), torch.no_grad():
-            self._launch(fast, side, keep)
-            fast_done = torch.cuda.Event()
-            fast_done.record(side)
-            compute.wait_event(fast_done)
-            if slow:
-                self._launch(slow, side, keep)
-            checked = [(s.key, t) for s, t in slots if s.key in check]
-            verdict = _finite_on_device(checked) if checked else None
-            done = torch.cuda.Event()
-            done.record(side)
-        snap = CudaSnapshot(done, keep, verdict, device)
-        if slow:
-            fence_optimizers(snap)
-        return snap
-
+    # -- CUDA (ckpt/cuda_snapshot.py) ------------------------------------------------------------
     def _launch(self, slots: list, stream: torch.cuda.Stream, keep: list) -> None:
+        """Enqueue the copies of ``slots`` on ``stream``: the compiled core for plain contiguous
+        sources, torch's copy for the rest (strided, lazily conjugated or negated views)."""
         core = self.cuda_core
-        small: list[tuple[int, int, int]] = []  # (source address, destination address, bytes)
-        large: list[tuple[int, int, int]] = []
+        batch: list[tuple[int, int, int]] = []  # (source address, destination address, bytes)
         for slot, src in slots:
             src.record_stream(stream)  # the caching allocator must not reuse it before the copy ran
-            if core is None or not src.is_contiguous() or src.dtype != slot.dtype:
-                self._dst(slot).copy_(src, non_blocking=True)
-                continue
-            (small if slot.nbytes < KERNEL_MAX_BYTES else large).append(
-                (src.data_ptr(), self.buffer.data_ptr() + slot.offset, slot.nbytes))
+            if core is None or not _plain(src, slot.dtype):
+                self._dst(slot).copy_(src.resolve_conj().resolve_neg(), non_blocking=True)
+            else:
+                batch.append((src.data_ptr(), self.buffer.data_ptr() + slot.offset, slot.nbytes))
         if core is None:
             self.last_used["cuda"] = "torch"
-            return
-        device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
-        if small:
-            # the kernel reads its piece list from pinned memory in place: keep it until the copy is done
-            pinned = torch.empty(len(small) * _ext.DESC.itemsize, dtype=torch.uint8, pin_memory=True)
-            descs = pinned.numpy().view(_ext.DESC)
-            descs[:] = np.array(small, _ext.DESC)
-            if core.copy(descs, stream.cuda_stream, device, kernel=True):
-                keep.append(pinned)
-            else:  # this pinned memory is not mapped at the same address: copy engines for all
-                large, small = large + small, []
-        if large:
-            core.copy(np.array(large, _ext.DESC), stream.cuda_stream, device, kernel=False)
-        self.last_used["cuda"] = f"native (kernel {len(small)}, memcpy {len(large)})"
+        elif batch:
+            kernel, memcpy = launch_native(core, batch, stream, keep)
+            self.last_used["cuda"] = f"native (kernel {kernel}, memcpy {memcpy})"
 
 
-def _finite_on_device(checked: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
-    """Enqueue, on the current (side) stream, a NaN/Inf test of ``checked`` (key, CUDA tensor): one
-    fused max-abs reduction per dtype (NaN propagates through it, Inf is its own maximum), its
-    verdicts copied into pinned host memory. Returns the keys and that host tensor (valid once the
-    stream has run)."""
-    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for key, t in checked:
-        by_dtype.setdefault(t.dtype, []).append((key, t))
-    keys: list[str] = []
-    verdicts = []
-    for group in by_dtype.values():
-        norms = torch._foreach_norm([t for _, t in group], float("inf"))
-        verdicts.append(torch.isfinite(torch.stack(norms)))
-        keys += [k for k, _ in group]
-    host = torch.empty(len(keys), dtype=torch.bool, pin_memory=True)
-    host.copy_(torch.cat(verdicts), non_blocking=True)
-    return keys, host
-
-
-class CudaSnapshot:
-    """A device-to-host copy in flight: ``event`` completes when the host buffer holds the snapshot
-    (and the NaN/Inf verdicts of the checked CUDA tensors, if any)."""
-
-    def __init__(self, event: torch.cuda.Event, keep: list, verdict: tuple[list[str], torch.Tensor] | None = None,
-                 device: torch.device | None = None):
-        self.event = event
-        self.device = device  # where the copied tensors live: the fence waits on that device's stream
-        self._keep = keep  # pinned piece lists the kernel reads
-        self._verdict = verdict
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
-        self._keep = []
-
-    def nonfinite(self) -> list[str]:
-        """The checked CUDA tensors holding NaN or Inf (after :meth:`synchronize`)."""
-        if self._verdict is None:
-            return []
-        keys, finite = self._verdict
-        return [k for k, ok in zip(keys, finite.tolist()) if not ok]
-
-    def query(self) -> bool:
-        return self.event.query()
-
-
-_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    s = _streams.get(device)
-    if s is None:
-        s = _streams[device] = torch.cuda.Stream(device=device)
-    return s
-
-
-# -- the optimizer pre-step fence -------------------------------------------------------------------
-_pending: weakref.WeakSet[CudaSnapshot] = weakref.WeakSet()
-_pending_lock = threading.Lock()
-_hook_handle = None
-
-
-def install_step_hook() -> None:
-    """Register the global optimizer pre-step hook that runs :func:`fence` (once per process)."""
-    global _hook_handle
-    with _pending_lock:
-        if _hook_handle is None:
-            _hook_handle = register_optimizer_step_pre_hook(_wait_before_step)
-
-
-def fence_optimizers(snap: CudaSnapshot) -> None:
-    """Make the next ``optimizer.step()`` (any optimizer) wait on the device for ``snap``'s copy."""
-    install_step_hook()
-    with _pending_lock:
-        _pending.add(snap)
-
-
-def fence(stream: torch.cuda.Stream | None = None) -> None:
-    """Make ``stream`` (default: the current stream of each snapshot's device) wait, on the device, for
-    every snapshot copy in flight.
-
-    The optimizer pre-step hook does this before every ``optimizer.step()``; call it yourself before
-    changing saved CUDA parameters in place by other means. A snapshot stays fenced until its copy is
-    done (another optimizer on another stream must wait for it too)."""
-    with _pending_lock:
-        snaps = list(_pending)
-    for snap in snaps:
-        if snap.query():
-            with _pending_lock:
-                _pending.discard(snap)
-            continue
-        (stream or torch.cuda.current_stream(snap.device)).wait_event(snap.event)
-
-
-def _wait_before_step(optimizer, args, kwargs) -> None:
-    if _pending:
-        fence()
+def _plain(src: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Can ``src``'s bytes be copied as they lie? (Not for strided or lazily conjugated/negated views.)"""
+    return src.is_contiguous() and not (src.is_conj() or src.is_neg()) and src.dtype == dtype

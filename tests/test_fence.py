@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ckpt import snapshot
+from ckpt import cuda_snapshot
 
 
 class _FinishedCopy:
@@ -26,7 +26,7 @@ def test_fencing_a_snapshot_registers_the_step_hook_and_the_next_step_runs_it():
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([p], lr=0.1)
     copy = _FinishedCopy()
-    snapshot.fence_optimizers(copy)  # raised AttributeError before: torch.optim deletes its `optimizer` name
+    cuda_snapshot.fence_optimizers(copy)  # raised AttributeError before: torch.optim deletes its `optimizer` name
     p.grad = torch.ones(4)
     opt.step()
     assert copy.asked == 1  # the hook ran before the step and found the copy done
@@ -36,8 +36,8 @@ def test_fencing_a_snapshot_registers_the_step_hook_and_the_next_step_runs_it():
 
 
 def test_install_step_hook_is_idempotent():
-    snapshot.install_step_hook()
-    snapshot.install_step_hook()
+    cuda_snapshot.install_step_hook()
+    cuda_snapshot.install_step_hook()
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.Adam([p])
     p.grad = torch.ones(2)

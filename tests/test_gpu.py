@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import _ext, snapshot
+from ckpt import _ext, cuda_snapshot
 from ckpt.layout import make_layout
 from ckpt.snapshot import HostBuffer
 
@@ -57,7 +57,7 @@ def test_save_does_not_block_the_host_and_the_copy_overlaps_a_matmul(ckdir):
     c.save(1, {"model": model, "optim": opt}).wait()  # first save allocates the buffer
     torch.cuda.synchronize()
     h = c.save(2, {"model": model, "optim": opt})
-    pending = [s for s in snapshot._pending]
+    pending = cuda_snapshot.pending_copies()
     for _ in range(20):  # ~0.1-0.5 s of work queued on the compute stream after save() returned
         big = big @ big
         big = big / big.norm()
@@ -74,7 +74,7 @@ def test_save_does_not_block_the_host_and_the_copy_overlaps_a_matmul(ckdir):
 def test_batched_copy_equals_torch_copy(kernel_max, monkeypatch):
     if _ext.cuda() is None:
         pytest.skip("CUDA core not built")
-    monkeypatch.setattr(snapshot, "KERNEL_MAX_BYTES", kernel_max)
+    monkeypatch.setattr(cuda_snapshot, "KERNEL_MAX_BYTES", kernel_max)
     g = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(1 << 20, device="cuda", generator=g)
     state = {

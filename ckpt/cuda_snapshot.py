@@ -1,0 +1,250 @@
+"""The CUDA side of the snapshot: device-to-host copies on a side stream, the NaN/Inf check on the
+device, and the optimizer pre-step fence that lets the copy overlap training.
+
+Copies are grouped by device: each device gets its own side stream (one per device, made by ckpt,
+not taken from torch's shared pool), its own events and its own fence entry, so a model split over
+several GPUs is copied and fenced device by device. Per device:
+
+* the side stream first waits for everything queued on the device's current stream before
+  ``save()``, so the snapshot holds the values as of the call;
+* tensors no saved optimizer updates (buffers, loose tensors) are copied first, their NaN/Inf
+  verdict is reduced, then an event is recorded that the current stream waits for at once (on
+  the device): nothing queued later can change them mid-copy or mid-check;
+* tensors an optimizer in the state updates (its parameters and state) are copied next; the
+  optimizer pre-step hook makes the stepping stream wait for the copy's event on the device, so
+  the host never blocks and the copy overlaps the forward and backward passes.
+
+What is *not* fenced: in-place writes to optimizer-owned tensors outside ``optimizer.step()``
+(call :func:`fence` first), and optimizer steps captured in a CUDA graph (the hook does not run
+inside a replay): a save while a capture is under way is refused (:class:`ConfigError`).
+
+The host buffer is handed back only after every copy into it is done (:meth:`CudaSnapshot.synchronize`),
+on every path, failures included: the GPU never writes into a buffer a later save owns.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+# ``torch.optim`` deletes the name ``optimizer`` from its namespace (``del optimizer`` in its
+# __init__), so ``torch.optim.optimizer.register_optimizer_step_pre_hook`` raises AttributeError even
+# though the submodule is loaded: import the function from its module.
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from . import _ext
+from .errors import ConfigError
+
+# Pieces at least this large go through cudaMemcpyAsync (copy engines, SMs stay free for training);
+# smaller ones are batched into one kernel launch. See docs/design.md, "Snapshot: the host buffer".
+KERNEL_MAX_BYTES = int(os.environ.get("CKPT_KERNEL_MAX_BYTES", 1 << 20))
+
+# (slot, source tensor): a slot has .key, .offset, .nbytes, .dtype; the destination is given by a function
+Pieces = list[tuple[Any, torch.Tensor]]
+
+
+class DeviceCopy:
+    """The copies of one device in flight: ``event`` completes when the host buffer holds them (and
+    the NaN/Inf verdicts of that device's checked tensors, if any)."""
+
+    def __init__(self, device: torch.device, event: torch.cuda.Event, keep: list,
+                 verdicts: list[tuple[list[str], torch.Tensor]]):
+        self.device = device
+        self.event = event
+        self._keep = keep  # pinned piece lists the kernel reads in place
+        self._verdicts = verdicts
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+        self._keep = []
+
+    def nonfinite(self) -> list[str]:
+        return [k for keys, finite in self._verdicts for k, ok in zip(keys, finite.tolist()) if not ok]
+
+
+class CudaSnapshot:
+    """Every device's copy of one snapshot."""
+
+    def __init__(self, parts: list[DeviceCopy]):
+        self.parts = parts
+
+    def synchronize(self) -> None:
+        """Wait (yielding the CPU: blocking events) until every copy is in the host buffer."""
+        for p in self.parts:
+            p.synchronize()
+
+    def query(self) -> bool:
+        return all(p.query() for p in self.parts)
+
+    def nonfinite(self) -> list[str]:
+        """The checked CUDA tensors holding NaN or Inf (after :meth:`synchronize`)."""
+        return [k for p in self.parts for k in p.nonfinite()]
+
+
+def copy_to_host(pieces: Pieces, guarded: set[int] | frozenset[int], check: frozenset[str],
+                 launch: Callable[[Pieces, torch.cuda.Stream, list], None]) -> CudaSnapshot:
+    """Launch the copies of ``pieces`` (CUDA sources) device by device; ``launch(pieces, stream,
+    keep)`` enqueues one batch on ``stream``. ``guarded``: data pointers the optimizer pre-step hook
+    protects (copied last, fenced). On an error, waits for whatever was launched before raising."""
+    if torch.cuda.is_current_stream_capturing():
+        raise ConfigError("save() was called while a CUDA graph is being captured: the snapshot's copies and events "
+                          "cannot be captured. Save outside the captured region (e.g. between graph replays).")
+    by_device: dict[torch.device, Pieces] = {}
+    for slot, src in pieces:
+        by_device.setdefault(src.device, []).append((slot, src))
+    if any(src.data_ptr() in guarded for _, src in pieces):
+        install_step_hook()  # before any copy is launched: a failure here leaves nothing in flight
+    parts: list[DeviceCopy] = []
+    try:
+        for device, group in by_device.items():
+            parts.append(_copy_device(device, group, guarded, check, launch))
+    except BaseException:
+        for device in by_device:
+            _side_stream(device).synchronize()  # nothing may still write into the buffer or read `keep`
+        raise
+    snap = CudaSnapshot(parts)
+    for part in parts:
+        if any(src.data_ptr() in guarded for _, src in by_device[part.device]):
+            fence_optimizers(part)
+    return snap
+
+
+def _copy_device(device: torch.device, pieces: Pieces, guarded: set[int] | frozenset[int], check: frozenset[str],
+                 launch: Callable[[Pieces, torch.cuda.Stream, list], None]) -> DeviceCopy:
+    compute = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(compute)  # the copy sees every update queued before save()
+    fast = [(s, t) for s, t in pieces if t.data_ptr() not in guarded]
+    slow = [(s, t) for s, t in pieces if t.data_ptr() in guarded]
+    keep: list = []
+    verdicts: list[tuple[list[str], torch.Tensor]] = []
+    with torch.cuda.device(device), torch.cuda.stream(side), torch.no_grad():
+        launch(fast, side, keep)
+        # the verdict reads the sources: reduce before the compute stream may change them
+        checked = [(s.key, t) for s, t in fast if s.key in check]
+        if checked:
+            verdicts.append(_finite_on_device(checked))
+        fast_done = torch.cuda.Event()
+        fast_done.record(side)
+        compute.wait_event(fast_done)
+        if slow:
+            launch(slow, side, keep)
+            checked = [(s.key, t) for s, t in slow if s.key in check]
+            if checked:
+                verdicts.append(_finite_on_device(checked))
+        done = torch.cuda.Event(blocking=True)  # the writer's wait yields the CPU instead of spinning
+        done.record(side)
+    return DeviceCopy(device, done, keep, verdicts)
+
+
+def _finite_on_device(checked: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
+    """Enqueue, on the current (side) stream, a NaN/Inf test of ``checked`` (key, CUDA tensor): one
+    fused max-abs reduction per dtype (NaN propagates through it, Inf is its own maximum), its
+    verdicts copied into pinned host memory. Returns the keys and that host tensor (valid once the
+    stream has run)."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for key, t in checked:
+        by_dtype.setdefault(t.dtype, []).append((key, t))
+    keys: list[str] = []
+    verdicts = []
+    for group in by_dtype.values():
+        norms = torch._foreach_norm([t for _, t in group], float("inf"))
+        verdicts.append(torch.isfinite(torch.stack(norms)))
+        keys += [k for k, _ in group]
+    host = torch.empty(len(keys), dtype=torch.bool, pin_memory=True)
+    host.copy_(torch.cat(verdicts), non_blocking=True)
+    return keys, host
+
+
+def launch_native(core: Any, batch: list[tuple[int, int, int]], stream: torch.cuda.Stream, keep: list
+                  ) -> tuple[int, int]:
+    """Copy ``batch`` of (source address, destination address, bytes) with the compiled core:
+    small pieces in one kernel launch, large ones on the copy engines. Returns (kernel, memcpy) counts."""
+    small = [p for p in batch if p[2] < KERNEL_MAX_BYTES]
+    large = [p for p in batch if p[2] >= KERNEL_MAX_BYTES]
+    device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
+    if small:
+        # the kernel reads its piece list from pinned memory in place: keep it until the copy is done
+        pinned = torch.empty(len(small) * _ext.DESC.itemsize, dtype=torch.uint8, pin_memory=True)
+        descs = pinned.numpy().view(_ext.DESC)
+        descs[:] = np.array(small, _ext.DESC)
+        keep.append(pinned)
+        if not core.copy(descs, stream.cuda_stream, device, kernel=True):
+            large, small = large + small, []  # this pinned memory is not mapped at the same address
+    if large:
+        core.copy(np.array(large, _ext.DESC), stream.cuda_stream, device, kernel=False)
+    return len(small), len(large)
+
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    s = _streams.get(device)
+    if s is None:
+        s = _streams[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+# -- the optimizer pre-step fence -------------------------------------------------------------------
+_pending: weakref.WeakSet[Any] = weakref.WeakSet()  # DeviceCopy objects whose copy may still run
+_pending_lock = threading.Lock()
+_hook_handle = None
+
+
+def install_step_hook() -> None:
+    """Register the global optimizer pre-step hook that runs :func:`fence` (once per process)."""
+    global _hook_handle
+    with _pending_lock:
+        if _hook_handle is None:
+            _hook_handle = register_optimizer_step_pre_hook(_wait_before_step)
+
+
+def fence_optimizers(copy: Any) -> None:
+    """Make the next ``optimizer.step()`` (any optimizer) wait on the device for ``copy`` (a
+    :class:`DeviceCopy`: ``device``, ``event``, ``query()``)."""
+    install_step_hook()
+    with _pending_lock:
+        _pending.add(copy)
+
+
+def pending_copies() -> list[DeviceCopy]:
+    """The snapshot copies the fence still holds (each stays until an optimizer step or :func:`fence`
+    finds it done); ``synchronize()`` on one waits for that copy."""
+    with _pending_lock:
+        return list(_pending)
+
+
+def fence(stream: torch.cuda.Stream | None = None) -> None:
+    """Make ``stream`` (default: the current stream of each snapshot's device) wait, on the device, for
+    every snapshot copy in flight.
+
+    The optimizer pre-step hook does this before every ``optimizer.step()``; call it yourself before
+    changing saved CUDA parameters in place by other means. A copy stays fenced until it is done
+    (another optimizer on another stream must wait for it too)."""
+    with _pending_lock:
+        copies = list(_pending)
+    for copy in copies:
+        if copy.query():
+            with _pending_lock:
+                _pending.discard(copy)
+            continue
+        if torch.cuda.is_current_stream_capturing():
+            raise ConfigError("an optimizer step is being captured in a CUDA graph while a snapshot copy is still in "
+                              "flight: the fence cannot wait on it inside the capture. Call h.wait() on the save's "
+                              "handle (or ckpt.fence() and torch.cuda.synchronize()) before capturing.")
+        (stream or torch.cuda.current_stream(copy.device)).wait_event(copy.event)
+
+
+def _wait_before_step(optimizer, args, kwargs) -> None:
+    if _pending:
+        fence()
