@@ -45,6 +45,11 @@ from .errors import ConfigError
 # smaller ones are batched into one kernel launch. See docs/design.md, "Snapshot: the host buffer".
 KERNEL_MAX_BYTES = int(os.environ.get("CKPT_KERNEL_MAX_BYTES", 1 << 20))
 
+# For tests of the ordering: spin the side stream this many GPU clock cycles before each batch of
+# copies, so that anything not ordered after the copy (an unfenced optimizer step) certainly runs
+# first. 0 in production.
+COPY_DELAY_CYCLES = 0
+
 # (slot, source tensor): a slot has .key, .offset, .nbytes, .dtype; the destination is given by a function
 Pieces = list[tuple[Any, torch.Tensor]]
 
@@ -128,6 +133,7 @@ def _copy_device(device: torch.device, pieces: Pieces, guarded: set[int] | froze
     keep: list = []
     verdicts: list[tuple[list[str], torch.Tensor]] = []
     with torch.cuda.device(device), torch.cuda.stream(side), torch.no_grad():
+        _delay()
         launch(fast, side, keep)
         # the verdict reads the sources: reduce before the compute stream may change them
         checked = [(s.key, t) for s, t in fast if s.key in check]
@@ -137,6 +143,7 @@ def _copy_device(device: torch.device, pieces: Pieces, guarded: set[int] | froze
         fast_done.record(side)
         compute.wait_event(fast_done)
         if slow:
+            _delay()
             launch(slow, side, keep)
             checked = [(s.key, t) for s, t in slow if s.key in check]
             if checked:
@@ -144,6 +151,11 @@ def _copy_device(device: torch.device, pieces: Pieces, guarded: set[int] | froze
         done = torch.cuda.Event(blocking=True)  # the writer's wait yields the CPU instead of spinning
         done.record(side)
     return DeviceCopy(device, done, keep, verdicts)
+
+
+def _delay() -> None:
+    if COPY_DELAY_CYCLES:
+        torch.cuda._sleep(COPY_DELAY_CYCLES)
 
 
 def _finite_on_device(checked: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:

@@ -119,3 +119,130 @@ def test_fence_orders_manual_in_place_updates(ckdir):
     ckpt.Checkpointer(ckdir).load(1, {"model": fresh, "optim": fopt})
     for k, v in fresh.state_dict().items():
         assert v.is_cuda and torch.equal(v.cpu(), want[k]), k
+
+
+# -- orderings that must hold, made certain: the side stream is held back ~0.5 s before each batch ----
+SLOW = 1_000_000_000  # GPU clock cycles (about 0.5-1 s)
+
+
+def _slow_copies(monkeypatch):
+    monkeypatch.setattr(cuda_snapshot, "COPY_DELAY_CYCLES", SLOW)
+
+
+@pytest.mark.parametrize("fenced", [True, False])
+def test_a_step_right_after_save_waits_for_the_guarded_copy(ckdir, monkeypatch, fenced):
+    """With the fence, opt.step() queued at once leaves the snapshot alone; without it (the negative
+    control) the same step reaches the snapshot, so the test can tell the two apart."""
+    _slow_copies(monkeypatch)
+    if not fenced:
+        monkeypatch.setattr(cuda_snapshot, "fence_optimizers", lambda copy: None)
+    model, opt = _trained()
+    model(torch.randn(32, 256, device="cuda")).square().mean().backward()
+    want_model, want_opt = _cpu_copy(model, opt)
+    c = ckpt.Checkpointer(ckdir)
+    h = c.save(1, {"model": model, "optim": opt})
+    opt.step()
+    h.wait()
+    c.close()
+    fresh, fopt = _trained(seed=1)
+    ckpt.Checkpointer(ckdir).load(1, {"model": fresh, "optim": fopt})
+    got_model, _ = _cpu_copy(fresh, fopt)
+    same = all(torch.equal(got_model[k], v) for k, v in want_model.items())
+    assert same is fenced
+
+
+def test_buffers_changed_by_a_forward_right_after_save_keep_their_saved_values(ckdir, monkeypatch):
+    _slow_copies(monkeypatch)
+    model, opt = _trained()
+    want, _ = _cpu_copy(model, opt)
+    c = ckpt.Checkpointer(ckdir)
+    h = c.save(1, {"model": model, "optim": opt})
+    model(torch.randn(32, 256, device="cuda"))  # train mode: BatchNorm's running stats change in place
+    h.wait()
+    c.close()
+    fresh, fopt = _trained(seed=1)
+    ckpt.Checkpointer(ckdir).load(1, {"model": fresh, "optim": fopt})
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v.cpu(), want[k]), k
+
+
+def test_work_queued_before_save_is_in_the_snapshot_and_a_replaced_tensor_is_not(ckdir):
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(SLOW)  # the add below is still queued when save() is called
+    t.add_(1)
+    state = {"t": t}
+    c = ckpt.Checkpointer(ckdir)
+    h = c.save(1, state)
+    state["t"] = torch.full_like(t, 7)  # replacing the tensor after save() does not reach the snapshot
+    h.wait()
+    c.close()
+    got = {"t": torch.empty(1 << 20, device="cuda")}
+    ckpt.Checkpointer(ckdir).load(1, got)
+    assert torch.equal(got["t"].cpu(), torch.ones(1 << 20))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_nan_in_the_last_chunk_of_a_cuda_parameter_is_refused(ckdir, dtype):
+    p = torch.nn.Parameter(torch.ones(3 << 20, device="cuda", dtype=dtype))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with torch.no_grad():
+        p[-1] = float("nan")
+    c = ckpt.Checkpointer(ckdir, chunk_size=1 << 20)
+    with pytest.raises(ckpt.NonFiniteStateError):
+        c.save(1, {"p": p, "opt": opt}).wait()
+    with pytest.raises(ckpt.NonFiniteStateError):
+        c.close()
+    assert ckpt.open(ckdir).steps() == []
+
+
+def test_conjugated_and_negated_cuda_views_are_saved_as_their_values(ckdir):
+    z = torch.randn(1000, dtype=torch.complex64, device="cuda")
+    x = torch.randn(1000, device="cuda")
+    state = {"conj": z.conj(), "neg": torch._neg_view(x)}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(1, state).wait()
+    got = {"conj": torch.empty(1000, dtype=torch.complex64, device="cuda"), "neg": torch.empty(1000, device="cuda")}
+    ckpt.Checkpointer(ckdir).load(1, got)
+    assert torch.equal(got["conj"], z.conj().resolve_conj()) and torch.equal(got["neg"], -x)
+
+
+def test_the_compiled_kernel_path_is_taken_and_copies_3_gib_byte_for_byte():
+    if _ext.cuda() is None:
+        pytest.skip("CUDA core not built")
+    free, _ = torch.cuda.mem_get_info()
+    if free < (8 << 30):
+        pytest.skip("needs 8 GiB of free GPU memory")
+    big = torch.randint(0, 255, (3 << 30,), dtype=torch.uint8, device="cuda")
+    small = torch.randn(1000, device="cuda")
+    state = {"big": big, "small": small}
+    pool = HostBuffer(make_layout(state, 64 << 20), native=True)
+    snap, _, _ = pool.copy_in(state)
+    snap.synchronize()
+    assert pool.last_used["cuda"].startswith("native (kernel 1, memcpy 1)")
+    slot = {s.key: s for s in pool.layout.slots}["big"]
+    assert torch.equal(pool.buffer[slot.offset:slot.offset + slot.nbytes], big.cpu())
+
+
+def _host_state(**modules: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {f"{name}.{k}": v.cpu() for name, m in modules.items() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_model_split_over_two_gpus_is_copied_and_fenced_per_device(ckdir):
+    a = torch.nn.Linear(64, 64).to("cuda:0")
+    b = torch.nn.Linear(64, 64).to("cuda:1")
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.5)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    want = _host_state(a=a, b=b)
+    c = ckpt.Checkpointer(ckdir)
+    h = c.save(1, {"a": a, "b": b, "opt": opt})
+    assert {p.device.index for p in cuda_snapshot.pending_copies()} == {0, 1}
+    opt.step()
+    h.wait()
+    c.close()
+    fa, fb = torch.nn.Linear(64, 64).to("cuda:0"), torch.nn.Linear(64, 64).to("cuda:1")
+    ckpt.Checkpointer(ckdir).load(1, {"a": fa, "b": fb}, strict=False)
+    got = _host_state(a=fa, b=fb)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
