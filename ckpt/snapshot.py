@@ -16,7 +16,8 @@ every copy into it is done.
 The same pass checks the state for NaN and Inf (:func:`finite_checked` says which tensors): on CPU
 the compiled core tests each element right after copying it, while it is in cache; without the core
 torch checks the copy; on a GPU a reduction per dtype runs on the side stream, before anything
-queued later may change the tensors, and its verdict travels with the copy's event. The writer refuses the save before writing anything.
+queued later may change the tensors, and its verdict travels with the copy's event. The writer
+refuses the save before writing anything.
 
 :class:`Snapshotter` owns the buffer between saves: it remakes the layout (and asks the coordinator
 which tensors this rank writes) only when the state's structure changes.
