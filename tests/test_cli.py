@@ -18,13 +18,13 @@ import fsspec
 import pytest
 import torch
 from conftest import chunk_files, tensor_entry
-from dist_helpers import run_ranks
 
 import ckpt
 from ckpt import cli
 from ckpt import manifest as mf
 from ckpt.codec import CodecSpec, chunk_hash, encode
 from ckpt.storage.local import LocalStorage
+from ckpt.testing import run_ranks
 
 KiB = 1024
 CHUNK = 64 * KiB
