@@ -430,8 +430,10 @@ def _load_sharded(rank: int, world: int, root: str) -> bool:
     return torch.equal(got["table"].tensor, want["table"].tensor) and got["step"] == 4
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_ranks_write_deltas_of_their_own_shards_and_any_world_size_loads_them(tmp_path):
-    from dist_helpers import run_ranks
+    from ckpt.testing import run_ranks
 
     root = str(tmp_path / "ck")
     saved = run_ranks(2, _save_sharded, root)
