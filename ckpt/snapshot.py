@@ -52,7 +52,8 @@ from .structure import dtype_name
 log = logging.getLogger("ckpt")
 
 # Pieces at least this large go through cudaMemcpyAsync (copy engines, SMs stay free for training);
-# smaller ones are batched into one kernel launch. Measured on H100: see README "GPU snapshot".
+# smaller ones are batched into one kernel launch. See docs/api.md "Compiled core and GPU snapshots";
+# measured by benchmarks/gpu_snapshot.py: docs/benchmarks.md "The snapshot on GPU".
 KERNEL_MAX_BYTES = int(os.environ.get("CKPT_KERNEL_MAX_BYTES", 1 << 20))
 
 
