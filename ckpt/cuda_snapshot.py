@@ -42,7 +42,8 @@ from . import _ext
 from .errors import ConfigError
 
 # Pieces at least this large go through cudaMemcpyAsync (copy engines, SMs stay free for training);
-# smaller ones are batched into one kernel launch. See docs/design.md, "Snapshot: the host buffer".
+# smaller ones are batched into one kernel launch. See docs/api.md "Compiled core and GPU snapshots";
+# measured by benchmarks/gpu_snapshot.py: docs/benchmarks.md "The snapshot on GPU".
 KERNEL_MAX_BYTES = int(os.environ.get("CKPT_KERNEL_MAX_BYTES", 1 << 20))
 
 # For tests of the ordering: spin the side stream this many GPU clock cycles before each batch of

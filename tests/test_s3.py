@@ -40,8 +40,8 @@ def assert_loaded(c: ckpt.Checkpointer, step, expected: dict) -> None:
 
 
 def test_which_servers_give_true_create_only(rclone_server, moto_server):
-    """Documented in README: moto honours If-None-Match (true create-only), rclone serve s3 ignores it
-    (ckpt then relies on check-then-put). If rclone learns it, update the README."""
+    """Documented in docs/api.md: moto honours If-None-Match (true create-only), rclone serve s3 ignores it
+    (ckpt then relies on check-then-put). If rclone learns it, update docs/api.md."""
     assert open_storage(s3_url(), fast(moto_server.endpoint)).conditional_writes() is True
     assert open_storage(s3_url(), fast(rclone_server.endpoint)).conditional_writes() is False
 
