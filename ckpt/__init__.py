@@ -10,9 +10,11 @@
         weights = ck.tensors(keys="model/")
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .checkpointer import Checkpointer
-from .cuda_snapshot import fence
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -29,13 +31,32 @@ from .errors import (
     StorageError,
     UnsupportedValueError,
 )
-from .handle import SaveHandle, SaveMetrics
-from .loader import LoadStats
-from .options import Options
 from .reader import Pickled, Reader, open
-from .redundancy_config import Parity, Replicas
 from .sharding import LocalShard, PerRank
 from .state import RNGState
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+    from .cuda_snapshot import fence
+    from .handle import SaveHandle, SaveMetrics
+    from .loader import LoadStats
+    from .options import Options
+    from .redundancy_config import Parity, Replicas
+
+# The writer's side is imported when first named, so that reading (ckpt.open, the ckpt command line)
+# never imports the writer, the commit protocol, the peers or their process groups.
+_LAZY = {"Checkpointer": "checkpointer", "SaveHandle": "handle", "SaveMetrics": "handle", "LoadStats": "loader",
+         "Options": "options", "Parity": "redundancy_config", "Replicas": "redundancy_config", "fence": "cuda_snapshot"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
 
 __all__ = [
     "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",

@@ -236,6 +236,12 @@ class Checkpointer:
         return True
 
     @property
+    def preemption_pending(self) -> bool:
+        """True once a preemption signal reached this process, or another rank agreed an emergency
+        save (read-only; ``should_save`` is what acts on it)."""
+        return self._schedule.preemption_pending
+
+    @property
     def interval(self) -> Interval:
         """The save interval in force (for ``every="auto"``: as last chosen, and why)."""
         return self._schedule.interval

@@ -16,31 +16,21 @@ bytes) when piped; ``--json`` prints one document with a ``schema`` field.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import io
 import json
-import os
 import re
 import shutil
 import sys
-import time
-from typing import Any, TextIO
-
-from rich import box
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TaskProgressColumn, TextColumn
-from rich.progress import Progress as RichProgress
-from rich.table import Table
-from rich.text import Text
+from typing import Any
 
 from . import __version__
-from .catalog import Catalog, tensor_kind, verify
+from .console import Out, Progress, human_bytes
 from .errors import CheckpointError, ConfigError
 from .format import manifest as mf
-from .format import paths
-from .format.chunk import is_chunk_hash
 from .reader import Reader
-from .structure import preview, strip_pickles, value_nodes
+from .reader.collect import GcReport
+from .reader.listing import local_tiers, ls
+from .reader.verify import VerifyResult
+from .structure import preview
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
 
@@ -50,94 +40,6 @@ EXIT_CODES = """exit codes:
      (verify/ls --verify: something is corrupt or missing; gc: a damaged manifest stopped it)
   2  usage error (bad arguments or options)
   3  diff --exit-code: the steps differ"""
-
-
-# -- output -------------------------------------------------------------------------------------------
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def terminal_width(stream: TextIO) -> int:
-    """Columns of the terminal ``stream`` is (``COLUMNS`` wins, as for every console program)."""
-    try:
-        return os.get_terminal_size(stream.fileno()).columns if "COLUMNS" not in os.environ else \
-            shutil.get_terminal_size().columns
-    except (OSError, AttributeError, ValueError):
-        return shutil.get_terminal_size().columns
-
-
-class Out:
-    """Where results go: on a terminal, tables (rich) that fit its width, long cells folded, sizes
-    for humans; piped, tab-separated rows with exact byte counts (so ``cut``/``awk`` and
-    spreadsheets read them)."""
-
-    def __init__(self, stream: TextIO | None = None, tty: bool | None = None, width: int | None = None):
-        self.stream = stream or sys.stdout
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.width = width or (terminal_width(self.stream) if self.tty else 200)
-        real = self.tty and hasattr(self.stream, "fileno") and not isinstance(self.stream, io.StringIO)
-        self.console = Console(file=self.stream, width=self.width, highlight=False, soft_wrap=False,
-                               color_system="auto" if real else None, emoji=False)
-
-    def write(self, text: str = "") -> None:
-        if self.tty:
-            self.console.print(text, markup=False)
-        else:
-            self.stream.write(text + "\n")
-
-    def size(self, n: int | None) -> str:
-        if n is None:
-            return "-"
-        return human_bytes(n) if self.tty else str(n)
-
-    def table(self, header: list[str], rows: list[list[Any]], right: set[int] | frozenset[int] = frozenset()
-              ) -> None:
-        cells = [[str(c) for c in r] for r in rows]
-        if not self.tty:
-            for r in [header] + cells:
-                self.stream.write("\t".join(c.replace("\t", " ").replace("\n", " ") for c in r) + "\n")
-            return
-        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold", expand=False)
-        for i, h in enumerate(header):
-            t.add_column(h, justify="right" if i in right else "left", overflow="fold")
-        for r in cells:
-            t.add_row(*(Text(c) for c in r))
-        self.console.print(t)
-
-
-class Progress:
-    """A progress bar (rich) on stderr, drawn only when stderr is a terminal."""
-
-    def __init__(self, total: int, what: str, stream: TextIO | None = None, enabled: bool | None = None):
-        stream = stream or sys.stderr
-        self.enabled = stream.isatty() if enabled is None else enabled
-        self.started = time.monotonic()
-        self._bar: RichProgress | None = None
-        if self.enabled:
-            console = Console(file=stream, width=terminal_width(stream), highlight=False, color_system=None)
-            self._bar = RichProgress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-                                     TextColumn("{task.fields[rate]}"), console=console, auto_refresh=False)
-            self._task = self._bar.add_task(what, total=total, rate="")
-            self._bar.start()
-
-    def update(self, done: int, nbytes: int) -> None:
-        if self._bar is not None:
-            rate = nbytes / max(time.monotonic() - self.started, 1e-6)
-            self._bar.update(self._task, completed=done, rate=f"{human_bytes(rate)}/s")
-            self._bar.refresh()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-
-def _iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _dump(doc: dict) -> None:
@@ -151,10 +53,6 @@ def _open(args: argparse.Namespace) -> Reader:
     return r
 
 
-def _catalog(args: argparse.Namespace) -> Catalog:
-    return _open(args).catalog
-
-
 def _box(offsets: list[int], lengths: list[int]) -> str:
     return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths)) + "]"
 
@@ -165,183 +63,61 @@ def _shape(shape: list[int]) -> str:
 
 # -- ls -----------------------------------------------------------------------------------------------
 
-def _step_doc(cat: Catalog, s: int, earlier: set[str]) -> dict:
-    m = cat.manifest(s)
-    if m is None:
-        return {"step": s, "status": "damaged", "error": cat.errors[s], "rank_files": len(cat.rank_files(s))}
-    new = [h for h in m.chunks if h not in earlier]
-    return {"step": s, "status": "committed", "created": _iso(m.created), "world_size": m.world_size,
-            "tensors": len(m.tensors), "raw_bytes": m.raw_bytes, "stored_bytes": m.stored_bytes,
-            "new_bytes": sum(m.chunks[h].stored for h in new), "new_chunks": len(new), "chunks": len(m.chunks),
-            "written_bytes": m.stats.get("written_bytes"), "writer": m.writer}
-
-
-def _local_tiers(dirs: list[str]) -> list[tuple[str, Catalog]]:
-    """Each ``--local`` directory with its catalog (an empty tier, a replaced node's, is left out)."""
-    from .storage import LocalStorage
-
-    out = []
-    for d in dirs:
-        if not os.path.isdir(d):
-            raise ConfigError(f"--local {d!r}: no such directory (a node's local_dir)")
-        try:
-            out.append((d, Catalog(LocalStorage(d))))
-        except CheckpointError:  # an empty tier holds nothing
-            continue
-    return out
-
-
-def _chunks_held(cat: Catalog) -> set[str]:
-    """Every chunk a tier holds (one listing per prefix, not a stat per chunk and step)."""
-    st = cat.storage
-    return {n for p in st.list(paths.CHUNKS) for n in st.list(f"{paths.CHUNKS}/{p}") if is_chunk_hash(n)}
-
-
-def _where(docs: list[dict], remote: set[int], tiers: list[Catalog], n_dirs: int) -> list[dict]:
-    """With ``--local``: for every step, whether the checkpoint path has it, which local tiers
-    committed it, and the share of its chunks the local tiers hold between them (what a restore
-    without the checkpoint path can get; parity rebuilds more). Steps only the local tiers have are
-    added."""
-    by_step = {d["step"]: d for d in docs}
-    local: dict[int, list[int]] = {}
-    for i, cat in enumerate(tiers):
-        for s in cat.committed:
-            local.setdefault(s, []).append(i)
-    for s, holders in local.items():
-        if s not in by_step:
-            first = tiers[holders[0]]
-            by_step[s] = _step_doc(first, s, first.earlier_chunks(s))
-    anywhere = set().union(*(_chunks_held(t) for t in tiers)) if tiers else set()
-    for s, d in by_step.items():
-        d["remote"] = s in remote
-        d["local_tiers"] = [tiers[i].storage.describe() for i in local.get(s, [])]
-        m = next((m for i in local.get(s, []) if (m := tiers[i].manifest(s)) is not None), None)
-        if m is not None and m.chunks:
-            held = sum(1 for h in m.chunks if h in anywhere)
-            d["local_chunks_held"] = held / len(m.chunks)
-        d["where"] = " + ".join(
-            x for x in ("remote" if s in remote else "", f"{len(local.get(s, []))}/{n_dirs} local" if s in local
-                        else "") if x) or "-"
-        if "local_chunks_held" in d and s in local:
-            d["where"] += f" ({d['local_chunks_held']:.0%} of chunks)"
-    return sorted(by_step.values(), key=lambda d: d["step"])
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
-    tiers = [cat for _, cat in _local_tiers(args.local or [])]
+    tiers = local_tiers(args.local or [])
     try:
-        cat: Catalog | None = _catalog(args)
+        reader: Reader | None = _open(args)
     except CheckpointError:
         if not tiers:
             raise
-        cat = None  # nothing uploaded yet: the local tiers alone
-    docs: list[dict] = []
-    earlier: set[str] = set()
-    if cat is not None:
-        for s in cat.committed:
-            docs.append(_step_doc(cat, s, earlier))
-            m = cat.manifest(s)
-            if m is not None:
-                earlier |= m.chunks.keys()
-        for s in cat.incomplete:
-            docs.append({"step": s, "status": "incomplete", "rank_files": len(cat.rank_files(s))})
-    docs.sort(key=lambda d: d["step"])
-    if args.local:
-        docs = _where(docs, set(cat.committed) if cat is not None else set(), tiers, len(args.local))
-    problems = []
-    if args.verify and cat is not None:
-        res = _verify(args, cat, cat.committed)
-        problems = res.problems
-        bad: dict[int, int] = {}
-        for p in res.problems:
-            for s in p.steps:
-                bad[s] = bad.get(s, 0) + 1
-        for d in docs:
-            if d["step"] in bad and d["status"] == "committed":
-                d["status"] = "corrupt"
-                d["error"] = f"{bad[d['step']]} damaged or missing object(s)"
-            elif d["status"] == "committed":
-                d["status"] = "verified"
-    failed = any(d["status"] in ("damaged", "corrupt") for d in docs)
+        reader = None  # nothing uploaded yet: the local tiers alone
+    bar = Progress(reader.chunk_count(reader.committed) if reader is not None and args.verify else 0, "verify",
+                   enabled=None if reader is not None and args.verify else False)
+    try:
+        res = ls(reader, verify=args.verify, local=args.local or [], tiers=tiers, url=args.url, progress=bar.update)
+    finally:
+        bar.close()
     if args.json:
-        _dump({"schema": "ckpt-ls/1", "url": args.url, "steps": docs,
-               "problems": [p.to_json() for p in problems]})
-        return EXIT_FAILED if failed else EXIT_OK
+        _dump(res.to_json())
+        return EXIT_OK if res.ok else EXIT_FAILED
     out = Out()
     rows = []
-    for d in docs:
-        if d["status"] in ("committed", "verified", "corrupt"):
-            status = d["status"] if d["status"] != "corrupt" else f"CORRUPT: {d['error']}"
-            rows.append([d["step"], d["created"], d["world_size"], d["tensors"], out.size(d["raw_bytes"]),
-                         out.size(d["stored_bytes"]), out.size(d["new_bytes"]), status])
-        elif d["status"] == "damaged":
-            rows.append([d["step"], "-", "-", "-", "-", "-", "-", f"DAMAGED: {d['error']}"])
+    for d in res.steps:
+        if d.readable:
+            status = d.status if d.status != "corrupt" else f"CORRUPT: {d.error}"
+            rows.append([d.step, d.created, d.world_size, d.tensors, out.size(d.raw_bytes),
+                         out.size(d.stored_bytes), out.size(d.new_bytes), status])
+        elif d.status == "damaged":
+            rows.append([d.step, "-", "-", "-", "-", "-", "-", f"DAMAGED: {d.error}"])
         else:
-            rows.append([d["step"], "-", "-", "-", "-", "-", "-",
-                         f"incomplete: {d['rank_files']} rank file(s), no manifest"])
+            rows.append([d.step, "-", "-", "-", "-", "-", "-", f"incomplete: {d.rank_files} rank file(s), no manifest"])
         if args.local:
-            rows[-1].append(d.get("where", "-"))
+            rows[-1].append(d.where or "-")
     out.table(["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "status"] +
               (["where"] if args.local else []), rows, {0, 2, 3, 4, 5, 6})
-    for p in problems:
+    for p in res.problems:
         print(f"{p.kind}: {p.object} (step {', '.join(map(str, p.steps))}): {p.message}", file=sys.stderr)
-    return EXIT_FAILED if failed else EXIT_OK
+    return EXIT_OK if res.ok else EXIT_FAILED
 
 
 # -- inspect ------------------------------------------------------------------------------------------
 
-def _tensor_doc(m: mf.Manifest, t: mf.TensorEntry, earlier: set[str], holder: dict[str, int]) -> dict:
-    """One tensor of step ``m``: its chunks, codecs, ratio (raw ÷ stored, for this step's own chunks;
-    a delta's base is not counted) and, for deltas, the steps holding their bases (``holder``: the
-    newest earlier step that holds each chunk) and the longest chain a load of it resolves."""
-    chunks = list(dict.fromkeys(g.chunk for s in t.shards for g in s.segments))
-    new = [h for h in chunks if h not in earlier]
-    raw = sum(m.chunks[h].size for h in chunks)
-    stored = sum(m.chunks[h].stored for h in chunks)
-    bases = {m.chunks[h].base for h in chunks} - {None}
-    return {"key": t.key, "rank": t.rank, "kind": tensor_kind(t), "dtype": t.dtype, "shape": t.shape,
-            "bytes": t.nbytes,
-            "shards": [{"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths,
-                        "chunks": list(dict.fromkeys(g.chunk for g in s.segments))} for s in t.shards],
-            "chunks": len(chunks), "new_chunks": len(new), "reused_chunks": len(chunks) - len(new),
-            "codecs": sorted({m.chunks[h].codec for h in chunks}),
-            "ratio": round(raw / stored, 3) if stored else None,
-            "base_steps": sorted({holder[b] for b in bases if b in holder}),
-            "chain": max((len(mf.chain(m.chunks, h)) for h in chunks), default=0)}
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
-    cat = _catalog(args)
-    step = cat.resolve(args.step)
-    m = cat.require(step)
-    earlier = cat.earlier_chunks(step)
-    summary = _step_doc(cat, step, earlier)
-    holder = cat.chunk_holders(step)
-    tensors = [_tensor_doc(m, t, earlier, holder) for t in m.tensors]
-    values = list(value_nodes(m.structure))
+    reader = _open(args)
+    ins = reader.inspect(args.step)
+    m, step, summary, tensors, values = ins.manifest, ins.manifest.step, ins.summary, ins.tensors, ins.values
     if args.json:
-        steps = []
-        for s in cat.committed:
-            d = _step_doc(cat, s, set())
-            d.pop("new_bytes", None), d.pop("new_chunks", None)
-            steps.append(d)
-        _dump({"schema": "ckpt-inspect/1", "path": args.url, "format_version": m.format_version,
-               "steps": [d for d in steps if d["status"] == "committed"],
-               "incomplete_steps": cat.incomplete,
-               "damaged_steps": {str(s): e for s, e in cat.errors.items()},
-               "detail": {**summary, "per_rank_keys": m.per_rank_keys, "tensors": tensors,
-                          "values": {p: preview(n) for p, n in values},
-                          "value_nodes": {p: strip_pickles(n) for p, n in values}}})
+        _dump(ins.to_json())
         return EXIT_OK
     out = Out()
-    out.write(f"{args.url}: {len(cat.committed)} committed step(s); step {step}")
-    out.write(f"  created {summary['created']}, {m.world_size} rank(s), {len(m.tensors)} tensor(s), "
+    out.write(f"{args.url}: {len(reader.committed)} committed step(s); step {step}")
+    out.write(f"  created {summary.created}, {m.world_size} rank(s), {len(m.tensors)} tensor(s), "
               f"raw {human_bytes(m.raw_bytes)}, stored {human_bytes(m.stored_bytes)}, "
-              f"new {human_bytes(summary['new_bytes'])} ({summary['new_chunks']} of {len(m.chunks)} chunks)")
+              f"new {human_bytes(summary.new_bytes or 0)} ({summary.new_chunks} of {len(m.chunks)} chunks)")
     if m.per_rank_keys:
         out.write(f"  per-rank keys: {', '.join(m.per_rank_keys)}")
-    if cat.errors:
-        out.write(f"  damaged steps: {', '.join(map(str, cat.errors))} (ckpt ls shows why)")
+    if ins.damaged:
+        out.write(f"  damaged steps: {', '.join(map(str, ins.damaged))} (ckpt ls shows why)")
     if tensors:
         out.write(f"\nstep {step}: tensors")
         rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["kind"], t["dtype"],
@@ -371,24 +147,21 @@ def _base_steps(steps: list[int]) -> str:
 
 # -- verify -------------------------------------------------------------------------------------------
 
-def _verify(args: argparse.Namespace, cat: Catalog, steps: list[int]):
-    """verify() with a progress bar on stderr when it is a terminal."""
-    total = len({h for s in steps if (m := cat.manifest(s)) is not None for h in m.chunks})
-    bar = Progress(total, "verify")
+def _verify(args: argparse.Namespace, reader: Reader) -> VerifyResult:
+    """Reader.verify with a progress bar on stderr when it is a terminal."""
+    steps = reader.committed if args.all else [reader.step(args.step)]  # a step not committed is an error
+    bar = Progress(reader.chunk_count(steps), "verify")
     try:
-        return verify(cat, steps, threads=args.jobs, progress=bar.update)
+        return reader.verify(None if args.all else steps[0], all=args.all, progress=bar.update)
     finally:
         bar.close()
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    reader = _open(args)
-    cat = reader.catalog
-    steps = cat.committed if args.all else [reader.step(args.step)]  # a step not committed is an error
-    res = _verify(args, cat, steps)
+    res = _verify(args, _open(args))
+    steps = res.steps
     if args.json:
-        _dump({"schema": "ckpt-verify/1", "url": args.url, "steps": res.steps, "chunks": res.chunks,
-               "bytes": res.bytes, "ok": res.ok, "problems": [p.to_json() for p in res.problems]})
+        _dump(res.to_json(args.url))
         return EXIT_OK if res.ok else EXIT_FAILED
     out = Out()
     if res.ok:
@@ -416,11 +189,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     a, b, changes, values = d.a, d.b, d.tensors, d.values
     differ = [c for c in changes if c.status != "same"]
     if args.json:
-        _dump({"schema": "ckpt-diff/1", "url": args.url, "a": a, "b": b,
-               "tensors": [{"key": c.key, "rank": c.rank, "status": c.status, "decided_by": c.how,
-                            "detail": c.detail, "max_abs_diff": c.max_abs_diff} for c in changes],
-               "values": [{"key": p, "a": x, "b": y} for p, x, y in values],
-               "identical": not differ and not values})
+        _dump(d.to_json(args.url))
     else:
         out = Out()
         same = len(changes) - len(differ)
@@ -462,33 +231,23 @@ def _age(s: float | None) -> str:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """``ckpt gc URL``; with ``--local DIR`` also each node's local tier, with its own ``--keep-local``."""
-    roots: list[tuple[str, Catalog, int | None]] = [(args.url, _catalog(args), args.keep_last)]
-    roots += [(d, cat, args.keep_local) for d, cat in _local_tiers(args.local or [])]
-    results = [_gc_one(args, url, cat, keep) for url, cat, keep in roots]
+    roots = [(_open(args), args.keep_last)] + [(r, args.keep_local) for r in local_tiers(args.local or [])]
+    reports = [r.gc(grace_s=args.grace, keep_last=keep, dry_run=args.dry_run) for r, keep in roots]
+    docs = [rep.to_json() for rep in reports]
     if args.json:
-        doc = results[0]
         if args.local:
-            doc["local"] = results[1:]
-        _dump(doc)
-    return max(r["exit"] for r in results)
+            docs[0]["local"] = docs[1:]
+        _dump(docs[0])
+    else:
+        for rep in reports:
+            _print_gc(args, rep)
+    return max(d["exit"] for d in docs)
 
 
-def _gc_one(args: argparse.Namespace, url: str, cat: Catalog, keep_last: int | None) -> dict:
-    from . import gc
-
-    plan = gc.plan(cat, grace_s=args.grace, keep_last=keep_last)
-    removed = plan.remove if args.dry_run else gc.run(cat, plan)
-    status = EXIT_FAILED if plan.unreadable else EXIT_OK
-    doc = {"schema": "ckpt-gc/1", "url": url, "dry_run": args.dry_run, "grace_s": args.grace,
-           "retention_steps": plan.retention, "removed" if not args.dry_run else "would_remove":
-           [i.to_json() for i in removed], "bytes": sum(i.bytes for i in removed),
-           "kept_younger_than_grace": [i.to_json() for i in plan.young],
-           "damaged_steps": {str(s): e for s, e in plan.unreadable.items()},
-           "live_writers": [{"id": w.id, "pid": w.pid, "host": w.host} for w in plan.writers], "exit": status}
-    if args.json:
-        return doc
+def _print_gc(args: argparse.Namespace, rep: GcReport) -> None:
+    plan, removed = rep.plan, rep.removed
     if args.local:
-        print(f"{url}:")
+        print(f"{rep.url}:")
     out = Out()
     verb = "would remove" if args.dry_run else "removed"
     if removed:
@@ -501,24 +260,23 @@ def _gc_one(args: argparse.Namespace, url: str, cat: Catalog, keep_last: int | N
     names = {"step": "retained-away step(s)", "chunk": "chunk(s) only they used", "orphan": "orphan chunk(s)",
              "temp": "temp file(s)", "incomplete": "incomplete step(s)"}
     parts = [f"{counts[k]} {names[k]}" for k in names if k in counts]
-    out.write(f"{verb}: {', '.join(parts) or 'nothing'}; {human_bytes(sum(i.bytes for i in removed))}")
+    out.write(f"{verb}: {', '.join(parts) or 'nothing'}; {human_bytes(rep.bytes)}")
     if plan.young:
         out.write(f"kept: {len(plan.young)} object(s) younger than the grace period ({_age(args.grace)}); "
                   "a running save may still commit them")
     if plan.writers:
-        out.write(f"deferred: {plan.writers[0].describe()} is saving into {url}; no chunk, temp file or "
+        out.write(f"deferred: {plan.writers[0].describe()} is saving into {rep.url}; no chunk, temp file or "
                   "unfinished step was touched, and the chunks of removed steps are left for it (or a later gc) "
                   "to delete")
     for s, e in plan.unreadable.items():
         print(f"ckpt: gc: step {s} has a damaged manifest, so which chunks it needs is unknown: no chunk "
               f"was removed and retention was skipped ({e})", file=sys.stderr)
-    return doc
 
 
 # -- export -------------------------------------------------------------------------------------------
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import per_rank_note
+    from .reader.export import per_rank_note
 
     reader = _open(args)
     step = reader.step(args.step)

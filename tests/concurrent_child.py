@@ -53,18 +53,17 @@ def train(root: str, first: int, stride: int, count: int, keep_last: int | None,
 
 def gc_loop(root: str, keep_last: int, stop_file: str) -> int:
     """``ckpt gc --keep-last N --grace 0``, over and over, until ``stop_file`` exists."""
-    from ckpt import gc
-    from ckpt.catalog import Catalog
+    from ckpt.reader import Reader, collect
     from ckpt.storage import open_storage
 
     runs = deferred = 0
     while not os.path.exists(stop_file):
         try:
-            cat = Catalog(open_storage(root))
+            cat = Reader(open_storage(root))
         except ckpt.NotACheckpointError:
             continue  # nothing saved yet
-        p = gc.plan(cat, grace_s=0, keep_last=keep_last)
-        gc.run(cat, p)
+        p = collect.plan(cat, grace_s=0, keep_last=keep_last)
+        collect.run(cat, p)
         runs += 1
         deferred += bool(p.writers)
     print(json.dumps({"runs": runs, "deferred": deferred}), flush=True)

@@ -14,8 +14,8 @@ import torch
 from concurrent_child import CHUNK, digest
 
 import ckpt
-from ckpt import cli, gc
-from ckpt.catalog import Catalog
+from ckpt import cli
+from ckpt.reader import Reader, collect
 from ckpt.storage import LocalStorage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,12 +49,12 @@ def check_every_step(root: str, logs: list[str]) -> None:
 
 def collect_and_check_clean(root: str) -> None:
     """With no writer left, gc deletes what was parked for one: only referenced chunks remain."""
-    cat = Catalog(LocalStorage(root))
-    p = gc.plan(cat, grace_s=0, keep_last=1)
+    cat = Reader(LocalStorage(root))
+    p = collect.plan(cat, grace_s=0, keep_last=1)
     assert not p.writers
-    gc.run(cat, p)
-    cat = Catalog(LocalStorage(root))
-    referenced = set().union(*(cat.require(s).chunks.keys() for s in cat.committed))
+    collect.run(cat, p)
+    cat = Reader(LocalStorage(root))
+    referenced = set().union(*(cat.manifest(s).chunks.keys() for s in cat.committed))
     stored = {n for d in os.listdir(os.path.join(root, "chunks")) for n in os.listdir(os.path.join(root, "chunks", d))}
     assert stored == referenced
     for folder in ("leases", "retired"):  # the writers removed their leases; the parked lists are done

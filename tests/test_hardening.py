@@ -135,8 +135,8 @@ def test_fallback_never_mixes_two_steps(ckdir):
 # -- 3. any non-negative 64-bit step ----------------------------------------------------------------------
 
 def test_steps_up_to_2_63_are_visible_and_kept(ckdir):
-    from ckpt import cli, gc
-    from ckpt.catalog import Catalog
+    from ckpt import cli
+    from ckpt.reader import Reader, collect
 
     big = [10**12, 2**63 - 1]
     with ckpt.Checkpointer(ckdir) as c:
@@ -149,8 +149,8 @@ def test_steps_up_to_2_63_are_visible_and_kept(ckdir):
         assert c.steps() == [5, *big] and c.latest() == 2**63 - 1
     os.makedirs(os.path.join(ckdir, "steps", "0000000000005"))  # not a name ckpt writes: ignored
     assert ckpt.Checkpointer(ckdir).steps() == [5, *big]
-    cat = Catalog(LocalStorage(ckdir))
-    p = gc.plan(cat, grace_s=0)
+    cat = Reader(LocalStorage(ckdir))
+    p = collect.plan(cat, grace_s=0)
     assert not [i for i in p.remove if i.kind == "orphan"]  # their chunks are referenced
     assert cli.main(["ls", ckdir, "--json"]) == 0
     got = {"w": torch.zeros(10)}

@@ -307,16 +307,16 @@ def _shared_body(rank: int, world: int, root: str, steps: list[int]) -> dict:
 def test_ranks_sharing_a_node_tier_keep_it_to_keep_local(tmp_path):
     """One rank per tier applies its retention and the others' leases do not stop it: the tier holds
     exactly the chunks of its keep_local steps (not every chunk ever written, parked)."""
-    from ckpt.catalog import Catalog
+    from ckpt.reader import Reader
     from ckpt.storage import LocalStorage
 
     root = str(tmp_path)
     run_ranks(4, _shared_body, root, [1, 2, 3, 4, 5, 6])
     for node in ("node0", "node1"):
         tier = os.path.join(root, node)
-        cat = Catalog(LocalStorage(tier))
+        cat = Reader(LocalStorage(tier))
         assert sorted(cat.committed) == [5, 6]
-        referenced = set().union(*(cat.require(s).chunks.keys() for s in cat.committed))
+        referenced = set().union(*(cat.manifest(s).chunks.keys() for s in cat.committed))
         chunks = os.path.join(tier, "chunks")
         stored = {n for d in os.listdir(chunks) for n in os.listdir(os.path.join(chunks, d))}
         assert stored == referenced, (node, len(stored), len(referenced))

@@ -319,18 +319,17 @@ def test_retention_killed_anywhere_leaves_committed_steps_loadable(rclone_server
 
 def test_gc_cli_on_s3(moto_server, tmp_path):
     """`ckpt gc` works on the remote tier (orphans found by listing, ages from LastModified)."""
-    from ckpt import gc
-    from ckpt.catalog import Catalog
+    from ckpt.reader import Reader, collect
 
     url, so = s3_url(), fast(moto_server.endpoint)
     s1 = state_of(200_000, seed=1)
     with ckpt.Checkpointer(url, storage_options=so, chunk_size=256 * 1024) as c:
         c.save(1, s1).wait()
         c.storage.write("chunks/ff/" + "f" * 32, [b"orphan"])
-    cat = Catalog(open_storage(url, so))
-    p = gc.plan(cat, grace_s=0)
+    cat = Reader(open_storage(url, so))
+    p = collect.plan(cat, grace_s=0)
     assert [i.kind for i in p.remove] == ["orphan"]
-    gc.run(cat, p)
+    collect.run(cat, p)
     with ckpt.Checkpointer(url, storage_options=so) as c:
         assert_loaded(c, 1, s1)
         assert not c.storage.exists("chunks/ff/" + "f" * 32)

@@ -19,8 +19,8 @@ structure: tensors become verified chunks, plain values JSON. Nothing is pickled
 ``allow_pickle=True`` (needed only if the dict holds objects that are not plain values, e.g.
 hyperparameters holding a custom class).
 
-The callback lives in ``callback.py``, the plugin in ``io.py``; both use only the public
-:class:`~ckpt.Checkpointer` API.
+The callback lives in ``callback.py``, the plugin in ``io.py``; both write with the public
+:class:`~ckpt.Checkpointer` API and read with ``ckpt.open`` (no writer to read one step).
 """
 
 from ._common import LIGHTNING_PACKAGE, load_checkpoint

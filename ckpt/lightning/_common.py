@@ -7,10 +7,10 @@ import logging
 import os
 from typing import Any
 
-from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, UnsupportedValueError
 from ..format import manifest as mf
 from ..format import paths
+from ..reader import open as open_reader
 from ..state import RNGState
 from ..storage import open_storage
 
@@ -63,15 +63,15 @@ def locate(path: Any) -> tuple[str, int | None] | None:
 def read(root: str, step: int | None, *, allow_pickle: bool, who: str, restore_rng: bool = False) -> tuple[dict, int]:
     """Load Lightning's checkpoint dict saved at ``step`` (None: the newest) of ``root``. The random
     generators saved with it (``AsyncCheckpoint(save_rng=True)``) are restored only if asked."""
-    with Checkpointer(root, allow_pickle=allow_pickle) as c:
-        step = c.latest() if step is None else step
+    with open_reader(root) as r:
+        step = r.latest() if step is None else step
         if step is None:
             raise CheckpointError(f"{root} holds no committed step")
         state: dict[str, Any] = {KEY: {}}
-        if "rng" in c.manifest(step).top_keys:
+        if "rng" in r.manifest(step).top_keys:
             state["rng"] = RNGState() if restore_rng else _Discard()
         try:
-            c.load(step, state)
+            r.load_into(state, step, allow_pickle=allow_pickle)
         except UnsupportedValueError as e:
             raise UnsupportedValueError(f"{e} ({who}(allow_pickle=True) allows it.)") from e
     return state[KEY], step

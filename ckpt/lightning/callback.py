@@ -209,7 +209,7 @@ class AsyncCheckpoint(CheckpointBase):
     def _preemption(self, trainer: Any) -> bool:
         """Has a preemption signal reached any rank? (The same answer on every rank.)"""
         assert self.checkpointer is not None
-        mine = self.checkpointer._schedule.preemption_pending or bool(getattr(trainer, "received_sigterm", False))
+        mine = self.checkpointer.preemption_pending or bool(getattr(trainer, "received_sigterm", False))
         if trainer.world_size > 1:
             return bool(trainer.strategy.reduce_boolean_decision(mine, all=False))
         return mine

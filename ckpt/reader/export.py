@@ -1,4 +1,4 @@
-"""A consolidated, unsharded copy of one step in a single file (``ckpt export``).
+"""A consolidated, unsharded copy of one step in a single file (``Reader.export``, ``ckpt export``).
 
 Every tensor is rebuilt whole from its shards (resharding to one process, each chunk verified)
 and written as a flat ``key -> tensor`` mapping, keys as in the manifest (``model/0.weight``):
@@ -18,13 +18,17 @@ import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from .catalog import Catalog, read_tensors
-from .errors import ConfigError, StorageError, UnsupportedValueError
-from .format import manifest as mf
-from .structure import DTYPES, has_pickle, strip_pickles, value_nodes
+from ..errors import ConfigError, StorageError, UnsupportedValueError
+from ..format import manifest as mf
+from ..structure import DTYPES, has_pickle, strip_pickles, value_nodes
+from .tensors import read_tensors
+
+if TYPE_CHECKING:
+    from .core import Reader
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
 
@@ -61,7 +65,7 @@ def _safetensors_dtypes_refused(dtypes: set[str]) -> set[str]:
     return bad
 
 
-def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None = None, strip_prefix: bool = False,
+def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None = None, strip_prefix: bool = False,
            rank: int = 0, overwrite: bool = False, threads: int = 8) -> ExportResult:
     """Write step ``step`` to ``path`` as one unsharded file; see the module docstring. With
     ``strip_prefix``, the prefix a key matched is taken off its name (``model/0.weight`` with
@@ -74,7 +78,7 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"cannot write {path}: the directory {folder} does not exist (create it first)")
-    m = catalog.require(step)
+    m = reader.manifest(step)
     if m.per_rank_keys and not 0 <= rank < m.world_size:
         raise ConfigError(f"--rank {rank}: step {step} was saved on {m.world_size} rank(s); "
                           f"use 0 to {m.world_size - 1}")
@@ -115,7 +119,7 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
             result.skipped_values.append(p)
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-export") as io:
-        tensors = read_tensors(catalog.storage, m, entries, io)
+        tensors = read_tensors(reader.storage, m, entries, io)
     names = [name(e.key) for e in entries]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:
@@ -127,7 +131,7 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
 
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        _write(fmt, out, tmp, path, step, catalog, values, result)
+        _write(fmt, out, tmp, path, step, reader, values, result)
     except OSError as e:
         raise StorageError(f"writing {path} failed: {e}") from e
     finally:
@@ -136,13 +140,13 @@ def export(catalog: Catalog, step: int, path: str, *, prefixes: list[str] | None
     return result
 
 
-def _write(fmt: str, out: dict, tmp: str, path: str, step: int, catalog: Catalog, values: dict,
+def _write(fmt: str, out: dict, tmp: str, path: str, step: int, reader: Reader, values: dict,
            result: ExportResult) -> None:
     """Write the file under a temporary name, then rename it into place (never a half-written file)."""
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        meta = {"format": "pt", "ckpt.step": str(step), "ckpt.source": catalog.storage.describe(),
+        meta = {"format": "pt", "ckpt.step": str(step), "ckpt.source": reader.storage.describe(),
                 "ckpt.values": json.dumps(values, separators=(",", ":"), allow_nan=False)}
         if result.rank is not None:
             meta["ckpt.rank"] = str(result.rank)

@@ -1,4 +1,4 @@
-"""Garbage collection from outside a run (``ckpt gc``): what crashes and failed saves leave behind.
+"""Garbage collection from outside a run (``Reader.gc``, ``ckpt gc``): what crashes and failed saves leave behind.
 
 Three kinds of garbage, each removed only once it is older than a grace period, because a save
 running right now (in another process) may be about to commit it:
@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .catalog import Catalog
-from .format import manifest as mf
-from .format import paths
-from .format.chunk import is_chunk_hash
-from .lease import LeaseInfo, Leases, list_leases
-from .retention import DeleteMany, delete_steps, parked, to_delete
-from .storage import Storage
+from ..format import manifest as mf
+from ..format import paths
+from ..format.chunk import is_chunk_hash
+from ..lease import LeaseInfo, Leases, list_leases
+from ..retention import DeleteMany, delete_steps, parked, to_delete
+from ..storage import Storage
+
+if TYPE_CHECKING:
+    from .core import Reader
 
 TMP_MARK = ".tmp-"
 
@@ -65,6 +68,10 @@ class GcPlan:
     def bytes(self) -> int:
         return sum(i.bytes for i in self.remove)
 
+    def classify(self, item: Item) -> None:
+        """Garbage: removed if older than the grace period, else kept."""
+        (self.remove if _old(item.age_s, self.grace_s) else self.young).append(item)
+
 
 def _age(storage: Storage, key: str, now: float) -> float | None:
     try:
@@ -86,39 +93,45 @@ def _old(age: float | None, grace_s: float) -> bool:
     return grace_s <= 0 or (age is not None and age >= grace_s)
 
 
-def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now: float | None = None) -> GcPlan:
+def plan(reader: Reader, *, grace_s: float, keep_last: int | None = None, now: float | None = None) -> GcPlan:
     """What :func:`run` would remove (nothing is deleted here)."""
-    storage = catalog.storage
+    storage = reader.storage
     now = time.time() if now is None else now
     p = GcPlan(grace_s=grace_s, writers=[x for x in list_leases(storage) if x.kind == "writer" and x.live(now)])
+    referenced = _retention(reader, p, keep_last)
+    if p.writers:  # a live writer: its chunks and unfinished work are not ours to judge
+        return p
+    _unfinished(reader, p, now)
+    _chunks(storage, p, referenced, now)
+    return p
 
-    def classify(item: Item) -> None:
-        (p.remove if _old(item.age_s, grace_s) else p.young).append(item)
 
-    # Retention first: what it removes is decided by the committed steps alone.
-    steps = catalog.committed
+def _retention(reader: Reader, p: GcPlan, keep_last: int | None) -> set[str]:
+    """Plan retention (decided by the committed steps alone) and the chunks it frees, with those of
+    lists parked by retention elsewhere; returns every chunk that is not an orphan."""
+    storage = reader.storage
+    steps = reader.committed
     for s in steps:
-        if catalog.manifest(s) is None:
-            p.unreadable[s] = catalog.errors[s]
+        if reader.find(s) is None:
+            p.unreadable[s] = reader.errors[s]
     # A damaged manifest hides which chunks its step needs: then neither retention nor orphan removal
     # can tell what is safe, and both are skipped (the report names the step).
     p.retention = [] if p.unreadable else to_delete(steps, keep_last, ())
-    remaining = [s for s in steps if s not in p.retention]
     referenced: set[str] = set()
-    for s in remaining:
-        m = catalog.manifest(s)
+    for s in steps:
+        m = reader.find(s) if s not in p.retention else None
         if m is not None:
             referenced |= m.chunks.keys()
     retired: dict[str, int] = {}
     for s in p.retention:
         p.remove.append(Item("step", paths.step_dir(s), sum(_size(storage, f"{paths.step_dir(s)}/{n}")
                                                        for n in storage.list(paths.step_dir(s))), None, s))
-        m = catalog.manifest(s)
+        m = reader.find(s)
         for h, info in (m.chunks.items() if m is not None else ()):
             if h not in referenced:
                 retired[h] = info.stored
-    if p.writers:  # a live writer: its chunks and unfinished work are not ours to judge
-        return p
+    if p.writers:
+        return referenced
     if not p.unreadable:
         for chunks in parked(storage).values():
             for h in chunks:
@@ -126,56 +139,60 @@ def plan(catalog: Catalog, *, grace_s: float, keep_last: int | None = None, now:
                     retired[h] = _size(storage, paths.chunk_key(h))
     for h, nbytes in sorted(retired.items()):
         p.remove.append(Item("chunk", paths.chunk_key(h), nbytes, None))
-    referenced |= retired.keys()  # removed by retention, not as orphans
+    return referenced | retired.keys()  # removed by retention, not as orphans
 
-    # Incomplete steps, and temp files in committed step directories.
-    for s in catalog.incomplete:
+
+def _unfinished(reader: Reader, p: GcPlan, now: float) -> None:
+    """Incomplete steps, and temp files in committed step directories."""
+    storage = reader.storage
+    for s in reader.incomplete:
         d = paths.step_dir(s)
         names = storage.list(d)
         ages = [_age(storage, f"{d}/{n}", now) for n in names] or [_age(storage, d, now)]
         known = [a for a in ages if a is not None]
         youngest = min(known) if len(known) == len(ages) else None  # an unknown age is never old
-        classify(Item("incomplete", d, sum(_size(storage, f"{d}/{n}") for n in names), youngest, s))
-    for s in steps:
+        p.classify(Item("incomplete", d, sum(_size(storage, f"{d}/{n}") for n in names), youngest, s))
+    for s in reader.committed:
         if s in p.retention:
             continue
         d = paths.step_dir(s)
         for n in storage.list(d):
             if TMP_MARK in n:
                 key = f"{d}/{n}"
-                classify(Item("temp", key, _size(storage, key), _age(storage, key, now), s))
+                p.classify(Item("temp", key, _size(storage, key), _age(storage, key, now), s))
 
-    # Chunks: orphans (no committed manifest names them) and temp files beside them. With a damaged
-    # committed manifest the references are unknown, so no chunk is an orphan.
+
+def _chunks(storage: Storage, p: GcPlan, referenced: set[str], now: float) -> None:
+    """Orphan chunks (no committed manifest names them) and temp files beside them. With a damaged
+    committed manifest the references are unknown, so no chunk is an orphan."""
     for prefix in storage.list(paths.CHUNKS):
         if TMP_MARK in prefix:  # not written by ckpt there, but a temp file all the same
             key = f"{paths.CHUNKS}/{prefix}"
-            classify(Item("temp", key, _size(storage, key), _age(storage, key, now)))
+            p.classify(Item("temp", key, _size(storage, key), _age(storage, key, now)))
             continue
         for n in storage.list(f"{paths.CHUNKS}/{prefix}"):
             key = f"{paths.CHUNKS}/{prefix}/{n}"
             if TMP_MARK in n:
-                classify(Item("temp", key, _size(storage, key), _age(storage, key, now)))
+                p.classify(Item("temp", key, _size(storage, key), _age(storage, key, now)))
             elif is_chunk_hash(n) and n[:2] == prefix and n not in referenced and not p.unreadable:
-                classify(Item("orphan", key, _size(storage, key), _age(storage, key, now)))
-    return p
+                p.classify(Item("orphan", key, _size(storage, key), _age(storage, key, now)))
 
 
-def run(catalog: Catalog, p: GcPlan, delete_many: DeleteMany | None = None) -> list[Item]:
+def run(reader: Reader, p: GcPlan, delete_many: DeleteMany | None = None) -> list[Item]:
     """Remove what ``p`` lists, in a crash-safe order: retention (manifests first), parked chunks,
     incomplete steps, temp files, then orphan chunks after re-reading which steps are committed now.
     Under a deletion lease; if a writer holds a live lease by then, only retention runs (its chunks
     parked) and ``p.writers`` names the writers. Returns the items removed."""
-    storage = catalog.storage
+    storage = reader.storage
     delete_many = delete_many or (lambda keys: [storage.delete(k) for k in keys])
     done: list[Item] = []
     leases = Leases(storage)
     leases.sweep()  # leases of processes that died without removing them
     with leases.deleting() as writers:
         p.writers = writers
-        remaining = [s for s in catalog.committed if s not in p.retention]
+        remaining = [s for s in reader.committed if s not in p.retention]
         if p.retention:
-            _, doomed = delete_steps(storage, catalog.manifests, p.retention, remaining, delete_many,
+            _, doomed = delete_steps(storage, reader.manifests, p.retention, remaining, delete_many,
                                      park=bool(writers))
             # only what retention itself deleted is done: the planned chunks of parked lists are
             # deleted below (marking them done here left them on disk once their lists were removed)
@@ -185,7 +202,7 @@ def run(catalog: Catalog, p: GcPlan, delete_many: DeleteMany | None = None) -> l
             return done
         lists = list(parked(storage)) if not p.unreadable else []
         # parked chunks a step committed since the plan may use again are spared below
-        _delete_unreferenced(storage, catalog, [i for i in p.remove if i.kind == "chunk" and i not in done],
+        _delete_unreferenced(storage, reader, [i for i in p.remove if i.kind == "chunk" and i not in done],
                              delete_many, done)
         for key in lists:
             storage.delete(key)
@@ -204,12 +221,12 @@ def run(catalog: Catalog, p: GcPlan, delete_many: DeleteMany | None = None) -> l
         temps = [i for i in p.remove if i.kind == "temp"]
         delete_many([i.key for i in temps])
         done += temps
-        _delete_unreferenced(storage, catalog, [i for i in p.remove if i.kind == "orphan"], delete_many, done)
+        _delete_unreferenced(storage, reader, [i for i in p.remove if i.kind == "orphan"], delete_many, done)
         storage.flush()
     return done
 
 
-def _delete_unreferenced(storage: Storage, catalog: Catalog, items: list[Item], delete_many: DeleteMany,
+def _delete_unreferenced(storage: Storage, reader: Reader, items: list[Item], delete_many: DeleteMany,
                          done: list[Item]) -> None:
     """Delete the chunk ``items`` no step committed since the plan references (a save may have
     committed one that reuses a chunk that looked unreferenced)."""
@@ -217,7 +234,7 @@ def _delete_unreferenced(storage: Storage, catalog: Catalog, items: list[Item], 
         return
     referenced: set[str] = set()
     for s in mf.committed_steps(storage):
-        if s in catalog.committed:
+        if s in reader.committed:
             continue
         try:
             referenced |= mf.read_step(storage, s).chunks.keys()
@@ -226,3 +243,33 @@ def _delete_unreferenced(storage: Storage, catalog: Catalog, items: list[Item], 
     items = [i for i in items if i.key.rsplit("/", 1)[-1] not in referenced]
     delete_many([i.key for i in items])
     done += items
+
+
+@dataclass
+class GcReport:
+    """What ``ckpt gc`` did or, with ``dry_run``, would do to one root; ``to_json()`` is its
+    ``--json`` document (schema ``ckpt-gc/1``)."""
+
+    url: str
+    plan: GcPlan
+    removed: list[Item]  # with dry_run: what would be removed
+    dry_run: bool
+
+    @property
+    def ok(self) -> bool:
+        """False when a damaged manifest stopped chunk removal and retention."""
+        return not self.plan.unreadable
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.bytes for i in self.removed)
+
+    def to_json(self) -> dict:
+        p = self.plan
+        return {"schema": "ckpt-gc/1", "url": self.url, "dry_run": self.dry_run, "grace_s": p.grace_s,
+                "retention_steps": p.retention, "would_remove" if self.dry_run else "removed":
+                [i.to_json() for i in self.removed], "bytes": self.bytes,
+                "kept_younger_than_grace": [i.to_json() for i in p.young],
+                "damaged_steps": {str(s): e for s, e in p.unreadable.items()},
+                "live_writers": [{"id": w.id, "pid": w.pid, "host": w.host} for w in p.writers],
+                "exit": 0 if self.ok else 1}

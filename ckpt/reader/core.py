@@ -1,0 +1,262 @@
+"""Reading a checkpoint from Python, without a Checkpointer or a process group: ``ckpt.open``.
+
+    import ckpt
+    with ckpt.open("runs/exp1") as ck:            # a directory or any fsspec URL
+        ck.steps()                                # [100, 200, 300]
+        weights = ck.tensors(keys="model/")       # whole tensors, resharded from any world size
+        ck.values()["step"]                       # plain values, as saved
+        ck.load_into(state, "latest")             # in place, like Checkpointer.load, with no writer
+        ck.ls().to_json()                         # what `ckpt ls --json` prints
+        ck.verify(all=True).ok                    # every chunk re-read and re-hashed
+        ck.export(300, "model.safetensors", keys="model/", strip_prefix=True)
+
+The ``ckpt`` command line is built on it: each command is one call here, formatted there. Nothing
+here unpickles unless ``load_into`` is told to: a value saved with pickle comes back as a
+:class:`Pickled` placeholder. Nothing here imports the writer, the commit protocol or the peers
+(reading tensors imports the loader, which still does).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import structure as st
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, NotACheckpointError
+from ..format import manifest as mf
+from ..format import paths
+from ..storage import Storage, open_storage
+from . import collect, listing
+from .diff import Diff, diff
+from .export import ExportResult, export
+from .tensors import load_into, read_tensors
+from .verify import VerifyResult, verify
+
+Step = int | str | None  # a step number, or None / "latest" for the newest committed step
+
+
+@dataclass(frozen=True)
+class Pickled:
+    """A value saved with pickle. Readers never unpickle; load it with :meth:`Reader.load_into` and
+    ``allow_pickle=True`` if you trust the checkpoint."""
+
+    path: str
+
+
+def _prefixes(keys: str | Sequence[str] | None) -> list[str] | None:
+    if keys is None:
+        return None
+    return [keys] if isinstance(keys, str) else list(keys)
+
+
+class Reader:
+    """A checkpoint root opened for reading. See :func:`open`.
+
+    ``committed`` are the steps with a ``MANIFEST.json`` (ascending), ``incomplete`` the step
+    directories without one (a save in progress, or one that never committed); both as of opening.
+    Each manifest is read at most once."""
+
+    def __init__(self, url: str | os.PathLike | Storage, storage_options: dict | None = None, *, threads: int = 8):
+        if isinstance(url, Storage):  # an open storage (a node's local tier, a test's)
+            self.storage = url
+            self.url = url.describe()
+        elif isinstance(url, (str, os.PathLike)):
+            self.url = os.fspath(url)
+            self.storage = open_storage(self.url, storage_options)
+        else:
+            raise ConfigError(f"a checkpoint URL must be a string or os.PathLike, got {url!r}")
+        self.threads = threads
+        storage = self.storage
+        if storage.root_state() in ("missing", "file"):
+            raise NotACheckpointError(f"{storage.describe()}: no such checkpoint directory")
+        self.committed: list[int] = mf.committed_steps(storage)
+        self.incomplete: list[int] = [s for s in mf.step_candidates(storage) if s not in set(self.committed)]
+        if not self.committed and not self.incomplete and not storage.list(paths.CHUNKS):
+            raise NotACheckpointError(f"{storage.describe()} holds no ckpt checkpoint (no steps, no chunks)")
+        self.manifests = mf.ManifestCache(storage)
+
+    # -- what is there -----------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """The committed steps, ascending."""
+        return list(self.committed)
+
+    def latest(self) -> int | None:
+        return self.committed[-1] if self.committed else None
+
+    def step(self, step: Step = None) -> int:
+        """A committed step number: ``step`` itself, or the newest for None / ``"latest"``."""
+        s = self._resolve(step)
+        self.manifest(s)
+        return s
+
+    def manifest(self, step: Step = None) -> mf.Manifest:
+        """The parsed, checked manifest of a committed step (default: the newest); raises if the
+        step is not committed or its manifest does not parse."""
+        s = self._resolve(step)
+        if s not in self.committed:
+            raise CheckpointNotFoundError(
+                f"step {s} is not committed in {self.storage.describe()}; committed: "
+                f"{', '.join(map(str, self.committed)) or 'none'}")
+        m = self.find(s)
+        if m is None:
+            raise CorruptCheckpointError(f"step {s} is damaged: {self.errors[s]}", object=paths.manifest_key(s))
+        return m
+
+    def find(self, step: int) -> mf.Manifest | None:
+        """The manifest of a committed step, or None if it is damaged (``errors`` says why)."""
+        return self.manifests.find(step)
+
+    @property
+    def errors(self) -> dict[int, str]:
+        """Committed steps whose manifest cannot be read, and why (filled as manifests are read)."""
+        return self.manifests.errors
+
+    def _resolve(self, step: Step) -> int:
+        if step is None or step == "latest":
+            if not self.committed:
+                raise CheckpointNotFoundError(f"{self.storage.describe()} has no committed step")
+            return self.committed[-1]
+        return int(step)
+
+    def earlier_chunks(self, step: int) -> set[str]:
+        """Chunks referenced by committed steps before ``step`` (damaged manifests count for nothing).
+        A chunk of ``step`` is *new* if it is not in this set, *reused* otherwise."""
+        return set(self.chunk_holders(step))
+
+    def chunk_holders(self, step: int) -> dict[str, int]:
+        """For every chunk of the committed steps before ``step``, the newest of them holding it."""
+        out: dict[str, int] = {}
+        for s in self.committed:
+            if s >= step:
+                break
+            m = self.find(s)
+            if m is not None:
+                out.update(dict.fromkeys(m.chunks, s))
+        return out
+
+    def rank_files(self, step: int) -> list[str]:
+        """The rank reports in a step's directory (committed or not)."""
+        return [n for n in self.storage.list(paths.step_dir(step)) if n.startswith("rank-") and n.endswith(".json")]
+
+    def chunk_count(self, steps: Sequence[int]) -> int:
+        """How many distinct chunks the readable manifests of ``steps`` reference (what verify reads)."""
+        return len({h for s in steps if (m := self.find(s)) is not None for h in m.chunks})
+
+    # -- what `ckpt ls`, `ckpt inspect` and `ckpt gc` show --------------------------------------------
+    def ls(self, *, verify: bool = False, local: Sequence[str] = (),
+           progress: Callable[[int, int], None] | None = None) -> listing.Listing:
+        """Every step: committed (time, world size, raw / stored / new bytes), damaged, incomplete;
+        with ``verify`` every chunk re-read; with ``local`` (nodes' ``local_dir``) also the steps
+        committed only there and where each step is held. ``.to_json()``: what ``ckpt ls --json`` prints."""
+        return listing.ls(self, verify=verify, local=local, progress=progress)
+
+    def inspect(self, step: Step = None) -> listing.Inspection:
+        """One step in depth: tensors (shards, codecs, new and reused chunks, delta bases), values.
+        ``.to_json()``: what ``ckpt inspect --json`` prints."""
+        return listing.inspect(self, self.step(step))
+
+    def gc(self, *, grace_s: float = 3600.0, keep_last: int | None = None, dry_run: bool = True) -> collect.GcReport:
+        """Garbage older than ``grace_s`` seconds (orphan chunks, temp files, incomplete steps) and,
+        with ``keep_last``, the steps retention removes; deleted only with ``dry_run=False``.
+        ``.to_json()``: what ``ckpt gc --json`` prints."""
+        plan = collect.plan(self, grace_s=grace_s, keep_last=keep_last)
+        removed = plan.remove if dry_run else collect.run(self, plan)
+        return collect.GcReport(self.url, plan, removed, dry_run)
+
+    # -- contents ----------------------------------------------------------------------------------
+    def tensors(self, step: Step = None, keys: str | Sequence[str] | None = None, *, rank: int = 0
+                ) -> dict[str, torch.Tensor]:
+        """Whole tensors of a step (default: the newest), by key (``"model/0.weight"``), assembled
+        from the shards of any world size, every chunk verified. ``keys``: names or key prefixes
+        (``"model/"``) to read; only the chunks those need are read. Per-rank tensors are saved
+        rank ``rank``'s."""
+        m = self.manifest(step)
+        wanted = _prefixes(keys)
+        entries = [t for t in m.tensors if (t.rank is None or t.rank == rank)
+                   and (wanted is None or any(t.key == p or t.key.startswith(p) for p in wanted))]
+        if wanted is not None and not entries:
+            raise ConfigError(f"step {m.step} has no tensor named or starting with {wanted}; its keys begin "
+                              f"{sorted({t.key.split('/', 1)[0] + '/' for t in m.tensors})}")
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read") as io:
+            return dict(zip([e.key for e in entries], read_tensors(self.storage, m, entries, io)))
+
+    def values(self, step: Step = None, *, rank: int | None = None) -> dict[str, Any]:
+        """The plain values of a step by key path: ``values(s)["step"]``, ``values(s)["optim/param_groups"][0]["lr"]``
+        (a list is one value). Per-rank values come with a ``[rank r]`` suffix, or only rank ``rank``'s when it is given.
+        Pickled values are :class:`Pickled` placeholders, never unpickled."""
+        m = self.manifest(step)
+        nodes = list(st.value_nodes(m.structure, rank=rank))
+        # Tensors inside values (numpy's RNG state is a tuple holding an array): read them too,
+        # each from the rank whose value it is.
+        def rank_of(path: str) -> int:
+            found = re.search(r"\[rank (\d+)\]", path)
+            return rank if rank is not None else int(found.group(1)) if found else 0
+        wanted: dict[int, set[str]] = {}
+        for path, node in nodes:
+            wanted.setdefault(rank_of(path), set()).update(st.tensor_keys(node))
+        tensors = {r: self.tensors(m.step, sorted(keys), rank=r) if keys else {} for r, keys in wanted.items()}
+        out: dict[str, Any] = {}
+        for path, node in nodes:
+            def placeholder(_node: dict, where: str = path) -> Pickled:
+                return Pickled(where)
+            out[path] = st.rebuild(node, tensors[rank_of(path)], allow_pickle=False, on_pickle=placeholder)
+        return out
+
+    def load_into(self, state: dict[str, Any], step: Step = None, *, strict: bool = True,
+                  allow_pickle: bool = False, rank: int = 0, world: int = 1) -> int:
+        """Load a committed step (default: the newest) into ``state`` in place, as
+        ``Checkpointer.load`` does, every chunk verified, and return the step; as rank ``rank`` of
+        ``world`` (default: one process taking everything). No writer, no leases, no process group.
+        ``allow_pickle=True`` unpickles pickled values: only for checkpoints you trust."""
+        m = self.manifest(step)
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read") as io:
+            load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank, world=world)
+        return m.step
+
+    # -- checks and tools --------------------------------------------------------------------------
+    def verify(self, step: Step = None, *, all: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> VerifyResult:
+        """Re-read and re-hash every chunk of a step (default: the newest) or of ``all`` committed
+        steps; ``result.ok``, and ``result.problems`` name each damaged or missing object.
+        ``progress(chunks_done, bytes_done)`` is called as chunks finish (of :meth:`chunk_count`)."""
+        steps = self.steps() if all else [self.step(step)]
+        return verify(self, steps, threads=self.threads, progress=progress)
+
+    def diff(self, a: Step, b: Step, *, max_diff: bool = False) -> Diff:
+        """Tensors and values that differ between steps ``a`` and ``b`` (by chunk hashes where they
+        decide it, else by bytes; ``max_diff`` reads changed tensors for the largest difference)."""
+        return diff(self, self.step(a), self.step(b), max_diff=max_diff, threads=self.threads)
+
+    def export(self, step: Step, path: str | os.PathLike, *, keys: str | Sequence[str] | None = None,
+               strip_prefix: bool = False, rank: int = 0, overwrite: bool = False) -> ExportResult:
+        """Write one step as a single unsharded ``.safetensors`` or ``.pt`` file. With ``keys`` and
+        ``strip_prefix``, the matched prefix is taken off each name, so that
+        ``model.load_state_dict(safetensors.torch.load_file(path))`` works as it is."""
+        return export(self, self.step(step), os.fspath(path), prefixes=_prefixes(keys),
+                      strip_prefix=strip_prefix, rank=rank, overwrite=overwrite, threads=self.threads)
+
+    def close(self) -> None:
+        self.storage.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ckpt.open({self.url!r}): {len(self.committed)} committed step(s)"
+
+
+def open(url: str | os.PathLike, storage_options: dict | None = None) -> Reader:  # only as ckpt.open
+    """Open a checkpoint root for reading: steps, manifests, whole tensors, values, loading into a
+    state, verify, diff, export, and what ``ckpt ls`` / ``inspect`` / ``gc`` show. ``url`` is a
+    directory or any fsspec URL; ``storage_options`` go to fsspec (and, for ``s3://``, ckpt's S3
+    options). Raises :class:`~ckpt.NotACheckpointError` if nothing is there."""
+    return Reader(url, storage_options)
