@@ -188,7 +188,8 @@ class Reader:
 
     def values(self, step: Step = None, *, rank: int | None = None) -> dict[str, Any]:
         """The plain values of a step by key path: ``values(s)["step"]``,
-        ``values(s)["optim/param_groups"][0]["lr"]`` (a list is one value). Per-rank values come with a ``[rank r]`` suffix, or only rank ``rank``'s when it is given.
+        ``values(s)["optim/param_groups"][0]["lr"]`` (a list is one value). Per-rank values come with a
+        ``[rank r]`` suffix, or only rank ``rank``'s when it is given.
         Pickled values are :class:`Pickled` placeholders, never unpickled."""
         m = self.manifest(step)
         nodes = list(st.value_nodes(m.structure, rank=rank))
