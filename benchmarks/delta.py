@@ -47,7 +47,6 @@ import zstandard
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 
@@ -296,9 +295,8 @@ def s3_upload(so: dict, local: str, dest: str) -> None:
 
 def s3_server(root: str):
     """``rclone serve s3`` on 127.0.0.1 (installed by the project's setup), or None without it."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     try:
-        from s3_servers import RcloneS3, storage_options
+        from ckpt.testing import RcloneS3, storage_options
         srv = RcloneS3(os.path.join(root, "s3")).start()
     except Exception as e:  # noqa: BLE001 - the S3 column is optional
         print(f"(no S3 server: {e}; the S3 load column is left out)")

@@ -50,8 +50,7 @@ import warnings
 import torch
 from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from dist_helpers import run_ranks  # noqa: E402  (tests/: ranks on a gloo group, each its own process)
+from ckpt.testing import run_ranks  # noqa: E402  (ranks on a gloo group, each its own process)
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 

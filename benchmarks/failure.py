@@ -41,8 +41,6 @@ import torch
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
 
 from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 from save_load import fsync_path, make_state  # noqa: E402  (the same state as the save/load benchmark)

@@ -24,7 +24,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ckpt
 from ckpt import snapshot
 from ckpt.layout import make_layout

@@ -40,8 +40,6 @@ warnings.filterwarnings("ignore")
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins import AsyncCheckpointIO  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 
 from ckpt.lightning import AsyncCheckpoint, CkptCheckpointIO  # noqa: E402

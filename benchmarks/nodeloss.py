@@ -6,7 +6,7 @@
 Four ranks (processes on this machine, gloo over 127.0.0.1, OMP_NUM_THREADS=1), each its own failure
 domain (``failure_domain=f"node{rank}"``) with its own ``local_dir``, each holding ``--mib-per-rank``
 MiB of float32 as four ``LocalShard`` row blocks of global tensors. The checkpoint path is
-``s3://…`` on ``rclone serve s3`` over a temporary directory (tests/s3_servers.py). Three
+``s3://…`` on ``rclone serve s3`` over a temporary directory (ckpt.testing.RcloneS3). Three
 Checkpointers per rank, taking turns within each round so drift on the shared machine hits all alike:
 
 * **none**: ``local_dir`` and ``persist_every=1000``, no redundancy;
@@ -60,15 +60,12 @@ import torch
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from dist_helpers import run_ranks  # noqa: E402  (tests/: ranks on a gloo group, each its own process)
 from distributed import synced  # noqa: E402  (benchmarks/, the script's own folder)
 from plotting import pyplot  # noqa: E402
-from s3_servers import RcloneS3, storage_options  # noqa: E402  (tests/, the project's S3 test servers)
 
 import ckpt  # noqa: E402
+from ckpt.testing import RcloneS3, run_ranks, storage_options  # noqa: E402
 
 WORLD = 4
 WIPED = 2  # the node that is lost
@@ -163,7 +160,7 @@ def wipe(rank: int, root: str) -> None:
 
 
 def rank_body(rank: int, world: int, a: dict) -> dict:
-    """One rank's whole run (on a gloo group of WORLD processes made by tests/dist_helpers.run_ranks)."""
+    """One rank's whole run (on a gloo group of WORLD processes made by ckpt.testing.run_ranks)."""
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

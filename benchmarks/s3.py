@@ -27,7 +27,6 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -35,14 +34,13 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 warnings.filterwarnings("ignore")
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
 from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
-from s3_servers import MotoS3, RcloneS3, storage_options  # noqa: E402
 
 import ckpt  # noqa: E402
+from ckpt.testing import MotoS3, RcloneS3, storage_options  # noqa: E402
 
 BUCKET = "ckpt-bench"
 

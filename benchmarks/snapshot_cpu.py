@@ -25,9 +25,6 @@ import tempfile
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from save_load import copy_into, make_state
 
 import ckpt

@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 import torch
-from s3_servers import MotoS3, RcloneS3, storage_options
 from torch import nn
 
 from ckpt.storage.local import LocalStorage
+from ckpt.testing import MotoS3, RcloneS3, storage_options
 
 
 def make_model(seed: int = 0) -> nn.Module:

@@ -110,8 +110,7 @@ def _sharded_body(rank: int, world: int, root: str) -> None:
 
 
 def main(names: list[str]) -> None:
-    sys.path.insert(0, HERE)
-    from dist_helpers import run_ranks
+    from ckpt.testing import run_ranks
 
     makers = {"plain": (plain_state, (1, 2)), "model": (model_state, (1, 2)), "delta": (delta_state, (1, 2, 3)),
               "sharded": (None, (1, 2))}

@@ -18,7 +18,6 @@ import fsspec
 import pytest
 import torch
 from conftest import chunk_files, tensor_entry
-from dist_helpers import run_ranks
 
 import ckpt
 from ckpt import cli
@@ -26,6 +25,7 @@ from ckpt.encode import CodecSpec, encode
 from ckpt.format import paths
 from ckpt.format.chunk import chunk_hash
 from ckpt.storage.local import LocalStorage
+from ckpt.testing import run_ranks
 
 KiB = 1024
 CHUNK = 64 * KiB

@@ -431,7 +431,7 @@ def _load_sharded(rank: int, world: int, root: str) -> bool:
 
 
 def test_two_ranks_write_deltas_of_their_own_shards_and_any_world_size_loads_them(tmp_path):
-    from dist_helpers import run_ranks
+    from ckpt.testing import run_ranks
 
     root = str(tmp_path / "ck")
     saved = run_ranks(2, _save_sharded, root)

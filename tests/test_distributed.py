@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import tensor_entry
-from dist_helpers import run_ranks
 
 import ckpt
 from ckpt.format import manifest as mf
 from ckpt.storage.local import LocalStorage
+from ckpt.testing import run_ranks
 
 KiB = 1024
 CHUNK = 64 * KiB

@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
-from dist_helpers import run_ranks
 
 import ckpt
+from ckpt.testing import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -12,12 +12,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from dist_helpers import run_ranks
 from golden import DATA, delta_state, digest, model_state, plain_state, shard_state
 
 import ckpt
 from ckpt import cli
 from ckpt.format import manifest as mf
+from ckpt.testing import run_ranks
 
 EXPECTED = json.load(open(os.path.join(DATA, "expected.json")))
 

@@ -13,11 +13,11 @@ import signal
 
 import pytest
 import torch
-from dist_helpers import run_ranks
 
 import ckpt
 from ckpt import erasure
 from ckpt.redundancy import parity_groups, replica_targets
+from ckpt.testing import run_ranks
 
 ROWS, COLS = 1024, 512  # a 2 MiB float32 tensor sharded by rows: 8 chunks of 64 KiB per rank of 4
 CHUNK = 64 * 1024

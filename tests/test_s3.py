@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 from conftest import BUCKET, MiB, fast, s3_url
-from s3_servers import FaultProxy, RcloneS3
 
 import ckpt
 from ckpt.format import paths
 from ckpt.storage import open_storage
 from ckpt.storage.s3 import S3Storage
+from ckpt.testing import FaultProxy, RcloneS3
 
 
 def state_of(n: int = 3_000_000, seed: int = 0) -> dict:

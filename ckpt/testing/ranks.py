@@ -9,7 +9,7 @@
 
 A rank that raises makes ``run_ranks`` fail with that rank's traceback, and a rank that exits
 without a result makes it fail at once (not after ``timeout``), unless it is listed in ``may_die``
-(tests that kill a rank: its entry is None). The benchmarks use it too.
+(tests that kill a rank: its entry is None). ckpt's tests and benchmarks use it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from s3_servers import free_port
+
+from .s3 import free_port
 
 
 def _entry(fn, rank: int, world: int, port: int, results, args, hard_exit: bool, pg_timeout: float) -> None:

