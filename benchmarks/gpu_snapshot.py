@@ -26,7 +26,7 @@ import torch
 
 import ckpt
 from ckpt import snapshot
-from ckpt.layout import make_layout
+from ckpt.buffer_layout import make_layout
 from ckpt.snapshot import HostBuffer
 
 GiB = 1 << 30

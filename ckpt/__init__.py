@@ -28,6 +28,7 @@ from .errors import (
     StorageError,
     UnsupportedValueError,
 )
+from .flatten import RNGState
 from .handle import SaveHandle, SaveMetrics
 from .loader import LoadStats
 from .options import Options
@@ -35,7 +36,6 @@ from .reader import Pickled, Reader, open
 from .redundancy_config import Parity, Replicas
 from .sharding import LocalShard, PerRank
 from .snapshot import fence
-from .state import RNGState
 
 __all__ = [
     "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import structure as st
+from . import tree as st
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .format import chains, paths
 from .format import manifest as mf
 from .format.planes import trim_scratch
 from .loader import load_into
 from .storage import Storage
-from .structure import DTYPES
+from .tree import DTYPES
 
 
 class Catalog:

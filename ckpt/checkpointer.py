@@ -1,8 +1,8 @@
 """The public entry point: :class:`Checkpointer`, a thin façade over the stages of a save and a load.
 
 Follow one tensor through a save: :meth:`Checkpointer.save` flattens the state into a structure tree
-and tensor leaves (:mod:`ckpt.state`), copies the tensors into the host buffer
-(:mod:`ckpt.snapshot`, laid out by :mod:`ckpt.layout`) and hands the snapshot to the commit protocol
+and tensor leaves (:mod:`ckpt.flatten`), copies the tensors into the host buffer
+(:mod:`ckpt.snapshot`, laid out by :mod:`ckpt.buffer_layout`) and hands the snapshot to the commit protocol
 (:mod:`ckpt.commit`). On a background thread the writer (:mod:`ckpt.writer`) cuts the buffer into
 chunks, hashes, encodes (:mod:`ckpt.codec`) and stores them (:mod:`ckpt.storage`); the coordinator
 commits the step manifest (:mod:`ckpt.manifest`) and applies retention (:mod:`ckpt.retention`).
@@ -24,6 +24,7 @@ from ._tasks import run_all
 from .commit import CommitProtocol, LocalCommits
 from .dist import make_comm
 from .errors import CheckpointError, ConfigError
+from .flatten import flatten
 from .format import manifest as mf
 from .format.chunk import verify_object
 from .handle import SaveHandle, SaveLedger, SaveMetrics
@@ -35,7 +36,6 @@ from .redundancy_config import Parity, Replicas
 from .retention import Retention
 from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, Interval, Schedule
 from .snapshot import Snapshotter
-from .state import flatten
 from .storage import open_tiered
 from .storage.tiered import TieredStorage
 from .writer import SaveJob, Writer

@@ -40,7 +40,7 @@ from .format import manifest as mf
 from .format import paths
 from .format.chunk import is_chunk_hash
 from .reader import Reader
-from .structure import preview, strip_pickles, value_nodes
+from .tree import preview, strip_pickles, value_nodes
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
 

@@ -24,7 +24,7 @@ import torch
 from .catalog import Catalog, read_tensors
 from .errors import ConfigError, StorageError, UnsupportedValueError
 from .format import manifest as mf
-from .structure import DTYPES, has_pickle, strip_pickles, value_nodes
+from .tree import DTYPES, has_pickle, strip_pickles, value_nodes
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
 

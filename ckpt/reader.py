@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import structure as st
+from . import tree as st
 from .catalog import Catalog, TensorChange, VerifyResult, diff, read_tensors, verify
 from .errors import ConfigError
 from .export import ExportResult, export

@@ -44,10 +44,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _ext
+from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .dist import Comm, Inventory
-from .layout import BufferLayout, TensorSlot, make_layout
-from .state import Flat, Leaf
-from .structure import dtype_name
+from .flatten import Flat, Leaf
+from .tree import dtype_name
 
 log = logging.getLogger("ckpt")
 

@@ -461,7 +461,7 @@ def test_ranks_that_stored_the_same_chunk_differently_commit_what_stayed(tmp_pat
     stored = storage.write(paths.chunk_key(h), kept[1])
     other = mf.ChunkInfo(len(raw), stored + 1000, "planes/1")  # what the other rank wrote before it
     entries = (other, mf.ChunkInfo(len(raw), stored, "planes/1"))
-    parts = [mf.Manifest(step=1, kind="rank", rank=r, structure=ckpt.structure.dict_node([], []), tensors=[],
+    parts = [mf.Manifest(step=1, kind="rank", rank=r, structure=ckpt.tree.dict_node([], []), tensors=[],
                          chunks={h: info}) for r, info in enumerate(entries)]
     with ThreadPoolExecutor(2) as io:
         m = Writer(storage, CodecSpec("auto"), io).commit(1, parts, frozenset())

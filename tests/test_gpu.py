@@ -7,7 +7,7 @@ import torch
 
 import ckpt
 from ckpt import _ext, snapshot
-from ckpt.layout import make_layout
+from ckpt.buffer_layout import make_layout
 from ckpt.snapshot import HostBuffer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

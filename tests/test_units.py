@@ -10,17 +10,17 @@ import torch
 
 import ckpt
 from ckpt import CorruptCheckpointError, IncompatibleFormatError
-from ckpt import structure as st
+from ckpt import tree as st
+from ckpt.buffer_layout import ALIGN, make_layout
 from ckpt.commit import Decision, Report, Status
 from ckpt.dist import Inventory, InventoryRow, LocalComm, WriteAssignment
 from ckpt.encode import CodecSpec, encode
+from ckpt.flatten import flatten
 from ckpt.format import manifest as mf
 from ckpt.format.boxes import contiguous_run, next_needed
 from ckpt.format.chunk import chunk_hash, decode, verify, verify_object
-from ckpt.layout import ALIGN, make_layout
 from ckpt.options import Options
 from ckpt.retention import to_delete
-from ckpt.state import flatten
 
 
 def _tensors(sizes):

@@ -14,13 +14,13 @@ import ckpt
 from ckpt.commit import CommitProtocol
 from ckpt.dist import LocalComm
 from ckpt.encode import CodecSpec
+from ckpt.flatten import flatten
 from ckpt.format import manifest as mf
 from ckpt.format import paths
 from ckpt.format.chunk import decode
 from ckpt.handle import SaveMetrics
 from ckpt.lease import Leases
 from ckpt.snapshot import Snapshotter
-from ckpt.state import flatten
 from ckpt.storage import open_storage
 from ckpt.writer import SaveJob, Writer
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, UnsupportedValueError
+from ..flatten import RNGState
 from ..format import manifest as mf
 from ..format import paths
-from ..state import RNGState
 from ..storage import open_storage
 
 

@@ -10,7 +10,7 @@ dicts, lists and tuples. :func:`flatten` walks it once and produces
 
 No node ever holds code: objects that are not plain values are refused unless the caller opts into
 pickle, and a pickle node is refused on load unless the loader opts in too. The node kinds, and
-turning nodes back into values, are :mod:`ckpt.structure`; :func:`apply` puts decoded values back
+turning nodes back into values, are :mod:`ckpt.tree`; :func:`apply` puts decoded values back
 into the caller's state.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import structure as st
+from . import tree as st
 from .errors import CheckpointError, ConfigError, StateMismatchError, UnsupportedValueError
 from .format.boxes import Box
 from .sharding import LocalShard, dtensor_box, is_dtensor
