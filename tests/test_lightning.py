@@ -241,6 +241,7 @@ def test_saving_the_same_path_again_keeps_a_whole_checkpoint(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_import_picks_lightning_then_pytorch_lightning_then_explains(tmp_path):
     code = ("import sys\n"
             "for name in sys.argv[1:]: sys.modules[name] = None\n"
