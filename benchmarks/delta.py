@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import math
 import os
 import platform
 import shutil
-import statistics
 import sys
 import sysconfig
 import tempfile
@@ -48,7 +46,7 @@ import zstandard
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
+from harness import banner, median, pyplot, save_figure, write_results  # noqa: E402  (benchmarks/: shared)
 
 import ckpt  # noqa: E402
 from ckpt.buffer_layout import element_width  # noqa: E402
@@ -277,7 +275,7 @@ def run_workload(name: str, state: dict, steps, warmup: int, args, root: str, s3
     finally:
         for ck in ckptrs.values():
             ck.close()
-    return {"name": name, "saves": saves, **{f"load_{k}_s": statistics.median(v) for k, v in loads.items()}}
+    return {"name": name, "saves": saves, **{f"load_{k}_s": median(v) for k, v in loads.items()}}
 
 
 S3_BUCKET = "ckpt-delta"
@@ -324,8 +322,8 @@ def summarize(w: dict) -> dict:
            "auto_raw": tot("auto_stored") / tot("raw"),
            "vs_zstd": tot("smallest_stored") / tot("zstd"), "vs_grouped": tot("smallest_stored") / tot("grouped"),
            "vs_first": tot("smallest_stored") / len(later) / first,
-           "durable_ratio": statistics.median(r["auto_durable_s"] for r in later) /
-           statistics.median(r["raw_durable_s"] for r in later),
+           "durable_ratio": median(r["auto_durable_s"] for r in later) /
+           median(r["raw_durable_s"] for r in later),
            "load_cold_ratio": w["load_smallest_cold_s"] / w["load_raw_cold_s"],
            "load_warm_ratio": w["load_smallest_warm_s"] / w["load_raw_warm_s"],
            "load_s3_ratio": (w["load_smallest_s3_s"] / w["load_raw_s3_s"]) if "load_raw_s3_s" in w else None,
@@ -374,7 +372,7 @@ def fast_disk(args, data: torch.Tensor) -> dict | None:
         finally:
             for ck in cks.values():
                 ck.close()
-        return {"auto_s": statistics.median(times["auto"][3:]), "raw_s": statistics.median(times["raw"][3:]),
+        return {"auto_s": median(times["auto"][3:]), "raw_s": median(times["raw"][3:]),
                 "codecs_last_save": codecs, "mode_rates": cks["auto"]._writer.pace.rates,
                 "state_mib": sum(t.numel() * t.element_size() for t in tensors_of({"m": model, "o": opt}).values())
                 / 2**20}
@@ -396,6 +394,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 saves, 2 steps apart, 5 warm-up steps")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
+    print(banner(), flush=True)
     if args.quick:
         args.saves, args.every, args.warmup, args.load_repeats, args.fast_width = 3, 2, 5, 1, 512
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
@@ -420,12 +419,7 @@ def main() -> None:
     doc["summary"] = [summarize(w) for w in doc["workloads"]]
     text = table(doc)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "delta.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "delta.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    plot(doc, os.path.join(args.out, "delta.png"))
+    write_results(args.out, "delta", text + "\n", doc, indent=1, plot=lambda path: plot(doc, path))
 
 
 def table(doc: dict) -> str:
@@ -489,9 +483,7 @@ def plot(doc: dict, path: str) -> None:
     ax.set_ylabel("% of raw stored (ckpt)")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -36,19 +36,17 @@ machine. ckpt's Checkpointer for a load is made outside the timing (a resumed jo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 import warnings
 
 import torch
-from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
+from harness import banner, fmt, median, pyplot, ratio, save_figure, write_results  # benchmarks/: shared
 
 from ckpt.testing import run_ranks  # noqa: E402  (ranks on a gloo group, each its own process)
 
@@ -310,7 +308,7 @@ def phase_save(rank: int, world: int, shapes, root: str, methods: list[str], rep
                 if rank == 0:
                     label = f"warm-up {rnd + 1}/{warmup}" if rep <= 0 else f"repeat {rep}/{repeats}"
                     print(f"  save  world {world}  {label}  {m:15s} blocked {blocked:7.3f}s  "
-                          f"durable {_fmt(durable):>7s}s", flush=True)
+                          f"durable {fmt(durable):>7s}s", flush=True)
     finally:
         for s in savers.values():
             s.close()
@@ -443,6 +441,7 @@ def main() -> None:
     p.add_argument("--name", default="distributed", help="results file name (without extension)")
     p.add_argument("--quick", action="store_true", help="64 MiB, one repeat: a smoke test")
     args = p.parse_args()
+    print(banner(), flush=True)
     if args.quick:
         args.size_gib, args.repeats, args.warmup = 1 / 16, 1, 1
     if args.out is None:
@@ -494,26 +493,12 @@ def main() -> None:
     report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed, loadavg)
 
 
-def _med(xs) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _fmt(x) -> str:
-    return "–" if x is None or math.isnan(x) else f"{x:.3f}"
-
-
-def _ratio(a, b) -> str:
-    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
-        return "–"
-    return f"{a / b:.2f}"
-
-
 def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed, loadavg) -> None:
-    save_med = {n: {m: {k: _med(v) for k, v in r.items()} for m, r in s["times"].items()} for n, s in saves.items()}
+    save_med = {n: {m: {k: median(v) for k, v in r.items()} for m, r in s["times"].items()} for n, s in saves.items()}
     load_med: dict[tuple[int, int], dict[str, float]] = {}
     for m, res in loads.items():
         for n, per in res["times"].items():
-            load_med[(int(n), m)] = {meth: _med(v) for meth, v in per.items()}
+            load_med[(int(n), m)] = {meth: median(v) for meth, v in per.items()}
 
     lines = [
         f"Command: `{cmd}`",
@@ -538,8 +523,8 @@ def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed
         dasync = save_med[n].get("dcp.async_save", {}).get("durable")
         for meth, r in save_med[n].items():
             name = "memcpy (floor)" if meth == "memcpy" else meth
-            lines.append(f"| {name} | {n} | {_fmt(r['blocked'])} | {_fmt(r['durable'])} | "
-                         f"{_ratio(r['blocked'], floor)} | {_ratio(r['durable'], dasync)} |")
+            lines.append(f"| {name} | {n} | {fmt(r['blocked'])} | {fmt(r['durable'])} | "
+                         f"{ratio(r['blocked'], floor)} | {ratio(r['durable'], dasync)} |")
     stalls = {n: s["ckpt_first_stall"] for n, s in saves.items() if s.get("ckpt_first_stall") is not None}
     if stalls:
         lines += ["", "ckpt's first save blocked "
@@ -555,29 +540,25 @@ def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed
             r = load_med[(n, m)]
             same = load_med.get((m, m), {}).get("ckpt")
             c, d = r.get("ckpt"), r.get("dcp")
-            lines.append(f"| {n}→{m}{' (same size)' if n == m else ''} | {_fmt(c)} | {_fmt(d)} | "
-                         f"{'1.00' if n == m and c is not None else _ratio(c, same)} | {_ratio(c, d)} |")
+            lines.append(f"| {n}→{m}{' (same size)' if n == m else ''} | {fmt(c)} | {fmt(d)} | "
+                         f"{'1.00' if n == m and c is not None else ratio(c, same)} | {ratio(c, d)} |")
         extra = sorted({m for (_, m) in load_med if m not in SAVE_WORLDS})
         if extra:
             lines += ["", "The same-size rows for " + ", ".join(f"{m}→{m}" for m in extra) +
                       " load a checkpoint saved (untimed) on that many ranks, as the baseline for the reshard ratio."]
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump({
-            "command": cmd, "bytes": nbytes, "shapes": shapes, "repeats": args.repeats, "cpus": os.cpu_count(),
-            "torch": torch.__version__, "elapsed_s": elapsed, "loadavg_before_after": loadavg,
-            "save": {str(n): {"median_seconds": save_med[n], "seconds": s["times"], "warmup": s["warm"],
-                              "shard_bytes_max": s["shard_bytes_max"], "ckpt_first_stall": s["ckpt_first_stall"]}
-                     for n, s in saves.items()},
-            "load": {f"{n}->{m}": {"median_seconds": r, "seconds": loads[m]["times"][n]}
-                     for (n, m), r in load_med.items()},
-        }, f, indent=2, default=str)
-    plot(save_med, load_med, os.path.join(args.out, f"{args.name}.png"), nbytes)
-
+    doc = {
+        "command": cmd, "bytes": nbytes, "shapes": shapes, "repeats": args.repeats, "cpus": os.cpu_count(),
+        "torch": torch.__version__, "elapsed_s": elapsed, "loadavg_before_after": loadavg,
+        "save": {str(n): {"median_seconds": save_med[n], "seconds": s["times"], "warmup": s["warm"],
+                          "shard_bytes_max": s["shard_bytes_max"], "ckpt_first_stall": s["ckpt_first_stall"]}
+                 for n, s in saves.items()},
+        "load": {f"{n}->{m}": {"median_seconds": r, "seconds": loads[m]["times"][n]}
+                 for (n, m), r in load_med.items()},
+    }
+    write_results(args.out, args.name, text + "\n", doc, json_default=str,
+                  plot=lambda path: plot(save_med, load_med, path, nbytes))
 
 def plot(save_med: dict, load_med: dict, path: str, nbytes: int) -> None:
     plt = pyplot()
@@ -608,9 +589,7 @@ def plot(save_med: dict, load_med: dict, path: str, nbytes: int) -> None:
     ax2.set_title("load (resharding), page cache")
     ax2.legend()
     fig.suptitle(f"{nbytes / 2**30:.2f} GiB fp32 DTensors, gloo ranks on {os.cpu_count()} CPUs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import torch
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
+from harness import median, pyplot, save_figure, write_results  # noqa: E402  (benchmarks/: shared)
 from save_load import fsync_path, make_state  # noqa: E402  (the same state as the save/load benchmark)
 
 import ckpt  # noqa: E402
@@ -146,7 +146,7 @@ def finite_check(size_gib: float, repeats: int, work: str) -> dict[str, float]:
                 stalls[on].append(h.metrics.stall_s)
     for c in cs.values():
         c.close()
-    on, off = statistics.median(stalls[True]), statistics.median(stalls[False])
+    on, off = median(stalls[True]), median(stalls[False])
     return {"stall_checked_s": on, "stall_unchecked_s": off, "cost": (on - off) / off}
 
 
@@ -250,7 +250,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for m in METHODS:  # methods take turns within each repeat
                     times[m].append(signal_to_durable(m, args.size_gib, work, rng))
-            med = {m: (statistics.median(d for d, _ in v), statistics.median(e for _, e in v))
+            med = {m: (median(d for d, _ in v), median(e for _, e in v))
                    for m, v in times.items()}
             doc["signal"] = {m: {"durable_s": d, "exit_s": e} for m, (d, e) in med.items()}
             lines += [f"**SIGTERM → durable**, {args.size_gib:g} GiB of float32 weights (every step rewrites all of "
@@ -293,12 +293,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     text = "\n".join(lines)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "failure.md"), "w") as fh:
-        fh.write(text + "\n")
-    with open(os.path.join(args.out, "failure.json"), "w") as fh:
-        json.dump(doc, fh, indent=1, default=str)
-    plot(doc, os.path.join(args.out, "failure.png"))
+    write_results(args.out, "failure", text + "\n", doc, indent=1, json_default=str,
+                  plot=lambda path: plot(doc, path))
 
 
 def plot(doc: dict, path: str) -> None:
@@ -330,9 +326,7 @@ def plot(doc: dict, path: str) -> None:
             ax.set_xlabel("% of the training loop")
             ax.legend(loc="lower right")
             ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

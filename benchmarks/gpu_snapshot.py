@@ -15,14 +15,13 @@ Needs CUDA; prints tables, writes gpu_snapshot.{json,md,png} under --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 
 import torch
+from harness import median, pyplot, save_figure, write_results
 
 import ckpt
 from ckpt import snapshot
@@ -57,7 +56,7 @@ def time_copy(pool: HostBuffer, state: dict, reps: int) -> tuple[float, float]:
         snap.synchronize()
         total.append(time.perf_counter() - t0)
         host.append(t1 - t0)
-    return statistics.median(total), statistics.median(host)
+    return median(total), median(host)
 
 
 def floor_copy(nbytes: int, reps: int) -> float:
@@ -70,7 +69,7 @@ def floor_copy(nbytes: int, reps: int) -> float:
         dst.copy_(src, non_blocking=True)  # one cudaMemcpyAsync
         torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return median(out)
 
 
 def throughput(gib: float, reps: int) -> list[dict]:
@@ -178,7 +177,7 @@ def training(steps: int, every: int, layers: int, d: int, root: str) -> dict:
     base, ck = min(results["none"]), min(results["ckpt"])
     st = sorted(results["stalls"])
     out.update({"steps": steps, "every": every, "s_none": base, "s_ckpt": ck, "slowdown": ck / base - 1,
-                "stall_ms_median": 1e3 * statistics.median(st), "stall_ms_max": 1e3 * st[-1],
+                "stall_ms_median": 1e3 * median(st), "stall_ms_max": 1e3 * st[-1],
                 "saved_GiB": out["params_GiB"] * 3})
     return out
 
@@ -222,30 +221,27 @@ def main() -> None:
               f"{tr['stall_ms_median']:.2f} / {tr['stall_ms_max']:.2f} |"]
     print("\n".join(lines3), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_snapshot.json"), "w") as f:
-        json.dump({"device": dev, "torch": torch.__version__, "throughput": thr, "size_classes": sc,
-                   "training": tr, "args": vars(args)}, f, indent=1)
-    with open(os.path.join(args.out, "gpu_snapshot.md"), "w") as f:
-        f.write(f"`python benchmarks/gpu_snapshot.py --gib {args.gib:g}` on {dev}\n\n"
-                + "\n".join(lines + lines2 + lines3) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        xs = [r["tensor"] >> 10 for r in sc]
-        for k in ("kernel", "memcpy", "torch"):
-            ax.plot(xs, [r[k + "_GiBs"] for r in sc], marker="o", label=k)
-        ax.set_xscale("log")
-        ax.set_xlabel("tensor size (KiB)")
-        ax.set_ylabel("GiB/s device→pinned host")
-        ax.set_title(f"snapshot copy by size class ({dev})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "gpu_snapshot.png"), dpi=110)
-    except ImportError:
-        pass
+    md = (f"`python benchmarks/gpu_snapshot.py --gib {args.gib:g}` on {dev}\n\n"
+          + "\n".join(lines + lines2 + lines3) + "\n")
+    doc = {"device": dev, "torch": torch.__version__, "throughput": thr, "size_classes": sc, "training": tr,
+           "args": vars(args)}
+    write_results(args.out, "gpu_snapshot", md, doc, indent=1, plot=lambda path: plot(sc, dev, path))
 
+
+def plot(sc: list[dict], dev: str, path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [r["tensor"] >> 10 for r in sc]
+    for k in ("kernel", "memcpy", "torch"):
+        ax.plot(xs, [r[k + "_GiBs"] for r in sc], marker="o", label=k)
+    ax.set_xscale("log")
+    ax.set_xlabel("tensor size (KiB)")
+    ax.set_ylabel("GiB/s device→pinned host")
+    ax.set_title(f"snapshot copy by size class ({dev})")
+    ax.legend()
+    save_figure(fig, path)
 
 if __name__ == "__main__":
     main()

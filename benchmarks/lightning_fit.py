@@ -22,11 +22,8 @@ teardown). ckpt also fsyncs every chunk and manifest; ``torch.save`` does not.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -38,9 +35,9 @@ from torch import nn
 warnings.filterwarnings("ignore")
 
 import lightning as L  # noqa: E402
+from harness import banner, command, median, pyplot, rounds, save_figure, write_results  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins import AsyncCheckpointIO  # noqa: E402
-from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
 
 from ckpt.lightning import AsyncCheckpoint, CkptCheckpointIO  # noqa: E402
 
@@ -115,26 +112,30 @@ def main() -> None:
     os.makedirs(root, exist_ok=True)
     params = sum(p.numel() for p in MLP(args.width, args.depth).parameters())
     print(f"model: {params / 1e6:.1f} M fp32 parameters ({params * 4 / 2**20:.0f} MiB; ~{params * 12 / 2**20:.0f} MiB "
-          f"with AdamW state); {args.steps} steps, a checkpoint every {args.every}; {os.cpu_count()} CPUs; torch "
-          f"{torch.__version__}; lightning {L.__version__}; python {platform.python_version()}")
+          f"with AdamW state); {args.steps} steps, a checkpoint every {args.every}; lightning {L.__version__}\n"
+          + banner())
     print("command: python " + " ".join(sys.argv))
-    times: dict[str, list[float]] = {m: [] for m in METHODS}
     saves: dict[str, int] = {}
-    try:
-        for rep in range(args.repeats + 1):  # round 0 warms up and is not reported
-            for m in METHODS:
-                dt, saves[m] = fit_once(m, root, args)
-                which = "warm-up " if rep == 0 else f"repeat {rep}/{args.repeats}"
-                print(f"  {which} {m:38s} fit {dt:7.2f}s", flush=True)
-                if rep > 0:
-                    times[m].append(dt)
+
+    def contender(m: str):
+        def run(rep: int) -> float:
+            dt, saves[m] = fit_once(m, root, args)
+            return dt
+        return run
+
+    def say(rep: int, m: str, dt: float) -> None:
+        which = "warm-up " if rep == 0 else f"repeat {rep}/{args.repeats}"
+        print(f"  {which} {m:38s} fit {dt:7.2f}s", flush=True)
+
+    try:  # round 0 warms up and is not reported; the order alternates round by round
+        times = rounds({m: contender(m) for m in METHODS}, args.repeats, warmup=1, report=say)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    med = {m: statistics.median(v) for m, v in times.items()}
+    med = {m: median(v) for m, v in times.items()}
     # Overhead is paired within a repeat (method minus the no-checkpoint fit of the same round), so
     # load from other work on a shared machine that shifts a whole round cancels out.
-    over = {m: statistics.median(t - b for t, b in zip(v, times["none"])) for m, v in times.items()}
+    over = {m: median(t - b for t, b in zip(v, times["none"])) for m, v in times.items()}
     report(med, over, times, saves, params, args)
 
 
@@ -159,15 +160,11 @@ def report(med: dict, overhead: dict, times: dict, saves: dict, params: int, arg
                      for what, ok, theirs in checks]
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(args.out, exist_ok=True)
-    cmd = "python benchmarks/lightning_fit.py " + " ".join(sys.argv[1:])
-    with open(os.path.join(args.out, "lightning_fit.md"), "w") as f:
-        f.write(f"Command: `{cmd}`\n\n{text}\n")
-    with open(os.path.join(args.out, "lightning_fit.json"), "w") as f:
-        json.dump({"params": params, "steps": args.steps, "every": args.every, "repeats": args.repeats,
-                   "cpus": os.cpu_count(), "torch": torch.__version__, "lightning": L.__version__,
-                   "median_fit_seconds": med, "median_overhead_seconds": overhead, "fit_seconds": times}, f, indent=2)
-    plot(overhead, os.path.join(args.out, "lightning_fit.png"), args)
+    doc = {"params": params, "steps": args.steps, "every": args.every, "repeats": args.repeats,
+           "cpus": os.cpu_count(), "torch": torch.__version__, "lightning": L.__version__,
+           "median_fit_seconds": med, "median_overhead_seconds": overhead, "fit_seconds": times}
+    write_results(args.out, "lightning_fit", f"Command: `{command('lightning_fit')}`\n\n{text}\n", doc,
+                  plot=lambda path: plot(overhead, path, args))
 
 
 def plot(overhead: dict, path: str, args) -> None:
@@ -179,9 +176,7 @@ def plot(overhead: dict, path: str, args) -> None:
     ax.barh(names, [overhead[m] for m in names])
     ax.set_xlabel(f"fit time over no checkpointing (s, median); {args.steps // args.every} checkpoints")
     ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -45,12 +45,9 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
-import math
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -62,7 +59,7 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from distributed import synced  # noqa: E402  (benchmarks/, the script's own folder)
-from plotting import pyplot  # noqa: E402
+from harness import banner, fmt, median, pyplot, save_figure, write_results  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt.testing import RcloneS3, run_ranks, storage_options  # noqa: E402
@@ -286,6 +283,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole run may take")
     p.add_argument("--quick", action="store_true", help="8 MiB per rank, 1 MiB chunks, 2 saves, 1 restore")
     args = p.parse_args()
+    print(banner(), flush=True)
     if args.quick:
         args.mib_per_rank, args.saves, args.restores, args.chunk_mib = 8.0, 2, 1, 1.0
     if args.saves < 1 or args.restores < 1 or args.mib_per_rank <= 0:
@@ -320,15 +318,6 @@ def main() -> None:
     report(args, cmd, res, chunk, elapsed, (load_before, os.getloadavg()[0]))
 
 
-def _med(xs) -> float:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _fmt(x, d: int = 3) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
-
-
 def summarize(res: dict) -> dict:
     state = res["state_bytes"] * WORLD
     out: dict = {"configs": {}, "restore": {}, "targets": {}}
@@ -340,16 +329,16 @@ def summarize(res: dict) -> dict:
         last = next(r["ranks"] for r in rows if r["kind"] == "persisted")
         out["configs"][cfg] = {
             "label": LABELS[cfg],
-            "blocked_s": _med(mx(rs, "stall_s") for rs in local),
-            "blocked_pooled_s": _med(x["stall_s"] for rs in local for x in rs),
-            "committed_local_s": _med(mx(rs, "duration_s") for rs in local),
-            "durable_local_s": _med(mx(rs, "local_s") for rs in local),
-            "peer_s": _med(mx(rs, "peer_s") for rs in local) if cfg != "none" else None,
-            "sent_bytes": _med(tot(rs, "peer_sent_bytes") for rs in local),
-            "written_bytes": _med(tot(rs, "written_bytes") for rs in local),
-            "peer_stored_bytes": _med(tot(rs, "peer_stored_bytes") for rs in local),
-            "stored_bytes": _med(tot(rs, "written_bytes") + tot(rs, "peer_stored_bytes") for rs in local),
-            "raw_bytes": _med(tot(rs, "raw_bytes") for rs in local),
+            "blocked_s": median(mx(rs, "stall_s") for rs in local),
+            "blocked_pooled_s": median(x["stall_s"] for rs in local for x in rs),
+            "committed_local_s": median(mx(rs, "duration_s") for rs in local),
+            "durable_local_s": median(mx(rs, "local_s") for rs in local),
+            "peer_s": median(mx(rs, "peer_s") for rs in local) if cfg != "none" else None,
+            "sent_bytes": median(tot(rs, "peer_sent_bytes") for rs in local),
+            "written_bytes": median(tot(rs, "written_bytes") for rs in local),
+            "peer_stored_bytes": median(tot(rs, "peer_stored_bytes") for rs in local),
+            "stored_bytes": median(tot(rs, "written_bytes") + tot(rs, "peer_stored_bytes") for rs in local),
+            "raw_bytes": median(tot(rs, "raw_bytes") for rs in local),
             "first_save_committed_s": mx(first, "duration_s"),
             "persisted_save_committed_s": mx(last, "duration_s"),
             "local_saves": len(local),
@@ -366,8 +355,8 @@ def summarize(res: dict) -> dict:
         slow = [max(x["s"] for x in r["ranks"]) for r in reps]
         last = reps[-1]["ranks"][WIPED]
         out["restore"][what] = {
-            "label": RESTORE_LABELS[what], "node2_s": _med(n2), "slowest_s": _med(slow), "node2_runs_s": n2,
-            "node2_healed_s": _med([r["ranks"][WIPED]["healed_s"] for r in reps]),
+            "label": RESTORE_LABELS[what], "node2_s": median(n2), "slowest_s": median(slow), "node2_runs_s": n2,
+            "node2_healed_s": median([r["ranks"][WIPED]["healed_s"] for r in reps]),
             "slowest_runs_s": slow, "exact": all(x["exact"] for r in reps for x in r["ranks"]),
             "node2": {k: last[k] for k in ("source", "peer_chunks", "rebuilt_chunks", "local_chunks",
                                            "remote_chunks", "chunks_read", "bytes_read")},
@@ -425,11 +414,11 @@ def report(args, cmd: str, res: dict, chunk: int, elapsed: float, loadavg: tuple
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in s["configs"].values():
-        lines.append(f"| {c['label']} | {_fmt(c['blocked_s'])} | {_fmt(c['blocked_vs_none'], 2)} | "
-                     f"{_fmt(c['blocked_pooled_vs_none'], 2)} | {_fmt(c['committed_local_s'], 2)} | "
-                     f"{_fmt(c['peer_s'], 2)} | "
+        lines.append(f"| {c['label']} | {fmt(c['blocked_s'])} | {fmt(c['blocked_vs_none'], 2)} | "
+                     f"{fmt(c['blocked_pooled_vs_none'], 2)} | {fmt(c['committed_local_s'], 2)} | "
+                     f"{fmt(c['peer_s'], 2)} | "
                      f"{c['sent_bytes'] / mib:.1f} | {c['stored_bytes'] / mib:.1f} | {c['overhead']:.3f} | "
-                     f"{_fmt(c['first_save_committed_s'], 2)} |")
+                     f"{fmt(c['first_save_committed_s'], 2)} |")
     lines += ["", "Blocked: time inside `save()` (the slowest rank's, median over saves; \"every rank\": the "
               "median over every rank's saves, a steadier ratio: four ranks copying at once on "
               f"{os.cpu_count()} cores make the slowest rank's time noisy); committed locally: `save()` to "
@@ -442,8 +431,8 @@ def report(args, cmd: str, res: dict, chunk: int, elapsed: float, loadavg: tuple
               "|---|---:|---:|---:|---:|---:|"]
     for r in s["restore"].values():
         n = r["node2"]
-        lines.append(f"| {r['label']} | {_fmt(r['node2_s'], 2)} | {_fmt(r['slowest_s'], 2)} | "
-                     f"{_fmt(r['s3_over_this'], 2)} | {_fmt(r['node2_healed_s'], 2)} | "
+        lines.append(f"| {r['label']} | {fmt(r['node2_s'], 2)} | {fmt(r['slowest_s'], 2)} | "
+                     f"{fmt(r['s3_over_this'], 2)} | {fmt(r['node2_healed_s'], 2)} | "
                      f"{n['peer_chunks']} / {n['rebuilt_chunks']} / "
                      f"{n['remote_chunks']} / {n['local_chunks']} |")
     lines += ["", "Node 2 (s): `load()` to its return, when training can go on; node 2's tier healed: until the "
@@ -452,20 +441,16 @@ def report(args, cmd: str, res: dict, chunk: int, elapsed: float, loadavg: tuple
               "(checked), and every load was bit-exact.",
               "", "### Targets", "", "| target | measured | goal | met |", "|---|---:|---:|---|"]
     for t in s["targets"].values():
-        lines.append(f"| {t['what']} | {_fmt(t['value'], 3)} | {t['target']} | {'yes' if t['met'] else 'no'} |")
+        lines.append(f"| {t['what']} | {fmt(t['value'], 3)} | {t['target']} | {'yes' if t['met'] else 'no'} |")
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump({"command": cmd, "world": WORLD, "mib_per_rank": args.mib_per_rank, "state_bytes_per_rank":
-                   res["state_bytes"], "saves": args.saves, "restores": args.restores, "codec": "raw",
-                   "chunk_size": chunk, "persist_every": PERSIST_EVERY, "cpus": os.cpu_count(),
-                   "torch": torch.__version__, "elapsed_s": elapsed, "loadavg_before_after": loadavg,
-                   **s, "raw": res}, f, indent=1, default=str)
-    plot(s, os.path.join(args.out, f"{args.name}.png"), res["state_bytes"])
-
+    doc = {"command": cmd, "world": WORLD, "mib_per_rank": args.mib_per_rank, "state_bytes_per_rank":
+           res["state_bytes"], "saves": args.saves, "restores": args.restores, "codec": "raw",
+           "chunk_size": chunk, "persist_every": PERSIST_EVERY, "cpus": os.cpu_count(),
+           "torch": torch.__version__, "elapsed_s": elapsed, "loadavg_before_after": loadavg,
+           **s, "raw": res}
+    write_results(args.out, args.name, text + "\n", doc, indent=1, json_default=str,
+                  plot=lambda path: plot(s, path, res["state_bytes"]))
 
 def plot(s: dict, path: str, per_rank: int) -> None:
     plt = pyplot()
@@ -511,9 +496,7 @@ def plot(s: dict, path: str, per_rank: int) -> None:
     ax3.legend(loc="lower right")
     fig.suptitle(f"node loss: {WORLD} gloo ranks × {per_rank / 2**20:.0f} MiB on {os.cpu_count()} CPUs, codec raw, "
                  "remote: rclone serve s3 on 127.0.0.1")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,10 @@ table, writes benchmarks/results/s3.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
 import shutil
-import statistics
 import tempfile
 import time
 import uuid
@@ -37,7 +35,7 @@ import torch
 warnings.filterwarnings("ignore")
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
-from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
+from harness import banner, median, pyplot, save_figure, write_results  # noqa: E402  (benchmarks/: shared)
 
 import ckpt  # noqa: E402
 from ckpt.testing import MotoS3, RcloneS3, storage_options  # noqa: E402
@@ -69,6 +67,7 @@ def main() -> None:
     p.add_argument("--server", choices=["rclone", "moto"], default="rclone")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args()
+    print(banner(), flush=True)
 
     tmp = tempfile.mkdtemp(prefix="ckpt-s3-bench-")
     srv = (RcloneS3(os.path.join(tmp, "server")) if args.server == "rclone" else MotoS3()).start()
@@ -149,7 +148,7 @@ def main() -> None:
     srv.stop()
     shutil.rmtree(tmp, ignore_errors=True)
 
-    med = {n: statistics.median(v) for n, v in times.items()}
+    med = {n: median(v) for n, v in times.items()}
     gib = size / 2**30
     plain = med["s3fs put, one object per tensor"]
     dcp = med["DCP FsspecWriter (8 threads)"]
@@ -167,28 +166,25 @@ def main() -> None:
               "as fast as from S3"]
     table = "\n".join(lines)
     print(table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "s3.md"), "w") as f:
-        f.write(f"`python benchmarks/s3.py --size-gib {args.size_gib} --repeats {args.repeats} "
-                f"--server {args.server}`\n\n")
-        f.write(table + "\n")
-    with open(os.path.join(args.out, "s3.json"), "w") as f:
-        json.dump({"args": vars(args), "bytes": size, "times": times, "median": med,
-                   "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                               "torch": torch.__version__}}, f, indent=1)
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    names = list(med)
-    ax.barh(names, [gib / med[n] for n in names],
-            color=["#888" if "s3fs" in n or "DCP" in n else "#2a7" for n in names])
-    ax.invert_yaxis()
-    ax.set_xlabel("GiB/s (higher is better)")
-    ax.set_title(f"{gib:.2f} GiB to/from a local S3 server ({args.server}), median of {args.repeats}")
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "s3.png"), dpi=110)
+    md = (f"`python benchmarks/s3.py --size-gib {args.size_gib} --repeats {args.repeats} "
+          f"--server {args.server}`\n\n" + table + "\n")
+    doc = {"args": vars(args), "bytes": size, "times": times, "median": med,
+           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}}
 
+    def plot(path: str) -> None:
+        plt = pyplot()
+        if plt is None:
+            return
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        names = list(med)
+        ax.barh(names, [gib / med[n] for n in names],
+                color=["#888" if "s3fs" in n or "DCP" in n else "#2a7" for n in names])
+        ax.invert_yaxis()
+        ax.set_xlabel("GiB/s (higher is better)")
+        ax.set_title(f"{gib:.2f} GiB to/from a local S3 server ({args.server}), median of {args.repeats}")
+        save_figure(fig, path)
+
+    write_results(args.out, "s3", md, doc, indent=1, plot=plot)
 
 if __name__ == "__main__":
     main()

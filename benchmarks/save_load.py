@@ -20,11 +20,8 @@ The memcpy row is the floor: copying the same bytes into preallocated tensors.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +29,16 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from plotting import pyplot  # noqa: E402  (benchmarks/, the script's own folder)
+from harness import (  # benchmarks/: the shared harness
+    banner,
+    fmt,
+    median,
+    pyplot,
+    ratio,
+    rounds,
+    save_figure,
+    write_results,
+)
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
@@ -254,61 +260,51 @@ def main() -> None:
     model = make_state(args.size_gib)
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
     state = {"model": model}
-    print(f"state: {len(model)} float32 tensors, {nbytes / 2**30:.2f} GiB; {os.cpu_count()} CPUs; torch "
-          f"{torch.__version__}; python {platform.python_version()}; scratch {root}")
+    print(f"state: {len(model)} float32 tensors, {nbytes / 2**30:.2f} GiB; scratch {root}\n{banner()}")
     print("command: python " + " ".join(sys.argv))
 
     methods = [METHODS[n](root, model) if n == "memcpy" else METHODS[n](root) for n in names]
     target = {"model": {k: torch.empty_like(v) for k, v in model.items()}}
     copy_into(target["model"], model)  # fault the target pages in once
-    results = {m.name: {"blocked": [], "durable": [], "load": []} for m in methods}
-    try:
-        for rep in range(args.repeats + 1):  # round 0 warms every method up and is not reported
-            for m in methods:
-                with torch.no_grad():
-                    for t in model.values():  # new values each time: nothing can be deduplicated
-                        t.add_(1e-3)
-                want = next(iter(model.values()))[0, :4].clone()
-                os.sync()
-                blocked, durable = m.save(state, rep)
-                os.sync()
-                loaded = m.load(target, rep)
-                got = next(iter(target["model"].values()))[0, :4]
-                if not torch.equal(got, want):
-                    raise SystemExit(f"{m.name}: loaded data differs from what was saved")
-                m.cleanup(rep)
-                if rep == 0:
-                    print(f"  warm-up        {m.name:16s} blocked {blocked:7.3f}s  durable {durable:7.3f}s  "
-                          f"load {loaded:7.3f}s", flush=True)
-                    continue
-                r = results[m.name]
-                r["blocked"].append(blocked)
-                r["durable"].append(durable)
-                r["load"].append(loaded)
-                print(f"  repeat {rep}/{args.repeats}   {m.name:16s} blocked {blocked:7.3f}s  durable "
-                      f"{durable:7.3f}s  load {loaded:7.3f}s", flush=True)
+    def contender(m: Method) -> Callable[[int], Timing]:
+        def run(rep: int) -> Timing:
+            with torch.no_grad():
+                for t in model.values():  # new values each time: nothing can be deduplicated
+                    t.add_(1e-3)
+            want = next(iter(model.values()))[0, :4].clone()
+            os.sync()
+            blocked, durable = m.save(state, rep)
+            os.sync()
+            loaded = m.load(target, rep)
+            got = next(iter(target["model"].values()))[0, :4]
+            if not torch.equal(got, want):
+                raise SystemExit(f"{m.name}: loaded data differs from what was saved")
+            m.cleanup(rep)
+            return {"blocked": blocked, "durable": durable, "load": loaded}
+        return run
+
+    def say(rep: int, name: str, r: Timing) -> None:
+        which = "warm-up       " if rep == 0 else f"repeat {rep}/{args.repeats}  "
+        print(f"  {which} {name:16s} blocked {r['blocked']:7.3f}s  durable {r['durable']:7.3f}s  "
+              f"load {r['load']:7.3f}s", flush=True)
+
+    try:  # round 0 warms every method up and is not reported; the order alternates round by round
+        runs = rounds({m.name: contender(m) for m in methods}, args.repeats, warmup=1, report=say)
     finally:
         for m in methods:
             m.close()
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
 
-    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in results.items()}
+    med = {n: {k: median(r[k] for r in rs) for k in ("blocked", "durable", "load")} for n, rs in runs.items()}
     first_stall = next((m.first_stall for m in methods if isinstance(m, Ckpt)), None)
     report(med, nbytes, args, first_stall)
-
-
-def _ratio(a: float, b: float | None) -> str:
-    if b is None or b != b or a != a or b == 0:
-        return "–"
-    return f"{a / b:.2f}"
 
 
 def report(med: dict, nbytes: int, args, first_stall: float | None) -> None:
     floor = med.get("memcpy (floor)", {}).get("blocked")
     dcp_async = med.get("dcp.async_save", {})
     dcp_load = dcp_async.get("load") or med.get("dcp.save", {}).get("load")
-    fmt = lambda x: "–" if x != x else f"{x:.3f}"  # noqa: E731
     lines = [
         f"{nbytes / 2**30:.2f} GiB of float32 tensors, {os.cpu_count()} CPUs, median of {args.repeats}; "
         "load is from the page cache.",
@@ -318,8 +314,8 @@ def report(med: dict, nbytes: int, args, first_stall: float | None) -> None:
     ]
     for name, r in med.items():
         lines.append(f"| {name} | {fmt(r['blocked'])} | {fmt(r['durable'])} | {fmt(r['load'])} | "
-                     f"{_ratio(r['blocked'], floor)} | {_ratio(r['durable'], dcp_async.get('durable'))} | "
-                     f"{_ratio(r['load'], dcp_load)} |")
+                     f"{ratio(r['blocked'], floor)} | {ratio(r['durable'], dcp_async.get('durable'))} | "
+                     f"{ratio(r['load'], dcp_load)} |")
     if first_stall is not None:
         lines += ["", f"ckpt's first save blocked {first_stall:.3f}s: it allocates and faults in the host buffer "
                       "once; the table shows steady-state saves."]
@@ -339,14 +335,11 @@ def report(med: dict, nbytes: int, args, first_stall: float | None) -> None:
                          for what, ok, ratio in checks]
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "save_load.md"), "w") as f:
-        f.write(f"Command: `python benchmarks/save_load.py --size-gib {args.size_gib:g} --repeats {args.repeats}`\n\n"
-                + text + "\n")
-    with open(os.path.join(args.out, "save_load.json"), "w") as f:
-        json.dump({"bytes": nbytes, "repeats": args.repeats, "cpus": os.cpu_count(), "torch": torch.__version__,
-                   "median_seconds": med, "ckpt_first_stall": first_stall}, f, indent=2)
-    plot(med, os.path.join(args.out, "save_load.png"), nbytes)
+    md = (f"Command: `python benchmarks/save_load.py --size-gib {args.size_gib:g} --repeats {args.repeats}`\n\n"
+          + text + "\n")
+    doc = {"bytes": nbytes, "repeats": args.repeats, "cpus": os.cpu_count(), "torch": torch.__version__,
+           "median_seconds": med, "ckpt_first_stall": first_stall}
+    write_results(args.out, "save_load", md, doc, plot=lambda path: plot(med, path, nbytes))
 
 
 def plot(med: dict, path: str, nbytes: int) -> None:
@@ -363,9 +356,7 @@ def plot(med: dict, path: str, nbytes: int) -> None:
     ax.set_ylabel("seconds (median)")
     ax.set_title(f"Checkpoint of {nbytes / 2**30:.1f} GiB fp32, {os.cpu_count()} CPUs")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Prints a table, writes snapshot_cpu.{json,md,png} under --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -25,6 +24,7 @@ import tempfile
 import time
 
 import torch
+from harness import median, pyplot, save_figure, write_results
 from save_load import copy_into, make_state
 
 import ckpt
@@ -72,7 +72,7 @@ def main() -> None:
         for c in ckptrs.values():
             c.close()
         shutil.rmtree(root, ignore_errors=True)
-    med = {n: {k: (statistics.median(v) if v else float("nan")) for k, v in d.items()} for n, d in times.items()}
+    med = {n: {k: median(v) for k, v in d.items()} for n, d in times.items()}
     floor = med["memcpy floor"]["blocked"]
     fb = med["ckpt fallback"]["durable"]
     cpu = platform.processor() or platform.machine()
@@ -88,27 +88,23 @@ def main() -> None:
               f"({'met' if nat['blocked'] <= 1.2 * floor else 'NOT met'}); native durable < fallback durable: "
               f"{nat['durable'] / fb:.2f} ({'met' if nat['durable'] < fb else 'NOT met'})"]
     print("\n".join(lines))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "snapshot_cpu.json"), "w") as f:
-        json.dump({"bytes": nbytes, "ext": info, "times": times, "median": med}, f, indent=1)
-    with open(os.path.join(args.out, "snapshot_cpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        names = list(med)
-        ax.barh(names, [med[n]["blocked"] for n in names], label="blocked in save()")
-        ax.barh(names, [med[n]["durable"] - med[n]["blocked"] if med[n]["durable"] == med[n]["durable"] else 0
-                        for n in names], left=[med[n]["blocked"] for n in names], label="background until durable")
-        ax.set_xlabel(f"seconds for {nbytes / 2**30:.1f} GiB")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "snapshot_cpu.png"), dpi=110)
-    except ImportError:
-        pass
+    write_results(args.out, "snapshot_cpu", "\n".join(lines) + "\n",
+                  {"bytes": nbytes, "ext": info, "times": times, "median": med}, indent=1,
+                  plot=lambda path: plot(med, path, nbytes))
 
+
+def plot(med: dict, path: str, nbytes: int) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(med)
+    ax.barh(names, [med[n]["blocked"] for n in names], label="blocked in save()")
+    ax.barh(names, [med[n]["durable"] - med[n]["blocked"] if med[n]["durable"] == med[n]["durable"] else 0
+                    for n in names], left=[med[n]["blocked"] for n in names], label="background until durable")
+    ax.set_xlabel(f"seconds for {nbytes / 2**30:.1f} GiB")
+    ax.legend()
+    save_figure(fig, path)
 
 if __name__ == "__main__":
     main()

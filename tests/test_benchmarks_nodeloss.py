@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # spawns processes and takes more than a few seconds
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RCLONE = os.path.join(os.path.dirname(sys.executable), "rclone")
 

@@ -170,6 +170,8 @@ def two_ranks(tmp_path_factory):
     return path
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_inspect_shows_shards_kinds_codecs_and_new_versus_reused_chunks(two_ranks, run):
     rc, out, _ = run("inspect", two_ranks, "--json")
     assert rc == 0
@@ -200,6 +202,8 @@ def test_inspect_shows_shards_kinds_codecs_and_new_versus_reused_chunks(two_rank
     assert "pos[rank 0]/seed = 10" in out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_export_reshards_to_one_file_bit_exactly(two_ranks, run, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -511,6 +515,7 @@ def test_memory_url_end_to_end(run, tmp_path):
         fs.rm("/cli-test", recursive=True)
 
 
+@pytest.mark.multiprocess
 def test_tables_on_a_terminal_and_tsv_through_a_pipe_of_the_console_script(ckdir, monkeypatch, capsys):
     save_steps(ckdir, steps=(1, 2))
     monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: every row on one line

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import ckpt
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # spawns processes and takes more than a few seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from concurrent_child import CHUNK, digest
 
@@ -78,6 +79,8 @@ def test_gc_with_retention_also_deletes_the_chunks_of_parked_lists(tmp_path):
     collect_and_check_clean(root)  # keep_last=1: step 2 retired by gc itself, step 1's chunks parked
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_gc_in_a_loop_beside_a_training_process(tmp_path):
     root, stop, log = str(tmp_path / "ck"), str(tmp_path / "stop"), str(tmp_path / "trainer.json")
     looping = child("gc", root, "1", stop)
@@ -93,6 +96,8 @@ def test_gc_in_a_loop_beside_a_training_process(tmp_path):
     collect_and_check_clean(root)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_jobs_with_retention_share_a_root(tmp_path):
     root = str(tmp_path / "ck")
     logs = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]

@@ -13,6 +13,8 @@ from crash_child import expected
 
 import ckpt
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # spawns processes and takes more than a few seconds
+
 HERE = os.path.dirname(__file__)
 
 

@@ -430,6 +430,8 @@ def _load_sharded(rank: int, world: int, root: str) -> bool:
     return torch.equal(got["table"].tensor, want["table"].tensor) and got["step"] == 4
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_ranks_write_deltas_of_their_own_shards_and_any_world_size_loads_them(tmp_path):
     from ckpt.testing import run_ranks
 

@@ -18,6 +18,8 @@ from ckpt.format import manifest as mf
 from ckpt.storage.local import LocalStorage
 from ckpt.testing import run_ranks
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # spawns processes and takes more than a few seconds
+
 KiB = 1024
 CHUNK = 64 * KiB
 

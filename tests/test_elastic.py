@@ -18,6 +18,8 @@ import torch
 import ckpt
 from ckpt import events
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # spawns processes and takes more than a few seconds
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STEPS, EVERY = 60, 10

@@ -25,6 +25,8 @@ def child_env() -> dict:
 
 # -- exit safety ----------------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["normal", "exception", "sigint", "dropped"])
 def test_a_save_in_flight_at_exit_is_committed(tmp_path, how):
     for attempt in range(3):  # every time, not most of the time
@@ -132,6 +134,8 @@ def _poisoned_rank(rank, world, path):
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_poisoned_rank_refuses_the_save_on_every_rank(tmp_path):
     r0, r1 = run_ranks(2, _poisoned_rank, str(tmp_path))
     for r in (r0, r1):
@@ -142,6 +146,8 @@ def test_a_poisoned_rank_refuses_the_save_on_every_rank(tmp_path):
 
 # -- preemption -------------------------------------------------------------------------------------------
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sigterm_saves_the_next_step_after_the_one_in_flight_and_stops(tmp_path):
     root = str(tmp_path / "ck")
     child = subprocess.Popen([sys.executable, os.path.join(HERE, "preempt_child.py"), root, "--hold-at", "3"],
@@ -222,6 +228,8 @@ def _preempted_rank(rank, world, path):
     return {"saved": saved, "stopped": step, "steps": c.steps()}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_signal_on_one_rank_makes_every_rank_save_the_same_step_and_stop(tmp_path):
     results = run_ranks(3, _preempted_rank, str(tmp_path))
     assert all(r == results[0] for r in results), results

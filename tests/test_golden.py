@@ -113,6 +113,8 @@ def _load_on_rank(rank: int, world: int, root: str) -> dict:
     return {"w": torch.equal(state["w"].tensor, want["w"].tensor), "pos": state["pos"].value == want["pos"].value}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_two_rank_checkpoint_loads_on_two_ranks(golden):
     assert run_ranks(2, _load_on_rank, golden("sharded")) == [{"w": True, "pos": True}] * 2
 

@@ -448,6 +448,7 @@ def test_a_save_that_fills_the_disk_removes_what_it_wrote(ckdir, monkeypatch):
 
 # -- 15. export to a folder that does not exist -------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 def test_export_into_a_missing_folder_says_so(ckdir, tmp_path):
     with ckpt.Checkpointer(ckdir) as c:
         c.save(1, {"w": torch.ones(3)})

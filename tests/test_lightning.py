@@ -63,6 +63,8 @@ def reference(tmp_path_factory):
     return run_child(str(d / "ck"), str(d / "final.pt"), 30)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("block_at", [10, 14])  # newest commit mid-epoch (8), or at the epoch's last batch (12)
 def test_killed_fit_resumes_bit_exact(tmp_path, reference, block_at):
     ck = str(tmp_path / "ck")
@@ -90,6 +92,8 @@ def test_killed_fit_resumes_bit_exact(tmp_path, reference, block_at):
     assert reference["optim"]["state"][0]["step"].item() == 30  # the comparison covers the whole run
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sigterm_saves_at_the_batch_end_stops_the_fit_and_resumes_bit_exact(tmp_path, reference):
     ck = str(tmp_path / "ck")
     r = subprocess.run([sys.executable, "lightning_child.py", ck, str(tmp_path / "unused.pt"), "30",
@@ -236,6 +240,8 @@ def test_saving_the_same_path_again_keeps_a_whole_checkpoint(tmp_path):
     assert io.load_checkpoint(tmp_path / "plain.ckpt") == {"global_step": 1}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_import_picks_lightning_then_pytorch_lightning_then_explains(tmp_path):
     code = ("import sys\n"
             "for name in sys.argv[1:]: sys.modules[name] = None\n"

@@ -106,6 +106,8 @@ def _steps(root: str, tier: str) -> list[int]:
     return sorted(int(n) for n in os.listdir(d) if os.path.exists(os.path.join(d, n, "MANIFEST.json")))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["replicas", "parity"])
 def test_wiped_tier_resumes_newest_local_step_from_peers(tmp_path, kind):
     root = str(tmp_path)
@@ -160,6 +162,8 @@ def _load_or_error(rank: int, world: int, root: str, fallback: bool) -> dict:
         return {"step": step, "remote": c.last_load.remote_chunks}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_damaged_replica_fails_the_load_on_every_rank_and_fallback_passes_it(tmp_path):
     """Node 2 is wiped and node 3's copies of its chunks are damaged: the load of the local step fails
     on every rank (none waits for the others), naming the damage; fallback=True ends at the newest
@@ -185,6 +189,8 @@ def test_a_damaged_replica_fails_the_load_on_every_rank_and_fallback_passes_it(t
     assert loaded[2]["remote"] > 0
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("wiped,expect", [((0, 2), 5), ((1, 2), 4)])
 def test_two_wiped_domains_with_two_replicas_give_a_correct_step(tmp_path, wiped, expect):
     """Replicas(2) puts rank i's copy on node i+1: losing nodes 0 and 2 leaves a copy of everything
@@ -208,6 +214,8 @@ def _reshard_save(rank: int, world: int, root: str) -> None:
             c.save(s, _state(rank, world, s)).wait()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_resharding_load_from_local_tiers(tmp_path):
     """Saved on 2 ranks, loaded on 4: the two new ranks' tiers are empty, and they get their rows from
     the tiers of the ranks that saved them; nothing is read from the checkpoint path."""
@@ -251,6 +259,8 @@ def _killed_body(rank: int, world: int, root: str, victim: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_kill_during_replication_leaves_every_committed_local_step_whole(tmp_path):
     root = str(tmp_path)
     got = run_ranks(4, _killed_body, root, 1, may_die=(1,), timeout=240)
@@ -292,6 +302,8 @@ def _shared_body(rank: int, world: int, root: str, steps: list[int]) -> dict:
     return {}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ranks_sharing_a_node_tier_keep_it_to_keep_local(tmp_path):
     """One rank per tier applies its retention and the others' leases do not stop it: the tier holds
     exactly the chunks of its keep_local steps (not every chunk ever written, parked)."""
@@ -324,6 +336,8 @@ def _persist_differs_body(rank: int, world: int, root: str) -> str:
         return "committed"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ranks_that_disagree_on_persist_commit_nothing(tmp_path):
     got = run_ranks(4, _persist_differs_body, str(tmp_path))
     assert all("pass the same persist=" in g for g in got), got

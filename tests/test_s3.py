@@ -293,6 +293,8 @@ print("finished", count[0])
 """
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_retention_killed_anywhere_leaves_committed_steps_loadable(rclone_server, tmp_path):
     so = fast(rclone_server.endpoint)
     states = {s: state_of(200_000, seed=s) for s in range(1, 4)}

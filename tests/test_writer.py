@@ -171,6 +171,7 @@ def test_a_writer_waits_for_a_deletion_in_progress_then_holds_its_lease(caplog):
         writer.release()
 
 
+@pytest.mark.multiprocess
 def test_leases_of_dead_or_expired_holders_count_for_nothing():
     import json
     import socket
