@@ -162,6 +162,17 @@ class Checkpointer:
         """Host buffer layouts made so far: one on the first save, one more per structure change."""
         return self._snapshots.layouts_made
 
+    @property
+    def host_buffers(self) -> int:
+        """Host buffers held: 0 before the first save, 1, or 2 while deltas keep the previous save."""
+        return sum(b is not None for b in (self._snapshots.buffer, self._snapshots.spare))
+
+    @property
+    def host_pinned(self) -> bool:
+        """Whether the host buffer is pinned (page-locked) memory, as it is when CUDA is available."""
+        buf = self._snapshots.buffer
+        return buf is not None and buf.pinned
+
     def save(self, step: int, state: dict[str, Any], *, persist: bool | None = None) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and write it in the background; returns once every
         tensor is copied (later in-place changes are not saved). With several ranks, every rank calls

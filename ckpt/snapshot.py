@@ -483,6 +483,12 @@ def fence_optimizers(snap: CudaSnapshot) -> None:
         _pending.add(snap)
 
 
+def pending_copies() -> list[CudaSnapshot]:
+    """The CUDA snapshot copies the optimizer pre-step hook still fences (read-only: a copy of the list)."""
+    with _pending_lock:
+        return list(_pending)
+
+
 def fence(stream: torch.cuda.Stream | None = None) -> None:
     """Make ``stream`` (default: the current stream of each snapshot's device) wait, on the device, for
     every snapshot copy in flight.

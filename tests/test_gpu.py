@@ -36,7 +36,7 @@ def test_optimizer_step_right_after_save_does_not_reach_the_snapshot(ckdir):
     opt.step()  # queued at once, no host sync: the pre-step hook orders it after the copy on the device
     model(torch.randn(32, 256, device="cuda"))  # forward in train mode updates BatchNorm stats in place
     h.wait()
-    assert c._snapshots.buffer.pinned
+    assert c.host_pinned
     after = {k: v.cpu() for k, v in model.state_dict().items()}
     assert any(not torch.equal(after[k], want_model[k]) for k in after)  # the step did change things
     c.close()
@@ -57,7 +57,7 @@ def test_save_does_not_block_the_host_and_the_copy_overlaps_a_matmul(ckdir):
     c.save(1, {"model": model, "optim": opt}).wait()  # first save allocates the buffer
     torch.cuda.synchronize()
     h = c.save(2, {"model": model, "optim": opt})
-    pending = [s for s in snapshot._pending]
+    pending = snapshot.pending_copies()
     for _ in range(20):  # ~0.1-0.5 s of work queued on the compute stream after save() returned
         big = big @ big
         big = big / big.norm()
