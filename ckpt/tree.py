@@ -410,7 +410,7 @@ def _check_size(n: dict, depth: int, as_key: bool, walk: _Walk) -> str | None:
 
 def _check_dtype(n: dict, depth: int, as_key: bool, walk: _Walk) -> str | None:
     v = n.get("v")
-    if v not in DTYPES:
+    if not isinstance(v, str) or v not in DTYPES:  # v may be unhashable
         return f"a dtype node naming an unknown dtype {str(v)[:40]!r}"
     return None
 
@@ -480,7 +480,7 @@ def _plain_problem(n: Node, depth: int, as_key: bool, walk: _Walk) -> str | None
 def _object_problem(n: dict, depth: int, as_key: bool, walk: _Walk) -> str | None:
     """What is wrong with an object node, by its kind's checker, or None."""
     t = n.get("t")
-    if as_key and t not in _KEY_KINDS:
+    if as_key and not ((t is None or isinstance(t, str)) and t in _KEY_KINDS):  # t may be unhashable
         return f"a {str(t)[:40]!r} node used as a dict key"
     check = _CHECKERS.get(t) if isinstance(t, str) else None
     if check is None:

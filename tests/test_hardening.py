@@ -176,6 +176,10 @@ def _mangle(doc: dict, how: str) -> bytes:
         doc["structure"]["v"][0] = {"t": "tensor"}
     elif how == "unknown node":
         doc["structure"]["v"][1] = {"t": "frobnicate", "v": 1}
+    elif how == "key of a list kind":  # an unhashable kind where a dict key's kind is looked up
+        doc["structure"]["v"][1] = {"t": "dict", "k": [{"t": [1]}], "v": [3]}
+    elif how == "dtype is a list":  # an unhashable dtype name where the known dtypes are looked up
+        doc["structure"]["v"][1] = {"t": "dtype", "v": ["float32"]}
     elif how == "owner is a list":
         doc["tensors"][0]["rank"] = [0]
     elif how == "deep structure":
@@ -187,8 +191,8 @@ def _mangle(doc: dict, how: str) -> bytes:
 
 
 @pytest.mark.parametrize("how", ["deep", "huge number", "created 400 digits", "created NaN", "segments not a list",
-                                 "unhashable key", "node without key", "unknown node", "owner is a list",
-                                 "deep structure"])
+                                 "unhashable key", "node without key", "unknown node", "key of a list kind",
+                                 "dtype is a list", "owner is a list", "deep structure"])
 def test_malformed_manifests_are_corrupt_and_fallback_passes_them(ckdir, how, capsys):
     from ckpt import cli
 
