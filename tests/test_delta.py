@@ -360,19 +360,19 @@ def test_auto_stores_raw_where_raw_saves_are_measured_faster():
     assert pace.mode() == "encode"
 
 
-def test_a_checkpointer_probes_raw_only_where_encoding_held_saves_up(tmp_path):
+def test_a_checkpointer_probes_raw_only_where_encoding_held_saves_up(tmp_path, monkeypatch):
     root = str(tmp_path / "ck")
-    with ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
-        c._writer.pace.MIN_SECONDS = 0.0  # these saves are small: judge them anyway
-        c._writer.pace.CPU_BOUND = 0.0  # and as if encoding had kept every core busy
+    with monkeypatch.context() as m, ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
+        m.setattr(Pace, "MIN_SECONDS", 0.0)  # these saves are small: judge them anyway
+        m.setattr(Pace, "CPU_BOUND", 0.0)  # and as if encoding had kept every core busy
         for s, state in training(4):
             c.save(s, state).wait()
         codecs = [{i.codec for h, i in c.manifest(s).chunks.items() if h in data_chunks(c.manifest(s), "dense")}
                   for s in range(4)]
     assert codecs[2] == {"raw/1"} and "raw/1" not in codecs[1]  # save 2 probed raw
     root = str(tmp_path / "ck2")
-    with ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
-        c._writer.pace.MIN_SECONDS = 3600.0  # no save here holds anything up for an hour: no probe
+    with monkeypatch.context() as m, ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
+        m.setattr(Pace, "MIN_SECONDS", 3600.0)  # no save here holds anything up for an hour: no probe
         for s, state in training(4):
             c.save(s, state).wait()
         assert all("raw/1" not in {c.manifest(s).chunks[h].codec for h in data_chunks(c.manifest(s), "dense")}
