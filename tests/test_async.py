@@ -21,7 +21,7 @@ def test_snapshot_is_the_state_at_save_time(ckdir, gate):
     state["big"] = torch.randn(512, 1024)
     want = clone_tensors(state["model"].state_dict()) | {"big": state["big"].clone()}
     want_opt = [t.clone() for s in state["optim"].state.values() for t in s.values()]
-    c = ckpt.Checkpointer(ckdir, chunk_size=256 * 1024)
+    c = ckpt.Checkpointer(ckdir, chunk_size=256 * 1024, storage=gate)
     h = c.save(3, state)
     assert gate.entered.wait(30)  # the writer is busy with chunks and held there
     assert not h.done()
@@ -47,7 +47,7 @@ def test_snapshot_is_the_state_at_save_time(ckdir, gate):
 
 def test_busy_skip_drops_the_save_and_says_so(ckdir, gate, caplog):
     state = {"w": torch.randn(1000)}
-    c = ckpt.Checkpointer(ckdir, busy="skip")
+    c = ckpt.Checkpointer(ckdir, busy="skip", storage=gate)
     h1 = c.save(1, state)
     assert gate.entered.wait(30)
     with caplog.at_level(logging.INFO, logger="ckpt"):
@@ -62,7 +62,7 @@ def test_busy_skip_drops_the_save_and_says_so(ckdir, gate, caplog):
 
 def test_busy_wait_blocks_until_the_buffer_is_free(ckdir, gate):
     state = {"w": torch.randn(1000)}
-    c = ckpt.Checkpointer(ckdir, busy="wait")
+    c = ckpt.Checkpointer(ckdir, busy="wait", storage=gate)
     h1 = c.save(1, state)
     assert gate.entered.wait(30)
     second: list = []
