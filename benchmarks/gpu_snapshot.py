@@ -25,7 +25,7 @@ from harness import median, pyplot, save_figure, write_results
 
 import ckpt
 from ckpt import cuda_snapshot
-from ckpt.layout import make_layout
+from ckpt.buffer_layout import make_layout
 from ckpt.snapshot import HostBuffer
 
 GiB = 1 << 30

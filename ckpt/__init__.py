@@ -31,9 +31,9 @@ from .errors import (
     StorageError,
     UnsupportedValueError,
 )
+from .flatten import RNGState
 from .reader import Pickled, Reader, open
 from .sharding import LocalShard, PerRank
-from .state import RNGState
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer

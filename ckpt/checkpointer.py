@@ -1,8 +1,8 @@
 """The public entry point: :class:`Checkpointer`, a thin façade over the stages of a save and a load.
 
 Follow one tensor through a save: :meth:`Checkpointer.save` flattens the state into a structure tree
-and tensor leaves (:mod:`ckpt.state`), copies the tensors into the host buffer
-(:mod:`ckpt.snapshot`, laid out by :mod:`ckpt.layout`) and hands the snapshot to the commit protocol
+and tensor leaves (:mod:`ckpt.flatten`), copies the tensors into the host buffer
+(:mod:`ckpt.snapshot`, laid out by :mod:`ckpt.buffer_layout`) and hands the snapshot to the commit protocol
 (:mod:`ckpt.commit`). On a background thread the writer (:mod:`ckpt.writer`) cuts the buffer into
 chunks, hashes, encodes (:mod:`ckpt.codec`) and stores them (:mod:`ckpt.storage`); the coordinator
 commits the step manifest (:mod:`ckpt.manifest`) and applies retention (:mod:`ckpt.retention`).
@@ -17,28 +17,31 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import at_exit, events
 from ._tasks import run_all
 from .commit import CommitProtocol, LocalCommits
 from .dist import make_comm
 from .errors import CheckpointError, ConfigError
+from .flatten import flatten
 from .format import manifest as mf
 from .format.chunk import verify_object
 from .handle import SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
-from .options import MiB, Options
+from .options import OptionArgs, Options, check_storage
 from .redundancy import Peers
-from .redundancy_config import Parity, Replicas
 from .retention import Retention
-from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, Interval, Schedule
+from .schedule import Interval, Schedule
 from .snapshot import Snapshotter
-from .state import flatten
 from .storage import open_tiered
+from .storage.base import Storage
 from .storage.tiered import TieredStorage
 from .writer import SaveJob, Writer
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("ckpt")
 
@@ -48,7 +51,13 @@ class Checkpointer:
     state is copied into a host buffer; ``load("latest", state)`` resumes in place. ``path`` is a local
     directory or an fsspec URL (``file://``, ``memory://``, ``s3://`` …). See the README for a loop.
 
-    The options are those of :class:`~ckpt.options.Options`, checked before anything is opened.
+    The options are those of :class:`~ckpt.options.Options` (same names, same defaults), checked before
+    anything is opened. ``storage``: an opened :class:`~ckpt.storage.base.Storage` (or a tiered one) to
+    use instead of opening ``path`` (which then only names the checkpoint in messages); with it,
+    ``local_dir`` and ``storage_options`` are refused. E.g. a test's faulty disk::
+
+        ckpt.Checkpointer(str(tmp), storage=ckpt.testing.FaultyStorage(LocalStorage(tmp)))
+
     ``process_group``: the ranks that save together (default: the default group when
     ``torch.distributed`` is initialised, else this process alone). Every rank calls ``save`` and
     ``load`` in the same order; ranks talk through the group's store, never with collectives from
@@ -60,40 +69,29 @@ class Checkpointer:
     change saved parameters in place outside ``optimizer.step()``, call :func:`ckpt.fence` first.
     """
 
-    def __init__(self, path: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
-                 local_dir: str | os.PathLike | None = None, chunk_size: int = 16 * MiB, codec: str = "auto",
-                 delta_chain: int = 8, delta_budget: float = 1.3,
-                 busy: Literal["wait", "skip"] = "wait", strict: bool = True, allow_pickle: bool = False,
-                 io_threads: int | None = None, storage_options: dict | None = None, process_group: Any = None,
-                 timeout: float = 600.0, native: bool = True, snapshot_threads: int | None = None,
-                 check_finite: bool | Literal["all"] = True, every: int | float | str | None = None,
-                 preemption: bool | list[int] = False, mtbf: float = DEFAULT_MTBF,
-                 max_overhead: float = DEFAULT_MAX_OVERHEAD, redundancy: Replicas | Parity | None = None,
-                 persist_every: int | None = None, failure_domain: str | None = None, keep_local: int = 2):
-        options = Options.build(
-            keep_last=keep_last, keep_every=keep_every, local_dir=local_dir, chunk_size=chunk_size, codec=codec,
-            delta_chain=delta_chain, delta_budget=delta_budget, busy=busy, strict=strict, allow_pickle=allow_pickle,
-            io_threads=io_threads, storage_options=storage_options, timeout=timeout, native=native,
-            snapshot_threads=snapshot_threads, check_finite=check_finite, every=every, preemption=preemption,
-            mtbf=mtbf, max_overhead=max_overhead, redundancy=redundancy, persist_every=persist_every,
-            failure_domain=failure_domain, keep_local=keep_local)
-        self._open(path, options, process_group)
+    def __init__(self, path: str | os.PathLike, *, storage: Storage | None = None, process_group: Any = None,
+                 **options: Unpack[OptionArgs]):
+        self._open(path, Options.build(**options), process_group, storage)
 
     @classmethod
-    def from_options(cls, path: str | os.PathLike, options: Options, *, process_group: Any = None) -> Checkpointer:
+    def from_options(cls, path: str | os.PathLike, options: Options, *, process_group: Any = None,
+                     storage: Storage | None = None) -> Checkpointer:
         """A Checkpointer with options already built (and checked) by :meth:`Options.build`."""
         self = cls.__new__(cls)
-        self._open(path, options, process_group)
+        self._open(path, options, process_group, storage)
         return self
 
-    def _open(self, path: str | os.PathLike, options: Options, process_group: Any) -> None:
+    def _open(self, path: str | os.PathLike, options: Options, process_group: Any,
+              storage: Storage | None = None) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise ConfigError(f"checkpoint path must be a string or os.PathLike, got {path!r}")
+        check_storage(storage, options)
         self.path = os.fspath(path)
         self.options = options
         self._comm = make_comm(process_group, options.timeout)
-        self.storage = open_tiered(self.path, options.local_dir, options.storage_options, verify=verify_object,
-                                   upload_threads=options.threads, local_commits=options.tiered_commits)
+        self.storage = storage if storage is not None else open_tiered(
+            self.path, options.local_dir, options.storage_options, verify=verify_object,
+            upload_threads=options.threads, local_commits=options.tiered_commits)
         # The threads every stage runs on, owned here and handed to the stages.
         self._io = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-io")
         self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
@@ -163,6 +161,17 @@ class Checkpointer:
     def layouts_made(self) -> int:
         """Host buffer layouts made so far: one on the first save, one more per structure change."""
         return self._snapshots.layouts_made
+
+    @property
+    def host_buffers(self) -> int:
+        """Host buffers held: 0 before the first save, 1, or 2 while deltas keep the previous save."""
+        return sum(b is not None for b in (self._snapshots.buffer, self._snapshots.spare))
+
+    @property
+    def host_pinned(self) -> bool:
+        """Whether the host buffer is pinned (page-locked) memory, as it is when CUDA is available."""
+        buf = self._snapshots.buffer
+        return buf is not None and buf.pinned
 
     def save(self, step: int, state: dict[str, Any], *, persist: bool | None = None) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and write it in the background; returns once every

@@ -30,7 +30,7 @@ from .reader import Reader
 from .reader.collect import GcReport
 from .reader.listing import local_tiers, ls
 from .reader.verify import VerifyResult
-from .structure import preview
+from .tree import preview
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
 

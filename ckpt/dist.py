@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from . import structure as st
+from . import tree as st
 from .errors import DistributedSaveError, StateMismatchError
+from .flatten import Flat
 from .format.boxes import Box, intersect, volume
-from .state import Flat
 
 _instances: dict[int, tuple[Any, itertools.count]] = {}
 KEEP_SEQS = 16  # store keys of the last few saves are kept (slow ranks may still read them)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import events
-from . import structure as st
+from . import tree as st
 from ._tasks import run_all
 from .commit import LocalCommits
 from .dist import Comm
@@ -41,15 +41,15 @@ from .errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
+from .flatten import apply, flatten
 from .format import chains, paths
 from .format import manifest as mf
 from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
 from .format.chunk import HEADER_SIZE, check_header, parse_header, verify, verify_object
 from .format.planes import trim_scratch
 from .sharding import is_dtensor
-from .state import apply, flatten
 from .storage import Storage
-from .structure import DTYPES
+from .tree import DTYPES
 
 log = logging.getLogger("ckpt")
 

@@ -1,27 +1,210 @@
-"""A Checkpointer's options: one record, validated once, before anything is opened or written.
+"""A Checkpointer's options: records, each option declared once with its default and its check.
 
-:class:`Options` is what ``Checkpointer(path, **options)`` accepts; the Lightning callback and IO
-plugin build one from their own arguments too, so a bad option fails when the callback is created,
-with the same message.
+Every option is a field of one of the small frozen records below, grouped as a user thinks of them
+(what is kept, how chunks are encoded, when to save, ...); :class:`Options` is all of them at once,
+so ``options.keep_last`` reads as before and ``options.retention`` gives the group. A field's check
+sits next to its default (``_option(default, check)``) and runs in ``__post_init__``, so a bad value
+fails when the record is made, with a :class:`~ckpt.errors.ConfigError` naming the option.
+
+``Checkpointer(path, **options)``, :meth:`Options.build` and the Lightning callback and IO plugin all
+take the same keyword names, the fields of :class:`Options`; :class:`OptionArgs` is their typing for
+``**options``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 
 from .encode import CodecSpec
 from .errors import ConfigError
 from .redundancy_config import Parity, Replicas
 from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, parse_every, parse_signals, positive
 
+if TYPE_CHECKING:
+    from .storage.base import Storage
+    from .storage.tiered import TieredStorage
+
 MiB = 1 << 20
+T = TypeVar("T")
+Check = Callable[[str, Any], Any]  # (option name, value as given) -> value as kept, or ConfigError
+
+
+# -- the checks: each returns the value as kept, or raises ConfigError naming the option ------------------
+
+def _flag(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):  # "no" and 0 are not False: say so instead of guessing
+        raise ConfigError(f"{name} must be True or False, got {v!r}")
+    return v
+
+
+def _count(name: str, v: Any) -> int | None:
+    if v is not None and (type(v) is not int or v < 1):
+        raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
+    return v
+
+
+def _int_in(lo: int, hi: int, what: str) -> Check:
+    def check(name: str, v: Any) -> int:
+        if type(v) is not int or not lo <= v <= hi:
+            raise ConfigError(f"{name} must be an integer {what}, got {v!r}")
+        return v
+    return check
+
+
+def _number_in(lo: float, hi: float, what: str) -> Check:
+    def check(name: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise ConfigError(f"{name} must be a number {what}, got {v!r}")
+        return float(v)
+    return check
+
+
+def _one_of(*allowed: Any) -> Check:
+    def check(name: str, v: Any) -> Any:
+        if not any(v is a or (isinstance(a, str) and v == a) for a in allowed):  # True, not 1
+            raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {v!r}")
+        return v
+    return check
+
+
+def _codec(name: str, v: Any) -> CodecSpec:
+    if isinstance(v, CodecSpec):
+        return v
+    if not isinstance(v, str):
+        raise ConfigError(f"{name} must be a string such as 'auto' or 'zstd:3', got {v!r}")
+    return CodecSpec.parse(v)
+
+
+def _directory(name: str, v: Any) -> str | None:
+    if v is not None and not isinstance(v, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be a local directory path, got {v!r}")
+    return None if v is None else os.fspath(v)
+
+
+def _mapping(name: str, v: Any) -> dict[str, Any] | None:
+    if v is not None and not isinstance(v, dict):
+        raise ConfigError(f"{name} must be a dict, got {type(v).__name__}")
+    return v
+
+
+def _seconds(name: str, v: Any) -> float:
+    return positive(f"{name} (seconds)", v)
+
+
+def _share(name: str, v: Any) -> float:
+    return positive(name, v, upper=1.0)
+
+
+def _redundancy(name: str, v: Any) -> Replicas | Parity | None:
+    if v is not None and not isinstance(v, (Replicas, Parity)):
+        raise ConfigError(f"{name} must be ckpt.Replicas(r) or ckpt.Parity(data=k, parity=m), got {v!r}")
+    return v
+
+
+def _domain(name: str, v: Any) -> str | None:
+    if v is not None and (not isinstance(v, str) or not v):
+        raise ConfigError(f"{name} must be a non-empty string (e.g. the node's name), got {v!r}")
+    return v
+
+
+def _option(default: T, check: Check) -> T:
+    """A field with its default and its check, declared together."""
+    return field(default=default, metadata={"check": check})
 
 
 @dataclass(frozen=True)
-class Options:
+class _Record:
+    """Runs every field's check once, when the record is made, and keeps the value it returns."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check = f.metadata.get("check")
+            if check is not None:
+                object.__setattr__(self, f.name, check(f.name, getattr(self, f.name)))
+
+
+# -- the groups -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RetentionOptions(_Record):
+    """Which committed steps are kept: ``keep_last``, ``keep_every`` (the checkpoint path) and ``keep_local``
+    (each node's local tier)."""
+
+    keep_last: int | None = _option(None, _count)
+    keep_every: int | None = _option(None, _count)
+    keep_local: int = _option(2, _int_in(1, 1 << 30, "of at least 1 (steps each local tier keeps)"))
+
+
+@dataclass(frozen=True)
+class EncodingOptions(_Record):
+    """How the host buffer becomes stored chunks: ``codec``, ``chunk_size``, ``delta_chain``, ``delta_budget``."""
+
+    codec: CodecSpec = _option(CodecSpec(), _codec)
+    chunk_size: int = _option(16 * MiB, _int_in(64 * 1024, 1 << 31, "between 64 KiB and 2 GiB"))
+    delta_chain: int = _option(8, _int_in(1, 64, "from 1 (no deltas) to 64"))
+    delta_budget: float = _option(1.3, _number_in(1.0, 64.0, "from 1 (no deltas on whole chunks that shrank "
+                                                  "little) to 64"))
+
+
+@dataclass(frozen=True)
+class ScheduleOptions(_Record):
+    """When to save: ``every``, ``preemption``, ``mtbf``, ``max_overhead``."""
+
+    every: int | float | str | None = _option(None, lambda _, v: parse_every(v))  # steps, seconds or "auto"
+    preemption: tuple[int, ...] = _option((), lambda _, v: parse_signals(v))  # signal numbers, once made
+    mtbf: float = _option(DEFAULT_MTBF, _seconds)
+    max_overhead: float = _option(DEFAULT_MAX_OVERHEAD, _share)
+
+
+@dataclass(frozen=True)
+class RedundancyOptions(_Record):
+    """Surviving node loss with local commits: ``redundancy``, ``persist_every``, ``failure_domain``."""
+
+    redundancy: Replicas | Parity | None = _option(None, _redundancy)
+    persist_every: int | None = _option(None, _count)
+    failure_domain: str | None = _option(None, _domain)
+
+
+@dataclass(frozen=True)
+class IOOptions(_Record):
+    """Where and how bytes move: ``local_dir``, ``storage_options``, ``io_threads``, ``timeout``."""
+
+    local_dir: str | None = _option(None, _directory)
+    storage_options: dict[str, Any] | None = _option(None, _mapping)
+    io_threads: int | None = _option(None, _count)
+    timeout: float = _option(600.0, _seconds)
+
+
+@dataclass(frozen=True)
+class SnapshotOptions(_Record):
+    """The copy into the host buffer: ``busy``, ``native``, ``snapshot_threads``, ``check_finite``."""
+
+    busy: Literal["wait", "skip"] = _option("wait", _one_of("wait", "skip"))
+    native: bool = _option(True, _flag)
+    snapshot_threads: int | None = _option(None, _count)
+    check_finite: bool | Literal["all"] = _option(True, _one_of(True, False, "all"))
+
+
+@dataclass(frozen=True)
+class ValueOptions(_Record):
+    """What a save may store and a load expects: ``allow_pickle``, ``strict``."""
+
+    allow_pickle: bool = _option(False, _flag)
+    strict: bool = _option(True, _flag)
+
+
+_GROUPS: tuple[type[_Record], ...] = (RetentionOptions, EncodingOptions, ScheduleOptions, RedundancyOptions,
+                                      IOOptions, SnapshotOptions, ValueOptions)
+G = TypeVar("G", bound=_Record)
+
+
+@dataclass(frozen=True)
+class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, ScheduleOptions, EncodingOptions,
+              RetentionOptions):
     """How a Checkpointer saves, loads and keeps checkpoints.
 
     keep_last: keep only the newest N committed steps (None keeps all). The step this run loaded
@@ -84,30 +267,12 @@ class Options:
         disk). ``keep_last`` bounds the checkpoint path's steps.
     """
 
-    keep_last: int | None = None
-    keep_every: int | None = None
-    local_dir: str | None = None
-    chunk_size: int = 16 * MiB
-    codec: CodecSpec = field(default_factory=CodecSpec)
-    delta_chain: int = 8
-    delta_budget: float = 1.3
-    busy: Literal["wait", "skip"] = "wait"
-    strict: bool = True
-    allow_pickle: bool = False
-    io_threads: int | None = None
-    storage_options: dict[str, Any] | None = None
-    timeout: float = 600.0
-    native: bool = True
-    snapshot_threads: int | None = None
-    check_finite: bool | Literal["all"] = True
-    every: int | float | str | None = None  # steps (int), seconds (float) or "auto", once built
-    preemption: tuple[int, ...] = ()  # signal numbers, once built
-    mtbf: float = DEFAULT_MTBF
-    max_overhead: float = DEFAULT_MAX_OVERHEAD
-    redundancy: Replicas | Parity | None = None
-    persist_every: int | None = None
-    failure_domain: str | None = None
-    keep_local: int = 2
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tiered_commits and self.local_dir is None:
+            what = "redundancy" if self.redundancy is not None else "persist_every"
+            raise ConfigError(f"{what} needs local_dir: every save commits to a local directory (NVMe) on each node, "
+                              "and only some are uploaded to the checkpoint path")
 
     @classmethod
     def build(cls, **options: Any) -> Options:
@@ -117,72 +282,11 @@ class Options:
             opts = ckpt.Options.build(keep_last=3, codec="zstd:3")     # ConfigError here if one is bad
             ckptr = ckpt.Checkpointer.from_options("runs/exp1", opts)
         """
-        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
         if unknown:
-            raise ConfigError(f"unknown option(s) {unknown}; the options are "
-                              f"{', '.join(f.name for f in dataclasses.fields(cls))}")
-        o = dict(options)
-        db = o.get("delta_budget", 1.3)
-        if isinstance(db, bool) or not isinstance(db, (int, float)) or not 1.0 <= db <= 64:
-            raise ConfigError(f"delta_budget must be a number from 1 (no deltas on whole chunks that shrank "
-                              f"little) to 64, got {db!r}")
-        o["delta_budget"] = float(db)
-        dc = o.get("delta_chain", 8)
-        if type(dc) is not int or not 1 <= dc <= 64:
-            raise ConfigError(f"delta_chain must be an integer from 1 (no deltas) to 64, got {dc!r}")
-        for name in ("keep_last", "keep_every", "io_threads", "snapshot_threads", "persist_every"):
-            v = o.get(name)
-            if v is not None and (type(v) is not int or v < 1):
-                raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
-        chunk = o.get("chunk_size", 16 * MiB)
-        if type(chunk) is not int or not (64 * 1024 <= chunk <= 1 << 31):
-            raise ConfigError(f"chunk_size must be an integer between 64 KiB and 2 GiB, got {chunk!r}")
-        if o.get("busy", "wait") not in ("wait", "skip"):
-            raise ConfigError(f"busy must be 'wait' or 'skip', got {o['busy']!r}")
-        timeout = o.get("timeout", 600.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        o["timeout"] = float(timeout)
-        codec = o.get("codec", "auto")
-        if not isinstance(codec, CodecSpec):
-            if not isinstance(codec, str):
-                raise ConfigError(f"codec must be a string such as 'auto' or 'zstd:3', got {codec!r}")
-            o["codec"] = CodecSpec.parse(codec)
-        local_dir = o.get("local_dir")
-        if local_dir is not None:
-            if not isinstance(local_dir, (str, os.PathLike)):
-                raise ConfigError(f"local_dir must be a local directory path, got {local_dir!r}")
-            o["local_dir"] = os.fspath(local_dir)
-        so = o.get("storage_options")
-        if so is not None and not isinstance(so, dict):
-            raise ConfigError(f"storage_options must be a dict, got {type(so).__name__}")
-        for name in ("strict", "allow_pickle", "native"):
-            if name in o:
-                o[name] = bool(o[name])
-        if o.get("check_finite", True) not in (True, False, "all"):
-            raise ConfigError(f"check_finite must be True, False or 'all', got {o['check_finite']!r}")
-        if "every" in o:
-            o["every"] = parse_every(o["every"])
-        if "preemption" in o:
-            o["preemption"] = parse_signals(o["preemption"])
-        if "mtbf" in o:
-            o["mtbf"] = positive("mtbf (seconds)", o["mtbf"])
-        if "max_overhead" in o:
-            o["max_overhead"] = positive("max_overhead", o["max_overhead"], upper=1.0)
-        red = o.get("redundancy")
-        if red is not None and not isinstance(red, (Replicas, Parity)):
-            raise ConfigError(f"redundancy must be ckpt.Replicas(r) or ckpt.Parity(data=k, parity=m), got {red!r}")
-        kl = o.get("keep_local", 2)
-        if type(kl) is not int or kl < 1:
-            raise ConfigError(f"keep_local must be a positive integer (steps each local tier keeps), got {kl!r}")
-        fd = o.get("failure_domain")
-        if fd is not None and (not isinstance(fd, str) or not fd):
-            raise ConfigError(f"failure_domain must be a non-empty string (e.g. the node's name), got {fd!r}")
-        if (red is not None or o.get("persist_every") is not None) and o.get("local_dir") is None:
-            what = "redundancy" if red is not None else "persist_every"
-            raise ConfigError(f"{what} needs local_dir: every save commits to a local directory (NVMe) on each node, "
-                              "and only some are uploaded to the checkpoint path")
-        return cls(**o)
+            raise ConfigError(f"unknown option(s) {unknown}; the options are {', '.join(names)}")
+        return cls(**options)
 
     def replace(self, **changes: Any) -> Options:
         """A copy with ``changes`` applied (and checked)."""
@@ -190,6 +294,44 @@ class Options:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def _group(self, kind: type[G]) -> G:
+        return kind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(kind)})
+
+    @property
+    def retention(self) -> RetentionOptions:
+        """``keep_last``, ``keep_every``, ``keep_local``."""
+        return self._group(RetentionOptions)
+
+    @property
+    def encoding(self) -> EncodingOptions:
+        """``codec``, ``chunk_size``, ``delta_chain``, ``delta_budget``."""
+        return self._group(EncodingOptions)
+
+    @property
+    def schedule(self) -> ScheduleOptions:
+        """``every``, ``preemption``, ``mtbf``, ``max_overhead``."""
+        return self._group(ScheduleOptions)
+
+    @property
+    def node_loss(self) -> RedundancyOptions:
+        """``redundancy``, ``persist_every``, ``failure_domain``."""
+        return self._group(RedundancyOptions)
+
+    @property
+    def io(self) -> IOOptions:
+        """``local_dir``, ``storage_options``, ``io_threads``, ``timeout``."""
+        return self._group(IOOptions)
+
+    @property
+    def snapshot(self) -> SnapshotOptions:
+        """``busy``, ``native``, ``snapshot_threads``, ``check_finite``."""
+        return self._group(SnapshotOptions)
+
+    @property
+    def values(self) -> ValueOptions:
+        """``allow_pickle``, ``strict``."""
+        return self._group(ValueOptions)
 
     @property
     def tiered_commits(self) -> bool:
@@ -205,3 +347,43 @@ class Options:
     def threads(self) -> int:
         """I/O threads: ``io_threads``, else twice the cores within 8..16."""
         return self.io_threads or min(16, max(8, 2 * (os.cpu_count() or 2)))
+
+
+class OptionArgs(TypedDict, total=False):
+    """The keyword arguments of ``Checkpointer(path, **options)`` as a caller writes them (the fields of
+    :class:`Options`, before their checks normalise them); a test keeps the two lists equal."""
+
+    keep_last: int | None
+    keep_every: int | None
+    keep_local: int
+    codec: str | CodecSpec
+    chunk_size: int
+    delta_chain: int
+    delta_budget: float
+    every: int | float | str | None
+    preemption: bool | Sequence[int]
+    mtbf: float
+    max_overhead: float
+    redundancy: Replicas | Parity | None
+    persist_every: int | None
+    failure_domain: str | None
+    local_dir: str | os.PathLike | None
+    storage_options: dict[str, Any] | None
+    io_threads: int | None
+    timeout: float
+    busy: Literal["wait", "skip"]
+    native: bool
+    snapshot_threads: int | None
+    check_finite: bool | Literal["all"]
+    allow_pickle: bool
+    strict: bool
+
+
+def check_storage(storage: Storage | TieredStorage | None, options: Options) -> None:
+    """``storage=`` replaces opening one from the path, so the options that say how to open it must not be given."""
+    if storage is None:
+        return
+    given = [name for name in ("local_dir", "storage_options") if getattr(options, name) is not None]
+    if given:
+        raise ConfigError(f"storage= is an opened storage; {' and '.join(given)} would open another: give one or "
+                          "the other")

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 
 from . import _ext
+from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native
 from .dist import Comm, Inventory
-from .layout import BufferLayout, TensorSlot, make_layout
-from .state import Flat, Leaf
-from .structure import dtype_name
+from .flatten import Flat, Leaf
+from .tree import dtype_name
 
 log = logging.getLogger("ckpt")
 

@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 
 from . import _ext
 from ._tasks import run_all
+from .buffer_layout import ChunkSlot
 from .encode import CodecSpec, Pace, encode
 from .errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from .format import manifest as mf
 from .format import paths
 from .format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
 from .handle import SaveMetrics
-from .layout import ChunkSlot
 from .lease import Leases
 from .snapshot import HostBuffer, Snapshot
 from .storage import Storage
-from .structure import dtype_name
+from .tree import dtype_name
 
 log = logging.getLogger("ckpt")
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ckpt.storage.local import LocalStorage
-from ckpt.testing import MotoS3, RcloneS3, storage_options
+from ckpt.testing import FaultyStorage, MotoS3, RcloneS3, storage_options
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -52,9 +52,32 @@ def ckdir(tmp_path):
     return str(tmp_path / "ck")
 
 
-class Gate:
-    """Holds every chunk write of LocalStorage until opened: lets a test act while a save is
-    provably still in flight, without sleeping."""
+class GatedDisk(FaultyStorage):
+    """LocalStorage at ``root`` whose chunk writes wait until :meth:`open`: hand it to the
+    Checkpointer (``storage=``) to act while a save is provably still in flight, without sleeping.
+    ``entered`` is set when the first chunk write waits."""
+
+    def __init__(self, root: str):
+        super().__init__(LocalStorage(root))
+        self.chunk_gate = self.gate("write", key=r"^chunks/")
+        self.entered = self.chunk_gate.entered
+
+    def open(self) -> None:
+        self.chunk_gate.open()
+
+
+@pytest.fixture
+def gate(ckdir):
+    """A :class:`GatedDisk` over ``ckdir``; opened at teardown, so a failed test leaves no writer waiting."""
+    g = GatedDisk(ckdir)
+    yield g
+    g.open()
+
+
+class ProcessWideGate:
+    """Holds every chunk write of every LocalStorage in the process until opened. Only for code that
+    opens its own storage and takes none (Lightning's CkptCheckpointIO, by path); elsewhere inject a
+    :class:`GatedDisk`."""
 
     def __init__(self, monkeypatch):
         self.open_event = threading.Event()
@@ -74,8 +97,8 @@ class Gate:
 
 
 @pytest.fixture
-def gate(monkeypatch):
-    g = Gate(monkeypatch)
+def process_wide_gate(monkeypatch):
+    g = ProcessWideGate(monkeypatch)
     yield g
     g.open()
 

@@ -21,7 +21,7 @@ def test_snapshot_is_the_state_at_save_time(ckdir, gate):
     state["big"] = torch.randn(512, 1024)
     want = clone_tensors(state["model"].state_dict()) | {"big": state["big"].clone()}
     want_opt = [t.clone() for s in state["optim"].state.values() for t in s.values()]
-    c = ckpt.Checkpointer(ckdir, chunk_size=256 * 1024)
+    c = ckpt.Checkpointer(ckdir, chunk_size=256 * 1024, storage=gate)
     h = c.save(3, state)
     assert gate.entered.wait(30)  # the writer is busy with chunks and held there
     assert not h.done()
@@ -47,7 +47,7 @@ def test_snapshot_is_the_state_at_save_time(ckdir, gate):
 
 def test_busy_skip_drops_the_save_and_says_so(ckdir, gate, caplog):
     state = {"w": torch.randn(1000)}
-    c = ckpt.Checkpointer(ckdir, busy="skip")
+    c = ckpt.Checkpointer(ckdir, busy="skip", storage=gate)
     h1 = c.save(1, state)
     assert gate.entered.wait(30)
     with caplog.at_level(logging.INFO, logger="ckpt"):
@@ -62,7 +62,7 @@ def test_busy_skip_drops_the_save_and_says_so(ckdir, gate, caplog):
 
 def test_busy_wait_blocks_until_the_buffer_is_free(ckdir, gate):
     state = {"w": torch.randn(1000)}
-    c = ckpt.Checkpointer(ckdir, busy="wait")
+    c = ckpt.Checkpointer(ckdir, busy="wait", storage=gate)
     h1 = c.save(1, state)
     assert gate.entered.wait(30)
     second: list = []
@@ -191,18 +191,20 @@ def test_plan_is_reused_and_rebuilt_when_the_structure_changes(ckdir):
     opt = torch.optim.Adam(model.parameters())
     state = {"model": model, "optim": opt}
     c = ckpt.Checkpointer(ckdir)
-    c.save(0, state).wait()  # before the first step the optimizer holds no tensors
-    buf0 = c._snapshots.buffer
-    c.save(1, state).wait()
-    # same structure: same layout; with deltas the two buffers take turns (the other keeps save 0)
-    assert c.layouts_made == 1 and c._snapshots.spare is buf0 and c._snapshots.buffer.layout is buf0.layout
-    c.save(2, state).wait()
-    assert c._snapshots.buffer is buf0 and c.layouts_made == 1
+    m0 = c.save(0, state).wait()  # before the first step the optimizer holds no tensors
+    assert c.layouts_made == 1 and c.host_buffers == 1
+    m1 = c.save(1, state).wait()
+    # same structure: same layout; with deltas a second buffer of that layout keeps save 0
+    assert c.layouts_made == 1 and c.host_buffers == 2 and m1.host_bytes == 2 * m0.host_bytes
+    m2 = c.save(2, state).wait()
+    # the two buffers take turns: no new layout, no third buffer
+    assert c.layouts_made == 1 and c.host_buffers == 2 and m2.host_bytes == m1.host_bytes
     model(torch.randn(4, 32)).sum().backward()
     opt.step()  # now exp_avg / exp_avg_sq / step exist: a new structure
     want = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
-    c.save(3, state).wait()
-    assert c.layouts_made == 2 and len(c._snapshots.buffer.layout.slots) > len(buf0.layout.slots)
+    m3 = c.save(3, state).wait()
+    # a new layout, bigger (it holds the optimizer's tensors too), in one buffer: the old pair was let go
+    assert c.layouts_made == 2 and c.host_buffers == 1 and m3.host_bytes > m0.host_bytes
     c.close()
     fresh_model = torch.nn.Linear(32, 32)
     fresh = {"model": fresh_model, "optim": torch.optim.Adam(fresh_model.parameters())}

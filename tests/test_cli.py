@@ -25,7 +25,7 @@ from ckpt.encode import CodecSpec, encode
 from ckpt.format import paths
 from ckpt.format.chunk import chunk_hash
 from ckpt.storage.local import LocalStorage
-from ckpt.testing import run_ranks
+from ckpt.testing import FaultyStorage, run_ranks
 
 KiB = 1024
 CHUNK = 64 * KiB
@@ -87,11 +87,11 @@ def test_ls_reports_sizes_new_bytes_incomplete_and_damaged_steps(ckdir, run, mon
         new_files = set(chunk_files(ckdir)) - before
         c.save(3, frozen_and_moving(3)).wait()
     # A save whose commit fails leaves its chunks and rank report behind: an incomplete step.
-    monkeypatch.setattr(LocalStorage, "commit", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+    disk = FaultyStorage(LocalStorage(ckdir))
+    disk.fail("commit", exc=OSError("disk gone"))
     with pytest.raises(ckpt.CheckpointError):
-        with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="raw") as c:
+        with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="raw", storage=disk) as c:
             c.save(4, frozen_and_moving(4)).wait()
-    monkeypatch.undo()
 
     rc, out, _ = run("ls", ckdir, "--json")
     assert rc == 0
@@ -355,16 +355,16 @@ def _orphan(root: str, seed: int) -> str:
     return paths.chunk_key(h)
 
 
-def make_garbage(root: str, monkeypatch) -> dict[str, set[str]]:
+def make_garbage(root: str) -> dict[str, set[str]]:
     """Steps 1-3 committed, then what crashes leave: a failed save (step 4: chunks and a rank file),
     temp files, stray chunks. Everything is aged 2 hours except one item of each kind."""
     states = save_steps(root)
     before = set(chunk_files(root))
-    monkeypatch.setattr(LocalStorage, "commit", lambda *a: (_ for _ in ()).throw(OSError("killed")))
+    disk = FaultyStorage(LocalStorage(root))
+    disk.fail("commit", exc=OSError("killed"))
     with pytest.raises(ckpt.CheckpointError):
-        with ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw") as c:
+        with ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw", storage=disk) as c:
             c.save(4, frozen_and_moving(4)).wait()
-    monkeypatch.undo()
     rel = lambda p: os.path.relpath(p, root)  # noqa: E731
     old = {"orphan": {rel(p) for p in set(chunk_files(root)) - before} | {_orphan(root, 1)},
            "incomplete": {paths.step_dir(4)}, "temp": set()}
@@ -391,7 +391,7 @@ def make_garbage(root: str, monkeypatch) -> dict[str, set[str]]:
 
 
 def test_gc_removes_only_old_garbage_and_every_committed_step_still_loads(ckdir, run, monkeypatch):
-    g = make_garbage(ckdir, monkeypatch)
+    g = make_garbage(ckdir)
     every_file = lambda: sorted(os.path.relpath(os.path.join(d, f), ckdir)  # noqa: E731
                                 for d, _, fs in os.walk(ckdir) for f in fs)
     files = every_file()
@@ -432,7 +432,7 @@ class Killed(BaseException):
 
 
 def test_gc_killed_at_any_point_leaves_every_committed_step_loadable(ckdir, tmp_path, monkeypatch):
-    g = make_garbage(ckdir, monkeypatch)
+    g = make_garbage(ckdir)
     real_delete = LocalStorage.delete
     calls = {"n": 0, "limit": 10**9}
 

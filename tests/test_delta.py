@@ -68,8 +68,8 @@ def test_sparse_and_frozen_state_is_stored_as_small_deltas_in_bounded_chains(tmp
         for s, state in training(10):
             written[s] = c.save(s, state).wait()
             states[s] = state
-        assert c._snapshots.spare is not None  # the previous save stays in the second buffer
-        assert written[9].host_bytes == 2 * c._snapshots.buffer.nbytes and written[0].host_bytes < written[9].host_bytes
+        assert c.host_buffers == 2  # the previous save stays in the second buffer
+        assert written[9].host_bytes == 2 * written[0].host_bytes  # as large as the first
     first = written[0].written_bytes
     longest, whole_again, prev = 0, 0, set()
     for s in range(1, 10):
@@ -123,7 +123,7 @@ def test_deltas_off_with_delta_chain_1_or_another_codec(tmp_path):
         with ckpt.Checkpointer(root, chunk_size=CHUNK, **kw) as c:
             for s, state in training(3):
                 c.save(s, state).wait()
-            assert c._snapshots.spare is None  # one host buffer
+            assert c.host_buffers == 1
         m = ckpt.Checkpointer(root).manifest(2)
         assert all(i.base is None and i.codec != "xor/1" for i in m.chunks.values()), kw
         assert m.format_version == (4 if kw.get("codec") in (None, "grouped", "smallest") else 1), kw
@@ -360,19 +360,19 @@ def test_auto_stores_raw_where_raw_saves_are_measured_faster():
     assert pace.mode() == "encode"
 
 
-def test_a_checkpointer_probes_raw_only_where_encoding_held_saves_up(tmp_path):
+def test_a_checkpointer_probes_raw_only_where_encoding_held_saves_up(tmp_path, monkeypatch):
     root = str(tmp_path / "ck")
-    with ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
-        c._writer.pace.MIN_SECONDS = 0.0  # these saves are small: judge them anyway
-        c._writer.pace.CPU_BOUND = 0.0  # and as if encoding had kept every core busy
+    with monkeypatch.context() as m, ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
+        m.setattr(Pace, "MIN_SECONDS", 0.0)  # these saves are small: judge them anyway
+        m.setattr(Pace, "CPU_BOUND", 0.0)  # and as if encoding had kept every core busy
         for s, state in training(4):
             c.save(s, state).wait()
         codecs = [{i.codec for h, i in c.manifest(s).chunks.items() if h in data_chunks(c.manifest(s), "dense")}
                   for s in range(4)]
     assert codecs[2] == {"raw/1"} and "raw/1" not in codecs[1]  # save 2 probed raw
     root = str(tmp_path / "ck2")
-    with ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
-        c._writer.pace.MIN_SECONDS = 3600.0  # no save here holds anything up for an hour: no probe
+    with monkeypatch.context() as m, ckpt.Checkpointer(root, chunk_size=CHUNK) as c:
+        m.setattr(Pace, "MIN_SECONDS", 3600.0)  # no save here holds anything up for an hour: no probe
         for s, state in training(4):
             c.save(s, state).wait()
         assert all("raw/1" not in {c.manifest(s).chunks[h].codec for h in data_chunks(c.manifest(s), "dense")}
@@ -463,7 +463,7 @@ def test_ranks_that_stored_the_same_chunk_differently_commit_what_stayed(tmp_pat
     stored = storage.write(paths.chunk_key(h), kept[1])
     other = mf.ChunkInfo(len(raw), stored + 1000, "planes/1")  # what the other rank wrote before it
     entries = (other, mf.ChunkInfo(len(raw), stored, "planes/1"))
-    parts = [mf.Manifest(step=1, kind="rank", rank=r, structure=ckpt.structure.dict_node([], []), tensors=[],
+    parts = [mf.Manifest(step=1, kind="rank", rank=r, structure=ckpt.tree.dict_node([], []), tensors=[],
                          chunks={h: info}) for r, info in enumerate(entries)]
     with ThreadPoolExecutor(2) as io:
         m = Writer(storage, CodecSpec("auto"), io).commit(1, parts, frozenset())

@@ -112,7 +112,7 @@ def expected_chunks(m: mf.Manifest, world: int, rank: int, src_rank: int) -> set
             dbox = box_of(name, world, rank)
         else:
             dbox = ((0,) * len(e.shape), tuple(e.shape))
-        item = ckpt.structure.DTYPES[e.dtype].itemsize
+        item = ckpt.tree.DTYPES[e.dtype].itemsize
         for s in e.shards:
             mask = np.zeros(s.lengths, dtype=bool)
             sl = []

@@ -12,6 +12,8 @@ from conftest import chunk_files, make_state
 
 import ckpt
 from ckpt.format import paths
+from ckpt.storage.local import LocalStorage
+from ckpt.testing import FaultyStorage
 
 
 def _save_steps(ckdir, steps=(1, 2), **kw):
@@ -249,49 +251,39 @@ def test_storage_failure_reaches_handle_and_close(tmp_path):
     del err
 
 
-def test_close_raises_a_failure_nobody_looked_at(tmp_path, monkeypatch):
-    from ckpt.storage.local import LocalStorage
-    original = LocalStorage.write
-
-    def failing_once(self, key, buffers):
-        if key.startswith("chunks/") and not getattr(failing_once, "done", False):
-            failing_once.done = True
-            raise ckpt.StorageError("injected write failure")
-        return original(self, key, buffers)
-
-    monkeypatch.setattr(LocalStorage, "write", failing_once)
-    c = ckpt.Checkpointer(str(tmp_path / "ck"))
-    c.save(1, {"w": torch.ones(10)})
-    c._wait_pending()  # let save 1 finish (and fail) without looking at its error
+def test_close_raises_a_failure_nobody_looked_at(tmp_path):
+    disk = FaultyStorage(LocalStorage(tmp_path / "ck"))
+    disk.fail("write", key=r"^chunks/", nth=1)
+    c = ckpt.Checkpointer(str(tmp_path / "ck"), storage=disk)
+    c.save(1, {"w": torch.ones(10)}).settle()  # let save 1 finish (and fail) without looking at its error
     c.save(2, {"w": torch.ones(10) * 2})  # a later save must not swallow the earlier failure
     with pytest.raises(ckpt.StorageError, match="injected"):
         c.close()
     assert ckpt.Checkpointer(str(tmp_path / "ck")).steps() == [2]
 
 
-def test_a_failed_save_does_not_block_the_next(tmp_path, monkeypatch):
-    from ckpt.storage.local import LocalStorage
-    calls = {"n": 0}
-    original = LocalStorage.write
-
-    def flaky(self, key, buffers):
-        if key.startswith("chunks/") and calls["n"] == 0:
-            calls["n"] += 1
-            raise ckpt.StorageError("injected write failure")
-        return original(self, key, buffers)
-
-    monkeypatch.setattr(LocalStorage, "write", flaky)
-    c = ckpt.Checkpointer(str(tmp_path / "ck"))
+def test_a_failed_save_does_not_block_the_next(tmp_path):
+    disk = FaultyStorage(LocalStorage(tmp_path / "ck"))
+    disk.fail("write", key=r"^chunks/", nth=1)
+    c = ckpt.Checkpointer(str(tmp_path / "ck"), storage=disk)
     h1 = c.save(1, {"w": torch.ones(10)})
     with pytest.raises(ckpt.StorageError, match="injected"):
         h1.wait()
     h2 = c.save(2, {"w": torch.ones(10)})
     h2.wait()
     assert c.steps() == [2]
+    assert disk.failed["write"] == 1
     c.save(1, {"w": torch.ones(10) * 3}).wait()  # the failed step can be retried under its own number
     assert c.steps() == [1, 2]
     c.close()
     assert chunk_files(str(tmp_path / "ck"))
+
+
+def test_storage_is_injected_instead_of_opened(tmp_path):
+    with pytest.raises(ckpt.ConfigError, match="local_dir"):
+        ckpt.Checkpointer(str(tmp_path), storage=LocalStorage(tmp_path), local_dir=str(tmp_path / "nvme"))
+    with pytest.raises(ckpt.ConfigError, match="storage_options"):
+        ckpt.Checkpointer(str(tmp_path), storage=LocalStorage(tmp_path), storage_options={})
 
 
 def test_chunk_directory_removed_between_saves(ckdir):

@@ -12,8 +12,8 @@ import xxhash
 
 import ckpt
 from ckpt import _ext
+from ckpt.buffer_layout import make_layout
 from ckpt.format.chunk import chunk_hash
-from ckpt.layout import make_layout
 from ckpt.snapshot import HostBuffer
 
 core = _ext.cpu()

@@ -7,7 +7,7 @@ import torch
 
 import ckpt
 from ckpt import _ext, cuda_snapshot
-from ckpt.layout import make_layout
+from ckpt.buffer_layout import make_layout
 from ckpt.snapshot import HostBuffer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -36,7 +36,7 @@ def test_optimizer_step_right_after_save_does_not_reach_the_snapshot(ckdir):
     opt.step()  # queued at once, no host sync: the pre-step hook orders it after the copy on the device
     model(torch.randn(32, 256, device="cuda"))  # forward in train mode updates BatchNorm stats in place
     h.wait()
-    assert c._snapshots.buffer.pinned
+    assert c.host_pinned
     after = {k: v.cpu() for k, v in model.state_dict().items()}
     assert any(not torch.equal(after[k], want_model[k]) for k in after)  # the step did change things
     c.close()

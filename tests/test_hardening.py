@@ -21,6 +21,7 @@ import ckpt
 from ckpt.format import paths
 from ckpt.format.chunk import HEADER, MAGIC, NO_BASE, chunk_hash, decode
 from ckpt.storage.local import LocalStorage
+from ckpt.testing import FaultyStorage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHUNK = 64 * 1024
@@ -45,41 +46,47 @@ def flip(path: str, at: int = 100) -> None:
 
 # -- 1. a failed or interrupted load leaves no read running ------------------------------------------------
 
-class ReadWatch:
-    """Counts chunk reads that start after ``load`` has returned (they would write into the state).
-    Every read but the first waits for ``hold`` (or 2 s) first, so reads are still queued when the
-    load fails or is interrupted: a load that leaves them running is caught every time."""
+class ReadWatch(LocalStorage):
+    """LocalStorage that counts chunk reads starting after ``load`` has returned (they would write into
+    the state); hand it to the loading Checkpointer. Every read but the first waits for ``hold`` (or
+    2 s) first, so reads are still queued when the load fails or is interrupted: a load that leaves
+    them running is caught every time."""
 
-    def __init__(self, monkeypatch, hold: threading.Event):
+    def __init__(self, root: str, hold: threading.Event):
+        super().__init__(root)
+        self.hold = hold
         self.returned = threading.Event()
         self.late = 0
         self.first = threading.Event()
-        self._lock = threading.Lock()
-        for name in ("readv", "read_object"):
-            original = getattr(LocalStorage, name)
+        self.watch_lock = threading.Lock()
 
-            def watched(storage, key, *a, _original=original, **kw):
-                if key.startswith("chunks/"):
-                    with self._lock:
-                        late = self.returned.is_set()
-                        self.late += late
-                        first = not self.first.is_set()
-                        self.first.set()
-                    if not first and not late:
-                        hold.wait(2)  # bounded: a fixed load waits for this read, a broken one has returned
-                return _original(storage, key, *a, **kw)
+    def watch(self, key: str) -> None:
+        if key.startswith("chunks/"):
+            with self.watch_lock:
+                late = self.returned.is_set()
+                self.late += late
+                first = not self.first.is_set()
+                self.first.set()
+            if not first and not late:
+                self.hold.wait(2)  # bounded: a fixed load waits for this read, a broken one has returned
 
-            monkeypatch.setattr(LocalStorage, name, watched)
+    def readv(self, key, buffers, offset=0):
+        self.watch(key)
+        return super().readv(key, buffers, offset)
+
+    def read_object(self, key, limit):
+        self.watch(key)
+        return super().read_object(key, limit)
 
 
-def test_a_failed_load_finishes_or_cancels_every_read_before_it_returns(ckdir, monkeypatch):
+def test_a_failed_load_finishes_or_cancels_every_read_before_it_returns(ckdir):
     with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="raw") as c:
         c.save(1, many_chunks(1)).wait()
         order = [g.chunk for g in tensor_entry(c.manifest(1), "w").shards[0].segments]
     flip(os.path.join(ckdir, "chunks", order[0][:2], order[0]))  # the first chunk read fails
     hold = threading.Event()
-    watch = ReadWatch(monkeypatch, hold)
-    c = ckpt.Checkpointer(ckdir, io_threads=2)
+    watch = ReadWatch(ckdir, hold)
+    c = ckpt.Checkpointer(ckdir, io_threads=2, storage=watch)
     with pytest.raises(ckpt.CorruptCheckpointError):
         c.load(1, blank())
     watch.returned.set()
@@ -88,7 +95,7 @@ def test_a_failed_load_finishes_or_cancels_every_read_before_it_returns(ckdir, m
     assert watch.late == 0
 
 
-def test_an_interrupted_load_stops_its_reads_before_the_interrupt_propagates(ckdir, monkeypatch):
+def test_an_interrupted_load_stops_its_reads_before_the_interrupt_propagates(ckdir):
     with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="raw") as c:
         c.save(1, many_chunks(1))
     interrupted = threading.Event()
@@ -99,8 +106,8 @@ def test_an_interrupted_load_stops_its_reads_before_the_interrupt_propagates(ckd
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        watch = ReadWatch(monkeypatch, interrupted)
-        c = ckpt.Checkpointer(ckdir, io_threads=2)
+        watch = ReadWatch(ckdir, interrupted)
+        c = ckpt.Checkpointer(ckdir, io_threads=2, storage=watch)
 
         def interrupt():  # a real SIGINT to this process once the first read is under way
             assert watch.first.wait(30)
@@ -176,6 +183,10 @@ def _mangle(doc: dict, how: str) -> bytes:
         doc["structure"]["v"][0] = {"t": "tensor"}
     elif how == "unknown node":
         doc["structure"]["v"][1] = {"t": "frobnicate", "v": 1}
+    elif how == "key of a list kind":  # an unhashable kind where a dict key's kind is looked up
+        doc["structure"]["v"][1] = {"t": "dict", "k": [{"t": [1]}], "v": [3]}
+    elif how == "dtype is a list":  # an unhashable dtype name where the known dtypes are looked up
+        doc["structure"]["v"][1] = {"t": "dtype", "v": ["float32"]}
     elif how == "owner is a list":
         doc["tensors"][0]["rank"] = [0]
     elif how == "deep structure":
@@ -187,8 +198,8 @@ def _mangle(doc: dict, how: str) -> bytes:
 
 
 @pytest.mark.parametrize("how", ["deep", "huge number", "created 400 digits", "created NaN", "segments not a list",
-                                 "unhashable key", "node without key", "unknown node", "owner is a list",
-                                 "deep structure"])
+                                 "unhashable key", "node without key", "unknown node", "key of a list kind",
+                                 "dtype is a list", "owner is a list", "deep structure"])
 def test_malformed_manifests_are_corrupt_and_fallback_passes_them(ckdir, how, capsys):
     from ckpt import cli
 
@@ -420,29 +431,24 @@ def test_numpy_values_of_every_kind_round_trip_or_are_refused(ckdir):
 
 # -- 14. a failed save removes what it alone wrote -------------------------------------------------------------
 
-def test_a_save_that_fills_the_disk_removes_what_it_wrote(ckdir, monkeypatch):
+def test_a_save_that_fills_the_disk_removes_what_it_wrote(ckdir):
     import errno
 
     with ckpt.Checkpointer(ckdir, chunk_size=CHUNK) as c:
         c.save(1, many_chunks(1, n=8))
     kept = set(chunk_files(ckdir))
-    original = LocalStorage.write
-    written = {"n": 0}
+    def no_space(op: str, key: str) -> BaseException:  # what LocalStorage raises on a full disk
+        err = ckpt.StorageError("writing failed: [Errno 28] No space left on device")
+        err.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+        return err
 
-    def disk_fills(self, key, buffers):
-        if key.startswith("chunks/"):
-            written["n"] += 1
-            if written["n"] > 5:  # the disk is full after five new chunks
-                raise ckpt.StorageError("writing failed: [Errno 28] No space left on device") from OSError(
-                    errno.ENOSPC, "No space left on device")
-        return original(self, key, buffers)
-
-    monkeypatch.setattr(LocalStorage, "write", disk_fills)
-    c = ckpt.Checkpointer(ckdir, chunk_size=CHUNK, io_threads=1)
+    disk = FaultyStorage(LocalStorage(ckdir))
+    full = disk.fail("write", key=r"^chunks/", after=5, exc=no_space)  # the disk is full after five new chunks
+    c = ckpt.Checkpointer(ckdir, chunk_size=CHUNK, io_threads=1, storage=disk)
     with pytest.raises(ckpt.StorageError, match="No space"):
         c.save(2, many_chunks(2, n=16)).wait()
     c.close()
-    assert written["n"] > 5 and set(chunk_files(ckdir)) == kept
+    assert full.matched > 5 and set(chunk_files(ckdir)) == kept
     assert ckpt.Checkpointer(ckdir).steps() == [1]
 
 

@@ -214,7 +214,8 @@ def test_model_checkpoint_top_k_as_with_lightnings_io(tmp_path):
     assert load_checkpoint(last)["global_step"] == 16
 
 
-def test_remove_waits_for_the_save_still_being_written(tmp_path, gate):
+def test_remove_waits_for_the_save_still_being_written(tmp_path, process_wide_gate):
+    gate = process_wide_gate  # CkptCheckpointIO opens its storage by path: none to inject
     io = CkptCheckpointIO()
     path = str(tmp_path / "epoch=0-step=2.ckpt")
     state = {"state_dict": {"w": torch.randn(256, 256)}, "global_step": 2}

@@ -23,7 +23,7 @@ def cli_json(capsys, *args) -> tuple[int, dict]:
 
 
 def test_ls_inspect_verify_diff_gc_results_are_the_cli_documents(ckdir, tmp_path, capsys, monkeypatch):
-    make_garbage(ckdir, monkeypatch)  # steps 1-3, an incomplete step, orphans, temp files
+    make_garbage(ckdir)  # steps 1-3, an incomplete step, orphans, temp files
     local = str(tmp_path / "node0")
     save_steps(local, steps=(2, 3, 4))  # a node's tier: one step only it holds
     with ckpt.open(ckdir) as r:

@@ -19,9 +19,10 @@ from conftest import BUCKET, MiB, fast, s3_url
 
 import ckpt
 from ckpt.format import paths
-from ckpt.storage import open_storage
-from ckpt.storage.s3 import S3Storage
-from ckpt.testing import FaultProxy, RcloneS3
+from ckpt.format.chunk import verify_object
+from ckpt.storage import LocalStorage, open_storage
+from ckpt.storage.tiered import TieredStorage
+from ckpt.testing import FaultProxy, FaultyStorage, RcloneS3
 
 
 def state_of(n: int = 3_000_000, seed: int = 0) -> dict:
@@ -67,37 +68,31 @@ def test_save_load_on_s3(server, tmp_path, tiered):
         assert ckpt.Checkpointer(local).steps() == [1, 2]
 
 
-def test_commit_waits_for_uploads_and_stage_order(rclone_server, tmp_path, monkeypatch):
+def test_commit_waits_for_uploads_and_stage_order(rclone_server, tmp_path):
     """The manifest PUT comes after every chunk upload: while the uploads are held, the handle already
     reports 'local' and the step is not committed; once they go through, it commits.
 
     The uploads are held by a gate in this process, not by timing: checking "the manifest is not
-    there yet" against a stalled connection raced the commit (the stall could end first)."""
-    gate, entered = threading.Event(), threading.Event()
-    upload = S3Storage.write
-
-    def held(self, key, buffers):
-        if key.startswith("chunks/"):
-            entered.set()
-            assert gate.wait(60), "the gate never opened"
-        return upload(self, key, buffers)
-
-    monkeypatch.setattr(S3Storage, "write", held)
+    there yet" against a stalled connection raced the commit (the stall could end first). The gate sits
+    on the remote tier, so the tiers are built here (what local_dir= would build) and handed in."""
     url, so = s3_url(), fast(rclone_server.endpoint)
+    remote = FaultyStorage(open_storage(url, so))
+    gate = remote.gate("write", key=r"^chunks/")
+    tiers = TieredStorage(LocalStorage(str(tmp_path / "nvme")), remote, verify=verify_object)
     direct = open_storage(url, so)
     try:
-        with ckpt.Checkpointer(url, local_dir=str(tmp_path / "nvme"), storage_options=so, chunk_size=1 * MiB) as c:
+        with ckpt.Checkpointer(url, storage=tiers, chunk_size=1 * MiB) as c:
             h = c.save(1, state_of(1_000_000))
             h.wait("local")
-            assert entered.wait(60)  # an upload is under way, and held
+            assert gate.entered.wait(60)  # an upload is under way, and held
             assert h.stage == "local" and not h.done()
             assert not direct.exists(paths.manifest_key(1))
-            gate.set()
+            gate.open()
             h.wait()
             assert h.stage == "committed" and direct.exists(paths.manifest_key(1))
             assert h.metrics.local_s < h.metrics.duration_s
     finally:
-        gate.set()
+        gate.open()
         direct.close()
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.state import flatten
-from ckpt.structure import rebuild
+from ckpt.flatten import flatten
+from ckpt.tree import rebuild
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.uint8]
 

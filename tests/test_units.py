@@ -4,23 +4,28 @@ force), retention rules, options, and the records ranks exchange."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import os
+import re
+
 import numpy as np
 import pytest
 import torch
 
 import ckpt
 from ckpt import CorruptCheckpointError, IncompatibleFormatError
-from ckpt import structure as st
+from ckpt import tree as st
+from ckpt.buffer_layout import ALIGN, make_layout
 from ckpt.commit import Decision, Report, Status
 from ckpt.dist import Inventory, InventoryRow, LocalComm, WriteAssignment
 from ckpt.encode import CodecSpec, encode
+from ckpt.flatten import flatten
 from ckpt.format import manifest as mf
 from ckpt.format.boxes import contiguous_run, next_needed
 from ckpt.format.chunk import chunk_hash, decode, verify, verify_object
-from ckpt.layout import ALIGN, make_layout
-from ckpt.options import Options
+from ckpt.options import OptionArgs, Options, RetentionOptions
 from ckpt.retention import to_delete
-from ckpt.state import flatten
 
 
 def _tensors(sizes):
@@ -233,6 +238,55 @@ def test_options_are_checked_once_and_normalised():
                        ({"local_dir": 3}, "local_dir"), ({"snapshot_threads": 0}, "snapshot_threads")]:
         with pytest.raises(ckpt.ConfigError, match=match):
             Options.build(**bad)
+
+
+
+def test_every_option_is_type_checked_where_it_is_declared():
+    for bad in [{"allow_pickle": "no"}, {"strict": 1}, {"native": None}, {"check_finite": 1}, {"keep_local": 0},
+                {"delta_chain": 2.0}, {"failure_domain": ""}, {"redundancy": 2}, {"mtbf": True}]:
+        with pytest.raises(ckpt.ConfigError, match=next(iter(bad))):
+            Options.build(**bad)
+    with pytest.raises(ckpt.ConfigError, match="persist_every needs local_dir"):
+        Options(persist_every=2)  # the record itself checks, not only build()
+    o = Options.build(keep_last=3, delta_chain=4, every="90s")
+    assert o.retention == RetentionOptions(keep_last=3) and o.encoding.delta_chain == 4 and o.schedule.every == 90.0
+
+
+def test_the_keyword_typing_and_the_defaults_name_the_same_options():
+    fields = {f.name for f in dataclasses.fields(Options)}
+    assert set(OptionArgs.__annotations__) == fields
+    sig = inspect.signature(ckpt.Checkpointer.__init__)
+    assert {"storage", "process_group"} <= set(sig.parameters) and not fields & set(sig.parameters)
+
+
+def _option_table() -> tuple[str, set[str]]:
+    """The documented option table: the markdown table whose header starts ``| option`` and that names
+    ``keep_last`` (docs/api.md once it holds it, else README.md)."""
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    for doc in ("docs/api.md", "README.md"):
+        path = os.path.join(root, doc)
+        if not os.path.exists(path):
+            continue
+        tables, rows = [], None
+        for line in open(path, encoding="utf-8"):
+            if line.startswith("| option"):
+                rows = set()
+                tables.append(rows)
+            elif rows is not None and line.startswith("|"):
+                rows.update(re.findall(r"^\|\s*`([a-z_]+)`", line))
+            else:
+                rows = None
+        for names in tables:
+            if "keep_last" in names:
+                return doc, names
+    raise AssertionError("no option table (| option ...) naming keep_last in docs/api.md or README.md")
+
+
+def test_the_docs_option_table_names_every_option_and_no_other():
+    doc, documented = _option_table()
+    fields = {f.name for f in dataclasses.fields(Options)} | {"storage", "process_group"}
+    assert not fields - documented, f"{doc}'s option table lacks {sorted(fields - documented)}"
+    assert not documented - fields, f"{doc}'s option table names unknown options {sorted(documented - fields)}"
 
 
 # -- what ranks tell each other ----------------------------------------------------------------------------

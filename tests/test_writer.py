@@ -14,14 +14,15 @@ import ckpt
 from ckpt.commit import CommitProtocol
 from ckpt.dist import LocalComm
 from ckpt.encode import CodecSpec
+from ckpt.flatten import flatten
 from ckpt.format import manifest as mf
 from ckpt.format import paths
 from ckpt.format.chunk import decode
 from ckpt.handle import SaveMetrics
 from ckpt.lease import Leases
 from ckpt.snapshot import Snapshotter
-from ckpt.state import flatten
 from ckpt.storage import open_storage
+from ckpt.testing import FaultyStorage
 from ckpt.writer import SaveJob, Writer
 
 CHUNK = 64 * 1024
@@ -99,15 +100,12 @@ def test_settle_trusts_only_the_loaded_and_last_committed_chunks(io):
     assert set(w.known) == {"a" * 32} | set(p1.chunks)
 
 
-def test_a_storage_failure_releases_the_buffer_and_raises(io, monkeypatch):
-    storage = memory_storage()
+def test_a_storage_failure_releases_the_buffer_and_raises(io):
+    storage = FaultyStorage(memory_storage())
     w = Writer(storage, CodecSpec("raw"), io)
     snaps = Snapshotter(LocalComm(), CHUNK, native=False)
     job = job_for(snaps, 1, state_of(1))
-
-    def full(key, buffers):
-        raise ckpt.StorageError("disk full")
-    monkeypatch.setattr(storage, "write", full)
+    storage.fail("write", exc=ckpt.StorageError("disk full"))  # every write, from here on
     with pytest.raises(ckpt.StorageError, match="disk full"):
         w.write_part(job, 0)
     assert not job.snapshot.buffer.busy

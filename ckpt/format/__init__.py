@@ -9,6 +9,6 @@
 * :mod:`.chains`: reading chunks stored as deltas, link by link, every link verified;
 * :mod:`.boxes`: the box arithmetic of shards.
 
-It imports nothing of ckpt above ``storage.base``, ``errors``, the structure tree (``structure``)
+It imports nothing of ckpt above ``storage.base``, ``errors``, the structure tree (``tree``)
 and the optional compiled core (``_ext``). ``docs/format.md`` is its specification.
 """

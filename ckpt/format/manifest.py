@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import structure as st
+from .. import tree as st
 from .._version import __version__
 from ..errors import (
     CheckpointError,
@@ -26,7 +26,7 @@ from ..errors import (
     NotACheckpointError,
     StateMismatchError,
 )
-from ..structure import DTYPES
+from ..tree import DTYPES
 from .boxes import intersect, volume
 from .chunk import CODEC_VERSIONS, is_chunk_hash
 from .paths import STEP_DIR_RE, STEPS, manifest_key, rank_key

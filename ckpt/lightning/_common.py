@@ -8,10 +8,10 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError, UnsupportedValueError
+from ..flatten import RNGState
 from ..format import manifest as mf
 from ..format import paths
 from ..reader import open as open_reader
-from ..state import RNGState
 from ..storage import open_storage
 
 

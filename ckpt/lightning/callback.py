@@ -10,9 +10,9 @@ from typing import Any
 
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, ConfigError, StepExistsError, UnsupportedValueError
+from ..flatten import RNGState
 from ..handle import SaveHandle
 from ..options import Options
-from ..state import RNGState
 from ._common import KEY, PICKLE_HINT, CheckpointBase, CheckpointIOBase, load_kwargs, locate, log, pl, read
 from .io import CkptCheckpointIO
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .. import structure as st
+from .. import tree as st
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, NotACheckpointError
 from ..format import manifest as mf
 from ..format import paths

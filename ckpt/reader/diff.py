@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import structure as st
+from .. import tree as st
 from ..format import manifest as mf
 from .tensors import read_tensors
 

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ConfigError, StorageError, UnsupportedValueError
 from ..format import manifest as mf
-from ..structure import DTYPES, has_pickle, strip_pickles, value_nodes
+from ..tree import DTYPES, has_pickle, strip_pickles, value_nodes
 from .tensors import read_tensors
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from ..errors import CheckpointError, ConfigError
 from ..format import manifest as mf
 from ..format import paths
 from ..format.chunk import is_chunk_hash
-from ..structure import preview, strip_pickles, value_nodes
+from ..tree import preview, strip_pickles, value_nodes
 from .verify import Problem
 
 if TYPE_CHECKING:

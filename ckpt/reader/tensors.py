@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from .. import structure as st
+from .. import tree as st
 from ..format import manifest as mf
 from ..format.planes import trim_scratch
 from ..storage import Storage
-from ..structure import DTYPES
+from ..tree import DTYPES
 
 
 def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict: bool, allow_pickle: bool,

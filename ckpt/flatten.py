@@ -10,20 +10,21 @@ dicts, lists and tuples. :func:`flatten` walks it once and produces
 
 No node ever holds code: objects that are not plain values are refused unless the caller opts into
 pickle, and a pickle node is refused on load unless the loader opts in too. The node kinds, and
-turning nodes back into values, are :mod:`ckpt.structure`; :func:`apply` puts decoded values back
+turning nodes back into values, are :mod:`ckpt.tree`; :func:`apply` puts decoded values back
 into the caller's state.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import structure as st
+from . import tree as st
 from .errors import CheckpointError, ConfigError, StateMismatchError, UnsupportedValueError
 from .format.boxes import Box
 from .sharding import LocalShard, dtensor_box, is_dtensor
@@ -62,8 +63,17 @@ class Flat:
     leaves: dict[str, Leaf] = field(default_factory=dict)  # key -> its box in the global tensor
     targets: dict[str, Any] = field(default_factory=dict)  # key -> the object found (DTensor, LocalShard)
     statefuls: dict[str, Any] = field(default_factory=dict)  # key path -> object, for load
-    paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> its typed path (structure.path_component)
+    paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> its typed path (tree.path_component)
     per_rank: set[str] = field(default_factory=set)  # top-level keys holding per-rank state
+
+
+# Values stored by a node of their own with nothing under it: (the types it takes, its constructor).
+_VALUE_NODES: tuple[tuple[type | tuple[type, ...], Callable[[Any], dict]], ...] = (
+    (torch.Size, st.size_node),
+    (torch.dtype, st.dtype_node),
+    (torch.device, st.device_node),
+    ((bytes, bytearray), st.bytes_node),
+)
 
 
 class _Flattener:
@@ -99,20 +109,9 @@ class _Flattener:
         if isinstance(obj, np.generic) and not isinstance(obj, (np.bytes_, np.object_, np.void)):
             return self.npscalar(obj, path, tpath)
         if isinstance(obj, int):
-            if type(obj) is not int:
-                return self.other(obj, path)  # IntEnum etc. are objects
-            if obj.bit_length() > 14_000:  # JSON, like str(), refuses ints of more than 4300 digits
-                try:
-                    repr(obj)
-                except ValueError:
-                    raise UnsupportedValueError(
-                        f"{_where(path)}: an int of {obj.bit_length()} bits is too long to store as a number; "
-                        "store it as a string (str(x)) or bytes") from None
-            return obj
+            return self.integer(obj, path)
         if isinstance(obj, float):
-            if type(obj) is not float:
-                return self.other(obj, path)
-            return st.float_node(obj)
+            return st.float_node(obj) if type(obj) is float else self.other(obj, path)
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path, tpath, numpy=False)
         if isinstance(obj, LocalShard):
@@ -120,29 +119,47 @@ class _Flattener:
         if isinstance(obj, np.ndarray):
             return self.array(obj, path, tpath)
         if isinstance(obj, dict):
-            keys = list(obj.keys())
-            knodes = [self.node(k, path + ("<key>",), tpath + ("<key>",)) for k in keys]
-            return st.dict_node(knodes, [self.node(obj[k], path + (k,), tpath + (st.path_component(kn),))
-                                         for k, kn in zip(keys, knodes)])
-        if isinstance(obj, torch.Size):
-            return st.size_node(obj)
-        if isinstance(obj, tuple) and type(obj) is tuple:
-            return st.tuple_node([self.node(v, path + (i,), tpath + (st.path_component(i),))
-                                  for i, v in enumerate(obj)])
-        if isinstance(obj, list) and type(obj) is list:
-            return [self.node(v, path + (i,), tpath + (st.path_component(i),)) for i, v in enumerate(obj)]
-        if isinstance(obj, torch.dtype):
-            return st.dtype_node(obj)
-        if isinstance(obj, torch.device):
-            return st.device_node(obj)
-        if isinstance(obj, (bytes, bytearray)):
-            return st.bytes_node(obj)
+            return self.mapping(obj, path, tpath)
+        if type(obj) is tuple:  # exactly: a namedtuple is an object
+            return st.tuple_node(self.items(obj, path, tpath))
+        if type(obj) is list:
+            return self.items(obj, path, tpath)
+        for types, make in _VALUE_NODES:
+            if isinstance(obj, types):
+                return make(obj)
         if is_stateful(obj):
-            if getattr(obj, "ckpt_per_rank", False) and path:
-                self.flat.per_rank.add(path[0])
-            self.flat.statefuls["/".join(_component(p) for p in path)] = obj
-            return st.stateful_node(obj, self.node(obj.state_dict(), path, tpath))
+            return self.stateful(obj, path, tpath)
         return self.other(obj, path)
+
+    def integer(self, obj: int, path: tuple) -> Any:
+        if type(obj) is not int:
+            return self.other(obj, path)  # IntEnum etc. are objects
+        if obj.bit_length() > 14_000:  # JSON, like str(), refuses ints of more than 4300 digits
+            try:
+                repr(obj)
+            except ValueError:
+                raise UnsupportedValueError(
+                    f"{_where(path)}: an int of {obj.bit_length()} bits is too long to store as a number; "
+                    "store it as a string (str(x)) or bytes") from None
+        return obj
+
+    def mapping(self, obj: dict, path: tuple, tpath: tuple[str, ...]) -> dict:
+        """A dict node; its keys are nodes too, and each value's typed path holds its key's node."""
+        keys = list(obj.keys())
+        knodes = [self.node(k, path + ("<key>",), tpath + ("<key>",)) for k in keys]
+        return st.dict_node(knodes, [self.node(obj[k], path + (k,), tpath + (st.path_component(kn),))
+                                     for k, kn in zip(keys, knodes)])
+
+    def items(self, obj: list | tuple, path: tuple, tpath: tuple[str, ...]) -> list:
+        """The nodes of a list's or tuple's items, each at its index."""
+        return [self.node(v, path + (i,), tpath + (st.path_component(i),)) for i, v in enumerate(obj)]
+
+    def stateful(self, obj: Any, path: tuple, tpath: tuple[str, ...]) -> dict:
+        """An object with state_dict(): its state's node, and the object kept to load into."""
+        if getattr(obj, "ckpt_per_rank", False) and path:
+            self.flat.per_rank.add(path[0])
+        self.flat.statefuls["/".join(_component(p) for p in path)] = obj
+        return st.stateful_node(obj, self.node(obj.state_dict(), path, tpath))
 
     def npscalar(self, obj: np.generic, path: tuple, tpath: tuple[str, ...]) -> Any:
         value = obj.item()

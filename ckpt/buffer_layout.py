@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .structure import dtype_name
+from .tree import dtype_name
 
 ALIGN = 64
 
