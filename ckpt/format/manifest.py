@@ -30,6 +30,7 @@ from ..tree import DTYPES
 from .boxes import intersect, volume
 from .chunk import CODEC_VERSIONS, is_chunk_hash
 from .paths import STEP_DIR_RE, STEPS, manifest_key, rank_key
+from .tree_check import newest_feature, problem
 
 if TYPE_CHECKING:
     from ..storage.base import Storage
@@ -309,7 +310,7 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
                 len(boxes) > 512 or not any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])),
                 name, f"the shards of tensor {key!r} do not tile its shape {shape}")
         tensors.append(TensorEntry(key, t["dtype"], shape, shards, owner))
-    why = st.problem(structure, {t.key for t in tensors} if kind == "step" else None)
+    why = problem(structure, {t.key for t in tensors} if kind == "step" else None)
     _check(why is None, name, f"its structure holds {why}")
     return Manifest(step=doc["step"], kind=kind, structure=structure, tensors=tensors, chunks=chunks, world_size=world,
                     rank=rank, created=float(created), writer=writer, stats=stats, format_version=doc["format_version"])
@@ -383,7 +384,7 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
     # Version 1 readers load anything without per-rank parts (they refuse multi-shard tensors clearly).
     simple = all(t.rank is None for t in tensors) and not any(st.is_per_rank(v) for v in values)
     structure = st.dict_node(tops, values)
-    version = max(1 if simple else 2, st.newest_feature(structure),  # the lowest that holds it: older readers read it
+    version = max(1 if simple else 2, newest_feature(structure),  # the lowest that holds it: older readers read it
                   4 if any(c.codec.split("/")[0] in ("planes", "xor") for c in chunks.values()) else 1)
     return Manifest(step=step, kind="step", structure=structure, tensors=tensors,
                     chunks=chunks, world_size=len(parts), stats=stats, format_version=version)
