@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import uuid
 
 import pytest
@@ -70,35 +69,6 @@ class GatedDisk(FaultyStorage):
 def gate(ckdir):
     """A :class:`GatedDisk` over ``ckdir``; opened at teardown, so a failed test leaves no writer waiting."""
     g = GatedDisk(ckdir)
-    yield g
-    g.open()
-
-
-class ProcessWideGate:
-    """Holds every chunk write of every LocalStorage in the process until opened. Only for code that
-    opens its own storage and takes none (Lightning's CkptCheckpointIO, by path); elsewhere inject a
-    :class:`GatedDisk`."""
-
-    def __init__(self, monkeypatch):
-        self.open_event = threading.Event()
-        self.entered = threading.Event()
-        original = LocalStorage.write
-
-        def gated(storage, key, buffers):
-            if key.startswith("chunks/"):
-                self.entered.set()
-                assert self.open_event.wait(60), "gate never opened"
-            return original(storage, key, buffers)
-
-        monkeypatch.setattr(LocalStorage, "write", gated)
-
-    def open(self) -> None:
-        self.open_event.set()
-
-
-@pytest.fixture
-def process_wide_gate(monkeypatch):
-    g = ProcessWideGate(monkeypatch)
     yield g
     g.open()
 

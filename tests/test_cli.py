@@ -431,28 +431,26 @@ class Killed(BaseException):
     """A gc process dying: not an error anything in ckpt catches."""
 
 
-def test_gc_killed_at_any_point_leaves_every_committed_step_loadable(ckdir, tmp_path, monkeypatch):
+def test_gc_killed_at_any_point_leaves_every_committed_step_loadable(ckdir, tmp_path):
+    """What ``ckpt gc DIR --keep-last 2 --grace 0`` runs (``Reader.gc``, on a reader opened on a
+    faulty disk), killed before each of its deletions in turn."""
     g = make_garbage(ckdir)
-    real_delete = LocalStorage.delete
-    calls = {"n": 0, "limit": 10**9}
 
-    def dying_delete(self, key):
-        calls["n"] += 1
-        if calls["n"] > calls["limit"]:
-            raise Killed(f"killed before delete #{calls['n']}")
-        return real_delete(self, key)
-    monkeypatch.setattr(LocalStorage, "delete", dying_delete)
+    def gc(root: str, killed_after: int | None = None) -> FaultyStorage:
+        disk = FaultyStorage(LocalStorage(root))
+        if killed_after is not None:
+            disk.fail("delete", after=killed_after, exc=Killed)
+        ckpt.open(disk).gc(grace_s=0, keep_last=2, dry_run=False)  # a killed process closes nothing
+        return disk
+
     shutil.copytree(ckdir, str(tmp_path / "probe"))
-    cli.main(["gc", str(tmp_path / "probe"), "--keep-last", "2", "--grace", "0"])
-    total = calls["n"]
+    total = gc(str(tmp_path / "probe")).calls["delete"]
     assert total > 10
     for k in range(total):
         d = str(tmp_path / f"k{k}")
         shutil.copytree(ckdir, d)
-        calls.update(n=0, limit=k)
         with pytest.raises(Killed):
-            cli.main(["gc", d, "--keep-last", "2", "--grace", "0"])
-        calls["limit"] = 10**9
+            gc(d, killed_after=k)
         steps = ckpt.Checkpointer(d).steps()
         assert steps[-2:] == [2, 3], k
         for s in steps:

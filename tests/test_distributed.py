@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
@@ -16,7 +17,7 @@ from conftest import tensor_entry
 import ckpt
 from ckpt.format import manifest as mf
 from ckpt.storage.local import LocalStorage
-from ckpt.testing import run_ranks
+from ckpt.testing import FaultyStorage, run_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # spawns processes and takes more than a few seconds
 
@@ -298,19 +299,15 @@ def small_state(rank: int, world: int, step: int) -> dict:
 
 
 def failure_body(rank: int, world: int, root: str):
-    c = ckpt.Checkpointer(root, timeout=30, chunk_size=CHUNK)
+    disk = FaultyStorage(LocalStorage(root))
+    c = ckpt.Checkpointer(root, timeout=30, chunk_size=CHUNK, storage=disk)
     c.save(1, small_state(rank, world, 1)).wait()
-    original = LocalStorage.write
-    if rank == 1:
-        def broken(self, key, buffers):
-            if key.startswith("chunks/"):
-                raise OSError(28, "No space left on device")
-            return original(self, key, buffers)
-        LocalStorage.write = broken
+    if rank == 1:  # rank 1's disk fills up: its chunk writes of step 2 fail
+        disk.fail("write", key=r"^chunks/", exc=lambda op, key: OSError(errno.ENOSPC, "No space left on device"))
     h = c.save(2, small_state(rank, world, 2))
     with pytest.raises(ckpt.DistributedSaveError) as info:
         h.wait()
-    LocalStorage.write = original
+    disk.clear()
     assert c.save(3, small_state(rank, world, 3)).wait().step == 3  # the next save works
     assert c.layouts_made == 1  # steady-state saves reuse the plan
     c.close()
@@ -333,18 +330,23 @@ def test_a_failure_on_one_rank_reaches_every_rank(tmp_path):
 TIMEOUT = 4.0
 
 
+class DyingDisk(LocalStorage):
+    """A local disk that kills its own process (SIGKILL) at the first chunk write once ``armed``."""
+
+    armed = False
+
+    def write(self, key, buffers):
+        if self.armed and key.startswith("chunks/"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().write(key, buffers)
+
+
 def killed_body(rank: int, world: int, root: str, victim: int):
-    c = ckpt.Checkpointer(root, timeout=TIMEOUT, chunk_size=CHUNK)
+    disk = DyingDisk(root)
+    c = ckpt.Checkpointer(root, timeout=TIMEOUT, chunk_size=CHUNK, storage=disk)
     c.save(1, small_state(rank, world, 1)).wait()
     dist.barrier()  # every rank has seen step 1 committed (rank 0 hosts the store: its death ends it)
-    if rank == victim:
-        original = LocalStorage.write
-
-        def die(self, key, buffers):
-            if key.startswith("chunks/"):
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original(self, key, buffers)
-        LocalStorage.write = die
+    disk.armed = rank == victim
     started = time.monotonic()
     h = c.save(2, small_state(rank, world, 2))
     with pytest.raises(ckpt.DistributedSaveError) as info:
@@ -391,24 +393,14 @@ def test_retention_across_ranks_keeps_exactly_what_is_referenced(tmp_path):
 
 
 def skip_body(rank: int, world: int, root: str):
-    import threading
-
-    c = ckpt.Checkpointer(root, timeout=30, busy="skip", chunk_size=CHUNK)
-    gate = threading.Event()
-    original = LocalStorage.write
+    disk = FaultyStorage(LocalStorage(root))
+    c = ckpt.Checkpointer(root, timeout=30, busy="skip", chunk_size=CHUNK, storage=disk)
     if rank == 1:  # rank 1's first save is held mid-write, so its next save finds the buffer busy
-        def held(self, key, buffers):
-            if key.startswith("chunks/"):
-                gate.wait(60)
-            return original(self, key, buffers)
-        LocalStorage.write = held
-    else:
-        gate.set()
+        disk.gate("write", key=r"^chunks/")
     h1 = c.save(1, small_state(rank, world, 1))
     h2 = c.save(2, small_state(rank, world, 2))
     skipped_here = h2.skipped
-    gate.set()
-    LocalStorage.write = original
+    disk.clear()  # opens the gate
     h1.wait()
     h2.wait()  # on every rank: no error, just skipped
     c.save(3, small_state(rank, world, 3)).wait()

@@ -15,6 +15,7 @@ import torch
 
 L = pytest.importorskip("lightning")
 
+from conftest import GatedDisk  # noqa: E402
 from lightning_child import Batches, Tiny  # noqa: E402
 
 import ckpt  # noqa: E402
@@ -200,7 +201,7 @@ def test_model_checkpoint_top_k_as_with_lightnings_io(tmp_path):
         theirs = torch.load(tmp_path / "torch" / name, weights_only=False)
         for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step", "epoch"):
             assert_equal_nested(theirs[key], mine[key], key)
-    assert io._open == {} and io._removals == {}  # teardown waited for every save and removal
+    assert io.pending == 0  # teardown waited for every save and removal
 
     # resume through the plugin; the checkpoint resumed from is never removed, even when asked
     last = mc.last_model_path
@@ -214,18 +215,28 @@ def test_model_checkpoint_top_k_as_with_lightnings_io(tmp_path):
     assert load_checkpoint(last)["global_step"] == 16
 
 
-def test_remove_waits_for_the_save_still_being_written(tmp_path, process_wide_gate):
-    gate = process_wide_gate  # CkptCheckpointIO opens its storage by path: none to inject
-    io = CkptCheckpointIO()
+def test_remove_waits_for_the_save_still_being_written(tmp_path):
+    disks: list[GatedDisk] = []  # every storage the plugin opens holds its chunk writes until opened
+
+    def gated_disk(path: str) -> GatedDisk:
+        disks.append(GatedDisk(path))
+        return disks[-1]
+
+    io = CkptCheckpointIO(open_storage=gated_disk)
     path = str(tmp_path / "epoch=0-step=2.ckpt")
     state = {"state_dict": {"w": torch.randn(256, 256)}, "global_step": 2}
-    io.save_checkpoint(state, path)  # returns after the snapshot; the chunk write is held by the gate
-    assert gate.entered.wait(30)
-    io.remove_checkpoint(path)  # must not delete under the writer, nor block the training thread
-    assert os.path.isdir(path) and not gate.open_event.is_set()
-    gate.open()
-    io.teardown()  # raises if the save failed: the write completed before the deletion
-    assert not os.path.exists(path)
+    try:
+        io.save_checkpoint(state, path)  # returns after the snapshot; the chunk write is held by the gate
+        gate = disks[0]
+        assert gate.entered.wait(30)
+        io.remove_checkpoint(path)  # must not delete under the writer, nor block the training thread
+        assert os.path.isdir(path) and not gate.chunk_gate.opened.is_set()
+        gate.open()
+        io.teardown()  # raises if the save failed: the write completed before the deletion
+        assert not os.path.exists(path)
+    finally:
+        for d in disks:  # a failed test leaves no writer waiting
+            d.open()
 
 
 def test_saving_the_same_path_again_keeps_a_whole_checkpoint(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -11,7 +12,7 @@ from ..errors import CheckpointError, ConfigError, UnsupportedValueError
 from ..handle import SaveHandle
 from ..options import Options
 from ..retention import remove_checkpoint
-from ..storage import open_storage
+from ..storage import Storage, open_storage
 from ._common import KEY, PICKLE_HINT, CheckpointIOBase, TorchCheckpointIO, load_kwargs, locate, log, read
 
 
@@ -37,15 +38,24 @@ class CkptCheckpointIO(CheckpointIOBase):
         **checkpointer_options: other :class:`~ckpt.Options` (``codec``, ``chunk_size``, ``busy``,
             ``io_threads``, ``storage_options``, ``timeout`` …), checked here. Not ``keep_last``,
             ``keep_every`` or ``local_dir``: each path keeps its newest step only.
+        open_storage: ``open_storage(path)`` returns an opened :class:`~ckpt.storage.base.Storage` for a
+            checkpoint path (each path is its own root), used to write it (the ``storage=`` of its
+            :class:`~ckpt.Checkpointer`) and to remove it, e.g. a test's faulty disk
+            (``lambda p: FaultyStorage(LocalStorage(p))``). Not with ``storage_options``.
     """
 
-    def __init__(self, *, allow_pickle: bool = False, **checkpointer_options: Any):
+    def __init__(self, *, allow_pickle: bool = False, open_storage: Callable[[str], Storage] | None = None,
+                 **checkpointer_options: Any):
         fixed = sorted(set(checkpointer_options) & {"keep_last", "keep_every", "local_dir"})
         if fixed:
             raise ConfigError(f"CkptCheckpointIO does not take {fixed}: each checkpoint path keeps its newest step "
                               "only, and ModelCheckpoint decides which paths to keep")
         # every path's Checkpointer keeps one step: saving to a path again replaces what it held
         self.options = Options.build(keep_last=1, allow_pickle=allow_pickle, **checkpointer_options)
+        if open_storage is not None and self.options.storage_options is not None:
+            raise ConfigError("open_storage opens each path's storage; storage_options would open another: give one "
+                              "or the other")
+        self._open_storage = open_storage
         self.allow_pickle = self.options.allow_pickle
         self._open: dict[str, tuple[Checkpointer, list[SaveHandle]]] = {}  # path -> its writer and saves
         self._next_step: dict[str, int] = {}
@@ -53,6 +63,11 @@ class CkptCheckpointIO(CheckpointIOBase):
         self._remover: ThreadPoolExecutor | None = None
         self.resumed_from: tuple[str, int] | None = None  # (path, step) loaded by load_checkpoint
         self._last: Checkpointer | None = None  # the last writer: its host buffer is handed to the next
+
+    @property
+    def pending(self) -> int:
+        """Saves and removals not yet waited for (a path's saves count until its writer is closed); 0 after teardown."""
+        return sum(len(handles) for _, handles in self._open.values()) + len(self._removals)
 
     @staticmethod
     def _key(path: Any) -> str:
@@ -70,7 +85,8 @@ class CkptCheckpointIO(CheckpointIOBase):
             pending.result()
         entry = self._open.get(key)
         if entry is None:
-            c = Checkpointer.from_options(key, self.options)
+            storage = self._open_storage(key) if self._open_storage is not None else None
+            c = Checkpointer.from_options(key, self.options, storage=storage)
             if self.resumed_from is not None and self.resumed_from[0] == key:
                 c.protect(self.resumed_from[1])  # retention keeps the step this run resumed from
             if self._last is not None:
@@ -129,7 +145,7 @@ class CkptCheckpointIO(CheckpointIOBase):
                 entry[0].close()
             except CheckpointError as e:
                 log.warning("ckpt: a save to %s failed before it was removed: %s", key, e)
-        storage = open_storage(key)
+        storage = self._open_storage(key) if self._open_storage is not None else open_storage(key)
         try:
             remove_checkpoint(storage)
         finally:

@@ -255,9 +255,10 @@ class Reader:
         return f"ckpt.open({self.url!r}): {len(self.committed)} committed step(s)"
 
 
-def open(url: str | os.PathLike, storage_options: dict | None = None) -> Reader:  # only as ckpt.open
+def open(url: str | os.PathLike | Storage, storage_options: dict | None = None) -> Reader:  # only as ckpt.open
     """Open a checkpoint root for reading: steps, manifests, whole tensors, values, loading into a
     state, verify, diff, export, and what ``ckpt ls`` / ``inspect`` / ``gc`` show. ``url`` is a
     directory or any fsspec URL; ``storage_options`` go to fsspec (and, for ``s3://``, ckpt's S3
-    options). Raises :class:`~ckpt.NotACheckpointError` if nothing is there."""
+    options); or ``url`` is an opened :class:`~ckpt.storage.base.Storage` (a test's faulty disk), used
+    as it is. Raises :class:`~ckpt.NotACheckpointError` if nothing is there."""
     return Reader(url, storage_options)
