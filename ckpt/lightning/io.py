@@ -145,7 +145,8 @@ class CkptCheckpointIO(CheckpointIOBase):
                 entry[0].close()
             except CheckpointError as e:
                 log.warning("ckpt: a save to %s failed before it was removed: %s", key, e)
-        storage = self._open_storage(key) if self._open_storage is not None else open_storage(key)
+        storage = (self._open_storage(key) if self._open_storage is not None
+                   else open_storage(key, self.options.storage_options))  # the credentials the saves used
         try:
             remove_checkpoint(storage)
         finally:
