@@ -8,6 +8,8 @@
 
     with ckpt.open("runs/exp1") as ck:  # read from outside a run: steps, tensors, values, verify …
         weights = ck.tensors(keys="model/")
+        ck.export("latest", "hf-out", format="hf", keys="model/", strip_prefix=True)  # or "dcp", "x.safetensors"
+    ckpt.import_checkpoint("hf-model/", "runs/ft", step=0)  # then ckptr.load(0, {"model": model}, strict=False)
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .cuda_snapshot import fence
     from .handle import SaveHandle, SaveMetrics
+    from .importer import import_checkpoint
     from .loader import LoadStats
     from .options import Options
     from .redundancy_config import Parity, Replicas
@@ -46,7 +49,8 @@ if TYPE_CHECKING:
 # The writer's side is imported when first named, so that reading (ckpt.open, the ckpt command line)
 # never imports the writer, the commit protocol, the peers or their process groups.
 _LAZY = {"Checkpointer": "checkpointer", "SaveHandle": "handle", "SaveMetrics": "handle", "LoadStats": "loader",
-         "Options": "options", "Parity": "redundancy_config", "Replicas": "redundancy_config", "fence": "cuda_snapshot"}
+         "Options": "options", "Parity": "redundancy_config", "Replicas": "redundancy_config", "fence": "cuda_snapshot",
+         "import_checkpoint": "importer"}
 
 
 def __getattr__(name: str) -> Any:
@@ -60,7 +64,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",
-    "PerRank", "fence", "open", "Reader", "Pickled", "Replicas", "Parity",
+    "PerRank", "fence", "open", "import_checkpoint", "Reader", "Pickled", "Replicas", "Parity",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "DistributedSaveError", "IncompatibleFormatError", "NonFiniteStateError", "NotACheckpointError",
     "PartialStateError", "ReshardError", "StateMismatchError", "StepExistsError", "StorageError",

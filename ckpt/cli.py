@@ -6,6 +6,8 @@
     ckpt diff    URL A B [--max-diff] [--exit-code] [--json]
     ckpt gc      URL [--dry-run] [--grace 1h] [--keep-last N] [--local DIR --keep-local N] [--json]
     ckpt export  URL [--step S] --to FILE.safetensors|FILE.pt [--keys PREFIX] [--rank R]
+    ckpt export  URL [--step S] --to DIR --format hf|dcp [--max-shard-size 5GB] [--dtype bf16] [--keys P --strip-prefix]
+    ckpt import  SRC URL --step N [--key model | --top-level] [--keys PREFIX --strip-prefix]
     ckpt chaos   [--kills N] [--seed S] [--timeout T] [--workdir DIR] -- COMMAND ... {dir} ...
 
 URL is a directory or any fsspec URL (``--storage-option KEY=VALUE`` passes options). It needs no
@@ -281,7 +283,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     reader = _open(args)
     step = reader.step(args.step)
     res = reader.export(step, args.to, keys=args.keys, strip_prefix=args.strip_prefix, rank=args.rank,
-                        overwrite=args.force)
+                        overwrite=args.force, format=args.format, dtype=args.dtype, max_shard_size=args.max_shard_size)
     note = per_rank_note(reader.manifest(step), args.rank)
     if note:
         print(f"ckpt: note: {note}", file=sys.stderr)
@@ -291,8 +293,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     if res.format == "torch" and res.skipped_values:
         print(f"ckpt: note: {len(res.skipped_values)} plain value(s) not written: a .pt export holds tensors "
               "only (export to .safetensors to keep them as metadata)", file=sys.stderr)
-    Out().write(f"wrote {args.to}: step {step}, {len(res.tensors)} tensor(s), {human_bytes(res.bytes)}"
-                + (f", {len(res.values)} value(s) in metadata" if res.values else ""))
+    where = f"{args.to} ({len(res.files)} file(s): {', '.join(res.files[:3])}{' …' if len(res.files) > 3 else ''})" \
+        if res.files else args.to
+    Out().write(f"wrote {where}: step {step}, {len(res.tensors)} tensor(s), {human_bytes(res.bytes)}"
+                + (f", cast to {res.dtype}" if res.dtype else "")
+                + (f", {len(res.values)} value(s) in metadata" if res.values and res.format != "dcp" else "")
+                + (f", {len(res.values)} value(s)" if res.values and res.format == "dcp" else ""))
+    return EXIT_OK
+
+
+# -- import -------------------------------------------------------------------------------------------
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .importer import import_checkpoint
+
+    options: dict[str, Any] = {}
+    if args.storage_option:
+        options["storage_options"] = dict(args.storage_option)
+    res = import_checkpoint(args.src, args.url, args.step, key=None if args.top_level else args.key,
+                            keys=args.keys, strip_prefix=args.strip_prefix, **options)
+    under = f" under {res.key!r}" if res.key else ""
+    Out().write(f"imported {args.src} ({res.format}) as step {res.step} of {args.url}{under}: {res.tensors} tensor(s), "
+                f"{human_bytes(res.bytes)}" + (f", {len(res.values)} value(s)" if res.values else ""))
     return EXIT_OK
 
 
@@ -359,6 +381,13 @@ def _step(s: str) -> int | str:
         raise argparse.ArgumentTypeError(f"a step is a non-negative integer or 'latest', got {s!r}") from None
     if not 0 <= n <= mf.MAX_STEP:
         raise argparse.ArgumentTypeError(f"a step is an integer from 0 to 2**63 - 1, got {s!r}")
+    return n
+
+
+def _new_step(s: str) -> int:
+    n = _step(s)
+    if not isinstance(n, int):
+        raise argparse.ArgumentTypeError("the step to import into is a number, not 'latest'")
     return n
 
 
@@ -430,9 +459,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="in each --local tier, keep only the newest N committed steps")
     gcp.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
 
-    exp = add("export", "write one step as a single unsharded .safetensors or .pt file", cmd_export)
+    exp = add("export", "write one step as a single unsharded .safetensors or .pt file, Hugging Face shards or a "
+                        "plain DCP directory", cmd_export)
     exp.add_argument("--step", type=_step, help="step to export (default: the latest)")
-    exp.add_argument("--to", required=True, metavar="FILE", help="output file: *.safetensors, *.pt or *.pth")
+    exp.add_argument("--to", required=True, metavar="FILE|DIR",
+                     help="output file (*.safetensors, *.pt or *.pth) or, with --format hf|dcp, directory")
+    exp.add_argument("--format", choices=["safetensors", "pt", "hf", "dcp"],
+                     help="hf: model-0000i-of-0000n.safetensors + model.safetensors.index.json (one shard: "
+                          "model.safetensors); dcp: a torch.distributed.checkpoint directory; "
+                          "default: from FILE's suffix")
+    exp.add_argument("--max-shard-size", metavar="SIZE",
+                     help="--format hf: largest shard, e.g. 5GB (default), 500MB, 2GiB; a larger tensor gets a "
+                          "shard alone")
+    exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                     help="cast floating tensors (float64/32/16, bfloat16) to this dtype; others stay as saved")
     exp.add_argument("--keys", action="append", metavar="PREFIX",
                      help="export only keys starting with PREFIX (repeatable), e.g. --keys model/")
     exp.add_argument("--strip-prefix", action="store_true",
@@ -440,7 +480,31 @@ def build_parser() -> argparse.ArgumentParser:
                           "model.load_state_dict(load_file(FILE)) works as it is")
     exp.add_argument("--rank", type=int, default=0, metavar="R",
                      help="saved rank whose per-rank state to export (default 0)")
-    exp.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    exp.add_argument("--force", action="store_true",
+                     help="overwrite FILE if it exists; write into a non-empty DIR (an earlier export's files are "
+                          "replaced, other files kept)")
+
+    imp = sub.add_parser(
+        "import", help="bring safetensors, Hugging Face, torch.save or DCP weights in as a committed step",
+        description="Import SRC (a .safetensors file, a Hugging Face directory, a torch.save file read with "
+                    "weights_only=True, or a plain DCP directory) as step N of the checkpoint at URL, under the "
+                    "top-level key --key (default model): a run then loads it with "
+                    "ckptr.load(N, {'model': model}, strict=False).", epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    imp.set_defaults(func=cmd_import)
+    imp.add_argument("src", metavar="SRC", help="file or directory to import")
+    imp.add_argument("url", metavar="URL", help="checkpoint directory or fsspec URL to save the step into")
+    imp.add_argument("--step", type=_new_step, required=True, metavar="N",
+                     help="the step number to commit (must be new)")
+    key = imp.add_mutually_exclusive_group()
+    key.add_argument("--key", default="model", help="top-level key the imported items go under (default: model)")
+    key.add_argument("--top-level", action="store_true",
+                     help="keep a torch.save dict's own top-level keys ({'model': ..., 'optim': ...}) as the step's")
+    imp.add_argument("--keys", action="append", metavar="PREFIX",
+                     help="import only items whose name starts with PREFIX (repeatable), e.g. --keys model.")
+    imp.add_argument("--strip-prefix", action="store_true", help="take the --keys prefix off each name")
+    imp.add_argument("--storage-option", action="append", type=_kv, metavar="KEY=VALUE",
+                     help="fsspec storage option for URL (repeatable)")
 
     cha = sub.add_parser(
         "chaos", help="kill a training command at random moments, resume it, check nothing was lost",

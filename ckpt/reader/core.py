@@ -9,6 +9,7 @@
         ck.ls().to_json()                         # what `ckpt ls --json` prints
         ck.verify(all=True).ok                    # every chunk re-read and re-hashed
         ck.export(300, "model.safetensors", keys="model/", strip_prefix=True)
+        ck.export(300, "hf-model", format="hf", keys="model/", strip_prefix=True)  # shards + index
 
 The ``ckpt`` command line is built on it: each command is one call here, formatted there. Nothing
 here unpickles unless ``load_into`` is told to: a value saved with pickle comes back as a
@@ -235,12 +236,25 @@ class Reader:
         return diff(self, self.step(a), self.step(b), max_diff=max_diff, threads=self.threads)
 
     def export(self, step: Step, path: str | os.PathLike, *, keys: str | Sequence[str] | None = None,
-               strip_prefix: bool = False, rank: int = 0, overwrite: bool = False) -> ExportResult:
-        """Write one step as a single unsharded ``.safetensors`` or ``.pt`` file. With ``keys`` and
-        ``strip_prefix``, the matched prefix is taken off each name, so that
-        ``model.load_state_dict(safetensors.torch.load_file(path))`` works as it is."""
+               strip_prefix: bool = False, rank: int = 0, overwrite: bool = False, format: str | None = None,
+               dtype: str | None = None, max_shard_size: int | str | None = None) -> ExportResult:
+        """Write one step whole, resharded from any world size, every chunk verified:
+
+        * ``format=None``: one file, the format from its suffix (``.safetensors``, ``.pt``);
+        * ``format="hf"``: a directory of Hugging Face shards (``model-00001-of-00002.safetensors`` …
+          and ``model.safetensors.index.json``; one shard is ``model.safetensors``), at most
+          ``max_shard_size`` each (``"5GB"`` default, ``"500MB"``, ``"2GiB"``), one shard in memory at a time;
+        * ``format="dcp"``: a plain ``torch.distributed.checkpoint`` directory.
+
+        With ``keys`` and ``strip_prefix``, the matched prefix is taken off each name, so that
+        ``model.load_state_dict(safetensors.torch.load_file(path))`` works as it is; ``dtype``
+        (``"bf16"``, ``"fp16"``, ``"fp32"``) casts the floating tensors::
+
+            ck.export("latest", "hf-out", format="hf", keys="model/", strip_prefix=True, dtype="bf16")
+        """
         return export(self, self.step(step), os.fspath(path), prefixes=_prefixes(keys),
-                      strip_prefix=strip_prefix, rank=rank, overwrite=overwrite, threads=self.threads)
+                      strip_prefix=strip_prefix, rank=rank, overwrite=overwrite, threads=self.threads,
+                      format=format, dtype=dtype, max_shard_size=max_shard_size)
 
     def close(self) -> None:
         self.storage.close()

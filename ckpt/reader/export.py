@@ -1,11 +1,14 @@
-"""A consolidated, unsharded copy of one step in a single file (``Reader.export``, ``ckpt export``).
+"""A consolidated, unsharded copy of one step (``Reader.export``, ``ckpt export``).
 
 Every tensor is rebuilt whole from its shards (resharding to one process, each chunk verified)
 and written as a flat ``key -> tensor`` mapping, keys as in the manifest (``model/0.weight``):
 
-* ``.safetensors``: the tensors, plus the step's plain values as JSON in the metadata
-  (``ckpt.values``: key path -> ckpt's typed JSON node, the manifest's own encoding).
+* ``.safetensors``: the tensors, plus the step's plain values in the metadata: ``ckpt.values``
+  (key path -> the value as plain JSON) and, for values plain JSON cannot hold (bytes, tuples,
+  non-finite floats, dtypes …), ``ckpt.values.tagged`` (key path -> the manifest's typed node).
 * ``.pt`` / ``.pth``: ``torch.save`` of the tensors only (loadable with ``weights_only=True``).
+* ``format="hf"`` / ``"dcp"``: a directory of Hugging Face shards or a plain DCP checkpoint
+  (``export_dirs``), selected and cast the same way.
 
 Per-rank state is exported from one saved rank (``rank``, default 0). Pickled values are never
 unpickled: they are left out, and reported.
@@ -14,23 +17,33 @@ unpickled: they are left out, and reported.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import save_file
 
 from ..errors import ConfigError, StorageError, UnsupportedValueError
 from ..format import manifest as mf
-from ..tree import DTYPES, has_pickle, strip_pickles, value_nodes
+from ..tree import DTYPES, dtype_name, has_pickle, strip_pickles, value_nodes
 from .tensors import read_tensors
 
 if TYPE_CHECKING:
     from .core import Reader
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
+DIR_FORMATS = ("hf", "dcp")
+FORMAT_NAMES = {"safetensors": "safetensors", "torch": "torch", "pt": "torch", "hf": "hf", "dcp": "dcp"}
+CASTS = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+         "fp32": torch.float32, "float32": torch.float32}
+CASTABLE = {"float64", "float32", "float16", "bfloat16"}  # what --dtype converts; other dtypes stay as saved
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass
@@ -44,13 +57,65 @@ class ExportResult:
     skipped_values: list[str] = field(default_factory=list)  # not written (pickles; any value for .pt)
     pickled: list[str] = field(default_factory=list)
     rank: int | None = None  # the saved rank per-rank state came from, if there was any
+    files: list[str] = field(default_factory=list)  # what a directory export wrote, in its directory
+    dtype: str | None = None  # the --dtype floating tensors were cast to
 
 
-def format_of(path: str) -> str:
+def format_of(path: str, format: str | None = None) -> str:
+    """The export format: ``format`` if given (``safetensors``, ``pt``/``torch``, ``hf``, ``dcp``), else
+    from the file name's suffix."""
+    if format is not None:
+        if format not in FORMAT_NAMES:
+            raise ConfigError(f"unknown export format {format!r}: use one of safetensors, pt, hf, dcp")
+        return FORMAT_NAMES[format]
     ext = os.path.splitext(path)[1].lower()
     if ext not in FORMATS:
-        raise ConfigError(f"cannot tell the export format from {path!r}: name it *.safetensors, *.pt or *.pth")
+        raise ConfigError(f"cannot tell the export format from {path!r}: name it *.safetensors, *.pt or *.pth, "
+                          "or pass --format hf|dcp to write a directory")
     return FORMATS[ext]
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5GB`` (10⁹), ``500MB``, ``2GiB`` (2³⁰), ``1024`` … (Hugging Face's convention)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", str(size), re.IGNORECASE)
+        if not found:
+            raise ConfigError(f"--max-shard-size: expected a size like 5GB, 500MB or 2GiB, got {size!r}")
+        n = int(float(found.group(1)) * _UNITS[(found.group(2) or "").lower()])
+    if n < 1:
+        raise ConfigError(f"--max-shard-size must be at least one byte, got {size!r}")
+    return n
+
+
+def cast_to(dtype: str | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if dtype not in CASTS:
+        raise ConfigError(f"--dtype {dtype!r}: use bf16, fp16 or fp32 (floating tensors are cast; others stay)")
+    return CASTS[dtype]
+
+
+def out_dtype(saved: str, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor saved as ``saved`` is exported as: ``cast`` for the usual floating dtypes."""
+    return cast if cast is not None and saved in CASTABLE else DTYPES[saved]
+
+
+def plain_json(node: object) -> tuple[bool, object]:
+    """(True, the value as plain JSON) if a structure node holds only what JSON holds as it is
+    (dicts with string keys, lists, strings, finite numbers, booleans, None); else (False, None)."""
+    if node is None or isinstance(node, (bool, int, str)):
+        return True, node
+    if isinstance(node, float):
+        return True, node  # the manifest keeps non-finite floats as float nodes, so this one is finite
+    if isinstance(node, list):
+        items = [plain_json(v) for v in node]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if isinstance(node, dict) and node.get("t") == "dict" and all(isinstance(k, str) for k in node["k"]):
+        items = [plain_json(v) for v in node["v"]]
+        return all(ok for ok, _ in items), dict(zip(node["k"], (v for _, v in items)))
+    return False, None
 
 
 def _safetensors_dtypes_refused(dtypes: set[str]) -> set[str]:
@@ -66,15 +131,28 @@ def _safetensors_dtypes_refused(dtypes: set[str]) -> set[str]:
 
 
 def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None = None, strip_prefix: bool = False,
-           rank: int = 0, overwrite: bool = False, threads: int = 8) -> ExportResult:
-    """Write step ``step`` to ``path`` as one unsharded file; see the module docstring. With
-    ``strip_prefix``, the prefix a key matched is taken off its name (``model/0.weight`` with
-    ``--keys model/`` becomes ``0.weight``): what ``model.load_state_dict`` expects."""
+           rank: int = 0, overwrite: bool = False, threads: int = 8, format: str | None = None,
+           dtype: str | None = None, max_shard_size: int | str | None = None) -> ExportResult:
+    """Write step ``step`` to ``path``; see the module docstring. With ``strip_prefix``, the prefix
+    a key matched is taken off its name (``model/0.weight`` with ``--keys model/`` becomes
+    ``0.weight``): what ``model.load_state_dict`` expects. ``dtype`` (``bf16``, ``fp16``, ``fp32``)
+    casts the floating tensors; ``max_shard_size`` is for ``format="hf"`` only."""
     if strip_prefix and not prefixes:
         raise ConfigError("--strip-prefix needs --keys PREFIX: the prefix to take off each name (e.g. --keys model/)")
-    fmt = format_of(path)
-    if os.path.exists(path) and not overwrite:
-        raise ConfigError(f"{path} exists; pass --force to overwrite it")
+    fmt = format_of(path, format)
+    cast = cast_to(dtype)
+    if max_shard_size is not None and fmt != "hf":
+        raise ConfigError("--max-shard-size is for --format hf (the single-file and DCP exports are not split)")
+    limit = parse_size(max_shard_size if max_shard_size is not None else "5GB")
+    if fmt in DIR_FORMATS:
+        from .export_dirs import check_target
+
+        check_target(path, overwrite)
+    else:
+        if os.path.isdir(path):
+            raise ConfigError(f"{path} is a directory: name a file (*.safetensors, *.pt), or pass --format hf|dcp")
+        if os.path.exists(path) and not overwrite:
+            raise ConfigError(f"{path} exists; pass --force to overwrite it")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"cannot write {path}: the directory {folder} does not exist (create it first)")
@@ -93,17 +171,17 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
         return key[len(prefix):].lstrip("/") or key
 
     entries = [t for t in m.tensors if wanted(t.key) and (t.rank is None or t.rank == rank)]
-    result = ExportResult(path=path, step=step, format=fmt, rank=rank if m.per_rank_keys else None)
+    result = ExportResult(path=path, step=step, format=fmt, rank=rank if m.per_rank_keys else None, dtype=dtype)
     if not entries:
         raise ConfigError(f"step {step} has no tensor whose key starts with {' or '.join(map(repr, prefixes or []))}"
                           if prefixes else f"step {step} holds no tensors to export")
-    if fmt == "safetensors":
-        bad = _safetensors_dtypes_refused({e.dtype for e in entries})
+    if fmt in ("safetensors", "hf"):
+        bad = _safetensors_dtypes_refused({dtype_name(out_dtype(e.dtype, cast)) for e in entries})
         if bad:
-            keys = [e.key for e in entries if e.dtype in bad]
+            keys = [e.key for e in entries if dtype_name(out_dtype(e.dtype, cast)) in bad]
             raise UnsupportedValueError(
                 f"safetensors cannot hold dtype(s) {sorted(bad)} (tensors {keys[:5]}{' …' if len(keys) > 5 else ''}); "
-                "export to a .pt file instead, or leave them out with --keys")
+                "export to a .pt file (or --format dcp) instead, or leave them out with --keys")
 
     values: dict[str, object] = {}
     for p, node in value_nodes(m.structure, rank=rank):
@@ -112,22 +190,34 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
         if has_pickle(node):
             result.pickled.append(p)
             result.skipped_values.append(p)
-        elif fmt == "safetensors":
+        elif fmt in ("safetensors", "hf", "dcp"):
             values[p] = strip_pickles(node)
             result.values.append(p)
         else:
             result.skipped_values.append(p)
 
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-export") as io:
-        tensors = read_tensors(reader.storage, m, entries, io)
     names = [name(e.key) for e in entries]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:
         raise ConfigError(f"with --strip-prefix, several tensors would be named {clashes[:4]}; export them "
                           "separately (one --keys prefix each) or without --strip-prefix")
-    out = dict(zip(names, tensors))
-    result.tensors = {n: (e.dtype, list(e.shape)) for n, e in zip(names, entries)}
-    result.bytes = sum(e.nbytes for e in entries)
+    dtypes = [out_dtype(e.dtype, cast) for e in entries]
+    result.tensors = {n: (dtype_name(d), list(e.shape)) for n, e, d in zip(names, entries, dtypes)}
+    result.bytes = sum(math.prod(e.shape) * d.itemsize for e, d in zip(entries, dtypes))
+    if fmt in DIR_FORMATS:
+        from .export_dirs import write_dcp, write_hf
+
+        if fmt == "hf":
+            write_hf(reader, m, entries, names, dtypes, limit, values_metadata(step, reader, values, result), result,
+                     overwrite=overwrite, threads=threads)
+        else:
+            write_dcp(reader, m, entries, names, dtypes, values, result, overwrite=overwrite, threads=threads)
+        return result
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-export") as io:
+        tensors = read_tensors(reader.storage, m, entries, io)
+    out = {n: t.to(d) for n, t, d in zip(names, tensors, dtypes)}
+    del tensors
 
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     try:
@@ -144,16 +234,31 @@ def _write(fmt: str, out: dict, tmp: str, path: str, step: int, reader: Reader, 
            result: ExportResult) -> None:
     """Write the file under a temporary name, then rename it into place (never a half-written file)."""
     if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        meta = {"format": "pt", "ckpt.step": str(step), "ckpt.source": reader.storage.describe(),
-                "ckpt.values": json.dumps(values, separators=(",", ":"), allow_nan=False)}
-        if result.rank is not None:
-            meta["ckpt.rank"] = str(result.rank)
-        save_file(out, tmp, metadata=meta)
+        save_file(out, tmp, metadata=values_metadata(step, reader, values, result))
     else:
         torch.save(out, tmp)
     os.replace(tmp, path)
+
+
+def values_metadata(step: int, reader: Reader, values: dict, result: ExportResult) -> dict[str, str]:
+    """The safetensors metadata of an export: ``format: pt`` (what transformers checks), the step,
+    its source and the plain values (plain JSON where they are plain; the typed nodes of the rest
+    under ``ckpt.values.tagged``)."""
+    plain: dict[str, object] = {}
+    tagged: dict[str, object] = {}
+    for p, node in values.items():
+        ok, v = plain_json(node)
+        if ok:
+            plain[p] = v
+        else:
+            tagged[p] = node
+    meta = {"format": "pt", "ckpt.step": str(step), "ckpt.source": reader.storage.describe(),
+            "ckpt.values": json.dumps(plain, separators=(",", ":"), allow_nan=False)}
+    if tagged:
+        meta["ckpt.values.tagged"] = json.dumps(tagged, separators=(",", ":"), allow_nan=False)
+    if result.rank is not None:
+        meta["ckpt.rank"] = str(result.rank)
+    return meta
 
 
 def per_rank_note(m: mf.Manifest, rank: int) -> str | None:
