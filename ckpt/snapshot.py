@@ -44,8 +44,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _ext
-from .dist import Comm, Inventory
 from .layout import BufferLayout, TensorSlot, make_layout
+from .planning import Inventory
+from .ranks import Comm
 from .state import Flat, Leaf
 from .structure import dtype_name
 

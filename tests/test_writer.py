@@ -12,13 +12,13 @@ import torch
 
 import ckpt
 from ckpt.commit import CommitProtocol
-from ckpt.dist import LocalComm
 from ckpt.encode import CodecSpec
 from ckpt.format import manifest as mf
 from ckpt.format import paths
 from ckpt.format.chunk import decode
 from ckpt.handle import SaveMetrics
 from ckpt.lease import Leases
+from ckpt.ranks import LocalComm
 from ckpt.snapshot import Snapshotter
 from ckpt.state import flatten
 from ckpt.storage import open_storage
