@@ -90,8 +90,13 @@ class Peers:
             self.group = dist.new_group(self._global, backend="gloo", timeout=timedelta(seconds=timeout),
                                         use_local_synchronization=True)
         host = socket.gethostname()
-        docs = self.gather({"domain": failure_domain or host, "tier": f"{host}:{os.path.realpath(local.root)}",
-                            "lease": lease_id})
+        # who is where: a coordination round through the store (the gloo group moves the bytes)
+        meet = comm.round("peers", 0)
+        meet.post({"domain": failure_domain or host, "tier": f"{host}:{os.path.realpath(local.root)}",
+                   "lease": lease_id})
+        got = meet.gather(comm.deadline())
+        got.raise_for("the peers' setup", comm.timeout)
+        docs = got.ordered()
         self.domains = [str(d["domain"]) for d in docs]
         # Ranks on one node usually share its local_dir: one of them (the lowest) applies the tier's
         # retention, and takes the others' writer leases for its own (they are not in its way).

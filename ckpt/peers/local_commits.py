@@ -41,9 +41,10 @@ log = logging.getLogger("ckpt")
 class LocalCommits:
     """What local commits add to each save and each load (see the module docstring)."""
 
-    def __init__(self, storage: TieredStorage, peers: Peers, lease: Leases,
+    def __init__(self, storage: TieredStorage, comm: Comm, peers: Peers, lease: Leases,
                  retention: Callable[[int], None] | None):
         self.storage = storage
+        self.comm = comm  # coordination rounds (which steps each rank holds)
         self.local: LocalStorage = storage.local
         self.peers = peers  # the ranks' failure domains and their own process group (bytes move only with redundancy)
         self.lease = lease  # this rank's writer lease on its tier (`ckpt gc` there keeps out of the way)
@@ -121,4 +122,4 @@ def open_local_commits(storage: Any, comm: Comm, options: Options, process_group
         log.info("ckpt: local tier %s protected by %s", local.root, peers.describe())
     lease.own |= peers.tier_leases  # the ranks sharing this tier write beside us, not in our way
     # the lowest rank sharing a tier applies its retention
-    return LocalCommits(storage, peers, lease, retention.apply_after if peers.tier_leader else None)
+    return LocalCommits(storage, comm, peers, lease, retention.apply_after if peers.tier_leader else None)

@@ -30,7 +30,8 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
     newest (or that) step of the checkpoint path."""
     peers = tiers.peers
     remote = tiers.storage.remote
-    views = peers.gather({"local": mf.committed_steps(tiers.local), "remote": mf.committed_steps(remote)})
+    # which steps each rank's tier and view of the checkpoint path hold: a coordination round (gloo moves bytes only)
+    views = tiers.comm.agree({"local": mf.committed_steps(tiers.local), "remote": mf.committed_steps(remote)})
     holder: dict[int, int] = {}
     for r, v in enumerate(views):
         for s in v["local"]:
