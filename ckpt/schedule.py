@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
-from .ranks import Comm
+from .ranks import KEEP_SEQS, Comm
 
 log = logging.getLogger("ckpt")
 
@@ -258,6 +258,8 @@ class Schedule:
                 self.emergency_step = step
             self._target = None
             self._round += 1
+            if self.comm.rank == 0 and self._round > KEEP_SEQS:  # long closed on every rank: its key goes
+                self.comm.round("save", self._round - 1 - KEEP_SEQS).cleanup(("answer",))
             hit = True
         return hit
 
