@@ -68,8 +68,11 @@ def survey(peers: Peers, step: int, m: mf.Manifest, persisted: bool) -> Survey:
     return s
 
 
-def _rebuild_plan(peers: Peers, s: Survey, group: int, pos: int, dst: int) -> list[tuple[int, list[tuple[int, int, Item,
-                                                                                                   int]]]]:
+# How one member is rebuilt: per stripe, (stripe number, k blocks as (block number, source rank, item, size))
+RebuildPlan = list[tuple[int, list[tuple[int, int, Item, int]]]]
+
+
+def _rebuild_plan(peers: Peers, s: Survey, group: int, pos: int, dst: int) -> RebuildPlan:
     """How ``dst`` rebuilds member ``pos`` of ``group``: per stripe holding its data, k blocks as
     (block number, source rank, item, size). Raises CorruptCheckpointError if a stripe has fewer."""
     lay = s.layouts[group]
