@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from . import at_exit, events
 from ._tasks import run_all
-from .commit import CommitProtocol, LocalCommits
-from .dist import make_comm
+from .commit import CommitProtocol
 from .errors import CheckpointError, ConfigError
 from .flatten import flatten
 from .format import manifest as mf
@@ -31,17 +30,18 @@ from .handle import SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
-from .redundancy import Peers
+from .ranks import make_comm
 from .retention import Retention
 from .schedule import Interval, Schedule
 from .snapshot import Snapshotter
 from .storage import open_tiered
 from .storage.base import Storage
-from .storage.tiered import TieredStorage
 from .writer import SaveJob, Writer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from .peers.local_commits import LocalCommits
 
 log = logging.getLogger("ckpt")
 
@@ -121,24 +121,12 @@ class Checkpointer:
         at_exit.track(self)
 
     def _open_tiers(self, process_group: Any) -> LocalCommits:
-        """Local commits: every node's local_dir is a committed checkpoint, kept to ``keep_local`` steps,
-        protected by peers when ``redundancy`` says so."""
-        storage = self.storage
-        assert isinstance(storage, TieredStorage)  # Options.build refuses local commits without local_dir
-        local = storage.local
-        self._local_leases = Leases(local, wait_s=self.options.timeout)
-        self._local_retention = Retention(local, mf.ManifestCache(local, maxsize=64), self.options.keep_local, None,
-                                          lambda keys: run_all(self._io, local.delete, keys), self._local_leases,
-                                          in_use=self._writer.in_use)
-        peers = Peers(self._comm, self.options.redundancy, self.options.failure_domain, local, process_group,
-                      self.options.timeout, lease_id=self._local_leases.writer_id)
-        if self.options.redundancy is not None:
-            log.info("ckpt: local tier %s protected by %s", local.root, peers.describe())
-        self._local_leases.own |= peers.tier_leases  # the ranks sharing this tier write beside us, not in our way
-        if not peers.tier_leader:  # another rank sharing this tier applies its retention
-            return LocalCommits(storage, local, peers, lambda job: None, self._local_leases)
-        return LocalCommits(storage, local, peers, lambda job: self._local_retention.apply_after(job.step),
-                            self._local_leases)
+        """Local commits: every node's local_dir is a committed checkpoint (:mod:`ckpt.peers`, imported
+        only then: a plain save or load never loads it)."""
+        from .peers.local_commits import open_local_commits
+
+        return open_local_commits(self.storage, self._comm, self.options, process_group, self._io,
+                                  self._writer.in_use)
 
     def _after_commit(self, committed: mf.Manifest, persisted: bool) -> None:
         """Coordinator, after a commit: the checkpoint path's retention, when the save went there."""
@@ -204,8 +192,9 @@ class Checkpointer:
             return SaveHandle(step, metrics, None)
         future: Future = Future()
         handle = SaveHandle(step, metrics, future, started=started)
+        persists = self._persists(seq, emergency, persist)
         job = SaveJob(step=step, seq=seq, snapshot=snap, structure=flat.structure, metrics=metrics, started=started,
-                      on_local=handle.mark_local, persist=self._persists(seq, emergency, persist))
+                      on_local=handle.mark_local, persist=persists, storage=self.storage.view(persists))
         self._ledger.add(handle)
         at_exit.saving(self, future)  # finished at interpreter exit, even if nobody closes this
         self._protocol.submit(job, future)
@@ -294,17 +283,16 @@ class Checkpointer:
             raise
         if done is None:
             return None
-        m, self.last_load = done
+        m, self.last_load = done.manifest, done.stats
         self._retention.protect(m.step)  # retention never deletes the step this run resumed from
         if self._tiers is None or self.last_load.source != "checkpoint":
             self._writer.learn(m.chunks)  # the next save reuses these chunks without probing storage
         # (loaded from the checkpoint path with local commits: this rank's tier lacks them, so the next
         # local-only save must ask the tier and write what it lacks, or its step would name chunks no tier holds)
-        if self._tiers is not None and self._tiers.heal is not None:
-            heal, self._tiers.heal = self._tiers.heal, None
+        if done.heal is not None:
             # in the background, before the next save (the same thread): this rank's tier gets back what
             # the load took from peers or the checkpoint path; wait() and close() wait for it
-            self._commit_thread.submit(self._heal, heal)
+            self._commit_thread.submit(self._heal, done.heal)
         return m.step
 
     def _heal(self, heal: Callable[[], bool]) -> None:
@@ -352,7 +340,7 @@ class Checkpointer:
             self._io.shutdown(wait=True)
             self._leases.release()
             if self._tiers is not None:
-                self._local_leases.release()
+                self._tiers.close()
             self.storage.close()  # the host buffer goes with this object (adopt_buffer may still take it)
 
     def _check_open(self) -> None:

@@ -3,7 +3,7 @@
 Why it is shaped this way: a step must exist only when every rank's part of it is durable, every
 rank must learn the same outcome, and no rank may wait forever on one that died. Collectives on the
 training's process group cannot be used from a background thread, so ranks talk through the
-group's store (:class:`~ckpt.dist.Comm`), with deadlines. For one save, on each rank's commit thread:
+group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each rank's commit thread:
 
 1. the coordinator (rank 0) holds the job's writer lease (:mod:`ckpt.lease`: no other process
    deletes chunks meanwhile) and publishes ``go``; the other ranks wait for it, so nothing they
@@ -18,13 +18,14 @@ group's store (:class:`~ckpt.dist.Comm`), with deadlines. For one save, on each 
 5. on the coordinator, what comes after a commit (retention) runs before the next save's ``go``.
    A save that was not committed deletes the chunks each rank alone created for it.
 
-With local commits (``redundancy`` / ``persist_every``: :class:`LocalCommits`), each rank's local tier
-is a committed checkpoint of its own. Between 2 and 3 every rank runs the peer exchange
-(:meth:`ckpt.redundancy.Peers.protect`, also when it failed or skipped, so nobody waits for it); rank
-reports travel through the store; the decision carries the manifest, and every rank commits it to its
-own tier; only saves marked ``persist`` go to the checkpoint path.
+A save runs over the storage its job carries (``Storage.view(persist)``). With local commits
+(``redundancy`` / ``persist_every``), the protocol is handed :class:`SaveHooks`
+(:mod:`ckpt.peers.local_commits`) and knows nothing else of tiers: between 2 and 3 every rank calls
+``protect`` (the peer exchange, also when it failed or skipped, so nobody waits for it); rank
+reports travel through the store; the decision carries the manifest, which every rank's
+``committed`` hook commits to its own tier; ``after_commit`` applies the tiers' retention.
 
-A process saving alone runs exactly this, with a :class:`~ckpt.dist.LocalComm`; its own error is
+A process saving alone runs exactly this, with a :class:`~ckpt.ranks.LocalComm`; its own error is
 then the save's error, instead of a :class:`DistributedSaveError` naming rank 0.
 """
 
@@ -36,17 +37,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import Protocol
 
 from . import events
-from .dist import Comm
 from .errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
 from .format import manifest as mf
 from .format import paths
 from .handle import SaveMetrics
 from .lease import Leases
-from .redundancy import Peers
-from .storage import LocalStorage
-from .storage.tiered import TieredStorage
+from .ranks import Comm
 from .writer import SaveJob, Writer
 
 log = logging.getLogger("ckpt")
@@ -78,27 +77,26 @@ class Decision:
         return cls(Status(doc["status"]), tuple(doc.get("ranks", ())), doc.get("message", ""), doc.get("manifest", ""))
 
 
-@dataclass
-class LocalCommits:
-    """What a save needs when every rank's local tier is a committed checkpoint: the tiered storage
-    (each save runs inside its ``saving(persist)``), this rank's tier, the peers protecting it (or None),
-    and what runs on every rank after a commit (the local tier's retention)."""
+class SaveHooks(Protocol):
+    """What local commits (:class:`ckpt.peers.local_commits.LocalCommits`) add to each save, on the
+    commit thread; the protocol knows nothing else of tiers or peers. With hooks, rank reports travel
+    through the store and the decision carries the manifest (no storage is shared by every rank)."""
 
-    storage: TieredStorage
-    local: LocalStorage
-    peers: Peers  # the ranks' failure domains and their own process group (bytes move only with redundancy)
-    after_commit: Callable[[SaveJob], None]
-    lease: Leases  # this rank's writer lease on its tier (`ckpt gc` there keeps out of the way), held by each save
-    heal: Callable[[], bool] | None = None  # after a load from the local tiers: make this rank's tier whole
+    def begin(self, job: SaveJob) -> None:
+        """Before the save writes anything (its error is the save's)."""
 
-    def commit(self, step: int, manifest: str) -> None:
-        """Commit ``step`` to this rank's tier (the coordinator's already is)."""
-        try:
-            self.local.commit(paths.manifest_key(step), manifest.encode())
-        except FileExistsError:
-            pass  # another rank sharing this node's tier committed it first
-        except CheckpointError as e:  # committed on the other tiers; this one only lacks the manifest
-            log.warning("ckpt: step %d is committed, but not in this rank's local tier: %s", step, e)
+    def protect(self, job: SaveJob, part: mf.Manifest | None) -> BaseException | None:
+        """After this rank's chunks are durable (``part``: its report; None when it failed): every
+        rank, before it reports. Returns its error instead of raising."""
+
+    def absent(self) -> None:
+        """This rank takes no part in a save (skipped, or failed before it began)."""
+
+    def committed(self, job: SaveJob, manifest: str) -> None:
+        """The step is committed; on every rank but the coordinator (whose storage has it)."""
+
+    def after_commit(self, job: SaveJob) -> None:
+        """After a commit, on every rank (retention of the local tiers)."""
 
 
 @dataclass(frozen=True)
@@ -126,8 +124,8 @@ class CommitProtocol:
 
     def __init__(self, comm: Comm, writer: Writer, io: Executor, commit_thread: Executor,
                  after_commit: Callable[[mf.Manifest, bool], None], leases: Leases,
-                 tiers: LocalCommits | None = None):
-        self.tiers = tiers
+                 hooks: SaveHooks | None = None):
+        self.hooks = hooks
         self.comm = comm
         self.writer = writer
         self.io = io
@@ -178,8 +176,8 @@ class CommitProtocol:
         future.set_result(job.metrics)
         if committed is not None:
             self.after_commit(committed, job.persist)
-        if job.committed and self.tiers is not None:
-            self.tiers.after_commit(job)
+        if job.committed and self.hooks is not None:
+            self.hooks.after_commit(job)
 
     def _go(self, seq: int) -> None:
         """Every rank, before a save writes anything: the coordinator holds the lease and says go;
@@ -203,27 +201,20 @@ class CommitProtocol:
         self.leases.own.add(doc["lease"])  # the job's own lease never stands in its way
 
     def _save(self, job: SaveJob) -> mf.Manifest | None:
-        if self.tiers is None:
-            return self._save_in(job)
-        job.metrics.persisted = job.persist
-        with self.tiers.storage.saving(job.persist):
-            return self._save_in(job)
-
-    def _save_in(self, job: SaveJob) -> mf.Manifest | None:
         comm, seq = self.comm, job.seq
         part: mf.Manifest | None = None
         error: BaseException | None = None
-        tiers = self.tiers
+        hooks = self.hooks
         try:
-            if tiers is not None:
-                tiers.lease.hold()  # cheap while held; renewed when close to lapsing
+            if hooks is not None:
+                hooks.begin(job)
             self._go(seq)
             part = self.writer.write_part(job, comm.rank)
         except BaseException as e:
             job.snapshot.release()
             error = e
-        if tiers is not None:
-            error = self._protect(job, part if error is None else None, tiers) or error
+        if hooks is not None:
+            error = hooks.protect(job, part if error is None else None) or error
             if error is None and part is not None:
                 comm.send_part(seq, part.to_json())
         if error is None:
@@ -244,8 +235,8 @@ class CommitProtocol:
         if decision.status is not Status.OK:
             self.writer.discard(job)  # this save's own new chunks: nothing committed refers to them
         if decision.status is Status.OK:
-            if tiers is not None and comm.rank != 0:
-                tiers.commit(job.step, decision.manifest)
+            if hooks is not None and comm.rank != 0:
+                hooks.committed(job, decision.manifest)
             job.committed = True
             job.metrics.duration_s = time.perf_counter() - job.started
             if committed is not None:
@@ -302,10 +293,10 @@ class CommitProtocol:
                                                      "persist_every decides for all)")
             else:
                 assert part is not None  # this rank reported ok
-                read = _read_part if self.tiers is None else self._sent_part
+                read = _read_part if self.hooks is None else self._sent_part
                 parts = [part] + list(self.io.map(lambda r: read(self.writer, job.step, r, seq), range(1, comm.world)))
-                committed = self.writer.commit(job.step, parts, job.snapshot.per_rank)
-                decision = Decision(Status.OK, manifest=committed.to_json().decode() if self.tiers is not None else "")
+                committed = self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage)
+                decision = Decision(Status.OK, manifest=committed.to_json().decode() if self.hooks is not None else "")
         except StepExistsError as e:
             decision, error = Decision(Status.EXISTS, (), str(e)), e
         except BaseException as e:
@@ -314,28 +305,9 @@ class CommitProtocol:
         comm.publish(seq, decision.to_json())
         return decision, committed, error
 
-    def _protect(self, job: SaveJob, part: mf.Manifest | None, tiers: LocalCommits) -> BaseException | None:
-        """The peer exchange of one save (every rank takes part, failed or not); its error, if any."""
-        if tiers.peers.redundancy is None:
-            return None
-        started = time.perf_counter()
-        try:
-            stats = tiers.peers.protect(job.step, part)
-        except BaseException as e:
-            return e
-        if stats is not None:
-            job.metrics.peer_sent_bytes, job.metrics.peer_stored_bytes = stats.sent_bytes, stats.stored_bytes
-            job.metrics.peer_s = time.perf_counter() - started
-        return None
-
     def _absent(self) -> None:
-        """A rank that takes no part in a save (skipped, or failed before it began) still takes part in
-        its peer exchange, so the others do not wait for it."""
-        if self.tiers is not None and self.tiers.peers.redundancy is not None:
-            try:
-                self.tiers.peers.protect(-1, None)
-            except CheckpointError as e:
-                log.error("ckpt: %s", e)
+        if self.hooks is not None:
+            self.hooks.absent()
 
     def _sent_part(self, writer: Writer, step: int, rank: int, seq: int) -> mf.Manifest:
         """Rank ``rank``'s report, sent through the store (its local tier is not readable here)."""

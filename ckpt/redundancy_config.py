@@ -3,7 +3,7 @@
 ``Replicas(r)``: every chunk a rank holds is also held by r-1 ranks in other failure domains
 (storage r×). ``Parity(data=k, parity=m)``: ranks form groups of k+m in distinct failure domains,
 and each group's chunks are covered by m Reed-Solomon parity blocks (storage (k+m)/k), so any m
-lost domains of a group are rebuilt. The machinery is :mod:`ckpt.redundancy`.
+lost domains of a group are rebuilt. The machinery is :mod:`ckpt.peers`.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ little ahead, and every rank saves when its loop reaches that step:
 * a preemption signal (SIGTERM by default) only sets a flag in its handler; the next
   ``should_save`` on that rank publishes the target.
 
-Targets are numbered rounds in the store (``s/<round>``): the first proposal of a round wins
-(compare-and-set), every rank adopts it, and saving at it closes the round. A target is the
+Targets are numbered ``save`` rounds (:class:`ckpt.ranks.Round`): the first proposal of a round
+wins (compare-and-set), every rank adopts it, and saving at it closes the round. A target is the
 proposer's step + 2 with several ranks (ranks that synchronise every step are at most one step
 apart, so none has passed it) and the step itself alone.
 
@@ -34,8 +34,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from .dist import Comm
 from .errors import ConfigError
+from .ranks import KEEP_SEQS, Comm
 
 log = logging.getLogger("ckpt")
 
@@ -235,13 +235,14 @@ class Schedule:
     def should_save(self, step: int) -> bool:
         """True when ``step`` must be saved; call it on every rank at every step, in order."""
         if self._target is None:
-            doc = self.comm.peek(f"s/{self._round}")
+            rnd = self.comm.round("save", self._round)
+            doc = rnd.peek()
             if doc is None:
                 why = self._want()
                 if why is not None:
                     ahead = 0 if self.comm.world == 1 else 2
-                    doc = self.comm.propose(f"s/{self._round}", {"step": step + ahead, "why": why,
-                                                                 "rank": self.comm.rank, "signal": self.signalled})
+                    doc = rnd.propose({"step": step + ahead, "why": why, "rank": self.comm.rank,
+                                       "signal": self.signalled})
             self._target = doc
             if doc is not None and doc["why"] == "preemption" and not self.preempting:
                 self.preempting = True
@@ -257,6 +258,8 @@ class Schedule:
                 self.emergency_step = step
             self._target = None
             self._round += 1
+            if self.comm.rank == 0 and self._round > KEEP_SEQS:  # long closed on every rank: its key goes
+                self.comm.round("save", self._round - 1 - KEEP_SEQS).cleanup(("answer",))
             hit = True
         return hit
 

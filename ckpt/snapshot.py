@@ -37,8 +37,9 @@ import torch
 from . import _ext
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native
-from .dist import Comm, Inventory
 from .flatten import Flat, Leaf
+from .planning import Inventory
+from .ranks import Comm
 from .tree import dtype_name
 
 log = logging.getLogger("ckpt")

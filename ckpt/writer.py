@@ -50,6 +50,7 @@ class SaveJob:
     encode_cpu_s: float = 0.0  # CPU time (all threads) this save spent encoding
     persist: bool = True  # uploaded to the checkpoint path (else committed to the local tiers only)
     committed: bool = False  # set once the step is committed (on every rank)
+    storage: Storage | None = None  # the storage this save runs over (``Storage.view(persist)``); None: the writer's
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Writer:
     def _store(self, job: SaveJob, h: str, data: memoryview, base: _BaseRef | None = None, width: int = 1,
                rotate: bool = False, again: bool = False) -> _Put:
         """Write chunk ``h`` unless it is stored already (``again``: write it whole over whatever is there)."""
-        found, damaged = (None, True) if again else self._probe(h, len(data))
+        found, damaged = (None, True) if again else self._probe(job, h, len(data))
         if found is not None:
             with self._lock:
                 self.known[h] = found
@@ -130,7 +131,7 @@ class Writer:
         cpu = time.thread_time() - cpu
         with self._lock:
             job.encode_cpu_s += cpu
-        stored = self.storage.write(paths.chunk_key(h), buffers)
+        stored = self.over(job).write(paths.chunk_key(h), buffers)
         info = mf.ChunkInfo(len(data), stored, f"{codec}/1", b.digest if codec == "xor" and b is not None else None)
         with self._lock:
             self.known[h] = info
@@ -138,14 +139,15 @@ class Writer:
                 job.created.append(h)  # nothing was stored under this name: this save alone wrote it
         return _Put(h, info, "written" if damaged else "created")
 
-    def _probe(self, h: str, size: int, links: int = 0) -> tuple[mf.ChunkInfo | None, bool]:
+    def _probe(self, job: SaveJob, h: str, size: int, links: int = 0) -> tuple[mf.ChunkInfo | None, bool]:
         """Is chunk ``h`` already stored (by an earlier run)? Read its header to describe it, and for
         a delta its base's, down its chain. Returns (what is stored or None, whether a damaged copy,
         or a delta whose chain is broken, is there: then a whole copy is written over it)."""
         key = paths.chunk_key(h)
         try:
-            hdr = parse_header(self.storage.head(key, HEADER_SIZE), name=key)
-            stored = self.storage.size(key)
+            storage = self.over(job)
+            hdr = parse_header(storage.head(key, HEADER_SIZE), name=key)
+            stored = storage.size(key)
             check_header(hdr, name=key, expect_hash=h, expect_len=size, object_len=stored)
         except FileNotFoundError:
             return None, False
@@ -155,7 +157,7 @@ class Writer:
             with self._lock:
                 have = hdr.base in self.known
             if not have:
-                found = self._probe(hdr.base, size, links + 1)[0] if links < mf.MAX_CHAIN else None
+                found = self._probe(job, hdr.base, size, links + 1)[0] if links < mf.MAX_CHAIN else None
                 if found is None:
                     return None, True
                 with self._lock:
@@ -180,7 +182,8 @@ class Writer:
         table, gone = self._table(puts)
         fresh = {p.hash for p in puts if p.how != "known"}  # written or probed by this save
         check = [h for h in table if h not in fresh]
-        gone |= {h for h, ok in zip(check, run_all(self.io, lambda h: self.storage.exists(paths.chunk_key(h)), check))
+        gone |= {h for h, ok in zip(check, run_all(self.io, lambda h: self.over(job).exists(paths.chunk_key(h)),
+                                                   check))
                  if not ok}
         if not gone:
             return
@@ -201,10 +204,15 @@ class Writer:
                 puts[i] = again[p.hash] = self._store(job, p.hash, buf.view(c.offset, c.length), None, c.width,
                                                       c.rotate, again=True)
 
-    def _check_not_committed(self, step: int) -> None:
-        if self.storage.exists(paths.manifest_key(step)):
+    def over(self, job: SaveJob) -> Storage:
+        """The storage ``job`` runs over."""
+        return job.storage if job.storage is not None else self.storage
+
+    def _check_not_committed(self, job: SaveJob) -> None:
+        step, storage = job.step, self.over(job)
+        if storage.exists(paths.manifest_key(step)):
             raise StepExistsError(
-                f"step {step} is already committed in {self.storage.describe()}; committed steps are never "
+                f"step {step} is already committed in {storage.describe()}; committed steps are never "
                 "overwritten. Save under a new step number (or delete the old one with retention/`ckpt gc`).")
 
     # -- one rank's part of a save, on the commit thread -----------------------------------------
@@ -220,7 +228,7 @@ class Writer:
         layout = buf.layout
         try:
             try:
-                self._check_not_committed(job.step)
+                self._check_not_committed(job)
                 if snap.cuda is not None:
                     snap.cuda.synchronize()
                 _refuse_poison(job.step, rank, snap.poisoned())
@@ -242,12 +250,12 @@ class Writer:
                                  time.perf_counter() - started, job.encode_cpu_s)
             finally:
                 snap.release()
-            self.storage.flush()
+            self.over(job).flush()
             if job.on_local is not None:
                 job.on_local()
             part = self._report(job, rank, puts)
-            self._check_not_committed(job.step)  # a committed step's rank reports never change
-            self.storage.write(paths.rank_key(job.step, rank), [part.to_json()])
+            self._check_not_committed(job)  # a committed step's rank reports never change
+            self.over(job).write(paths.rank_key(job.step, rank), [part.to_json()])
             return part
         except BaseException:
             self.discard(job)
@@ -308,20 +316,24 @@ class Writer:
                 log.info("ckpt: step %d failed; its %d new chunk(s) are left for `ckpt gc` (another writer is live)",
                          job.step, len(created))
                 return
-            run_all(self.io, self.storage.delete, [paths.chunk_key(h) for h in created])
-            self.storage.flush()
+            storage = self.over(job)
+            run_all(self.io, storage.delete, [paths.chunk_key(h) for h in created])
+            storage.flush()
             log.info("ckpt: step %d failed; removed the %d chunk(s) it had written", job.step, len(created))
         except Exception as e:  # the save's own error matters more; gc removes them later
             log.warning("ckpt: removing the chunks of failed step %d failed: %s", job.step, e)
 
-    def commit(self, step: int, parts: list[mf.Manifest], per_rank: frozenset[str]) -> mf.Manifest:
+    def commit(self, step: int, parts: list[mf.Manifest], per_rank: frozenset[str],
+               storage: Storage | None = None) -> mf.Manifest:
         """Merge every rank's report into the step manifest and commit it (create-only).
 
         Two ranks may store the same chunk (same bytes, same name) differently: as deltas of their
         own bases, or with other byte-plane widths; the copy written last is the one stored. Where
         their reports disagree, the stored header decides the entry, and the merged table is checked
-        (every base listed, chains bounded) before anything is committed."""
-        self._settle_conflicts(parts)
+        (every base listed, chains bounded) before anything is committed. ``storage``: the save's own
+        view (default: the writer's storage)."""
+        storage = storage if storage is not None else self.storage
+        self._settle_conflicts(parts, storage)
         step_manifest = mf.merge(step, parts, per_rank)
         try:
             mf.check_chains(step_manifest.chunks, paths.manifest_key(step))
@@ -329,14 +341,14 @@ class Writer:
             raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
                                          f"({e})") from e
         try:
-            self.storage.commit(paths.manifest_key(step), step_manifest.to_json())
+            storage.commit(paths.manifest_key(step), step_manifest.to_json())
         except FileExistsError:
             raise StepExistsError(
-                f"step {step} is already committed in {self.storage.describe()}; committed steps are never "
+                f"step {step} is already committed in {storage.describe()}; committed steps are never "
                 "overwritten. Save under a new step number (or delete the old one with retention/`ckpt gc`).") from None
         return step_manifest
 
-    def _settle_conflicts(self, parts: list[mf.Manifest]) -> None:
+    def _settle_conflicts(self, parts: list[mf.Manifest], storage: Storage) -> None:
         seen: dict[str, mf.ChunkInfo] = {}
         conflicts: set[str] = set()
         for part in parts:
@@ -345,8 +357,8 @@ class Writer:
                     conflicts.add(h)
         for h in sorted(conflicts):
             key = paths.chunk_key(h)
-            hdr = parse_header(self.storage.head(key, HEADER_SIZE), name=key)
-            stored = self.storage.size(key)
+            hdr = parse_header(storage.head(key, HEADER_SIZE), name=key)
+            stored = storage.size(key)
             check_header(hdr, name=key, expect_hash=h, object_len=stored)
             truth = mf.ChunkInfo(hdr.raw_len, stored, f"{hdr.codec}/1", hdr.base)
             log.info("ckpt: chunk %s was stored differently by two ranks; the step lists the copy that stayed (%s)",

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import erasure
-from ckpt.redundancy import parity_groups, replica_targets
+from ckpt.peers import erasure
+from ckpt.peers.placement import parity_groups, replica_targets
 from ckpt.testing import run_ranks
 
 ROWS, COLS = 1024, 512  # a 2 MiB float32 tensor sharded by rows: 8 chunks of 64 KiB per rank of 4
@@ -233,7 +233,7 @@ _SAVING = [0]  # the step the killed rank is saving (read by its patched exchang
 def _killed_body(rank: int, world: int, root: str, victim: int) -> dict:
     """Saves 1 and 2 commit; during save 3's replication the victim SIGKILLs itself after storing
     one replica chunk (a real kill, mid-transfer); the others see save 3 fail."""
-    from ckpt.redundancy import Peers
+    from ckpt.peers.exchange import Peers
 
     if rank == victim:
         original = Peers.exchange

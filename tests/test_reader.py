@@ -14,7 +14,7 @@ from test_cli import HOUR, frozen_and_moving, make_garbage, save_steps
 import ckpt
 from ckpt import cli
 
-WRITER_SIDE = ("ckpt.writer", "ckpt.commit", "ckpt.redundancy", "ckpt.checkpointer", "ckpt.dist")
+WRITER_SIDE = ("ckpt.writer", "ckpt.commit", "ckpt.peers", "ckpt.checkpointer", "ckpt.ranks", "ckpt.snapshot")
 
 
 def cli_json(capsys, *args) -> tuple[int, dict]:

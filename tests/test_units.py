@@ -18,13 +18,14 @@ from ckpt import CorruptCheckpointError, IncompatibleFormatError
 from ckpt import tree as st
 from ckpt.buffer_layout import ALIGN, make_layout
 from ckpt.commit import Decision, Report, Status
-from ckpt.dist import Inventory, InventoryRow, LocalComm, WriteAssignment
 from ckpt.encode import CodecSpec, encode
 from ckpt.flatten import flatten
 from ckpt.format import manifest as mf
 from ckpt.format.boxes import contiguous_run, next_needed
 from ckpt.format.chunk import chunk_hash, decode, verify, verify_object
 from ckpt.options import OptionArgs, Options, RetentionOptions
+from ckpt.planning import Inventory, InventoryRow, WriteAssignment, assign
+from ckpt.ranks import LocalComm
 from ckpt.retention import to_delete
 
 
@@ -130,14 +131,14 @@ def inv(tensors, tops=None, per_rank=()):
 def test_replicated_tensors_are_written_once_with_balanced_bytes():
     tensors = [[f"m/t{i}", "replicated", "float32", [n], [0], [n], 4 * n]
                for i, n in enumerate([1000, 900, 800, 700, 600, 500, 400, 300])]
-    plans = ckpt.dist.assign([inv(tensors) for _ in range(3)])
+    plans = assign([inv(tensors) for _ in range(3)])
     writes = [p.write for p in plans]
     assert sorted(i for w in writes for i in w) == list(range(8))  # each written exactly once
     loads = [p.bytes for p in plans]
     assert max(loads) - min(loads) <= 4 * 1000
     # shards with one holder are forced, and a Replicate placement's duplicate boxes written once
     sh = [[["m/s", "shard", "float32", [10, 4], [r * 5, 0], [5, 4], 80]] for r in (0, 1, 0, 1)]
-    plans = ckpt.dist.assign([inv(t) for t in sh])
+    plans = assign([inv(t) for t in sh])
     assert sum(len(p.write) for p in plans) == 2
 
 
@@ -148,21 +149,21 @@ def test_replicated_tensors_are_written_once_with_balanced_bytes():
 ])
 def test_inconsistent_states_are_refused_with_the_key(bad, match):
     good = [["m/x", "replicated", "float32", [4], [0], [4], 16]]
-    plans = ckpt.dist.assign([inv(good), inv(bad)])
+    plans = assign([inv(good), inv(bad)])
     assert all(p.error for p in plans) and match in plans[0].error
 
 
 def test_shards_must_tile_the_tensor():
     a = [["m/s", "shard", "float32", [10], [0], [6], 24]]
     b = [["m/s", "shard", "float32", [10], [5], [5], 20]]  # overlaps a
-    plans = ckpt.dist.assign([inv(a), inv(b)])
+    plans = assign([inv(a), inv(b)])
     assert "do not tile" in plans[0].error
 
 
 def test_plain_values_that_differ_make_the_key_per_rank():
     a = inv([], tops={"m": "1", "pos": "x"})
     b = inv([], tops={"m": "1", "pos": "y"})
-    assert ckpt.dist.assign([a, b])[0].per_rank == ["pos"]
+    assert assign([a, b])[0].per_rank == ["pos"]
 
 
 def test_next_needed_and_contiguous_run_match_brute_force():

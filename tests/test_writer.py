@@ -12,7 +12,6 @@ import torch
 
 import ckpt
 from ckpt.commit import CommitProtocol
-from ckpt.dist import LocalComm
 from ckpt.encode import CodecSpec
 from ckpt.flatten import flatten
 from ckpt.format import manifest as mf
@@ -20,6 +19,7 @@ from ckpt.format import paths
 from ckpt.format.chunk import decode
 from ckpt.handle import SaveMetrics
 from ckpt.lease import Leases
+from ckpt.ranks import LocalComm
 from ckpt.snapshot import Snapshotter
 from ckpt.storage import open_storage
 from ckpt.testing import FaultyStorage

@@ -108,6 +108,11 @@ class Storage(abc.ABC):
     def describe(self) -> str:
         return self.url
 
+    def view(self, persist: bool) -> Storage:
+        """The storage one save runs over (``persist``: whether it goes to the checkpoint path; only a
+        tiered storage with local commits answers with another object)."""
+        return self
+
     def durable_tier(self) -> Storage:
         """The tier that is the truth: this storage, or the remote behind a local staging tier.
         Small control objects (leases) go straight there."""

@@ -17,14 +17,14 @@ truth: a step exists when its MANIFEST.json exists there.
 * Deletes go to both tiers (local first), so retention and GC apply to both.
 
 With ``local_commits`` (``redundancy`` or ``persist_every``: the local tier is a committed checkpoint
-of its own), a save runs inside ``saving(persist)`` (the commit protocol, on its one thread):
-``persist`` says whether it is uploaded. Local-only, writes, ``exists``, ``head`` and ``commit``
-concern the local tier alone; uploaded, a chunk counts as stored (``exists``, ``head``) only when
-both tiers have it: one only the local tier has is uploaded then (the heal path of failed uploads),
-one only the remote has is written again, into the local tier alone. So every step a tier commits
-names chunks that tier holds, and an uploaded one chunks the remote holds. Outside a save both
-tiers are read (the local first for chunks); a step file the remote lacks is read from the local
-tier (a step committed only there).
+of its own), each save runs over its own :class:`SaveView` (``view(persist)``, carried by the save's
+job; nothing on this shared object changes): ``persist`` says whether it is uploaded. Local-only,
+writes, ``exists``, ``head`` and ``commit`` concern the local tier alone; uploaded, a chunk counts as
+stored (``exists``, ``head``) only when both tiers have it: one only the local tier has is uploaded
+then (the heal path of failed uploads), one only the remote has is written again, into the local
+tier alone. So every step a tier commits names chunks that tier holds, and an uploaded one chunks
+the remote holds. Outside a save both tiers are read (the local first for chunks); a step file the
+remote lacks is read from the local tier (a step committed only there).
 
 ``hold(key, data)`` puts a verified chunk in front of both tiers, in memory: a load whose chunks came
 from peers (or were rebuilt from parity) reads them from there, while the local tier is healed
@@ -33,10 +33,9 @@ behind it; ``release(keys)`` drops them once they are written.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import CheckpointError, StorageError
@@ -62,7 +61,6 @@ class TieredStorage(Storage):
                  local_commits: bool = False):
         self.local = local
         self.local_commits = local_commits
-        self.persist = True  # the save in progress is uploaded (always, unless local_commits)
         self.remote = remote
         self.url = remote.url
         self._verify = verify
@@ -73,18 +71,10 @@ class TieredStorage(Storage):
         self._counters = TierCounters()
         self._failed: str | None = None  # the first upload failure since the last drain
         self._held: dict[str, memoryview] = {}  # verified chunks in memory, read before either tier
-        self._remote_has: set[str] = set()  # chunks the remote has and the local tier lacks (local commits)
 
-    @contextlib.contextmanager
-    def saving(self, persist: bool) -> Iterator[None]:
-        """Around one save (local commits): ``persist`` is whether it is uploaded."""
-        self.persist = persist
-        try:
-            yield
-        finally:
-            self.persist = True
-            with self._lock:
-                self._remote_has.clear()
+    def view(self, persist: bool) -> Storage:
+        """One save's storage (local commits): ``persist`` is whether it is uploaded."""
+        return SaveView(self, persist) if self.local_commits else self
 
     def hold(self, key: str, data: memoryview) -> None:
         """Serve ``key`` from ``data`` (already verified) until :meth:`release`."""
@@ -131,8 +121,6 @@ class TieredStorage(Storage):
             self._counters.uploaded += 1
 
     def write(self, key: str, buffers: Sequence) -> int:
-        if not self.persist:
-            return self.local.write(key, buffers)
         if not is_chunk_key(key):
             # A step file: every chunk before it must be durable remotely first.
             self.drain()
@@ -142,9 +130,6 @@ class TieredStorage(Storage):
             return n
         n = self.local.write(key, buffers)
         with self._lock:
-            if key in self._remote_has:  # see exists(): uploaded already
-                self._remote_has.discard(key)
-                return n
             self._pending.append(self._uploads.submit(self._upload, key))
         return n
 
@@ -171,9 +156,6 @@ class TieredStorage(Storage):
             raise StorageError(f"uploading to {self.remote.describe()} failed: {first}") from first
 
     def commit(self, key: str, data: bytes) -> None:
-        if not self.persist:
-            self.local.commit(key, data)
-            return
         self.drain()
         self.local.flush()
         self.remote.commit(key, data)  # the commit point: the durable tier
@@ -305,20 +287,22 @@ class TieredStorage(Storage):
 
     def head(self, key: str, n: int) -> Blob:
         if self.local_commits and is_chunk_key(key):
-            if not self.exists(key):  # in this save's sense: see the module's docstring
+            if not self.exists(key):  # in a save's sense: see the module's docstring
                 raise FileNotFoundError(key)
             return self.local.read(key, 0, n)
         return self.read(key, 0, n)
 
     def exists(self, key: str) -> bool:
-        if not self.persist:
-            return self.local.exists(key)
+        return self.stored(key, set())
+
+    def stored(self, key: str, remote_only: set[str]) -> bool:
+        """Whether ``key`` is stored, for an uploaded save; with local commits a chunk only the remote
+        has is not (it goes into ``remote_only``: the save writes it into the local tier alone)."""
         if self.remote.exists(key):
             if self.local_commits and is_chunk_key(key) and not self.local.exists(key):
                 # the local tier is a checkpoint too, and lacks it (a run restarted from the checkpoint
                 # path): the writer writes it, into the local tier only
-                with self._lock:
-                    self._remote_has.add(key)
+                remote_only.add(key)
                 return False
             return True
         if is_chunk_key(key) and self.local.exists(key):
@@ -349,3 +333,94 @@ class TieredStorage(Storage):
     def close(self) -> None:
         self._uploads.shutdown(wait=True)
         self.remote.close()
+
+
+class SaveView(Storage):
+    """One save's view of a :class:`TieredStorage` with local commits (see the module docstring):
+    ``persist`` is whether the save is uploaded. Writes, ``exists``, ``head`` and ``commit`` answer
+    in this save's sense; everything else is the tiered storage's."""
+
+    def __init__(self, tiers: TieredStorage, persist: bool):
+        self.tiers = tiers
+        self.persist = persist
+        self.url = tiers.url
+        self._remote_only: set[str] = set()  # chunks the remote has and the local tier lacks
+        self._lock = threading.Lock()
+
+    def write(self, key: str, buffers: Sequence) -> int:
+        if not self.persist:
+            return self.tiers.local.write(key, buffers)
+        with self._lock:
+            uploaded = key in self._remote_only
+            self._remote_only.discard(key)
+        if uploaded:  # see stored(): only the local tier lacked it
+            return self.tiers.local.write(key, buffers)
+        return self.tiers.write(key, buffers)
+
+    def commit(self, key: str, data: bytes) -> None:
+        if not self.persist:
+            self.tiers.local.commit(key, data)
+            return
+        self.tiers.commit(key, data)
+
+    def exists(self, key: str) -> bool:
+        if not self.persist:
+            return self.tiers.local.exists(key)
+        found: set[str] = set()
+        ok = self.tiers.stored(key, found)
+        if found:
+            with self._lock:
+                self._remote_only |= found
+        return ok
+
+    def head(self, key: str, n: int) -> Blob:
+        if is_chunk_key(key):
+            if not self.exists(key):
+                raise FileNotFoundError(key)
+            return self.tiers.local.read(key, 0, n)
+        return self.tiers.read(key, 0, n)
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> Blob:
+        return self.tiers.read(key, start, end)
+
+    def read_object(self, key: str, limit: int) -> Blob:
+        return self.tiers.read_object(key, limit)
+
+    def readv(self, key: str, buffers: Sequence, offset: int = 0) -> int:
+        return self.tiers.readv(key, buffers, offset)
+
+    def size(self, key: str) -> int:
+        return self.tiers.size(key)
+
+    def mtime(self, key: str) -> float | None:
+        return self.tiers.mtime(key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.tiers.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.tiers.delete(key)
+
+    def root_state(self) -> RootState:
+        return self.tiers.root_state()
+
+    def remove_root(self) -> None:
+        self.tiers.remove_root()
+
+    def flush(self) -> None:
+        self.tiers.flush()
+
+    def describe(self) -> str:
+        return self.tiers.describe()
+
+    def durable_tier(self) -> Storage:
+        return self.tiers.durable_tier()
+
+    def tier_counters(self) -> TierCounters | None:
+        return self.tiers.tier_counters()
+
+    def reset_tier_counters(self) -> None:
+        self.tiers.reset_tier_counters()
+
+    def close(self) -> None:
+        pass  # the tiered storage outlives its saves

@@ -18,8 +18,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import CorruptCheckpointError
-from .format.paths import parity_block_name, parity_layout_name
+from ..errors import CorruptCheckpointError
+from ..format.paths import parity_block_name, parity_layout_name
 
 
 @dataclass(frozen=True)

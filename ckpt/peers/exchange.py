@@ -7,7 +7,9 @@ it on the commit thread, loads on the caller's thread after every save has finis
 
 * ``Replicas(r)``: rank i's chunks also go to r-1 ranks, one in each of the r-1 domains after its own;
 * ``Parity(k, m)``: ranks are dealt round-robin over the domains into groups of k+m, each in distinct
-  domains; :mod:`ckpt.erasure` lays out the stripes.
+  domains; :mod:`ckpt.peers.erasure` lays out the stripes.
+
+(:mod:`ckpt.peers.placement` places; this module moves the bytes.)
 
 Save (:meth:`Peers.protect`, after this rank's chunks are durable locally, before it reports ``ok``):
 one gather of every rank's chunk table, then the bytes. Replica targets say which chunks they lack
@@ -15,10 +17,7 @@ one gather of every rank's chunk table, then the bytes. Replica targets say whic
 stripes and store the parity blocks in the step's directory, with the group's layout. Every object
 received is checked (hash or frame check) before it is written.
 
-Load (:meth:`Peers.survey`, :meth:`Peers.fetch`): every rank says which chunks of the step its tier
-holds; a rank missing chunks it needs gets each from the holder with the least to send, or rebuilds
-the member that held it from any k blocks of each of its stripes. Everything arrives in the rank's
-own tier (which heals it), verified, and the load then reads it as a local chunk.
+Load: :mod:`ckpt.peers.recovery` (survey, fetch, rebuild) over the same group and :meth:`Peers.exchange`.
 """
 
 from __future__ import annotations
@@ -28,21 +27,20 @@ import logging
 import os
 import socket
 from collections import defaultdict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
-
+from ..errors import CheckpointError, CorruptCheckpointError, DistributedSaveError
+from ..format import manifest as mf
+from ..format import paths
+from ..format.chunk import verify_object
+from ..ranks import Comm
+from ..redundancy_config import Parity, Replicas
+from ..storage import LocalStorage
 from . import erasure
-from .dist import Comm
-from .errors import CheckpointError, ConfigError, CorruptCheckpointError, DistributedSaveError
-from .format import manifest as mf
-from .format import paths
-from .format.chunk import verify_object
-from .redundancy_config import Parity, Replicas
-from .storage import LocalStorage
+from .placement import parity_groups, replica_targets
 
 log = logging.getLogger("ckpt")
 
@@ -72,69 +70,6 @@ class PeerStats:
     rebuilt_chunks: int = 0  # chunks this rank rebuilt from parity (load)
 
 
-@dataclass
-class Survey:
-    """Which rank's tier holds what of one step (the same on every rank)."""
-
-    step: int
-    holders: dict[str, list[int]] = field(default_factory=dict)  # chunk -> ranks holding it
-    parity: dict[str, list[int]] = field(default_factory=dict)  # parity file name -> ranks holding it
-    layouts: dict[int, erasure.GroupLayout] = field(default_factory=dict)
-    persisted: bool = False  # the step is committed remotely too
-
-    def lost(self, hashes: Iterable[str]) -> list[str]:
-        return sorted(h for h in hashes if not self.holders.get(h))
-
-
-def _domains_order(domains: list[str]) -> tuple[list[str], dict[str, list[int]]]:
-    names = sorted(set(domains))
-    members: dict[str, list[int]] = {d: [] for d in names}
-    for r, d in enumerate(domains):
-        members[d].append(r)
-    return names, members
-
-
-def replica_targets(domains: list[str], copies: int) -> list[list[int]]:
-    """For each rank, the ranks holding its copies: one in each of the copies-1 domains after its
-    own (in sorted order of domain names), the member at the same position within that domain."""
-    names, members = _domains_order(domains)
-    if len(names) < copies:
-        raise ConfigError(f"Replicas({copies}) needs {copies} failure domains; this job has {len(names)} "
-                          f"({', '.join(names[:6])}). Run on more nodes, lower r, or set failure_domain= per rank "
-                          "where ranks fail separately (tests, containers).")
-    out = []
-    for r, d in enumerate(domains):
-        pos = members[d].index(r)
-        di = names.index(d)
-        targets = []
-        for j in range(1, copies):
-            peers = members[names[(di + j) % len(names)]]
-            targets.append(peers[pos % len(peers)])
-        out.append(targets)
-    return out
-
-
-def parity_groups(domains: list[str], k: int, m: int) -> list[list[int]]:
-    """Ranks dealt round-robin over the domains, cut into groups of k+m in distinct domains."""
-    n = k + m
-    names, members = _domains_order(domains)
-    if len(domains) % n:
-        raise ConfigError(f"Parity(data={k}, parity={m}) groups ranks by {n}; this job has {len(domains)} rank(s), "
-                          f"not a multiple of {n}. Choose data+parity dividing the world size.")
-    dealt: list[int] = []
-    depth = max(len(v) for v in members.values())
-    for i in range(depth):
-        dealt += [members[d][i] for d in names if i < len(members[d])]
-    groups = [dealt[i: i + n] for i in range(0, len(dealt), n)]
-    for g in groups:
-        if len({domains[r] for r in g}) < n:
-            raise ConfigError(f"Parity(data={k}, parity={m}) needs each group of {n} ranks in {n} distinct failure "
-                              f"domains; this job has {len(names)} domain(s) of sizes "
-                              f"{sorted(len(v) for v in members.values())}. Use fewer ranks per group or balance "
-                              "the domains (failure_domain= overrides the host name).")
-    return groups
-
-
 class Peers:
     """The ranks of one Checkpointer protecting each other's local tiers (see the module docstring)."""
 
@@ -155,8 +90,13 @@ class Peers:
             self.group = dist.new_group(self._global, backend="gloo", timeout=timedelta(seconds=timeout),
                                         use_local_synchronization=True)
         host = socket.gethostname()
-        docs = self.gather({"domain": failure_domain or host, "tier": f"{host}:{os.path.realpath(local.root)}",
-                            "lease": lease_id})
+        # who is where: a coordination round through the store (the gloo group moves the bytes)
+        meet = comm.round("peers", 0)
+        meet.post({"domain": failure_domain or host, "tier": f"{host}:{os.path.realpath(local.root)}",
+                   "lease": lease_id})
+        got = meet.gather(comm.deadline())
+        got.raise_for("the peers' setup", comm.timeout)
+        docs = got.ordered()
         self.domains = [str(d["domain"]) for d in docs]
         # Ranks on one node usually share its local_dir: one of them (the lowest) applies the tier's
         # retention, and takes the others' writer leases for its own (they are not in its way).
@@ -293,7 +233,7 @@ class Peers:
         return failure
 
     # -- this rank's tier ----------------------------------------------------------------------------
-    def _store_chunk(self, h: str, data: memoryview, keep: Callable[[str, memoryview], None] | None = None) -> None:
+    def store_chunk(self, h: str, data: memoryview, keep: Callable[[str, memoryview], None] | None = None) -> None:
         """Verify chunk ``h`` (a copy that arrived damaged, or was rebuilt wrong, is never used), then
         write it to this rank's tier, or hand it to ``keep(storage key, bytes)``."""
         key = paths.chunk_key(h)
@@ -303,7 +243,7 @@ class Peers:
         else:
             keep(key, data)
 
-    def _read_range(self, member: erasure.Member, start: int, end: int) -> bytearray:
+    def read_range(self, member: erasure.Member, start: int, end: int) -> bytearray:
         out = bytearray(end - start)
         view, pos = memoryview(out), 0
         for h, off, n in member.pieces(start, end):
@@ -344,7 +284,7 @@ class Peers:
                     plan += [Transfer(src, dst, ("chunk", h), sizes[h]) for h in hashes]
 
         def received(src: int, item: Item, data: memoryview) -> None:
-            self._store_chunk(item[1], data)
+            self.store_chunk(item[1], data)
             stats.stored_bytes += len(data)
 
         self.exchange(plan, lambda item: self.local.read(paths.chunk_key(item[1])), received, stats)
@@ -368,7 +308,7 @@ class Peers:
         def read(item: Item) -> bytearray:
             _, _, pos, q, _ = item
             mem = mine.members[pos]
-            return self._read_range(mem, *mem.segment(q, mine.k))
+            return self.read_range(mem, *mem.segment(q, mine.k))
 
         def received(src: int, item: Item, data: memoryview) -> None:
             got[(item[2], item[3])] = data  # the received buffer, padded to the stripe's length
@@ -384,195 +324,3 @@ class Peers:
             self.local.write(f"{d}/{mine.parity_name(st.index, j)}", [block])
             stats.stored_bytes += len(block)
         self.local.write(f"{d}/{mine.name}", [json.dumps(mine.to_json()).encode()])
-
-    # -- loading -------------------------------------------------------------------------------------
-    def survey(self, step: int, m: mf.Manifest, persisted: bool) -> Survey:
-        """Every rank's holdings of step ``step`` (one gather)."""
-        hashes = sorted(m.chunks)
-        held = bytearray((len(hashes) + 7) // 8)
-        for i, h in enumerate(hashes):
-            if self.local.exists(paths.chunk_key(h)):
-                held[i // 8] |= 1 << (i % 8)
-        d = paths.step_dir(step)
-        names = [n for n in self.local.list(d) if n.startswith("parity-")]
-        layouts = {}
-        for n in names:
-            if n.endswith(".json"):
-                try:
-                    layouts[n] = json.loads(self.local.read(f"{d}/{n}", 0, mf.MAX_MANIFEST_BYTES))
-                except (ValueError, FileNotFoundError):
-                    pass
-        docs = self.gather({"held": bytes(held), "parity": [n for n in names if not n.endswith(".json")],
-                            "layouts": layouts})
-        s = Survey(step, persisted=persisted)
-        for r, doc in enumerate(docs):
-            bits = np.unpackbits(np.frombuffer(doc["held"], np.uint8), bitorder="little")[: len(hashes)]
-            for i in np.flatnonzero(bits).tolist():
-                s.holders.setdefault(hashes[i], []).append(r)
-            for n in doc["parity"]:
-                s.parity.setdefault(n, []).append(r)
-            for n, lay in doc["layouts"].items():
-                if n not in {x.name for x in s.layouts.values()}:
-                    parsed = erasure.GroupLayout.from_json(lay, f"{paths.step_dir(step)}/{n}")
-                    s.layouts[parsed.group] = parsed
-        return s
-
-    def _rebuild_plan(self, s: Survey, group: int, pos: int, dst: int) -> list[tuple[int, list[tuple[int, int, Item,
-                                                                                                       int]]]]:
-        """How ``dst`` rebuilds member ``pos`` of ``group``: per stripe holding its data, k blocks as
-        (block number, source rank, item, size). Raises CorruptCheckpointError if a stripe has fewer."""
-        lay = s.layouts[group]
-        out = []
-        for st in lay.stripes:
-            mine = [q for p, q in st.data if p == pos]
-            if not mine or st.length == 0:  # nothing of the member here, or no bytes at all (no parity files)
-                continue
-            blocks: list[tuple[int, int, Item, int]] = []
-            for b, (p, q) in enumerate(st.data):
-                if p == pos:
-                    continue
-                mem = lay.members[p]
-                a, e = mem.segment(q, lay.k)
-                pieces = mem.pieces(a, e)
-                holders = set.intersection(*[set(s.holders.get(h, [])) for h, _, _ in pieces]) if pieces else {dst}
-                if holders:
-                    src = dst if dst in holders else min(holders)
-                    blocks.append((b, src, ("seg", group, p, q), e - a))
-            for j in range(lay.m):
-                name = lay.parity_name(st.index, j)
-                holders_p = s.parity.get(name, [])
-                if holders_p:
-                    src = dst if dst in holders_p else min(holders_p)
-                    blocks.append((lay.k + j, src, ("par", group, name), st.length))
-            if len(blocks) < lay.k:
-                raise CorruptCheckpointError(
-                    f"step {s.step}: rank {lay.members[pos].rank}'s chunks are gone from every local tier, and stripe "
-                    f"{st.index} of parity group {group} has {len(blocks)} of the {lay.k} blocks needed to rebuild "
-                    "them (more failure domains were lost than the parity covers)")
-            out.append((st.index, blocks[: lay.k]))
-        return out
-
-    def _unrecoverable(self, s: Survey, hashes: Iterable[str]) -> tuple[dict[tuple[int, int], list[str]], str | None]:
-        """Lost chunks by the (group, member) that rebuilds them, and why some cannot be (None: all can)."""
-        by_member: dict[tuple[int, int], list[str]] = defaultdict(list)
-        for h in s.lost(hashes):
-            where = next(((g, p) for g, lay in s.layouts.items() if (p := lay.member_of(h)) is not None), None)
-            if where is None:
-                return by_member, (f"chunk {h} is held by no surviving local tier" +
-                                   (" and no parity layout covers it" if isinstance(self.redundancy, Parity) else ""))
-            by_member[where].append(h)
-        for g, p in by_member:
-            try:
-                self._rebuild_plan(s, g, p, self.rank)
-            except CorruptCheckpointError as e:
-                return by_member, str(e)
-        return by_member, None
-
-    def recoverable(self, s: Survey, m: mf.Manifest) -> tuple[bool, str]:
-        """Whether every chunk of the step can be had from the local tiers (a peer's, or rebuilt)."""
-        _, why = self._unrecoverable(s, m.chunks)
-        if why is None:
-            return True, ""
-        return s.persisted, why
-
-    def fetch(self, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
-              keep: Callable[[str, memoryview], None]) -> PeerStats:
-        """Collective: every rank gets the chunks it ``needed`` (None: it failed before it could say,
-        and every rank raises) from peers or rebuilt from parity, each verified, then handed to
-        ``keep(storage key, bytes)``."""
-        mine = None if needed is None else sorted(h for h in set(needed) if self.rank not in s.holders.get(h, []))
-        every = self.gather({"ok": needed is not None, "needs": mine or []})
-        bad = [r for r, d in enumerate(every) if not d["ok"]]
-        if bad:
-            raise CheckpointError(f"rank(s) {bad} could not plan the load of step {s.step} (their own errors say "
-                                  "why); load again once that is mended")
-        plan: list[Transfer] = []
-        load = [0] * self.world
-        rebuild: dict[tuple[int, int], tuple[list[tuple[int, list]], list[str]]] = {}  # this rank's
-        for dst, doc in enumerate(every):
-            lost = []
-            for h in doc["needs"]:
-                holders = [r for r in s.holders.get(h, []) if r != dst]
-                if not holders:
-                    lost.append(h)
-                    continue
-                src = min(holders, key=lambda r: (load[r], r))
-                size = m.chunks[h].stored
-                load[src] += size
-                plan.append(Transfer(src, dst, ("chunk", h), size))
-            by_member, why = self._unrecoverable(s, lost)
-            if why is not None and not s.persisted:
-                raise CorruptCheckpointError(f"step {s.step} cannot be recovered from the local tiers: {why}")
-            for (g, p), hashes in (by_member if why is None else {}).items():
-                stripes = self._rebuild_plan(s, g, p, dst)
-                if dst == self.rank:
-                    rebuild[(g, p)] = (stripes, hashes)
-                for t, blocks in stripes:
-                    length = s.layouts[g].stripes[t].length  # segments arrive padded to it, as zfec wants them
-                    plan += [Transfer(src, dst, item, size, length) for _, src, item, size in blocks if src != dst]
-        stats = PeerStats()
-        got: dict[Item, bytes | memoryview] = {}
-
-        def read(item: Item) -> bytes | bytearray:
-            if item[0] == "chunk":
-                return self.local.read(paths.chunk_key(item[1]))
-            if item[0] == "par":
-                return self.local.read(f"{paths.step_dir(s.step)}/{item[2]}")
-            _, g, p, q = item
-            mem = s.layouts[g].members[p]
-            return self._read_range(mem, *mem.segment(q, s.layouts[g].k))
-
-        def received(src: int, item: Item, data: memoryview) -> None:
-            if item[0] == "chunk":
-                self._store_chunk(item[1], data, keep)
-                stats.peer_chunks += 1
-            else:
-                got[item] = data  # the received buffer itself, alive as long as this view
-
-        self.exchange(plan, read, received, stats)
-        for (g, p), (stripes, hashes) in rebuild.items():
-            stats.rebuilt_chunks += self._rebuild(s, g, p, stripes, got, read, hashes, keep)
-        return stats
-
-    def _rebuild(self, s: Survey, g: int, pos: int, stripes: list, got: dict, read: Callable, wanted: list[str],
-                 keep: Callable[[str, memoryview], None]) -> int:
-        """Member ``pos`` of group ``g`` decoded from k blocks per stripe; its chunks in ``wanted``
-        verified and kept."""
-        lay = s.layouts[g]
-        mem = lay.members[pos]
-        segs: list[tuple[int, int, memoryview]] = []  # the member's bytes [a, e), in the decoded blocks
-        for t, blocks in stripes:
-            st = lay.stripes[t]
-            have = {b: (got[item] if item in got else read(item)) for b, _, item, _ in blocks}
-            decoded = erasure.decode(lay.k, lay.m, have, st.length)
-            b = next(i for i, (p, _) in enumerate(st.data) if p == pos)
-            q = st.data[b][1]
-            a, e = mem.segment(q, lay.k)
-            if e > a:
-                segs.append((a, e, memoryview(decoded[b])[: e - a]))
-        segs.sort(key=lambda x: x[0])
-
-        def span(start: int, end: int) -> memoryview:
-            """Bytes [start, end) of the member: a view when one segment holds them, else joined."""
-            parts = [v[max(start, a) - a: min(end, e) - a] for a, e, v in segs if a < end and e > start]
-            if len(parts) == 1:
-                return parts[0]
-            out = bytearray()
-            for part in parts:
-                out += part
-            return memoryview(out)
-
-        off, n, want = 0, 0, set(wanted)
-        for h, size in mem.objects:
-            if h in want:
-                try:
-                    self._store_chunk(h, span(off, off + size), keep)
-                except CorruptCheckpointError as e:
-                    raise CorruptCheckpointError(f"step {s.step}: chunk {h} rebuilt from parity group {g} does not "
-                                                 f"verify ({e}); the parity blocks are damaged", chunk=h) from e
-                n += 1
-            off += size
-        log.info("ckpt: rebuilt %d chunk(s) (%.1f MiB) of rank %d's tier from parity group %d", n, mem.size / 2**20,
-                 mem.rank, g)
-        return n
-

@@ -1,0 +1,436 @@
+"""Loading one committed step into the caller's state, in place, checking every chunk's hash.
+
+Everything that can be checked before reading data is checked first (keys, shapes, dtypes,
+pickle), so a mismatch costs no I/O and changes nothing. Then every chunk the state needs is read
+once, in parallel, verified and scattered into the destination tensors; a raw chunk that maps onto
+one contiguous piece of one CPU tensor is read straight into that tensor (no second copy). Only
+when every tensor is filled are ``load_state_dict`` calls made and plain values assigned.
+:func:`load_into` runs these steps in order: match, check, destinations, feeds, rebuild, read, apply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import tree as st
+from ._tasks import run_all
+from .errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    ReshardError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
+from .flatten import apply, flatten
+from .format import chains, paths
+from .format import manifest as mf
+from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
+from .format.chunk import HEADER_SIZE, check_header, parse_header, verify
+from .sharding import is_dtensor
+from .storage import Storage
+from .tree import DTYPES
+
+log = logging.getLogger("ckpt")
+
+RankMap = Callable[[int], int] | dict[int, int] | list[int]
+
+
+@dataclass
+class LoadStats:
+    """What a load read. With a local tier (``local_dir``), also where the chunks came from."""
+
+    step: int
+    chunks_read: int = 0
+    bytes_read: int = 0
+    chunks: list[str] = field(default_factory=list)  # the hashes of the chunks read
+    local_chunks: int | None = None  # chunks served by the local tier (None: no local tier)
+    remote_chunks: int | None = None  # chunks read from the remote tier
+    local_rejected: list[str] = field(default_factory=list)  # local copies that failed their check
+    source: str = "checkpoint"  # "local tiers" (local commits) or "checkpoint" (the checkpoint path)
+    peer_chunks: int | None = None  # local commits: chunks this rank got from peers' tiers
+    rebuilt_chunks: int | None = None  # local commits: chunks this rank rebuilt from parity
+
+
+def _shape_str(shape: tuple[int, ...] | list[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"
+
+
+def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict: bool, allow_pickle: bool,
+              io: Executor, rank: int = 0, world: int = 1, rank_map: RankMap | None = None,
+              on_change: Callable[[], None] | None = None,
+              before_read: Callable[[set[str]], None] | None = None) -> LoadStats:
+    """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
+
+    Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
+    layout of modules and optimizers, pickles, the values themselves); then the chunks are read,
+    every read finished or cancelled before this returns, and the values put in place. ``on_change``
+    is called just before the state is first changed (so a failure after it means a half-loaded state);
+    ``before_read(chunks)`` before the first chunk is read, with every chunk the reads need."""
+    if _init_optimizers(state, m) and on_change is not None:
+        on_change()
+    target = flatten(state, for_target=True)
+    match = _match(m, state, target, rank, world, rank_map)
+    _check_fit(m, match, state, target, strict)
+    structure = st.dict_node(match.tops, [match.nodes[k] for k in match.tops])
+    if st.has_pickle(structure) and not allow_pickle:
+        raise UnsupportedValueError(
+            f"step {m.step} holds pickled objects, and unpickling can run code from the checkpoint. "
+            "Load with allow_pickle=True only if you trust its source.")
+    dests = _destinations(m, match, target)
+    feeds, strided = _feeds(m, match, dests)
+    # The values are rebuilt before any read: unpickling, or a node that cannot be rebuilt, fails now.
+    try:
+        decoded = st.rebuild(structure, dests.values, allow_pickle=allow_pickle)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CorruptCheckpointError(f"step {m.step}: its values cannot be rebuilt ({type(e).__name__}: {e})",
+                                     object=paths.manifest_key(m.step)) from e
+
+    stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
+    if before_read is not None:
+        before_read(set(feeds))
+    if on_change is not None:
+        on_change()
+    reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()))
+    stats.bytes_read = sum(reads)
+    with torch.no_grad():
+        for local, in_d, stage, rows_shape, in_stage in strided:
+            src = torch.from_numpy(stage).view(local.dtype).view(rows_shape)
+            local[_slices(in_d)].copy_(src[_slices(in_stage)])
+        for t, src in dests.copy_back:
+            t.copy_(src)
+    apply(state, decoded)
+    return stats
+
+
+@dataclass
+class _Match:
+    """How the saved step meets the state: the top-level keys loaded, their saved nodes (per-rank ones
+    from the source rank), and per saved tensor (saved key, saved rank, the state's key or None)."""
+
+    tops: list[str]
+    nodes: dict[str, Any]
+    entries: dict[tuple[str, int | None], mf.TensorEntry]
+    wanted: list[tuple[str, int | None, str | None]]
+    unexpected: list[str]  # top-level keys in the checkpoint, not in the state
+    missing: list[str]  # top-level keys and tensors of the state, not in the checkpoint
+
+
+def _match(m: mf.Manifest, state: dict[str, Any], target: Any, rank: int, world: int,
+           rank_map: RankMap | None) -> _Match:
+    saved_nodes = dict(st.top_items(m.structure))
+    wanted_top = [k for k in m.top_keys if k in state]
+    # Per-rank state: which saved rank this rank takes it from.
+    per_rank = [k for k in wanted_top if st.is_per_rank(saved_nodes[k])]
+    src_rank = _source_rank(m, per_rank, rank, world, rank_map) if per_rank else None
+    nodes = {k: saved_nodes[k]["v"][src_rank] if k in per_rank else saved_nodes[k] for k in wanted_top}
+    entries = {(t.key, t.rank): t for t in m.tensors}
+    # Saved tensors meet the state's by their path in the structure (keys with their types), never
+    # by their printed names: {"a/b": x, "a": {"b": y}} or {0: x, "0": y} cannot be swapped.
+    target_key = {path: key for key, path in target.paths.items()}
+    wanted: list[tuple[str, int | None, str | None]] = []
+    for top in wanted_top:
+        for path, key in st.tensor_paths(nodes[top], (st.path_component(top),)):
+            owner = src_rank if top in per_rank and (key, src_rank) in entries else None
+            wanted.append((key, owner, target_key.get(path)))
+    found = {tk for _, _, tk in wanted if tk is not None}
+    missing_top = [k for k in state if k not in saved_nodes]
+    missing_tensors = [k for k in target.tensors if k not in found and k.split("/", 1)[0] in saved_nodes]
+    return _Match(wanted_top, nodes, entries, wanted, [k for k in m.top_keys if k not in state],
+                  missing_top + missing_tensors)
+
+
+def _check_fit(m: mf.Manifest, match: _Match, state: dict[str, Any], target: Any, strict: bool) -> None:
+    """The keys (``strict``) and what modules' and optimizers' ``load_state_dict`` would refuse."""
+    unexpected, miss = match.unexpected, match.missing
+    if strict and (unexpected or miss):
+        parts = []
+        if miss:
+            parts.append(f"missing from the checkpoint: {miss[:8]}{' …' if len(miss) > 8 else ''}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the state: {unexpected[:8]}"
+                         f"{' …' if len(unexpected) > 8 else ''}")
+        raise StateMismatchError(
+            f"step {m.step} does not match the state: " + "; ".join(parts) +
+            ". Pass strict=False to load what matches and leave the rest as it is.")
+    misfits: list[str] = []
+    for top in match.tops:
+        _misfits(match.nodes[top], target_nodes(target, top), state[top], top, strict, misfits)
+    if misfits:
+        raise StateMismatchError(
+            f"step {m.step} does not fit the state: " + "; ".join(misfits[:6]) + (" …" if len(misfits) > 6 else "") +
+            ". Build the state as the run that saved it did (or load with strict=False where only nested keys "
+            "differ); nothing was changed.")
+    if unexpected or miss:
+        log.warning("ckpt: loading step %d non-strictly: %d key(s) not in the state, %d missing from the checkpoint",
+                    m.step, len(unexpected), len(miss))
+
+
+@dataclass
+class _Dests:
+    """Where each saved tensor goes: (tensor, box) by saved key; the values by saved key (for
+    rebuilding the structure); (the state's tensor, its CPU stand-in) pairs copied back at the end."""
+
+    tensors: dict[str, tuple[torch.Tensor, Box]] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    copy_back: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
+    """The caller's own (local) tensor when it is on the CPU and contiguous, else a new one; every
+    dtype, shape and device checked."""
+    out = _Dests()
+    mismatches, on_meta = [], []
+    for key, owner, tkey in match.wanted:
+        e = match.entries.get((key, owner))
+        if e is None:
+            raise CorruptCheckpointError(f"step {m.step}: structure names tensor {key!r} that has no entry", object=key)
+        dtype, shape = DTYPES[e.dtype], tuple(e.shape)
+        t = target.tensors.get(tkey) if tkey is not None else None
+        if t is None:
+            local = torch.empty(shape, dtype=dtype)
+            out.tensors[key] = (local, ((0,) * len(shape), shape))
+            out.values[key] = local
+            continue
+        assert tkey is not None
+        leaf = target.leaves[tkey]
+        gshape = tuple(t.shape) if owner is not None else tuple(leaf.global_shape)
+        if gshape != shape or t.dtype != dtype:
+            what = "" if gshape == tuple(t.shape) else " (global)"
+            mismatches.append(f"{key}: checkpoint has {e.dtype}{_shape_str(shape)}, state has "
+                              f"{str(t.dtype).removeprefix('torch.')}{_shape_str(gshape)}{what}")
+            continue
+        if t.device.type == "meta":
+            on_meta.append(tkey)
+            continue
+        box = ((0,) * len(shape), shape) if owner is not None else leaf.box
+        if t.device.type == "cpu" and t.is_contiguous():
+            local = t.detach() if t.requires_grad else t
+        else:
+            local = torch.empty(tuple(t.shape), dtype=dtype)
+            out.copy_back.append((t, local))
+        out.tensors[key] = (local, box)
+        out.values[key] = target.targets[tkey]
+    if mismatches:
+        raise StateMismatchError(
+            f"step {m.step} does not fit the state ({len(mismatches)} tensor(s)): " + "; ".join(mismatches[:6]) +
+            (" …" if len(mismatches) > 6 else "") + ". Build the model/optimizer with the same shapes and dtypes "
+            "as the run that saved it (cast after loading if you need another dtype).")
+    if on_meta:
+        raise StateMismatchError(
+            f"{len(on_meta)} tensor(s) of the state are on the meta device, which holds no data to load into "
+            f"({on_meta[:4]}{' …' if len(on_meta) > 4 else ''}). Materialise the model first, e.g. "
+            "model.to_empty(device='cpu'), then load; nothing was changed.")
+    return out
+
+
+Feeds = dict[str, list[tuple[int, int, np.ndarray, int]]]
+Strided = list[tuple[torch.Tensor, Box, np.ndarray, tuple, Box]]
+
+
+def _feeds(m: mf.Manifest, match: _Match, dests: _Dests) -> tuple[Feeds, Strided]:
+    """What each chunk feeds: (offset in chunk, length, destination bytes, offset there). Boxes that
+    are not one contiguous run on both sides go through a staging buffer and a strided copy."""
+    feeds: Feeds = defaultdict(list)
+    strided: Strided = []
+    for key, owner, _ in match.wanted:
+        e = match.entries[(key, owner)]
+        local, dbox = dests.tensors[key]
+        need = volume(dbox[1])
+        if need == 0:
+            continue
+        covered = sum(_feed_shard(shard, DTYPES[e.dtype].itemsize, local, dbox, feeds, strided) for shard in e.shards)
+        if covered != need:
+            raise CorruptCheckpointError(
+                f"step {m.step}: the saved shards of {key!r} cover {covered} of the {need} elements this rank "
+                "needs; the manifest is damaged",
+                object=paths.manifest_key(m.step))
+    return feeds, strided
+
+
+def _feed_shard(shard: mf.Shard, item: int, local: torch.Tensor, dbox: Box, feeds: Feeds, strided: Strided) -> int:
+    """Add what saved ``shard`` gives destination ``local`` (box ``dbox``); the elements it covers."""
+    sbox = (tuple(shard.offsets), tuple(shard.lengths))
+    inter = intersect(dbox, sbox)
+    if inter is None or volume(inter[1]) == 0:
+        return 0
+    in_s = (tuple(o - so for o, so in zip(inter[0], sbox[0])), inter[1])
+    in_d = (tuple(o - do for o, do in zip(inter[0], dbox[0])), inter[1])
+    run_s, run_d = contiguous_run(in_s, sbox[1]), contiguous_run(in_d, dbox[1])
+    dflat = local.view(-1).view(torch.uint8).numpy()
+    if run_s is not None and run_d is not None:
+        lo, n = run_s[0] * item, run_s[1] * item
+        for chunk, coff, length, spos in _pieces(shard, lo, lo + n):
+            feeds[chunk].append((coff, length, dflat, run_d[0] * item + spos - lo))
+        return volume(inter[1])
+    # Stage the saved rows that hold the box, reading only chunks with a needed element.
+    r0, r1 = in_s[0][0], in_s[0][0] + in_s[1][0]
+    row = math.prod(sbox[1][1:]) * item
+    stage = np.empty((r1 - r0) * row, dtype=np.uint8)
+    for chunk, coff, length, spos in _pieces(shard, r0 * row, r1 * row):
+        first = next_needed(spos // item, sbox[1], in_s)
+        if first is not None and first * item < spos + length:
+            feeds[chunk].append((coff, length, stage, spos - r0 * row))
+    strided.append((local, in_d, stage, (r1 - r0, *sbox[1][1:]), ((0, *in_s[0][1:]), in_s[1])))
+    return volume(inter[1])
+
+
+def target_nodes(target: Any, top: str) -> Any:
+    """The state's own structure node for top-level key ``top``."""
+    return dict(st.top_items(target.structure))[top]
+
+
+def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: list[str]) -> None:
+    """What would make ``load_state_dict`` fail, or (``strict``) leave nested keys unloaded, found
+    by comparing the saved structure with the state's own, before anything is changed."""
+    if isinstance(live, torch.nn.Module):
+        if st.kind(saved) != "stateful" or st.kind(saved["v"]) != "dict":
+            out.append(f"{where}: the checkpoint holds no module state there")
+            return
+        have, want = set(saved["v"]["k"]), set(target["v"]["k"])
+        if have != want:
+            miss, extra = sorted(want - have, key=str), sorted(have - want, key=str)
+            more = (" …" if len(miss) > 4 else "", " …" if len(extra) > 4 else "")
+            out.append(f"{where} ({type(live).__name__}): missing from the checkpoint {miss[:4]}{more[0]}, "
+                       f"not in the module {extra[:4]}{more[1]}")
+        return
+    if isinstance(live, torch.optim.Optimizer):
+        groups = _param_groups(saved)
+        if groups is None:
+            out.append(f"{where}: the checkpoint holds no optimizer state there")
+            return
+        sizes = [len(g["params"]) for g in live.param_groups]
+        if groups != sizes:
+            out.append(f"{where} ({type(live).__name__}): the checkpoint has {len(groups)} parameter group(s) of "
+                       f"{groups} parameters, the optimizer {len(sizes)} of {sizes}")
+        return
+    if strict and isinstance(live, dict) and live and st.kind(saved) == "dict" and st.kind(target) == "dict":
+        saved_keys = {st.path_component(k): (k, v) for k, v in zip(saved["k"], saved["v"])}
+        mine = {st.path_component(k): v for k, v in zip(target["k"], target["v"])}
+        missing = [k for k in mine if k not in saved_keys]
+        extra = [saved_keys[k][0] for k in saved_keys if k not in mine]
+        if missing or extra:
+            out.append(f"{where}: keys missing from the checkpoint {[json.loads(k) for k in missing][:4]}, "
+                       f"keys not in the state {extra[:4]}")
+        for (c, tv), lv in zip(mine.items(), live.values()):
+            if c in saved_keys:
+                _misfits(saved_keys[c][1], tv, lv, f"{where}/{st.preview(json.loads(c), 40)}", strict, out)
+
+
+def _param_groups(saved: Any) -> list[int] | None:
+    """Parameters per group of a saved optimizer state_dict node, or None if it is not one."""
+    if st.kind(saved) != "stateful" or st.kind(saved["v"]) != "dict":
+        return None
+    sd = dict(zip(saved["v"]["k"], saved["v"]["v"]))
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list):
+        return None
+    out = []
+    for g in groups:
+        if st.kind(g) != "dict":
+            return None
+        params = dict(zip(g["k"], g["v"])).get("params")
+        if not isinstance(params, list):
+            return None
+        out.append(len(params))
+    return out
+
+
+def _slices(box: Box) -> tuple:
+    return tuple(slice(o, o + n) for o, n in zip(box[0], box[1]))
+
+
+def _pieces(shard: mf.Shard, lo: int, hi: int) -> Iterator[tuple[str, int, int, int]]:
+    """(chunk, offset in chunk, length, offset in the shard) of the shard bytes in [lo, hi)."""
+    pos = 0
+    for g in shard.segments:
+        a, b = max(lo, pos), min(hi, pos + g.length)
+        if a < b:
+            yield g.chunk, g.offset + a - pos, b - a, a
+        pos += g.length
+        if pos >= hi:
+            break
+
+
+def _source_rank(m: mf.Manifest, keys: list[str], rank: int, world: int, rank_map: RankMap | None) -> int:
+    if rank_map is None:
+        if world == m.world_size:
+            return rank
+        raise ReshardError(
+            f"step {m.step} was saved on {m.world_size} rank(s) and holds per-rank state under {keys} "
+            f"(e.g. RNG or data loader positions); this job has {world}. Say which saved rank each rank takes "
+            "it from with load(..., rank_map=lambda rank: rank % saved_world) (or a dict/list), or leave these "
+            "keys out of the state passed to load (strict=False).")
+    src = rank_map(rank) if callable(rank_map) else rank_map[rank]
+    if type(src) is not int or not 0 <= src < m.world_size:
+        raise ConfigError(f"rank_map gave {src!r} for rank {rank}; it must be a saved rank, 0 to {m.world_size - 1}")
+    return src
+
+
+def _init_optimizers(state: dict[str, Any], m: mf.Manifest) -> bool:
+    """An optimizer over DTensor parameters with no state yet gets its state created first, so the
+    saved state loads into sharded tensors of the right layout (a step with lr=0 and zero grads).
+    Returns whether it changed any optimizer."""
+    saved_keys = {t.key for t in m.tensors}
+    changed = False
+    for top, obj in state.items():
+        if not isinstance(obj, torch.optim.Optimizer) or len(obj.state) > 0:
+            continue
+        params = [p for g in obj.param_groups for p in g["params"]]
+        if not any(is_dtensor(p) for p in params):
+            continue
+        if not any(k.startswith(f"{top}/state/") for k in saved_keys):
+            continue
+        set_grads, lrs = [], []
+        for g in obj.param_groups:
+            lrs.append(g["lr"])
+            g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+            for p in g["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                    set_grads.append(p)
+        try:
+            changed = True
+            obj.step()
+        finally:
+            for g, lr in zip(obj.param_groups, lrs):
+                g["lr"] = lr
+            for p in set_grads:
+                p.grad = None
+    return changed
+
+
+def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
+    info = m.chunks[h]
+    key = paths.chunk_key(h)
+    try:
+        if info.codec.startswith("raw/") and len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size:
+            # The whole chunk feeds one contiguous run: its payload is read straight into the tensor,
+            # but only after its header was read and checked (a wrong object never reaches the tensor).
+            _, length, flat, pos = feeds[0]
+            header = storage.read(key, 0, HEADER_SIZE)
+            hdr = parse_header(header, name=key)
+            check_header(hdr, name=key, expect_hash=h, expect_len=info.size)
+            if hdr.codec == "raw" and hdr.payload_len == info.size:
+                target = memoryview(flat)[pos : pos + length]
+                n = storage.readv(key, [target], offset=HEADER_SIZE)
+                verify(key, h, header, target[:n], expect_len=info.size, raw_only=True)
+                return HEADER_SIZE + n
+            # stored another way than the entry says (another writer's copy of the same bytes): decoded below
+    except FileNotFoundError as e:
+        raise chains.missing(storage, h, m.step, e) from None
+    blob = chains.read_object(storage, m.chunks, h, m.step)
+    raw, more = chains.resolve(storage, m.chunks, h, m.step, blob)  # a delta: its chain, every link verified
+    src = np.frombuffer(raw, dtype=np.uint8)
+    for off, length, flat, pos in feeds:
+        flat[pos : pos + length] = src[off : off + length]
+    return len(blob) + more

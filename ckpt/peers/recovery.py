@@ -1,0 +1,236 @@
+"""Restore from peers: which rank's tier holds what of a step (:func:`survey`), whether the step can
+be recovered from the tiers (:func:`recoverable`), and getting every rank the chunks it needs from a
+peer or rebuilt from parity (:func:`fetch`). Each call is a collective over the peers' own group."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format import manifest as mf
+from ..format import paths
+from ..redundancy_config import Parity
+from . import erasure
+from .exchange import Item, Peers, PeerStats, Transfer
+
+log = logging.getLogger("ckpt")
+
+
+@dataclass
+class Survey:
+    """Which rank's tier holds what of one step (the same on every rank)."""
+
+    step: int
+    holders: dict[str, list[int]] = field(default_factory=dict)  # chunk -> ranks holding it
+    parity: dict[str, list[int]] = field(default_factory=dict)  # parity file name -> ranks holding it
+    layouts: dict[int, erasure.GroupLayout] = field(default_factory=dict)
+    persisted: bool = False  # the step is committed remotely too
+
+    def lost(self, hashes: Iterable[str]) -> list[str]:
+        return sorted(h for h in hashes if not self.holders.get(h))
+
+
+def survey(peers: Peers, step: int, m: mf.Manifest, persisted: bool) -> Survey:
+    """Every rank's holdings of step ``step`` (one gather)."""
+    hashes = sorted(m.chunks)
+    held = bytearray((len(hashes) + 7) // 8)
+    for i, h in enumerate(hashes):
+        if peers.local.exists(paths.chunk_key(h)):
+            held[i // 8] |= 1 << (i % 8)
+    d = paths.step_dir(step)
+    names = [n for n in peers.local.list(d) if n.startswith("parity-")]
+    layouts = {}
+    for n in names:
+        if n.endswith(".json"):
+            try:
+                layouts[n] = json.loads(peers.local.read(f"{d}/{n}", 0, mf.MAX_MANIFEST_BYTES))
+            except (ValueError, FileNotFoundError):
+                pass
+    docs = peers.gather({"held": bytes(held), "parity": [n for n in names if not n.endswith(".json")],
+                        "layouts": layouts})
+    s = Survey(step, persisted=persisted)
+    for r, doc in enumerate(docs):
+        bits = np.unpackbits(np.frombuffer(doc["held"], np.uint8), bitorder="little")[: len(hashes)]
+        for i in np.flatnonzero(bits).tolist():
+            s.holders.setdefault(hashes[i], []).append(r)
+        for n in doc["parity"]:
+            s.parity.setdefault(n, []).append(r)
+        for n, lay in doc["layouts"].items():
+            if n not in {x.name for x in s.layouts.values()}:
+                parsed = erasure.GroupLayout.from_json(lay, f"{paths.step_dir(step)}/{n}")
+                s.layouts[parsed.group] = parsed
+    return s
+
+
+# How one member is rebuilt: per stripe, (stripe number, k blocks as (block number, source rank, item, size))
+RebuildPlan = list[tuple[int, list[tuple[int, int, Item, int]]]]
+
+
+def _rebuild_plan(peers: Peers, s: Survey, group: int, pos: int, dst: int) -> RebuildPlan:
+    """How ``dst`` rebuilds member ``pos`` of ``group``: per stripe holding its data, k blocks as
+    (block number, source rank, item, size). Raises CorruptCheckpointError if a stripe has fewer."""
+    lay = s.layouts[group]
+    out = []
+    for st in lay.stripes:
+        mine = [q for p, q in st.data if p == pos]
+        if not mine or st.length == 0:  # nothing of the member here, or no bytes at all (no parity files)
+            continue
+        blocks: list[tuple[int, int, Item, int]] = []
+        for b, (p, q) in enumerate(st.data):
+            if p == pos:
+                continue
+            mem = lay.members[p]
+            a, e = mem.segment(q, lay.k)
+            pieces = mem.pieces(a, e)
+            holders = set.intersection(*[set(s.holders.get(h, [])) for h, _, _ in pieces]) if pieces else {dst}
+            if holders:
+                src = dst if dst in holders else min(holders)
+                blocks.append((b, src, ("seg", group, p, q), e - a))
+        for j in range(lay.m):
+            name = lay.parity_name(st.index, j)
+            holders_p = s.parity.get(name, [])
+            if holders_p:
+                src = dst if dst in holders_p else min(holders_p)
+                blocks.append((lay.k + j, src, ("par", group, name), st.length))
+        if len(blocks) < lay.k:
+            raise CorruptCheckpointError(
+                f"step {s.step}: rank {lay.members[pos].rank}'s chunks are gone from every local tier, and stripe "
+                f"{st.index} of parity group {group} has {len(blocks)} of the {lay.k} blocks needed to rebuild "
+                "them (more failure domains were lost than the parity covers)")
+        out.append((st.index, blocks[: lay.k]))
+    return out
+
+
+def _unrecoverable(peers: Peers, s: Survey, hashes: Iterable[str]
+                   ) -> tuple[dict[tuple[int, int], list[str]], str | None]:
+    """Lost chunks by the (group, member) that rebuilds them, and why some cannot be (None: all can)."""
+    by_member: dict[tuple[int, int], list[str]] = defaultdict(list)
+    for h in s.lost(hashes):
+        where = next(((g, p) for g, lay in s.layouts.items() if (p := lay.member_of(h)) is not None), None)
+        if where is None:
+            return by_member, (f"chunk {h} is held by no surviving local tier" +
+                               (" and no parity layout covers it" if isinstance(peers.redundancy, Parity) else ""))
+        by_member[where].append(h)
+    for g, p in by_member:
+        try:
+            _rebuild_plan(peers, s, g, p, peers.rank)
+        except CorruptCheckpointError as e:
+            return by_member, str(e)
+    return by_member, None
+
+
+def recoverable(peers: Peers, s: Survey, m: mf.Manifest) -> tuple[bool, str]:
+    """Whether every chunk of the step can be had from the local tiers (a peer's, or rebuilt)."""
+    _, why = _unrecoverable(peers, s, m.chunks)
+    if why is None:
+        return True, ""
+    return s.persisted, why
+
+
+def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
+          keep: Callable[[str, memoryview], None]) -> PeerStats:
+    """Collective: every rank gets the chunks it ``needed`` (None: it failed before it could say,
+    and every rank raises) from peers or rebuilt from parity, each verified, then handed to
+    ``keep(storage key, bytes)``."""
+    mine = None if needed is None else sorted(h for h in set(needed) if peers.rank not in s.holders.get(h, []))
+    every = peers.gather({"ok": needed is not None, "needs": mine or []})
+    bad = [r for r, d in enumerate(every) if not d["ok"]]
+    if bad:
+        raise CheckpointError(f"rank(s) {bad} could not plan the load of step {s.step} (their own errors say "
+                              "why); load again once that is mended")
+    plan: list[Transfer] = []
+    load = [0] * peers.world
+    rebuild: dict[tuple[int, int], tuple[list[tuple[int, list]], list[str]]] = {}  # this rank's
+    for dst, doc in enumerate(every):
+        lost = []
+        for h in doc["needs"]:
+            holders = [r for r in s.holders.get(h, []) if r != dst]
+            if not holders:
+                lost.append(h)
+                continue
+            src = min(holders, key=lambda r: (load[r], r))
+            size = m.chunks[h].stored
+            load[src] += size
+            plan.append(Transfer(src, dst, ("chunk", h), size))
+        by_member, why = _unrecoverable(peers, s, lost)
+        if why is not None and not s.persisted:
+            raise CorruptCheckpointError(f"step {s.step} cannot be recovered from the local tiers: {why}")
+        for (g, p), hashes in (by_member if why is None else {}).items():
+            stripes = _rebuild_plan(peers, s, g, p, dst)
+            if dst == peers.rank:
+                rebuild[(g, p)] = (stripes, hashes)
+            for t, blocks in stripes:
+                length = s.layouts[g].stripes[t].length  # segments arrive padded to it, as zfec wants them
+                plan += [Transfer(src, dst, item, size, length) for _, src, item, size in blocks if src != dst]
+    stats = PeerStats()
+    got: dict[Item, bytes | memoryview] = {}
+
+    def read(item: Item) -> bytes | bytearray:
+        if item[0] == "chunk":
+            return peers.local.read(paths.chunk_key(item[1]))
+        if item[0] == "par":
+            return peers.local.read(f"{paths.step_dir(s.step)}/{item[2]}")
+        _, g, p, q = item
+        mem = s.layouts[g].members[p]
+        return peers.read_range(mem, *mem.segment(q, s.layouts[g].k))
+
+    def received(src: int, item: Item, data: memoryview) -> None:
+        if item[0] == "chunk":
+            peers.store_chunk(item[1], data, keep)
+            stats.peer_chunks += 1
+        else:
+            got[item] = data  # the received buffer itself, alive as long as this view
+
+    peers.exchange(plan, read, received, stats)
+    for (g, p), (stripes, hashes) in rebuild.items():
+        stats.rebuilt_chunks += _rebuild(peers, s, g, p, stripes, got, read, hashes, keep)
+    return stats
+
+
+def _rebuild(peers: Peers, s: Survey, g: int, pos: int, stripes: list, got: dict, read: Callable, wanted: list[str],
+             keep: Callable[[str, memoryview], None]) -> int:
+    """Member ``pos`` of group ``g`` decoded from k blocks per stripe; its chunks in ``wanted``
+    verified and kept."""
+    lay = s.layouts[g]
+    mem = lay.members[pos]
+    segs: list[tuple[int, int, memoryview]] = []  # the member's bytes [a, e), in the decoded blocks
+    for t, blocks in stripes:
+        st = lay.stripes[t]
+        have = {b: (got[item] if item in got else read(item)) for b, _, item, _ in blocks}
+        decoded = erasure.decode(lay.k, lay.m, have, st.length)
+        b = next(i for i, (p, _) in enumerate(st.data) if p == pos)
+        q = st.data[b][1]
+        a, e = mem.segment(q, lay.k)
+        if e > a:
+            segs.append((a, e, memoryview(decoded[b])[: e - a]))
+    segs.sort(key=lambda x: x[0])
+
+    def span(start: int, end: int) -> memoryview:
+        """Bytes [start, end) of the member: a view when one segment holds them, else joined."""
+        parts = [v[max(start, a) - a: min(end, e) - a] for a, e, v in segs if a < end and e > start]
+        if len(parts) == 1:
+            return parts[0]
+        out = bytearray()
+        for part in parts:
+            out += part
+        return memoryview(out)
+
+    off, n, want = 0, 0, set(wanted)
+    for h, size in mem.objects:
+        if h in want:
+            try:
+                peers.store_chunk(h, span(off, off + size), keep)
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"step {s.step}: chunk {h} rebuilt from parity group {g} does not "
+                                             f"verify ({e}); the parity blocks are damaged", chunk=h) from e
+            n += 1
+        off += size
+    log.info("ckpt: rebuilt %d chunk(s) (%.1f MiB) of rank %d's tier from parity group %d", n, mem.size / 2**20,
+             mem.rank, g)
+    return n

@@ -1,0 +1,179 @@
+"""Loading from the local tiers and their peers: the newest step recoverable from them (or the one
+asked for), else the checkpoint path's. The loader's own attempt (checks, verified reads into place)
+does the loading; this module chooses the step and, just before the reads, gets every rank the
+chunks its tier lacks from peers or parity (:mod:`ckpt.peers.recovery`), held in memory. The tier
+is healed afterwards: the result's ``heal``, run by the Checkpointer on its commit thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+from .. import events
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format import manifest as mf
+from ..format import paths
+from ..format.chunk import verify_object
+from ..loader import Attempt, LoadResult, advise, short_list
+from . import recovery
+from .recovery import Survey
+
+if TYPE_CHECKING:
+    from .local_commits import LocalCommits
+
+log = logging.getLogger("ckpt")
+
+
+def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], fallback: bool) -> LoadResult | None:
+    """The newest step recoverable from the local tiers and their peers (or ``step``), else the
+    newest (or that) step of the checkpoint path."""
+    peers = tiers.peers
+    remote = tiers.storage.remote
+    # which steps each rank's tier and view of the checkpoint path hold: a coordination round (gloo moves bytes only)
+    views = tiers.comm.agree({"local": mf.committed_steps(tiers.local), "remote": mf.committed_steps(remote)})
+    holder: dict[int, int] = {}
+    for r, v in enumerate(views):
+        for s in v["local"]:
+            holder.setdefault(s, r)
+    remote_steps = set.intersection(*(set(v["remote"]) for v in views))  # every rank sees them
+    newest_remote = max(remote_steps) if remote_steps else None
+    if step == "latest":
+        candidates = sorted((s for s in holder if newest_remote is None or s >= newest_remote), reverse=True)
+    else:
+        candidates = [step] if step in holder else []
+        if not candidates and step not in remote_steps:
+            raise CheckpointNotFoundError(
+                f"step {step} is committed neither in the local tiers nor in {remote.describe()}; committed "
+                f"steps: {short_list(sorted(set(holder) | remote_steps)) or 'none'}")
+    first_error: CorruptCheckpointError | None = None
+
+    def failed(err: CheckpointError) -> None:
+        """A candidate that did not load: on to the next with ``fallback``, else raise."""
+        nonlocal first_error
+        if not isinstance(err, CorruptCheckpointError) or not fallback:
+            raise advise(err, "load('latest', state, fallback=True) loads the newest step that verifies."
+                          if step == "latest" else "Load another step (ckptr.steps() lists them).")
+        log.warning("ckpt: %s; falling back to an older step", err)
+        first_error = first_error or err
+
+    for s in candidates:
+        data = peers.broadcast(bytes(tiers.local.read(paths.manifest_key(s))) if peers.rank == holder[s] else None,
+                               holder[s])
+        m = mf.parse(data, name=f"{paths.manifest_key(s)} of rank {holder[s]}'s local tier")
+        survey = recovery.survey(peers, s, m, persisted=s in remote_steps)
+        ok, why = recovery.recoverable(peers, survey, m)
+        if ok:
+            lost = len(survey.lost(m.chunks))
+            log.info("ckpt: loading step %d from the local tiers (%s%s)", s,
+                     "the newest step" if s == max(holder) else "the newest recoverable step",
+                     "" if not lost else f"; {lost} chunk(s) lost with their tier are read from {remote.describe()}"
+                     if why else f"; {lost} chunk(s) lost with their tier come from peers or parity")
+            done, err = _load_local(tiers, attempt, s, m, data, survey)
+            if done is not None:
+                return done
+            assert err is not None
+            failed(err)
+            continue
+        if step != "latest":
+            raise CorruptCheckpointError(f"step {s} cannot be recovered from the local tiers: {why}")
+        log.warning("ckpt: step %d is committed in the local tiers but cannot be recovered from them: %s", s, why)
+    targets = sorted(remote_steps, reverse=True) if step == "latest" else [step] if step in remote_steps else []
+    if not targets:
+        if first_error is not None:
+            raise CorruptCheckpointError(f"no committed step loads cleanly from the local tiers, and "
+                                         f"{remote.describe()} has none; the newest failed: {first_error}",
+                                         object=first_error.object, chunk=first_error.chunk) from first_error
+        log.info("ckpt: no checkpoint in the local tiers or at %s: starting fresh", remote.describe())
+        events.emit("fresh", peers.rank)
+        return None
+    if step == "latest":
+        log.info("ckpt: loading step %d from %s (%s)", targets[0], remote.describe(),
+                 "no step of the local tiers is newer and loads" if holder else "the local tiers are empty")
+    for s in targets:
+        done, err = attempt(s)
+        if done is not None:
+            return done
+        assert err is not None
+        failed(err)
+    assert first_error is not None
+    raise CorruptCheckpointError(f"no committed step of the local tiers or {remote.describe()} loads cleanly; "
+                                 f"the newest failed: {first_error}",
+                                 object=first_error.object, chunk=first_error.chunk) from first_error
+
+def _load_local(tiers: LocalCommits, attempt: Attempt, step: int, m: mf.Manifest, data: bytes, survey: Survey
+                ) -> tuple[LoadResult | None, CheckpointError | None]:
+    """Load ``step`` from the local tiers. Chunks this rank's tier lacks come from peers (or are
+    rebuilt) into memory and are read from there; the tier itself is healed afterwards, in the
+    background (the result's ``heal``, run by the Checkpointer on its commit thread), so the load
+    waits only for the exchange."""
+    peers, storage = tiers.peers, tiers.storage
+    fetched: list[Any] = []
+    held: list[str] = []
+    wanted: set[str] = set()
+
+    def keep(key: str, blob: memoryview) -> None:
+        storage.hold(key, blob)
+        held.append(key)
+
+    def before_read(needed: set[str]) -> None:
+        want = mf.closure(m.chunks, needed).keys()
+        wanted.update(want)
+        fetched.append(recovery.fetch(peers, survey, m, want, keep))
+
+    try:
+        done, err = attempt(step, manifest=m, before_read=before_read)
+        if not fetched:  # this rank failed before it could say what it needs: the others wait for that
+            try:
+                recovery.fetch(peers, survey, m, None, keep)
+            except CheckpointError:
+                pass
+    except BaseException:
+        storage.release(held)
+        raise
+    if done is None:
+        storage.release(held)
+        return None, err
+    done.heal = lambda: _heal(tiers, step, data, held, wanted)
+    stats = done.stats
+    stats.source = "local tiers"
+    if fetched:
+        got = fetched[0]
+        stats.peer_chunks, stats.rebuilt_chunks = got.peer_chunks, got.rebuilt_chunks
+        if stats.local_chunks is not None:
+            stats.local_chunks = max(0, stats.local_chunks - got.peer_chunks - got.rebuilt_chunks)
+    return done, None
+
+def _heal(tiers: LocalCommits, step: int, data: bytes, held: list[str], wanted: set[str]) -> bool:
+    """After a load from the local tiers: write what came from peers (held in memory) and what
+    came from the checkpoint path (read again) into this rank's tier, then commit the step there
+    if the tier had lost it. A failure costs only the copy: it is logged, nothing else changes."""
+    local, storage = tiers.local, tiers.storage
+    t0 = time.perf_counter()
+    wrote = from_remote = 0
+    try:
+        for key in held:
+            blob = storage.held(key)
+            if blob is not None and not local.exists(key):
+                local.write(key, [blob])
+                wrote += 1
+        for h in sorted(wanted):
+            key = paths.chunk_key(h)
+            if storage.held(key) is None and not local.exists(key):  # read from the checkpoint path
+                remote = storage.remote.read(key)
+                verify_object(key, [memoryview(remote)])
+                local.write(key, [remote])
+                from_remote += 1
+        local.flush()
+        if not local.exists(paths.manifest_key(step)):  # a tier that lost the step has it back
+            tiers.commit(step, data.decode())
+        if wrote or from_remote:
+            log.info("ckpt: healed this rank's local tier %s with %d chunk(s) from peers and %d from %s (%.2fs)",
+                     local.root, wrote, from_remote, storage.remote.describe(), time.perf_counter() - t0)
+        return True
+    except Exception as e:
+        log.warning("ckpt: this rank's local tier %s was not healed after loading step %d (%s: %s); the next "
+                    "saves write their chunks anew", local.root, step, type(e).__name__, e)
+        return False
+    finally:
+        storage.release(held)

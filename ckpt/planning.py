@@ -1,0 +1,174 @@
+"""Who writes what in a save: the planner's records and :func:`assign`, a pure function of every
+rank's :class:`Inventory` (tested alone, without any process group). The ranks exchange these
+records through one coordination round (:meth:`ckpt.ranks.Comm.exchange_plan`)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from . import tree as st
+from .errors import DistributedSaveError, StateMismatchError
+from .flatten import Flat
+from .format.boxes import Box, intersect, volume
+
+# -- the planner's records -------------------------------------------------------------------------
+
+class InventoryRow(NamedTuple):
+    """One tensor of a rank's state, as the planner sees it."""
+
+    key: str
+    kind: str  # "replicated", "shard" or "rank" (see state.Leaf)
+    dtype: str
+    global_shape: list[int]
+    offsets: list[int]
+    lengths: list[int]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What the coordinator needs to know about one rank's state to plan the save.
+
+    ``tops`` maps each top-level key to a digest of its structure node (plain values that differ
+    between ranks make a key per-rank); ``error`` is set instead when the rank failed before planning."""
+
+    tops: dict[str, str] = field(default_factory=dict)
+    per_rank: list[str] = field(default_factory=list)
+    tensors: list[InventoryRow] = field(default_factory=list)
+    error: str | None = None
+
+    @classmethod
+    def of(cls, flat: Flat) -> Inventory:
+        rows = []
+        for key, t in flat.tensors.items():
+            leaf = flat.leaves[key]
+            rows.append(InventoryRow(key, leaf.kind, str(t.dtype).removeprefix("torch."), list(leaf.global_shape),
+                                     list(leaf.box[0]), list(leaf.box[1]), t.numel() * t.element_size()))
+        return cls({k: st.digest(v) for k, v in st.top_items(flat.structure)}, sorted(flat.per_rank), rows)
+
+    def to_json(self) -> dict:
+        return {"tops": self.tops, "per_rank": self.per_rank, "tensors": [list(r) for r in self.tensors],
+                "error": self.error}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Inventory:
+        return cls(doc["tops"], doc["per_rank"], [InventoryRow(*r) for r in doc["tensors"]], doc.get("error"))
+
+
+@dataclass(frozen=True)
+class WriteAssignment:
+    """The coordinator's answer to one rank: the indices (into that rank's inventory) of the tensors
+    it writes, and the top-level keys saved per rank. ``error`` is set, the same on every rank,
+    when the save cannot go ahead: ``mismatch`` says the states do not fit together (a
+    :class:`StateMismatchError`); otherwise ``ranks`` failed or did not answer."""
+
+    write: list[int] = field(default_factory=list)
+    per_rank: list[str] = field(default_factory=list)
+    bytes: int = 0
+    error: str | None = None
+    mismatch: bool = False
+    ranks: list[int] = field(default_factory=list)
+
+    def raise_error(self) -> None:
+        if self.error is None:
+            return
+        if self.mismatch:
+            raise StateMismatchError(self.error)
+        raise DistributedSaveError(self.error, ranks=self.ranks)
+
+    def to_json(self) -> dict:
+        return {"write": self.write, "per_rank": self.per_rank, "bytes": self.bytes, "error": self.error,
+                "mismatch": self.mismatch, "ranks": self.ranks}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> WriteAssignment:
+        return cls(**doc)
+
+
+# -- the planner ----------------------------------------------------------------------------------
+
+def _top(key: str, tops: list[str]) -> str | None:
+    head = key.split("/", 1)[0]
+    return head if head in tops else None
+
+
+def assign(invs: list[Inventory]) -> list[WriteAssignment]:
+    """Who writes what: one :class:`WriteAssignment` per rank, or the same error for every rank.
+
+    * A top-level key is per-rank when some rank declares it (``PerRank``, ``RNGState``) or its
+      plain values differ between ranks; every tensor under it is written by its own rank.
+    * Every other tensor must exist on every rank with the same dtype and global shape. Distinct
+      boxes must not overlap and must cover the tensor. A box held by several ranks (replicated
+      tensors, ``Replicate`` placements) is written once, by the candidate with the fewest bytes so
+      far, largest boxes first, so the bytes to write are balanced across ranks.
+    """
+    world = len(invs)
+    bad = [r for r, inv in enumerate(invs) if inv.error is not None]
+    if bad:
+        msg = "; ".join(f"rank {r}: {invs[r].error}" for r in bad)
+        return [WriteAssignment(error=f"save failed on rank(s) {bad}: {msg}", ranks=bad)] * world
+
+    def mismatch(msg: str) -> list[WriteAssignment]:
+        return [WriteAssignment(error=msg + " (every rank must save the same state structure; wrap per-rank "
+                                "state in ckpt.PerRank)", mismatch=True)] * world
+
+    tops0 = list(invs[0].tops)
+    for r, inv in enumerate(invs[1:], 1):
+        if sorted(inv.tops) != sorted(tops0):
+            return mismatch(f"the state's top-level keys differ between ranks: rank 0 has {sorted(tops0)}, "
+                            f"rank {r} has {sorted(inv.tops)}")
+    per_rank = set().union(*(set(inv.per_rank) for inv in invs))
+    for k in tops0:
+        if len({inv.tops[k] for inv in invs}) > 1:
+            per_rank.add(k)
+
+    loads = [0] * world
+    writes: list[list[int]] = [[] for _ in range(world)]
+    shared: dict[str, _Shared] = {}
+    for r, inv in enumerate(invs):
+        for i, row in enumerate(inv.tensors):
+            if row.kind == "rank" or _top(row.key, tops0) in per_rank:
+                writes[r].append(i)
+                loads[r] += row.nbytes
+                continue
+            meta = (row.kind, row.dtype, tuple(row.global_shape))
+            ent = shared.setdefault(row.key, _Shared(meta))
+            if ent.meta != meta:
+                k0, d0, s0 = ent.meta
+                return mismatch(f"tensor {row.key!r} differs between ranks: {k0} {d0}{list(s0)} on one, "
+                                f"{row.kind} {row.dtype}{list(row.global_shape)} on rank {r}")
+            ent.ranks.add(r)
+            ent.boxes.setdefault((tuple(row.offsets), tuple(row.lengths)), []).append((r, i, row.nbytes))
+
+    items = []
+    for key, ent in shared.items():
+        if len(ent.ranks) != world:
+            lacking = sorted(set(range(world)) - ent.ranks)
+            return mismatch(f"tensor {key!r} is missing on rank(s) {lacking}")
+        boxes = [b for b in ent.boxes if volume(b[1]) > 0]
+        shape = ent.meta[2]
+        if sum(volume(b[1]) for b in boxes) != volume(shape) or (
+                len(boxes) <= 512 and any(intersect(a, b) for a, b in itertools.combinations(boxes, 2))):
+            desc = ", ".join(f"{list(o)}+{list(n)}" for o, n in sorted(boxes)[:6])
+            return mismatch(f"the shards of {key!r} do not tile its global shape {list(shape)} exactly "
+                            f"(boxes {desc}{' …' if len(boxes) > 6 else ''})")
+        for box, holders in ent.boxes.items():
+            items.append((holders[0][2], key, box, holders))
+    # Forced items (one holder) first, then the rest, largest first: greedy balancing.
+    items.sort(key=lambda it: (len(it[3]) > 1, -it[0], it[1], it[2]))
+    for _nbytes, _key, _box, holders in items:
+        r, i, nbytes = min(holders, key=lambda h: (loads[h[0]], h[0]))
+        writes[r].append(i)
+        loads[r] += nbytes
+    return [WriteAssignment(sorted(w), sorted(per_rank), loads[r]) for r, w in enumerate(writes)]
+
+
+@dataclass
+class _Shared:
+    """A tensor that is not per-rank, as every rank holds it: boxes and the (rank, index, bytes) holding each."""
+
+    meta: tuple[str, str, tuple[int, ...]]  # kind, dtype, global shape
+    boxes: dict[Box, list[tuple[int, int, int]]] = field(default_factory=dict)
+    ranks: set[int] = field(default_factory=set)
