@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 from typing import Any
 
-from . import __version__
-from .console import Out, Progress, human_bytes
+from . import __version__, cli_types
+from .console import Out, Progress, fmt_age, fmt_base_steps, fmt_box, fmt_shape, fmt_steps, human_bytes
 from .errors import CheckpointError, ConfigError
-from .format import manifest as mf
 from .reader import Reader
 from .reader.collect import GcReport
 from .reader.listing import local_tiers, ls
@@ -55,12 +53,8 @@ def _open(args: argparse.Namespace) -> Reader:
     return r
 
 
-def _box(offsets: list[int], lengths: list[int]) -> str:
-    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths)) + "]"
 
 
-def _shape(shape: list[int]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
 # -- ls -----------------------------------------------------------------------------------------------
@@ -123,15 +117,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if tensors:
         out.write(f"\nstep {step}: tensors")
         rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["kind"], t["dtype"],
-                 _shape(t["shape"]), out.size(t["bytes"]), len(t["shards"]), t["new_chunks"], t["reused_chunks"],
+                 fmt_shape(t["shape"]), out.size(t["bytes"]), len(t["shards"]), t["new_chunks"], t["reused_chunks"],
                  ",".join(c.removesuffix("/1") for c in t["codecs"]) or "-",
-                 f"{t['ratio']:.2f}" if t["ratio"] else "-", _base_steps(t["base_steps"]), t["chain"]] for t in tensors]
+                 f"{t['ratio']:.2f}" if t["ratio"] else "-", fmt_base_steps(t["base_steps"]), t["chain"]]
+                for t in tensors]
         out.table(["key", "kind", "dtype", "shape", "size", "shards", "new", "reused", "codec", "ratio", "base",
                    "chain"], rows, {4, 5, 6, 7, 9, 11})
     sharded = [t for t in tensors if t["kind"] == "sharded"]
     if sharded:
         out.write(f"\nstep {step}: shards (box of the global tensor, saving rank, chunks)")
-        rows = [[t["key"], _box(s["offsets"], s["lengths"]), s["rank"], len(s["chunks"])]
+        rows = [[t["key"], fmt_box(s["offsets"], s["lengths"]), s["rank"], len(s["chunks"])]
                 for t in sharded for s in t["shards"]]
         out.table(["key", "box", "rank", "chunks"], rows, {2, 3})
     if values:
@@ -141,10 +136,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _base_steps(steps: list[int]) -> str:
-    if not steps:
-        return "-"
-    return ",".join(map(str, steps)) if len(steps) <= 3 else f"{steps[0]}…{steps[-1]}"
 
 
 # -- verify -------------------------------------------------------------------------------------------
@@ -167,21 +158,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_OK if res.ok else EXIT_FAILED
     out = Out()
     if res.ok:
-        what = f"step(s) {_steps(steps)}"
+        what = f"step(s) {fmt_steps(steps)}"
         out.write(f"OK: {what}: {res.chunks} chunk(s), {human_bytes(res.bytes)} read and verified")
         return EXIT_OK
     out.table(["problem", "object", "steps", "detail"],
               [[p.kind, p.object, ",".join(map(str, p.steps)), p.message] for p in res.problems])
     bad = sorted({s for p in res.problems for s in p.steps})
     good = [s for s in steps if s not in bad]
-    print(f"ckpt: verify: {len(res.problems)} damaged or missing object(s), used by step(s) {_steps(bad)}; "
-          + (f"step(s) {_steps(good)} verified clean" if good else "no step verified clean")
+    print(f"ckpt: verify: {len(res.problems)} damaged or missing object(s), used by step(s) {fmt_steps(bad)}; "
+          + (f"step(s) {fmt_steps(good)} verified clean" if good else "no step verified clean")
           + f" ({res.chunks} chunk(s) checked)", file=sys.stderr)
     return EXIT_FAILED
 
 
-def _steps(steps: list[int]) -> str:
-    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} … {steps[-1]} ({len(steps)} steps)"
 
 
 # -- diff ---------------------------------------------------------------------------------------------
@@ -212,23 +201,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 # -- gc -----------------------------------------------------------------------------------------------
 
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def _duration(s: str) -> float:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", s)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a duration like 90s, 30m, 1h or 2d, got {s!r}")
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def _age(s: float | None) -> str:
-    if s is None:
-        return "?"
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n:
-            return f"{s / n:.1f}{unit}"
-    return f"{s:.0f}s"
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -255,7 +231,7 @@ def _print_gc(args: argparse.Namespace, rep: GcReport) -> None:
     if removed:
         out.table(["what", "object", "bytes", "age"],
                   [[i.kind if i.kind != "step" else f"step {i.step} (retention)", i.key, out.size(i.bytes),
-                    _age(i.age_s)] for i in removed], {2, 3})
+                    fmt_age(i.age_s)] for i in removed], {2, 3})
     counts: dict[str, int] = {}
     for i in removed:
         counts[i.kind] = counts.get(i.kind, 0) + 1
@@ -264,7 +240,7 @@ def _print_gc(args: argparse.Namespace, rep: GcReport) -> None:
     parts = [f"{counts[k]} {names[k]}" for k in names if k in counts]
     out.write(f"{verb}: {', '.join(parts) or 'nothing'}; {human_bytes(rep.bytes)}")
     if plan.young:
-        out.write(f"kept: {len(plan.young)} object(s) younger than the grace period ({_age(args.grace)}); "
+        out.write(f"kept: {len(plan.young)} object(s) younger than the grace period ({fmt_age(args.grace)}); "
                   "a running save may still commit them")
     if plan.writers:
         out.write(f"deferred: {plan.writers[0].describe()} is saving into {rep.url}; no chunk, temp file or "
@@ -362,43 +338,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _kv(s: str) -> tuple[str, Any]:
-    if "=" not in s:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
-    k, v = s.split("=", 1)
-    try:
-        return k, json.loads(v)
-    except json.JSONDecodeError:
-        return k, v
 
 
-def _step(s: str) -> int | str:
-    if s == "latest":
-        return s
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a step is a non-negative integer or 'latest', got {s!r}") from None
-    if not 0 <= n <= mf.MAX_STEP:
-        raise argparse.ArgumentTypeError(f"a step is an integer from 0 to 2**63 - 1, got {s!r}")
-    return n
 
 
-def _new_step(s: str) -> int:
-    n = _step(s)
-    if not isinstance(n, int):
-        raise argparse.ArgumentTypeError("the step to import into is a number, not 'latest'")
-    return n
 
 
-def _positive(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -409,9 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"ckpt {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("url", metavar="URL", help="checkpoint directory or fsspec URL (file://, memory://, s3:// …)")
-    common.add_argument("--storage-option", action="append", type=_kv, metavar="KEY=VALUE",
+    common.add_argument("--storage-option", action="append", type=cli_types.key_value, metavar="KEY=VALUE",
                         help="fsspec storage option (repeatable); VALUE is parsed as JSON when it can be")
-    common.add_argument("--jobs", type=_positive, default=8, metavar="N", help="parallel reads (default 8)")
+    common.add_argument("--jobs", type=cli_types.positive, default=8, metavar="N", help="parallel reads (default 8)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help: str, func) -> argparse.ArgumentParser:
@@ -428,18 +373,18 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
 
     ins = add("inspect", "one step in depth: tensors, shards, codecs, new/reused chunks, values", cmd_inspect)
-    ins.add_argument("--step", type=_step, help="step to show (default: the latest)")
+    ins.add_argument("--step", type=cli_types.step, help="step to show (default: the latest)")
     ins.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
 
     ver = add("verify", "re-read and re-hash every chunk of a step; name each corrupt or missing object", cmd_verify)
     which = ver.add_mutually_exclusive_group()
-    which.add_argument("--step", type=_step, help="step to verify (default: the latest)")
+    which.add_argument("--step", type=cli_types.step, help="step to verify (default: the latest)")
     which.add_argument("--all", action="store_true", help="verify every committed step")
     ver.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
 
     dif = add("diff", "which tensors and values changed between two steps", cmd_diff)
-    dif.add_argument("a", type=_step, metavar="A", help="first step")
-    dif.add_argument("b", type=_step, metavar="B", help="second step")
+    dif.add_argument("a", type=cli_types.step, metavar="A", help="first step")
+    dif.add_argument("b", type=cli_types.step, metavar="B", help="second step")
     dif.add_argument("--max-diff", action="store_true",
                      help="read changed tensors and report the largest absolute difference")
     dif.add_argument("--exit-code", action="store_true", help="exit 3 when the steps differ")
@@ -447,21 +392,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     gcp = add("gc", "remove orphan chunks, temp files and incomplete steps older than a grace period", cmd_gc)
     gcp.add_argument("--dry-run", action="store_true", help="only list what would be removed, with sizes")
-    gcp.add_argument("--grace", type=_duration, default=3600.0, metavar="AGE",
+    gcp.add_argument("--grace", type=cli_types.duration, default=3600.0, metavar="AGE",
                      help="leave garbage younger than this (a running save may commit it): "
                           "90s, 30m, 1h (default), 2d, 0")
-    gcp.add_argument("--keep-last", type=_positive, metavar="N",
+    gcp.add_argument("--keep-last", type=cli_types.positive, metavar="N",
                      help="also delete all but the newest N committed steps (and chunks only they use)")
     gcp.add_argument("--local", action="append", metavar="DIR",
                      help="also collect a node's local_dir (repeatable), as its own checkpoint: replicas and parity "
                           "blocks of committed steps are kept")
-    gcp.add_argument("--keep-local", type=_positive, metavar="N",
+    gcp.add_argument("--keep-local", type=cli_types.positive, metavar="N",
                      help="in each --local tier, keep only the newest N committed steps")
     gcp.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
 
     exp = add("export", "write one step as a single unsharded .safetensors or .pt file, Hugging Face shards or a "
                         "plain DCP directory", cmd_export)
-    exp.add_argument("--step", type=_step, help="step to export (default: the latest)")
+    exp.add_argument("--step", type=cli_types.step, help="step to export (default: the latest)")
     exp.add_argument("--to", required=True, metavar="FILE|DIR",
                      help="output file (*.safetensors, *.pt or *.pth) or, with --format hf|dcp, directory")
     exp.add_argument("--format", choices=["safetensors", "pt", "hf", "dcp"],
@@ -494,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.set_defaults(func=cmd_import)
     imp.add_argument("src", metavar="SRC", help="file or directory to import")
     imp.add_argument("url", metavar="URL", help="checkpoint directory or fsspec URL to save the step into")
-    imp.add_argument("--step", type=_new_step, required=True, metavar="N",
+    imp.add_argument("--step", type=cli_types.new_step, required=True, metavar="N",
                      help="the step number to commit (must be new)")
     key = imp.add_mutually_exclusive_group()
     key.add_argument("--key", default="model", help="top-level key the imported items go under (default: model)")
@@ -503,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--keys", action="append", metavar="PREFIX",
                      help="import only items whose name starts with PREFIX (repeatable), e.g. --keys model.")
     imp.add_argument("--strip-prefix", action="store_true", help="take the --keys prefix off each name")
-    imp.add_argument("--storage-option", action="append", type=_kv, metavar="KEY=VALUE",
+    imp.add_argument("--storage-option", action="append", type=cli_types.key_value, metavar="KEY=VALUE",
                      help="fsspec storage option for URL (repeatable)")
 
     cha = sub.add_parser(
@@ -519,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     cha.set_defaults(func=cmd_chaos)
     cha.add_argument("--kills", type=int, default=3, metavar="N", help="how many times to kill it (default 3)")
     cha.add_argument("--seed", type=int, default=0, help="seed of the kill moments, to replay a run (default 0)")
-    cha.add_argument("--timeout", type=_duration, default=600.0, metavar="T",
+    cha.add_argument("--timeout", type=cli_types.duration, default=600.0, metavar="T",
                      help="longest one run of COMMAND may take (default 10m)")
     cha.add_argument("--workdir", metavar="DIR", help="keep the runs' checkpoints and logs here (default: a temporary "
                      "directory, removed at the end)")

@@ -100,3 +100,28 @@ class Progress:
             self._bar.stop()
 
 
+def fmt_box(offsets: list[int], lengths: list[int]) -> str:
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, lengths)) + "]"
+
+
+def fmt_shape(shape: list[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def fmt_base_steps(steps: list[int]) -> str:
+    if not steps:
+        return "-"
+    return ",".join(map(str, steps)) if len(steps) <= 3 else f"{steps[0]}…{steps[-1]}"
+
+
+def fmt_steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]} … {steps[-1]} ({len(steps)} steps)"
+
+
+def fmt_age(s: float | None) -> str:
+    if s is None:
+        return "?"
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit}"
+    return f"{s:.0f}s"

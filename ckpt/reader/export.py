@@ -21,6 +21,7 @@ import math
 import os
 import re
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -130,6 +131,40 @@ def _safetensors_dtypes_refused(dtypes: set[str]) -> set[str]:
     return bad
 
 
+
+def _check_target(path: str, fmt: str, overwrite: bool) -> None:
+    """Refuse a target that would be clobbered or cannot be written, before anything is read."""
+    if fmt in DIR_FORMATS:
+        from .export_dirs import check_target
+
+        check_target(path, overwrite)
+    else:
+        if os.path.isdir(path):
+            raise ConfigError(f"{path} is a directory: name a file (*.safetensors, *.pt), or pass --format hf|dcp")
+        if os.path.exists(path) and not overwrite:
+            raise ConfigError(f"{path} exists; pass --force to overwrite it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"cannot write {path}: the directory {folder} does not exist (create it first)")
+
+
+def _values(m: mf.Manifest, rank: int, wanted: Callable[[str], bool], fmt: str, result: ExportResult
+            ) -> dict[str, object]:
+    """The plain values to write beside the tensors (formats that hold them), noting what is left out."""
+    values: dict[str, object] = {}
+    for p, node in value_nodes(m.structure, rank=rank):
+        if not wanted(p):
+            continue
+        if has_pickle(node):
+            result.pickled.append(p)
+            result.skipped_values.append(p)
+        elif fmt in ("safetensors", "hf", "dcp"):
+            values[p] = strip_pickles(node)
+            result.values.append(p)
+        else:
+            result.skipped_values.append(p)
+    return values
+
 def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None = None, strip_prefix: bool = False,
            rank: int = 0, overwrite: bool = False, threads: int = 8, format: str | None = None,
            dtype: str | None = None, max_shard_size: int | str | None = None) -> ExportResult:
@@ -144,18 +179,7 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
     if max_shard_size is not None and fmt != "hf":
         raise ConfigError("--max-shard-size is for --format hf (the single-file and DCP exports are not split)")
     limit = parse_size(max_shard_size if max_shard_size is not None else "5GB")
-    if fmt in DIR_FORMATS:
-        from .export_dirs import check_target
-
-        check_target(path, overwrite)
-    else:
-        if os.path.isdir(path):
-            raise ConfigError(f"{path} is a directory: name a file (*.safetensors, *.pt), or pass --format hf|dcp")
-        if os.path.exists(path) and not overwrite:
-            raise ConfigError(f"{path} exists; pass --force to overwrite it")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"cannot write {path}: the directory {folder} does not exist (create it first)")
+    _check_target(path, fmt, overwrite)
     m = reader.manifest(step)
     if m.per_rank_keys and not 0 <= rank < m.world_size:
         raise ConfigError(f"--rank {rank}: step {step} was saved on {m.world_size} rank(s); "
@@ -183,18 +207,7 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
                 f"safetensors cannot hold dtype(s) {sorted(bad)} (tensors {keys[:5]}{' …' if len(keys) > 5 else ''}); "
                 "export to a .pt file (or --format dcp) instead, or leave them out with --keys")
 
-    values: dict[str, object] = {}
-    for p, node in value_nodes(m.structure, rank=rank):
-        if not wanted(p):
-            continue
-        if has_pickle(node):
-            result.pickled.append(p)
-            result.skipped_values.append(p)
-        elif fmt in ("safetensors", "hf", "dcp"):
-            values[p] = strip_pickles(node)
-            result.values.append(p)
-        else:
-            result.skipped_values.append(p)
+    values = _values(m, rank, wanted, fmt, result)
 
     names = [name(e.key) for e in entries]
     clashes = sorted({n for n in names if names.count(n) > 1})
