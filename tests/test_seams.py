@@ -41,3 +41,46 @@ print(sorted(m for m in sys.modules if m.startswith("ckpt.peers")))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module-level imports between ckpt's modules (imports inside functions are deliberate lazy edges,
+    and TYPE_CHECKING blocks are not imports at run time)."""
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        package = m.split(".") if path.name == "__init__.py" else m.split(".")[:-1]
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            for alias in node.names:
+                dep = f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base
+                if dep in mods and dep != m:
+                    graph[m].add(dep)
+    return graph
+
+
+def test_the_import_graph_has_no_cycle_and_the_format_layer_is_at_the_bottom():
+    graph = _module_graph()
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in graph[m]:
+            assert state.get(d) != 1, "import cycle: " + " -> ".join(path[path.index(d):] + [m, d])
+            if d not in state:
+                visit(d, path + [m])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])
+    below = {"ckpt.errors", "ckpt.tree", "ckpt._ext", "ckpt._version", "ckpt.storage.base"}
+    for m, deps in graph.items():
+        if m.startswith("ckpt.format"):
+            above = {d for d in deps if not d.startswith("ckpt.format") and d not in below}
+            assert not above, f"{m} imports {sorted(above)}: the format layer imports nothing above it"
