@@ -181,7 +181,7 @@ def test_close_waits_for_in_flight_saves(ckdir):
     handles = [c.save(s, {"w": torch.randn(200_000) + s}) for s in range(3)]
     c.close()
     assert all(h.done() and h.exception() is None for h in handles)
-    assert ckpt.Checkpointer(ckdir).steps() == [0, 1, 2]
+    assert ckpt.open(ckdir).steps() == [0, 1, 2]
     with pytest.raises(ckpt.CheckpointError, match="closed"):
         c.save(4, {"w": torch.ones(1)})
 

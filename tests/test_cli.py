@@ -124,7 +124,7 @@ def test_ls_reports_sizes_new_bytes_incomplete_and_damaged_steps(ckdir, run, mon
 
 def test_ls_verify_marks_the_steps_that_reference_a_bad_chunk(ckdir, run):
     save_steps(ckdir)
-    m1 = ckpt.Checkpointer(ckdir).manifest(1)
+    m1 = ckpt.open(ckdir).manifest(1)
     only_1 = tensor_entry(m1, "moving").shards[0].segments[0].chunk
     os.remove(chunk_path(ckdir, only_1))
     rc, out, err = run("ls", ckdir, "--verify")
@@ -183,7 +183,7 @@ def test_inspect_shows_shards_kinds_codecs_and_new_versus_reused_chunks(two_rank
     assert emb["kind"] == "sharded" and emb["shape"] == [ROWS, COLS]
     assert sorted((s["rank"], s["offsets"], s["lengths"]) for s in emb["shards"]) == [
         (0, [0, 0], [40, COLS]), (1, [40, 0], [ROWS - 40, COLS])]
-    m1 = ckpt.Checkpointer(two_ranks).manifest(1)
+    m1 = ckpt.open(two_ranks).manifest(1)
     rank0 = next(s for s in emb["shards"] if s["rank"] == 0)["chunks"]
     rank1 = next(s for s in emb["shards"] if s["rank"] == 1)["chunks"]
     # only row 0 changed: the first chunk of rank 0's shard is new, every other chunk is reused
@@ -421,9 +421,9 @@ def test_gc_removes_only_old_garbage_and_every_committed_step_still_loads(ckdir,
     assert run("ls", ckdir, "--json")[1].count('"incomplete"') == 0
 
     rc, out, _ = run("gc", ckdir, "--keep-last", "1", "--grace", "0")  # retention, by request
-    assert rc == 0 and ckpt.Checkpointer(ckdir).steps() == [3]
+    assert rc == 0 and ckpt.open(ckdir).steps() == [3]
     assert_loads(ckdir, 3, g["states"][3])
-    referenced = {paths.chunk_key(h) for h in ckpt.Checkpointer(ckdir).manifest(3).chunks}
+    referenced = {paths.chunk_key(h) for h in ckpt.open(ckdir).manifest(3).chunks}
     assert {os.path.relpath(p, ckdir) for p in chunk_files(ckdir)} == referenced
 
 
@@ -451,7 +451,7 @@ def test_gc_killed_at_any_point_leaves_every_committed_step_loadable(ckdir, tmp_
         shutil.copytree(ckdir, d)
         with pytest.raises(Killed):
             gc(d, killed_after=k)
-        steps = ckpt.Checkpointer(d).steps()
+        steps = ckpt.open(d).steps()
         assert steps[-2:] == [2, 3], k
         for s in steps:
             assert_loads(d, s, g["states"][s])
@@ -501,7 +501,7 @@ def test_memory_url_end_to_end(run, tmp_path):
         rc, _, _ = run("export", url, "--to", tmp_path / "m.pt")
         got = torch.load(tmp_path / "m.pt", weights_only=True)
         assert rc == 0 and torch.equal(got["moving"], states[2]["moving"])
-        h = next(iter(tensor_entry(ckpt.Checkpointer(url).manifest(1), "moving").shards[0].segments)).chunk
+        h = next(iter(tensor_entry(ckpt.open(url).manifest(1), "moving").shards[0].segments)).chunk
         fs.rm(f"/cli-test/run/{paths.chunk_key(h)}")
         rc, out, _ = run("verify", url, "--all")
         assert rc == 1 and paths.chunk_key(h) in out and "missing" in out

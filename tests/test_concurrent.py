@@ -39,7 +39,7 @@ def check_every_step(root: str, logs: list[str]) -> None:
         with open(log) as f:
             saved.update(json.load(f))
     assert cli.main(["verify", root, "--all"]) == 0
-    steps = ckpt.Checkpointer(root).steps()
+    steps = ckpt.open(root).steps()
     assert steps
     for s in steps:
         state = {"frozen": torch.zeros(5 * CHUNK // 4), "moving": torch.zeros(3 * CHUNK // 4)}

@@ -70,4 +70,4 @@ def test_kill_during_saves_leaves_every_committed_step_loadable(tmp_path, keep_l
     with ckpt.Checkpointer(path, chunk_size=64 * 1024) as c:
         nxt = c.latest() + 1
         c.save(nxt, expected(nxt))
-    assert ckpt.Checkpointer(path).latest() == nxt
+    assert ckpt.open(path).latest() == nxt

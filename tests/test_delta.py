@@ -73,7 +73,7 @@ def test_sparse_and_frozen_state_is_stored_as_small_deltas_in_bounded_chains(tmp
     first = written[0].written_bytes
     longest, whole_again, prev = 0, 0, set()
     for s in range(1, 10):
-        m = ckpt.Checkpointer(root).manifest(s)
+        m = ckpt.open(root).manifest(s)
         emb = data_chunks(m, "emb")
         new = emb - prev
         prev = emb
@@ -90,7 +90,7 @@ def test_sparse_and_frozen_state_is_stored_as_small_deltas_in_bounded_chains(tmp
         assert sum(m.chunks[h].stored for h in deltas) < 0.1 * CHUNK * len(deltas), s
         assert written[s].written_bytes < 0.6 * first and written[s].chunks_delta == len(deltas | {
             h for h in data_chunks(m, "dense") if m.chunks[h].codec == "xor/1" and h not in
-            data_chunks(ckpt.Checkpointer(root).manifest(s - 1))})
+            data_chunks(ckpt.open(root).manifest(s - 1))})
     assert longest == 4 and whole_again > 0
     with ckpt.Checkpointer(root) as c:
         for s in range(10):
@@ -105,7 +105,7 @@ def test_delta_budget_trades_bytes_per_save_against_bytes_per_load(tmp_path):
     for budget in (1.0, 1.3, 4.0):
         root = str(tmp_path / f"b{budget}")
         save_run(root, 5, delta_budget=budget)
-        m = ckpt.Checkpointer(root).manifest(4)
+        m = ckpt.open(root).manifest(4)
         dense = data_chunks(m, "dense")
         stored[budget] = sum(m.chunks[h].stored for h in dense)
         reads[budget] = max(sum(m.chunks[x].stored for x in mf.chain(m.chunks, h)) / m.chunks[h].size for h in dense)
@@ -124,7 +124,7 @@ def test_deltas_off_with_delta_chain_1_or_another_codec(tmp_path):
             for s, state in training(3):
                 c.save(s, state).wait()
             assert c.host_buffers == 1
-        m = ckpt.Checkpointer(root).manifest(2)
+        m = ckpt.open(root).manifest(2)
         assert all(i.base is None and i.codec != "xor/1" for i in m.chunks.values()), kw
         assert m.format_version == (4 if kw.get("codec") in (None, "grouped", "smallest") else 1), kw
 
@@ -246,7 +246,7 @@ def test_a_base_deleted_by_another_process_is_written_again_whole(tmp_path):
 def test_verify_names_a_damaged_base_and_every_step_and_delta_it_breaks(tmp_path, capsys):
     root = str(tmp_path / "ck")
     save_run(root, 3)
-    m2 = ckpt.Checkpointer(root).manifest(2)
+    m2 = ckpt.open(root).manifest(2)
     delta = next(h for h in sorted(data_chunks(m2, "emb")) if m2.chunks[h].codec == "xor/1")
     base = mf.chain(m2.chunks, delta)[-1]
     path = os.path.join(root, paths.chunk_key(base))
@@ -258,7 +258,7 @@ def test_verify_names_a_damaged_base_and_every_step_and_delta_it_breaks(tmp_path
     doc = json.loads(capsys.readouterr().out)
     named = {p["chunk"]: p for p in doc["problems"]}
     assert base in named and delta in named
-    holding = [s for s in range(3) if delta in ckpt.Checkpointer(root).manifest(s).chunks]
+    holding = [s for s in range(3) if delta in ckpt.open(root).manifest(s).chunks]
     assert named[delta]["steps"] == holding and "base is damaged" in named[delta]["message"]
     assert named[base]["steps"] == [0, 1, 2]  # the whole chunk of save 0 is every step's base
     with pytest.raises(CorruptCheckpointError):
@@ -438,7 +438,7 @@ def test_two_ranks_write_deltas_of_their_own_shards_and_any_world_size_loads_the
     root = str(tmp_path / "ck")
     saved = run_ranks(2, _save_sharded, root)
     assert all(r["deltas"] > 0 for r in saved)  # each rank XORs against its own previous save
-    m = ckpt.Checkpointer(root).manifest(4)
+    m = ckpt.open(root).manifest(4)
     assert any(i.base is not None for i in m.chunks.values())
     assert run_ranks(2, _load_sharded, root) == [True, True]
     # one process takes the whole table: every shard's chunks and their bases, resolved and verified

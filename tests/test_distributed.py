@@ -256,7 +256,7 @@ def test_fsdp2_and_2d_mesh_dtensors_reshard(tmp_path):
     want = saved[0]
     for r in range(1, 4):
         assert all(np.array_equal(want[k], saved[r][k]) for k in want)
-    m = ckpt.Checkpointer(tmp_path).manifest(3)
+    m = ckpt.open(tmp_path).manifest(3)
     a = tensor_entry(m, "dt/a")
     assert a.shape == [6, 10] and len(a.shards) == 4  # 2x2 blocks
     assert len(tensor_entry(m, "dt/c").shards) == 2  # replicated on one mesh dim: written once per box
@@ -412,7 +412,7 @@ def test_a_rank_that_skips_makes_the_step_skipped_everywhere(tmp_path):
     out = run_ranks(3, skip_body, str(tmp_path))
     assert out[1]["skipped_here"]
     assert all(r["skipped"] for r in out)
-    assert ckpt.Checkpointer(tmp_path).steps() == [1, 3]
+    assert ckpt.open(tmp_path).steps() == [1, 3]
 
 
 def diverging_body(rank: int, world: int, root: str):

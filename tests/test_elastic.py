@@ -98,7 +98,7 @@ def test_a_stopped_job_saves_on_sigterm_and_resumes_on_two_workers(tmp_path, ref
     finally:
         os.killpg(p.pid, signal.SIGKILL) if p.poll() is None else None
     assert "preempted: step" in log, log
-    stopped = ckpt.Checkpointer(ck).latest()
+    stopped = ckpt.open(ck).latest()
     assert stopped is not None and stopped % EVERY != 0 and stopped < STEPS  # the emergency save, between intervals
     assert not os.path.exists(out)
 

@@ -30,7 +30,7 @@ def _save_steps(ckdir, steps=(1, 2), **kw):
 
 def _chunks_of(ckdir, step):
     """The chunks holding the step's tensors (not the delta bases its table also lists)."""
-    m = ckpt.Checkpointer(ckdir).manifest(step)
+    m = ckpt.open(ckdir).manifest(step)
     return sorted({g.chunk for t in m.tensors for s in t.shards for g in s.segments})
 
 

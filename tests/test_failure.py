@@ -278,7 +278,7 @@ def test_a_time_interval_saves_no_more_often_than_asked(tmp_path):
     assert len(asked) == 4
     gaps = [b[0] - a[0] for a, b in zip(asked, asked[1:])]
     assert min(gaps) >= 0.2, gaps
-    assert ckpt.Checkpointer(tmp_path).steps() == [s for _, s, _, _ in asked]
+    assert ckpt.open(tmp_path).steps() == [s for _, s, _, _ in asked]
 
 
 def test_auto_interval_follows_the_measured_stall_and_waits_for_commits(tmp_path, caplog):

@@ -192,7 +192,7 @@ def test_nan_in_the_last_chunk_of_a_cuda_parameter_is_refused(ckdir, dtype):
         c.save(1, {"p": p, "opt": opt}).wait()
     with pytest.raises(ckpt.NonFiniteStateError):
         c.close()
-    assert ckpt.open(ckdir).steps() == []
+    assert ckpt.Checkpointer(ckdir).steps() == []  # ckpt.open refuses a root that holds nothing
 
 
 def test_conjugated_and_negated_cuda_views_are_saved_as_their_values(ckdir):

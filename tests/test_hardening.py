@@ -155,7 +155,7 @@ def test_steps_up_to_2_63_are_visible_and_kept(ckdir):
         c.wait()
         assert c.steps() == [5, *big] and c.latest() == 2**63 - 1
     os.makedirs(os.path.join(ckdir, "steps", "0000000000005"))  # not a name ckpt writes: ignored
-    assert ckpt.Checkpointer(ckdir).steps() == [5, *big]
+    assert ckpt.open(ckdir).steps() == [5, *big]
     cat = Reader(LocalStorage(ckdir))
     p = collect.plan(cat, grace_s=0)
     assert not [i for i in p.remove if i.kind == "orphan"]  # their chunks are referenced
@@ -426,7 +426,7 @@ def test_numpy_values_of_every_kind_round_trip_or_are_refused(ckdir):
     n: dict = {"n": 0}
     ckpt.Checkpointer(ckdir).load(3, n)
     assert n["n"] == 10 ** 4000
-    assert ckpt.Checkpointer(ckdir).manifest(1).format_version == 3  # older readers refuse it cleanly
+    assert ckpt.open(ckdir).manifest(1).format_version == 3  # older readers refuse it cleanly
 
 
 # -- 14. a failed save removes what it alone wrote -------------------------------------------------------------
@@ -449,7 +449,7 @@ def test_a_save_that_fills_the_disk_removes_what_it_wrote(ckdir):
         c.save(2, many_chunks(2, n=16)).wait()
     c.close()
     assert full.matched > 5 and set(chunk_files(ckdir)) == kept
-    assert ckpt.Checkpointer(ckdir).steps() == [1]
+    assert ckpt.open(ckdir).steps() == [1]
 
 
 # -- 15. export to a folder that does not exist -------------------------------------------------------------------

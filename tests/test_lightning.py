@@ -102,7 +102,7 @@ def test_sigterm_saves_at_the_batch_end_stops_the_fit_and_resumes_bit_exact(tmp_
     assert r.returncode == 0, r.stderr  # stopped, not killed by the signal
     assert "ckpt: preempted: step 10 committed" in r.stderr + r.stdout
     assert not os.path.exists(tmp_path / "unused.pt")  # Lightning ended the fit (its SIGTERMException)
-    assert ckpt.Checkpointer(ck).steps() == [8, 10]  # every 4, plus the batch the signal arrived in
+    assert ckpt.open(ck).steps() == [8, 10]  # every 4, plus the batch the signal arrived in
 
     resumed = run_child(ck, str(tmp_path / "final.pt"), 30)
     assert resumed["resumed_step"] == 10
@@ -118,12 +118,12 @@ def test_fit_twice_resume_in_new_trainer_and_teardown_waits(tmp_path):
     model = Tiny()
     t.fit(model, Batches())
     assert saver.checkpointer is None and all(h.done() for h in saver.handles)  # teardown waited, then closed
-    assert ckpt.Checkpointer(url).steps() == [4, 6]
+    assert ckpt.open(url).steps() == [4, 6]
 
     t.fit_loop.epoch_loop.max_steps = 10  # the same trainer again: carries on from memory, saves the next steps
     t.fit(model, Batches())
     assert saver.resumed_step is None and t.global_step == 10
-    assert ckpt.Checkpointer(url).steps() == [8, 10]
+    assert ckpt.open(url).steps() == [8, 10]
 
     # a new process would do this: a fresh trainer and model resume from step 10 on their own
     saver2 = AsyncCheckpoint(url, every_n_train_steps=2)
@@ -134,7 +134,7 @@ def test_fit_twice_resume_in_new_trainer_and_teardown_waits(tmp_path):
     assert saver2.resumed_step == 10 and t2.global_step == 10
     assert_equal_nested(model.state_dict(), model2.state_dict())
     assert_equal_nested(t.optimizers[0].state_dict(), t2.optimizers[0].state_dict())
-    assert ckpt.Checkpointer(url).steps() == [8, 10]  # nothing saved twice
+    assert ckpt.open(url).steps() == [8, 10]  # nothing saved twice
 
 
 def test_fit_ckpt_path_may_name_a_ckpt_step(tmp_path):
@@ -158,7 +158,7 @@ def test_non_plain_values_need_allow_pickle(tmp_path):
     with pytest.raises(ckpt.UnsupportedValueError, match="allow_pickle=True to AsyncCheckpoint"):
         trainer(2, [AsyncCheckpoint(url, every_n_train_steps=2)]).fit(Tiny(extra=pathlib.PurePosixPath("/a")),
                                                                        Batches())
-    assert ckpt.Checkpointer(url).steps() == []
+    assert ckpt.Checkpointer(url).steps() == []  # ckpt.open refuses a root that holds nothing
     trainer(2, [AsyncCheckpoint(url, every_n_train_steps=2, allow_pickle=True)]).fit(
         Tiny(extra=pathlib.PurePosixPath("/a")), Batches())
     with pytest.raises(ckpt.UnsupportedValueError, match="allow_pickle"):
@@ -245,7 +245,7 @@ def test_saving_the_same_path_again_keeps_a_whole_checkpoint(tmp_path):
     for step in (2, 2, 4):  # a repeated global step still gets its own ckpt step
         io.save_checkpoint({"state_dict": {"w": torch.full((8,), float(step))}, "global_step": step}, path)
     io.teardown()
-    assert ckpt.Checkpointer(path).steps() == [4]  # the older ones went only after the newest committed
+    assert ckpt.open(path).steps() == [4]  # the older ones went only after the newest committed
     assert torch.equal(load_checkpoint(path)["state_dict"]["w"], torch.full((8,), 4.0))
     # the plugin still reads Lightning's own files
     torch.save({"global_step": 1}, tmp_path / "plain.ckpt")
@@ -279,13 +279,13 @@ def test_import_picks_lightning_then_pytorch_lightning_then_explains(tmp_path):
 def test_a_fit_that_ends_between_saves_keeps_its_last_step_and_reports_resume(tmp_path, caplog):
     url, url2 = str(tmp_path / "ck"), str(tmp_path / "ck2")
     trainer(7, [AsyncCheckpoint(url, every_n_train_steps=3)]).fit(Tiny(), Batches())
-    assert ckpt.Checkpointer(url).steps() == [3, 6, 7]  # the final weights are never lost
+    assert ckpt.open(url).steps() == [3, 6, 7]  # the final weights are never lost
     trainer(7, [AsyncCheckpoint(url2, every_n_train_steps=3, save_on_train_end=False)]).fit(Tiny(), Batches())
-    assert ckpt.Checkpointer(url2).steps() == [3, 6]
+    assert ckpt.open(url2).steps() == [3, 6]
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         trainer(9, [AsyncCheckpoint(url, every_n_train_steps=3)]).fit(Tiny(), Batches())
     assert f"Restored all states from the checkpoint at {url} (ckpt step 7)" in caplog.text
-    assert ckpt.Checkpointer(url).steps() == [3, 6, 7, 9]
+    assert ckpt.open(url).steps() == [3, 6, 7, 9]
 
 
 def test_local_commits_upload_the_last_step(tmp_path):
@@ -294,7 +294,7 @@ def test_local_commits_upload_the_last_step(tmp_path):
     remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
     cb = AsyncCheckpoint(remote, local_dir=local, every_n_train_steps=2, persist_every=100, keep_local=5)
     trainer(7, [cb]).fit(Tiny(), Batches())
-    assert ckpt.Checkpointer(remote).steps() == [2, 7]  # the first save (as every first save) and the last step
-    assert ckpt.Checkpointer(local).steps() == [2, 4, 6, 7]
+    assert ckpt.open(remote).steps() == [2, 7]  # the first save (as every first save) and the last step
+    assert ckpt.open(local).steps() == [2, 4, 6, 7]
     shutil.rmtree(local)  # the node is gone: the checkpoint path alone has the fit's last step
     assert load_checkpoint(remote)["global_step"] == 7

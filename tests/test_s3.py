@@ -65,7 +65,7 @@ def test_save_load_on_s3(server, tmp_path, tiered):
         assert_loaded(c, 1, s1)
         assert_loaded(c, "latest", s2)
     if tiered:  # the local tier is a plain checkpoint of the same steps
-        assert ckpt.Checkpointer(local).steps() == [1, 2]
+        assert ckpt.open(local).steps() == [1, 2]
 
 
 def test_commit_waits_for_uploads_and_stage_order(rclone_server, tmp_path):
@@ -255,7 +255,7 @@ def test_retention_keep_last_and_keep_every_on_both_tiers(rclone_server, tmp_pat
         assert c.steps() == [1, 3, 6, 7]
         remote, tier = c.storage.remote, c.storage.local
         refs = set().union(*(c.manifest(s).chunks.keys() for s in c.steps()))
-    assert ckpt.Checkpointer(local).steps() == [1, 3, 6, 7]
+    assert ckpt.open(local).steps() == [1, 3, 6, 7]
     assert _chunk_names(remote) == refs and _chunk_names(tier) == refs
     with ckpt.Checkpointer(url, storage_options=so) as c:
         for s in (1, 3, 6, 7):
@@ -308,7 +308,7 @@ def test_retention_killed_anywhere_leaves_committed_steps_loadable(rclone_server
             assert 3 in steps
             for s in steps:
                 assert_loaded(c, s, {**states[s], "step": s})
-        assert ckpt.Checkpointer(local).steps() in ([3], steps, [1, 2, 3], [2, 3])
+        assert ckpt.open(local).steps() in ([3], steps, [1, 2, 3], [2, 3])
     assert finished  # the largest budget let retention run to the end
 
 
