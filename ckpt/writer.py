@@ -24,6 +24,7 @@ from .errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError
 from .format import manifest as mf
 from .format import paths
 from .format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
+from .format.tree_check import newest_feature
 from .handle import SaveMetrics
 from .lease import Leases
 from .snapshot import HostBuffer, Snapshot
@@ -324,17 +325,22 @@ class Writer:
             log.warning("ckpt: removing the chunks of failed step %d failed: %s", job.step, e)
 
     def commit(self, step: int, parts: list[mf.Manifest], per_rank: frozenset[str],
-               storage: Storage | None = None) -> mf.Manifest:
+               storage: Storage | None = None, structure: dict | None = None) -> mf.Manifest:
         """Merge every rank's report into the step manifest and commit it (create-only).
 
         Two ranks may store the same chunk (same bytes, same name) differently: as deltas of their
         own bases, or with other byte-plane widths; the copy written last is the one stored. Where
         their reports disagree, the stored header decides the entry, and the merged table is checked
         (every base listed, chains bounded) before anything is committed. ``storage``: the save's own
-        view (default: the writer's storage)."""
+        view (default: the writer's storage). ``structure``: the step's structure tree when the front
+        end builds it itself (``ckpt.dcp``: from DCP's metadata), instead of the one merged from the
+        parts (whose own structures must then agree, e.g. be empty)."""
         storage = storage if storage is not None else self.storage
         self._settle_conflicts(parts, storage)
         step_manifest = mf.merge(step, parts, per_rank)
+        if structure is not None:
+            step_manifest.structure = structure
+            step_manifest.format_version = max(step_manifest.format_version, newest_feature(structure))
         try:
             mf.check_chains(step_manifest.chunks, paths.manifest_key(step))
         except CorruptCheckpointError as e:

@@ -48,12 +48,12 @@ def _entry(fn, rank: int, world: int, port: int, results, args, hard_exit: bool,
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 180.0, may_die: tuple[int, ...] = (),
-              pg_timeout: float = 120.0) -> list:
+              pg_timeout: float = 120.0, daemon: bool = True) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, bool(may_die), pg_timeout),
-                         daemon=True) for r in range(world)]
+                         daemon=daemon) for r in range(world)]  # daemon=False: ranks may start processes
     for p in procs:
         p.start()
     out: dict[int, tuple[str, object]] = {}

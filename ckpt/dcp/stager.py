@@ -1,0 +1,212 @@
+"""``ckpt.dcp.Stager``: DCP's snapshot seam (``AsyncStager``) over ckpt's host buffer.
+
+``stage(state_dict)`` copies every tensor, CPU or CUDA, into one host buffer laid out by
+:func:`ckpt.buffer_layout.make_layout` and filled by :meth:`ckpt.snapshot.HostBuffer.copy_in` (the
+same copy ``Checkpointer.save`` makes: multi-threaded and fused with hashing on CPU, batched
+device-to-host copies on GPU), and returns a state dict of the same shape whose tensors are views
+into that buffer. The buffer is allocated at the state's size and reused while the structure
+(keys, dtypes, shapes, devices, placements) stays the same, so memory stays flat over many saves.
+
+The buffer starts with a 64-byte header that the staged tensors share (their storage is the
+buffer's, in process mode too: DCP moves it to shared memory once), which a
+:class:`ckpt.dcp.Writer` reads: see :class:`Header`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from ..buffer_layout import BufferLayout, TensorSlot, make_layout
+from ..errors import CheckpointError, ConfigError
+from ..sharding import is_dtensor
+from ..snapshot import HostBuffer
+
+log = logging.getLogger("ckpt")
+
+MAGIC = int.from_bytes(b"CKPTSTG1", "little")
+HEADER_BYTES = 64
+SEQ, READING, DONE = 1, 2, 3  # int64 fields after the magic
+
+
+class Header:
+    """The first 64 bytes of a Stager's buffer, as int64 fields: the magic, ``seq`` (snapshots
+    staged, times two; odd while one is being copied in), ``reading`` (the seq a Writer is copying
+    out) and ``done`` (the last seq a Writer finished copying out). A seqlock: a Writer that sees
+    ``seq`` change while it copies refuses the save instead of storing a mixture of two snapshots."""
+
+    def __init__(self, fields: torch.Tensor):
+        self.fields = fields
+
+    def get(self, i: int) -> int:
+        return int(self.fields[i])
+
+    def set(self, i: int, v: int) -> None:
+        self.fields[i] = v
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Header | None:
+        """The header of the Stager buffer ``t`` is a view into, or None (any other tensor)."""
+        if t.device.type != "cpu" or t.is_meta:
+            return None
+        s = t.untyped_storage()
+        if s.nbytes() < HEADER_BYTES:
+            return None
+        fields = torch.empty(0, dtype=torch.uint8).set_(s, 0, (HEADER_BYTES,), (1,)).view(torch.int64)
+        return cls(fields) if int(fields[0]) == MAGIC else None
+
+    def wait_even(self, deadline: float) -> int:
+        """The seq of a finished snapshot (waits while one is being copied in)."""
+        while (seq := self.get(SEQ)) % 2:
+            if time.monotonic() > deadline:
+                raise CheckpointError("the Stager's snapshot did not finish in time; nothing was saved")
+            time.sleep(0.001)
+        return seq
+
+
+class Stager(AsyncStager):
+    """Stages a state for ``dcp.async_save`` into one reused host buffer; ``async_save`` returns as
+    soon as the copy is done (CUDA copies included). Example::
+
+        stager = ckpt.dcp.Stager()
+        fut = dcp.async_save(state, storage_writer=ckpt.dcp.Writer(url, step=200), async_stager=stager)
+        ...                      # training goes on; the next async_save reuses the buffer
+        fut.result()
+
+    **One buffer.** The next ``stage`` waits while a :class:`ckpt.dcp.Writer` is copying the
+    previous snapshot out of the buffer, and, once a Writer has read from it, until the previous
+    snapshot was copied out (at most ``wait_s`` seconds: a save that failed before writing never
+    copies it; the stage then goes on, with a warning). A Writer that finds the buffer restaged
+    while it copies fails that save (nothing committed, never a mixture). With another
+    ``StorageWriter``, wait for the previous save's future before the next ``async_save``.
+
+    ``should_synchronize_after_execute`` is True and :meth:`synchronize_staging` returns at once:
+    ``stage`` returns only when every copy, CUDA ones included, is done.
+    """
+
+    _synchronize_after_execute: bool = True
+
+    def __init__(self, *, native: bool = True, threads: int | None = None, wait_s: float = 60.0):
+        if not isinstance(native, bool):
+            raise ConfigError(f"native must be True or False, got {native!r}")
+        if threads is not None and (type(threads) is not int or threads < 1):
+            raise ConfigError(f"threads must be a positive integer or None, got {threads!r}")
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or wait_s < 0:
+            raise ConfigError(f"wait_s must be a number of seconds ≥ 0, got {wait_s!r}")
+        self.native, self.threads, self.wait_s = native, threads, float(wait_s)
+        self.buffer: HostBuffer | None = None
+        self.layouts_made = 0
+        self._signature: tuple | None = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state_dict`` whose tensors are views into the host buffer (DTensors stay
+        DTensors, over a view of their local shard); other values are deep-copied."""
+        if not isinstance(state_dict, dict):
+            raise ConfigError(f"stage needs a state dict, got {type(state_dict).__name__}")
+        found: list[torch.Tensor] = []
+        _walk(state_dict, found.append)
+        tensors = {str(i): _local(t).detach() for i, t in enumerate(found)}
+        sig = tuple((t.dtype, tuple(t.shape), t.device.type, _placement(src))
+                    for t, src in zip(tensors.values(), found))
+        buf = self._buffer_for(sig, tensors)
+        hdr = Header.of(buf.buffer)
+        assert hdr is not None
+        self._wait_for_writer(hdr)
+        buf.acquire()
+        seq = hdr.get(SEQ)
+        hdr.set(SEQ, seq + 1)  # odd: copying in
+        try:
+            cuda, _, _ = buf.copy_in(tensors)
+            if cuda is not None:
+                cuda.synchronize()
+        finally:
+            hdr.set(SEQ, seq + 2)
+            buf.release()
+        views = iter([_view(buf, slot) for slot in buf.layout.slots])
+        return _walk(state_dict, lambda t: _rebuild(t, next(views)))
+
+    def _buffer_for(self, sig: tuple, tensors: dict[str, torch.Tensor]) -> HostBuffer:
+        if self.buffer is not None and sig == self._signature:
+            return self.buffer
+        old = self.buffer
+        if old is not None:  # the structure changed: no Writer may still be copying the old one
+            hdr = Header.of(old.buffer)
+            if hdr is not None:
+                self._wait_for_writer(hdr)
+        self.buffer = buf = HostBuffer(_layout(tensors), native=self.native, threads=self.threads)
+        buf.buffer[:HEADER_BYTES].view(torch.int64)[0] = MAGIC
+        self._signature = sig
+        self.layouts_made += 1
+        return buf
+
+    def _wait_for_writer(self, hdr: Header) -> None:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            seq, reading, done = hdr.get(SEQ), hdr.get(READING), hdr.get(DONE)
+            copying = reading > done
+            if not copying and not (0 < done < seq):
+                return
+            if time.monotonic() > deadline:
+                if copying:
+                    raise CheckpointError(
+                        f"a ckpt.dcp.Writer has been copying the previous snapshot out of the Stager's buffer for more "
+                        f"than {self.wait_s:.0f}s; nothing was staged. Wait for the previous save's future first")
+                log.warning("ckpt: the previous snapshot in the Stager's buffer was never copied out by a save (it "
+                            "probably failed before writing); staging over it")
+                return
+            time.sleep(0.002)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once every copy is done."""
+
+    def close(self) -> None:
+        """Let the buffer go (the next ``stage`` allocates a new one)."""
+        self.buffer, self._signature = None, None
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> BufferLayout:
+    """Where each tensor goes: the 64-byte header first (in no tensor's slot), then the tensors."""
+    full = make_layout({"": torch.empty(HEADER_BYTES, dtype=torch.uint8), **tensors}, 1 << 30)
+    assert full.slots[0].offset == 0 and full.slots[0].nbytes == HEADER_BYTES
+    return BufferLayout(full.slots[1:], full.chunks, full.nbytes)
+
+
+def _view(buf: HostBuffer, slot: TensorSlot) -> torch.Tensor:
+    return buf.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if is_dtensor(t) and callable(to_local) else t
+
+
+def _placement(t: torch.Tensor) -> Any:
+    if not is_dtensor(t):
+        return None
+    return (tuple(t.shape), tuple(t.placements), id(t.device_mesh))
+
+
+def _rebuild(src: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``view`` standing where ``src`` stood: a DTensor over it when ``src`` is one."""
+    if not is_dtensor(src):
+        return view
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(view, src.device_mesh, src.placements, run_check=False,
+                              shape=src.shape, stride=src.stride())
+
+
+def _walk(obj: Any, on_tensor: Any) -> Any:
+    """A copy of ``obj`` (dicts, lists, tuples rebuilt) with ``on_tensor(t)`` for every tensor, in order."""
+    if isinstance(obj, torch.Tensor):
+        return on_tensor(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, on_tensor) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_walk(v, on_tensor) for v in obj)
+    return copy.deepcopy(obj)

@@ -1,0 +1,276 @@
+"""``ckpt.dcp.Writer``: a DCP ``StorageWriter`` that stores a ``dcp.save`` as a ckpt step.
+
+DCP plans (which rank writes which item, replicated items once); ckpt stores. On each rank,
+``write_data`` lays the rank's items out in a host buffer (:func:`ckpt.buffer_layout.make_layout`,
+:class:`ckpt.snapshot.HostBuffer`) and hands it to ckpt's writer (:meth:`ckpt.writer.Writer.write_part`):
+content-addressed, hashed chunks, dedup against what is stored, codecs, durable writes through
+``local_dir`` when given, then the rank's report (``steps/<S>/rank-<r>.json``). ``finish``, on the
+coordinator, reads every rank's report, rebuilds the nested structure from DCP's metadata and commits
+``MANIFEST.json`` create-only (:meth:`ckpt.writer.Writer.commit`); retention follows. Until then no
+step is visible: a rank killed midway leaves only chunks and reports, for ``ckpt gc``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import tree as st
+from .._tasks import run_all
+from ..buffer_layout import make_layout
+from ..errors import CheckpointError, ConfigError, StepExistsError, UnsupportedValueError
+from ..flatten import Leaf
+from ..format import manifest as mf
+from ..format import paths
+from ..format.chunk import verify_object
+from ..handle import SaveMetrics
+from ..lease import Leases
+from ..options import Options, check_storage
+from ..retention import Retention
+from ..snapshot import HostBuffer, Snapshot
+from ..storage import open_tiered
+from ..storage.base import Storage
+from ..writer import SaveJob
+from ..writer import Writer as ChunkWriter
+from ._structure import build_structure, tensor_key, value_node
+from .stager import DONE, READING, SEQ, Header
+
+log = logging.getLogger("ckpt")
+
+# Checkpointer options a DCP save has no use for, and why.
+REFUSED = {
+    "every": "DCP saves when you call dcp.save", "preemption": "DCP saves when you call dcp.save",
+    "mtbf": "DCP saves when you call dcp.save", "max_overhead": "DCP saves when you call dcp.save",
+    "redundancy": "local commits need the Checkpointer", "persist_every": "local commits need the Checkpointer",
+    "failure_domain": "local commits need the Checkpointer", "keep_local": "local commits need the Checkpointer",
+    "busy": "ckpt.dcp.Stager decides when the buffer is free",
+    "delta_chain": "deltas need the previous save's buffer, which a Writer (one per save) does not keep",
+    "delta_budget": "deltas need the previous save's buffer, which a Writer (one per save) does not keep",
+    "check_finite": "DCP's flat state does not say which tensors are parameters; use the Checkpointer",
+    "strict": "it is a load option",
+}
+
+
+class _Run:
+    """What one save holds open (storage, threads, the writer lease), opened on each rank in
+    ``set_up_storage_writer``, never in ``__init__`` (the Writer must pickle for process mode)."""
+
+    def __init__(self, url: str, options: Options, storage: Storage | None):
+        self.storage = storage if storage is not None else open_tiered(
+            url, options.local_dir, options.storage_options, verify=verify_object, upload_threads=options.threads)
+        self.io = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-dcp-io")
+        self.leases = Leases(self.storage.durable_tier(), wait_s=options.timeout)
+        self.writer = ChunkWriter(self.storage, options.codec, self.io, self.leases, delta_chain=1)
+        self.owned = storage is None
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.leases.release()
+        finally:
+            self.io.shutdown(wait=True)
+            if self.owned:
+                self.storage.close()
+
+
+class Writer(StorageWriter):
+    """Stores ``dcp.save`` / ``dcp.async_save`` as committed ckpt steps. Example::
+
+        dcp.save({"model": model.state_dict(), "optim": optim.state_dict()},
+                 storage_writer=ckpt.dcp.Writer("s3://bucket/run", step=100, keep_last=3))
+
+    ``url``: the checkpoint root (a directory or an fsspec URL). ``step``: the step to commit (a step
+    already committed raises :class:`~ckpt.StepExistsError`). Options, checked here as the
+    Checkpointer checks them: ``local_dir``, ``storage_options``, ``codec``, ``chunk_size``,
+    ``keep_last``, ``keep_every``, ``io_threads``, ``timeout``, ``native``, ``snapshot_threads``,
+    ``allow_pickle`` (store non-tensor items that are not plain values as pickle); ``storage``: an opened
+    :class:`~ckpt.storage.base.Storage` instead of opening ``url``. One Writer per save."""
+
+    def __init__(self, url: str | os.PathLike, *, step: int, storage: Storage | None = None, **options: Any):
+        if not isinstance(url, (str, os.PathLike)):
+            raise ConfigError(f"ckpt.dcp.Writer needs a checkpoint path or URL, got {url!r}")
+        if type(step) is not int or not 0 <= step <= mf.MAX_STEP:
+            raise ConfigError(f"step must be an integer from 0 to {mf.MAX_STEP}, got {step!r}")
+        refused = sorted(set(options) & set(REFUSED))
+        if refused:
+            raise ConfigError("ckpt.dcp.Writer does not take " + "; ".join(f"{k} ({REFUSED[k]})" for k in refused))
+        self.options = Options.build(**options)
+        check_storage(storage, self.options)
+        self.url = os.fspath(url)
+        self.step = step
+        self._storage = storage
+        self._run: _Run | None = None
+        self._rank = 0
+        self._coordinator = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_run"] = None  # opened again where it is used
+        state.pop("_finalizer", None)
+        return state
+
+    # -- DCP's calls, in order ------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.url:
+            raise ConfigError(f"ckpt.dcp.Writer writes to {self.url!r}; dcp.save's checkpoint_id {checkpoint_id!r} "
+                              "names another place: leave checkpoint_id out")
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._rank = int(kwargs.get("rank", dist.get_rank() if dist.is_available() and dist.is_initialized() else 0))
+        self._coordinator = is_coordinator
+        if self._run is None:
+            self._run = run = _Run(self.url, self.options, self._storage)
+            self._finalizer = weakref.finalize(self, run.close)
+        run = self._run
+        if run.storage.exists(paths.manifest_key(self.step)):
+            raise StepExistsError(f"step {self.step} is already committed in {run.storage.describe()}; committed "
+                                  "steps are never overwritten. Save under a new step number")
+        run.leases.hold()  # held until this rank is done: `ckpt gc` beside never deletes what it reuses
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        run = self._need_run()
+        try:
+            results = self._write(run, plan, planner)
+        except BaseException:
+            run.close()
+            raise
+        if not self._coordinator:
+            run.close()  # the coordinator's lease covers the commit
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        run = self._need_run()
+        try:
+            self._commit(run, metadata, len(results))
+        finally:
+            run.close()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False  # chosen explicitly (storage_writer=), never guessed from a path
+
+    # -- the work -------------------------------------------------------------------------------
+    def _need_run(self) -> _Run:
+        if self._run is None or self._run.closed:
+            raise CheckpointError("ckpt.dcp.Writer was not set up by DCP (use it once, as dcp.save's storage_writer)")
+        return self._run
+
+    def _write(self, run: _Run, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        mappings = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+        tensors: dict[str, torch.Tensor] = {}
+        leaves: dict[str, Leaf] = {}
+        values: dict[str, st.Node] = {}
+        results = []
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                lookup = getattr(planner, "lookup_object", None)
+                obj = lookup(item.index) if callable(lookup) else _unsave(planner.resolve_data(item))
+                values[fqn] = value_node(fqn, obj, self.options.allow_pickle)
+                results.append(WriteResult(item.index, 0, None))
+                continue
+            td = item.tensor_data
+            assert td is not None
+            key = tensor_key(mappings.get(fqn, (fqn,)))
+            if key in tensors:
+                raise UnsupportedValueError(f"{fqn!r}: this rank holds two pieces of it; ckpt.dcp.Writer stores one "
+                                            "box per tensor and rank (DTensor Shard/Replicate placements)")
+            t = planner.resolve_data(item)
+            assert isinstance(t, torch.Tensor)
+            tensors[key] = t.detach()
+            leaves[key] = Leaf((tuple(td.chunk.offsets), tuple(td.chunk.sizes)), tuple(td.size), "shard")
+            results.append(WriteResult(item.index, t.numel() * t.element_size(), None))
+        buf = HostBuffer(make_layout(tensors, self.options.chunk_size), native=self.options.native,
+                         threads=self.options.snapshot_threads)
+        buf.acquire()
+        try:
+            cuda, hashes = self._copy_in(buf, tensors)
+        except BaseException:
+            buf.release()
+            raise
+        snap = Snapshot(buf, leaves, frozenset(), hashes, cuda, [], buf.generation)
+        job = SaveJob(step=self.step, seq=0, snapshot=snap, structure=st.dict_node(list(values), list(values.values())),
+                      metrics=SaveMetrics(step=self.step), started=time.perf_counter())
+        run.writer.write_part(job, self._rank)
+        return results
+
+    def _copy_in(self, buf: HostBuffer, tensors: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+        """Copy this rank's items into its buffer. Items staged by a ckpt.dcp.Stager are read under
+        its header's seqlock: a snapshot restaged meanwhile fails the save instead of mixing two."""
+        headers: dict[int, Header] = {}
+        for t in tensors.values():
+            h = Header.of(t)
+            if h is not None:
+                headers.setdefault(t.untyped_storage().data_ptr(), h)
+        deadline = time.monotonic() + self.options.timeout
+        seqs = {p: h.wait_even(deadline) for p, h in headers.items()}
+        for p, h in headers.items():
+            h.set(READING, seqs[p])
+        try:
+            cuda, hashes, _ = buf.copy_in(tensors)
+            if cuda is not None:
+                cuda.synchronize()
+            changed = [p for p, h in headers.items() if h.get(SEQ) != seqs[p]]
+            if changed:
+                raise CheckpointError(f"step {self.step} was not saved: the ckpt.dcp.Stager restaged its buffer while "
+                                      "this save copied it. Wait for the previous async_save's future before the next")
+            return cuda, hashes
+        finally:
+            for p, h in headers.items():
+                h.set(DONE, seqs[p])
+
+    def _commit(self, run: _Run, metadata: Metadata, world: int) -> None:
+        parts = [mf.read_rank_part(run.storage, self.step, r) for r in range(world)]
+        values: dict[str, st.Node] = {}
+        for p in parts:
+            values.update(zip(p.structure["k"], p.structure["v"]))
+        keys = {t.key for p in parts for t in p.tensors}
+        mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        leaves: dict[str, st.Node] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                key = tensor_key(mappings.get(fqn, (fqn,)))
+                if key not in keys:
+                    raise CheckpointError(f"step {self.step} was not committed: no rank wrote tensor {fqn!r}")
+                leaves[fqn] = st.tensor_node(key)
+            elif fqn in values:
+                leaves[fqn] = values[fqn]
+            else:
+                raise CheckpointError(f"step {self.step} was not committed: no rank wrote item {fqn!r}")
+        bare = [dataclasses.replace(p, structure=st.dict_node([], [])) for p in parts]
+        committed = run.writer.commit(self.step, bare, frozenset(), run.storage,
+                                      structure=build_structure(leaves, mappings))
+        log.info("ckpt: committed step %d through DCP (%d ranks, %d tensors)", self.step, world,
+                 len(committed.tensors))
+        if self.options.keep_last is not None or self.options.keep_every is not None:
+            Retention(run.storage, mf.ManifestCache(run.storage), self.options.keep_last, self.options.keep_every,
+                      lambda keys: run_all(run.io, run.storage.delete, keys), run.leases,
+                      in_use=run.writer.in_use).after_commit(committed)
+
+
+def _unsave(data: Any) -> Any:
+    """An item a planner without ``lookup_object`` handed over as ``torch.save`` bytes (weights only: no code runs)."""
+    return torch.load(data, weights_only=True)

@@ -1,0 +1,258 @@
+"""ckpt.dcp: dcp.save / dcp.async_save / dcp.load over ckpt steps, on real gloo ranks with DTensors."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckpt
+import ckpt.dcp
+from ckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedValueError
+from ckpt.format import paths
+from ckpt.storage import LocalStorage
+from ckpt.testing import run_ranks
+
+
+def global_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(8, 6, generator=g), "b": torch.randn(5, generator=g),
+            "emb": torch.randint(0, 1000, (7, 3), generator=g), "plain": torch.arange(6, dtype=torch.float64)}
+
+
+def dtensor_state(world: int, seed: int = 0, zeros: bool = False) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = {k: torch.zeros_like(v) if zeros else v for k, v in global_tensors(seed).items()}
+    return {"model": {"w": distribute_tensor(g["w"], mesh, [Shard(0)]),
+                      "b": distribute_tensor(g["b"], mesh, [Replicate()]),
+                      "emb": distribute_tensor(g["emb"], mesh, [Shard(1)]),
+                      "plain": g["plain"]},
+            "step": -1 if zeros else 3, "meta": {"name": "" if zeros else "run", "lrs": [0.0] if zeros else [0.1, 0.2]}}
+
+
+def full(state: dict) -> dict:
+    out = {}
+    for k, v in state["model"].items():
+        t = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = t.numpy().copy()  # by value: a tensor would travel to the test as a handle to this process
+    return {"model": out, "step": state["step"], "meta": state["meta"]}
+
+
+def failures(e: BaseException) -> list[BaseException]:
+    """The errors inside DCP's CheckpointException (one per failed rank)."""
+    if isinstance(e, CheckpointException):
+        return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+    return [e]
+
+
+# -- bodies run on every rank (module level: spawned processes import them) --------------------------
+
+def save_body(rank: int, world: int, path: str) -> None:
+    state = dtensor_state(world)
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(path, step=1))
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(path, step=2))  # unchanged: dedup
+
+
+def load_body(rank: int, world: int, path: str, step) -> dict:
+    state = dtensor_state(world, zeros=True)
+    dcp.load(state, storage_reader=ckpt.dcp.Reader(path, step=step))
+    return full(state)
+
+
+def checkpointer_save_body(rank: int, world: int, path: str) -> None:
+    c = ckpt.Checkpointer(path)
+    c.save(5, dtensor_state(world, seed=1)).wait()
+    c.close()
+
+
+def damaged_load_body(rank: int, world: int, path: str) -> list[str]:
+    try:
+        load_body(rank, world, path, 1)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        return [type(x).__name__ + ": " + str(x) for x in failures(e) if isinstance(x, CorruptCheckpointError)]
+    return []
+
+
+class KillingStorage(LocalStorage):
+    """A disk whose process dies (SIGKILL) on its first chunk write: a rank killed inside write_data."""
+
+    def write(self, key, buffers):
+        if key.startswith("chunks/"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().write(key, buffers)
+
+
+def killed_body(rank: int, world: int, path: str) -> str:
+    storage = KillingStorage(path) if rank == 1 else None
+    try:
+        dcp.save(dtensor_state(world), storage_writer=ckpt.dcp.Writer(path, step=1, storage=storage))
+    except BaseException as e:
+        return type(e).__name__
+    return "saved"
+
+
+def async_body(rank: int, world: int, path: str, process: bool) -> dict:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+    stager = ckpt.dcp.Stager()
+    # DTensors in thread mode; process mode with plain (replicated) tensors: with DTensors there the ranks
+    # died with SIGSEGV (not investigated yet; see docs/api.md, DCP limits)
+    state = dtensor_state(world) if not process else {"model": global_tensors(), "step": 3}
+    ptrs, steps, saved = [], [10, 11, 12], []
+    for s in steps:
+        with torch.no_grad():
+            state["model"]["w"].add_(1.0)
+        w = state["model"]["w"]
+        saved.append((w.full_tensor() if hasattr(w, "full_tensor") else w).numpy().copy())
+        fut = dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=s), async_stager=stager,
+                             async_checkpointer_type=kind)
+        with torch.no_grad():
+            state["model"]["w"].mul_(-3.0)  # changed after staging: must not reach the step
+        fut.result()
+        ptrs.append(stager.buffer.buffer.data_ptr())
+    local = sum(_local_bytes(v) for v in state["model"].values())
+    out = {"saved": saved, "ptrs": ptrs, "host": stager.buffer.nbytes, "local": local, "tensors": len(state["model"]),
+           "layouts": stager.layouts_made}
+    stager.close()
+    return out
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+# -- tests ------------------------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+def test_save_on_2_load_on_3_and_through_ckpt(tmp_path):
+    path = str(tmp_path / "run")
+    run_ranks(2, save_body, path, timeout=120)
+    want = global_tensors()
+    for got in run_ranks(3, load_body, path, "latest", timeout=120):
+        for k, v in want.items():
+            assert torch.equal(torch.from_numpy(got["model"][k]), v), k
+        assert got["step"] == 3 and got["meta"] == {"name": "run", "lrs": [0.1, 0.2]}
+    # the same steps through ckpt's own readers
+    reader = ckpt.open(path)
+    assert reader.steps() == [1, 2]
+    tensors = reader.tensors(1)
+    assert sorted(tensors) == [f"model/{k}" for k in sorted(want)]
+    assert all(torch.equal(tensors[f"model/{k}"], v) for k, v in want.items())
+    assert reader.values(1) == {"step": 3, "meta/name": "run", "meta/lrs": [0.1, 0.2]}
+    state = {"model": {k: torch.zeros_like(v) for k, v in want.items()}, "step": 0, "meta": {"name": "", "lrs": []}}
+    c = ckpt.Checkpointer(path)
+    c.load(2, state)
+    c.close()
+    assert all(torch.equal(state["model"][k], v) for k, v in want.items()) and state["meta"]["lrs"] == [0.1, 0.2]
+    # dedup: the second save of unchanged weights stored no new chunk
+    m1, m2 = reader.manifest(1), reader.manifest(2)
+    assert m1.stats["written_bytes"] > 0 and m2.stats["written_bytes"] == 0 and m2.stats["chunks_written"] == 0
+    assert set(m2.chunks) == set(m1.chunks)
+    assert reader.verify(2).ok
+
+
+@pytest.mark.multiprocess
+def test_checkpointer_save_loads_through_dcp_and_damage_is_refused(tmp_path):
+    path = str(tmp_path / "run")
+    run_ranks(2, checkpointer_save_body, path, timeout=120)
+    want = global_tensors(seed=1)
+    for got in run_ranks(3, load_body, path, 5, timeout=120):
+        assert all(torch.equal(torch.from_numpy(got["model"][k]), v) for k, v in want.items())
+        assert got["step"] == 3 and got["meta"]["lrs"] == [0.1, 0.2]
+    # a flipped byte in the chunk of the replicated tensor every rank reads
+    path2 = str(tmp_path / "dcp")
+    run_ranks(2, save_body, path2, timeout=120)
+    m = ckpt.open(path2).manifest(1)
+    h = next(t for t in m.tensors if t.key == "model/b").shards[0].segments[0].chunk
+    chunk = tmp_path / "dcp" / paths.chunk_key(h)
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    out = run_ranks(2, damaged_load_body, path2, timeout=120)
+    assert all(errors and h in errors[0] for errors in out), out
+
+
+@pytest.mark.multiprocess
+def test_rank_killed_in_write_data_commits_nothing_and_next_save_works(tmp_path):
+    path = str(tmp_path / "run")
+    out = run_ranks(2, killed_body, path, may_die=(1,), timeout=120, pg_timeout=30)
+    assert out[1] is None and out[0] != "saved"
+    assert not (tmp_path / "run" / paths.manifest_key(1)).exists()
+    with pytest.raises(CheckpointNotFoundError):
+        ckpt.dcp.Reader(path, step="latest").read_metadata()
+    with pytest.raises(CheckpointNotFoundError):
+        ckpt.dcp.Reader(path, step=1).read_metadata()
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}}
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(path, step=1), no_dist=True)
+    assert ckpt.open(path).steps() == [1]
+    assert torch.equal(ckpt.open(path).tensors(1)["model/w"], state["model"]["w"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_async_save_with_stager(tmp_path, process):
+    path = str(tmp_path / "run")
+    out = run_ranks(2, async_body, path, process, timeout=180, daemon=not process)  # DCP's process mode forks
+    reader = ckpt.open(path)
+    assert reader.steps() == [10, 11, 12]
+    for i, s in enumerate([10, 11, 12]):  # each step holds the state as staged, not the later changes
+        assert torch.equal(reader.tensors(s)["model/w"], torch.from_numpy(out[0]["saved"][i])), s
+    for r in out:
+        assert r["layouts"] == 1
+        if not process:  # process mode moves the buffer into shared memory once
+            assert len(set(r["ptrs"])) == 1
+        assert r["host"] <= 1.02 * r["local"] + 64 * (r["tensors"] + 2)
+
+
+def test_writer_checks_its_options_and_values(tmp_path):
+    with pytest.raises(ConfigError, match="every"):
+        ckpt.dcp.Writer(str(tmp_path), step=1, every=10)
+    with pytest.raises(ConfigError, match="keep_last"):
+        ckpt.dcp.Writer(str(tmp_path), step=1, keep_last=0)
+    with pytest.raises(ConfigError, match="step"):
+        ckpt.dcp.Writer(str(tmp_path), step=-1)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"when": datetime.timedelta(1)}, storage_writer=ckpt.dcp.Writer(str(tmp_path), step=1), no_dist=True)
+    assert any(isinstance(x, ConfigError) and "'when'" in str(x) for x in failures(e.value))
+    assert not (tmp_path / paths.manifest_key(1)).exists()
+
+
+def test_pickle_needs_opt_in_on_both_sides_and_retention(tmp_path):
+    path = str(tmp_path)
+    for s in (1, 2, 3):
+        dcp.save({"when": datetime.timedelta(s), "w": torch.full((4,), float(s))},
+                 storage_writer=ckpt.dcp.Writer(path, step=s, allow_pickle=True, keep_last=2), no_dist=True)
+    assert ckpt.open(path).steps() == [2, 3]
+    target = {"when": None, "w": torch.zeros(4)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(target, storage_reader=ckpt.dcp.Reader(path), no_dist=True)
+    assert any(isinstance(x, UnsupportedValueError) for x in failures(e.value))
+    dcp.load(target, storage_reader=ckpt.dcp.Reader(path, allow_pickle=True), no_dist=True)
+    assert target["when"] == datetime.timedelta(3) and torch.equal(target["w"], torch.full((4,), 3.0))
+
+
+def test_stager_buffer_reused_and_sized(tmp_path):
+    state = {"a": torch.randn(100, 10), "b": {"c": torch.arange(7, dtype=torch.int16)}, "n": 4}
+    stager = ckpt.dcp.Stager()
+    staged = stager.stage(state)
+    ptr = stager.buffer.buffer.data_ptr()
+    assert torch.equal(staged["a"], state["a"]) and staged["n"] == 4
+    assert staged["a"].untyped_storage().data_ptr() == ptr
+    state["a"].add_(1)
+    assert not torch.equal(staged["a"], state["a"])  # a snapshot, not the live tensor
+    again = stager.stage(state)
+    assert stager.buffer.buffer.data_ptr() == ptr and torch.equal(again["a"], state["a"]) and stager.layouts_made == 1
+    assert stager.buffer.nbytes <= 1.02 * (4000 + 14) + 64 * 3
+    stager.stage({**state, "d": torch.zeros(3)})
+    assert stager.layouts_made == 2
