@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,11 +238,15 @@ class HostBuffer:
     ``native=False`` (or no compiled core) uses torch's copies and leaves hashing to the writer."""
 
     def __init__(self, layout: BufferLayout, native: bool = True, threads: int | None = None,
-                 lock_with: HostBuffer | None = None):
+                 lock_with: HostBuffer | None = None, shared: bool = False):
         self.layout = layout
-        pin = torch.cuda.is_available()
-        self.pinned = pin
-        self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+        if shared:  # for another process to map (DCP's process mode): shared before anything views it
+            self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8).share_memory_()
+            self.pinned = _register_pinned(self, self.buffer)
+        else:
+            pin = torch.cuda.is_available()
+            self.pinned = pin
+            self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
         self.generation = 0  # snapshots copied in so far
         # A pair of buffers shares one lock: a save holds both (it reads the other as its base)
         # until its chunks are durable. A plain Lock: the thread that takes it (save()) is not the
@@ -365,6 +370,26 @@ class HostBuffer:
         elif batch:
             kernel, memcpy = launch_native(core, batch, stream, keep)
             self.last_used["cuda"] = f"native (kernel {kernel}, memcpy {memcpy})"
+
+
+def _register_pinned(owner: object, buf: torch.Tensor) -> bool:
+    """Pin ``buf``'s memory where it lies (cudaHostRegister: no copy, no power-of-two rounding) for
+    as long as ``owner`` lives; False (plain memory, slower device copies) without CUDA or if the
+    driver refuses."""
+    if not torch.cuda.is_available():
+        return False
+    cudart = torch.cuda.cudart()
+    rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    if int(rc) != 0:
+        log.warning("ckpt: could not pin the %.1f MiB host buffer (cudaHostRegister: %s); device copies into it "
+                    "go through plain memory", buf.numel() / 2**20, rc)
+        return False
+    weakref.finalize(owner, _unregister, cudart, buf)  # holds ``buf``: unregistered before the memory goes
+    return True
+
+
+def _unregister(cudart: Any, buf: torch.Tensor) -> None:
+    cudart.cudaHostUnregister(buf.data_ptr())
 
 
 def _plain(src: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -7,9 +7,15 @@ device-to-host copies on GPU), and returns a state dict of the same shape whose 
 into that buffer. The buffer is allocated at the state's size and reused while the structure
 (keys, dtypes, shapes, devices, placements) stays the same, so memory stays flat over many saves.
 
+The buffer is allocated in shared memory (``shared=True``, as DCP's own default stager does), so
+``async_save`` in process mode hands it to its background process as it is, without moving a buffer
+in use into shared memory. With CUDA it is pinned by registering it (no copy, no rounding up).
+Staged DTensors are sent to that process as their local views (see
+:func:`_send_dtensors_as_local_views`: torch's own DTensor pickling crashes on views at an offset).
+``shared=False`` keeps it out of ``/dev/shm`` (small in some containers) for thread mode.
+
 The buffer starts with a 64-byte header that the staged tensors share (their storage is the
-buffer's, in process mode too: DCP moves it to shared memory once), which a
-:class:`ckpt.dcp.Writer` reads: see :class:`Header`.
+buffer's), which a :class:`ckpt.dcp.Writer` reads: see :class:`Header`.
 """
 
 from __future__ import annotations
@@ -91,7 +97,11 @@ class Stager(AsyncStager):
 
     _synchronize_after_execute: bool = True
 
-    def __init__(self, *, native: bool = True, threads: int | None = None, wait_s: float = 60.0):
+    def __init__(self, *, native: bool = True, threads: int | None = None, wait_s: float = 60.0,
+                 shared: bool = True):
+        if not isinstance(shared, bool):
+            raise ConfigError(f"shared must be True or False, got {shared!r}")
+        self.shared = shared
         if not isinstance(native, bool):
             raise ConfigError(f"native must be True or False, got {native!r}")
         if threads is not None and (type(threads) is not int or threads < 1):
@@ -138,7 +148,7 @@ class Stager(AsyncStager):
             hdr = Header.of(old.buffer)
             if hdr is not None:
                 self._wait_for_writer(hdr)
-        self.buffer = buf = HostBuffer(_layout(tensors), native=self.native, threads=self.threads)
+        self.buffer = buf = HostBuffer(_layout(tensors), native=self.native, threads=self.threads, shared=self.shared)
         buf.buffer[:HEADER_BYTES].view(torch.int64)[0] = MAGIC
         self._signature = sig
         self.layouts_made += 1
@@ -191,14 +201,46 @@ def _placement(t: torch.Tensor) -> Any:
     return (tuple(t.shape), tuple(t.placements), id(t.device_mesh))
 
 
+_dtensor_reduction_registered = False
+
+
+def _send_dtensors_as_local_views() -> None:
+    """Make multiprocessing pickle a DTensor as (its local tensor, mesh, placements, shape, stride).
+
+    DCP's process mode pickles the staged state for its background process. torch 2.13 pickles a
+    DTensor whose local tensor starts at a nonzero offset of its storage (every staged tensor but the
+    first: they are views into one buffer) by a path that crashes the process (SIGSEGV), while a plain
+    tensor view at any offset of a shared storage is sent by torch's own tensor reduction, which this
+    uses. Registered once, on the first ``stage()``; it changes nothing but how DTensors are sent
+    between processes."""
+    global _dtensor_reduction_registered
+    if _dtensor_reduction_registered:
+        return
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions)
+    from torch.distributed.tensor import DTensor
+
+    ForkingPickler.register(DTensor, _reduce_dtensor)
+    _dtensor_reduction_registered = True
+
+
+def _reduce_dtensor(t: Any) -> tuple:
+    return _dtensor_from_local, (t._local_tensor, t.device_mesh, t.placements, t.shape, t.stride())
+
+
+def _dtensor_from_local(local: torch.Tensor, mesh: Any, placements: Any, shape: torch.Size, stride: tuple) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 def _rebuild(src: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """``view`` standing where ``src`` stood: a DTensor over it when ``src`` is one."""
     if not is_dtensor(src):
         return view
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(view, src.device_mesh, src.placements, run_check=False,
-                              shape=src.shape, stride=src.stride())
+    _send_dtensors_as_local_views()
+    return _dtensor_from_local(view, src.device_mesh, src.placements, src.shape, src.stride())
 
 
 def _walk(obj: Any, on_tensor: Any) -> Any:
