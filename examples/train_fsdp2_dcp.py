@@ -21,8 +21,10 @@ The script is an ordinary DCP training loop; only the storage is ckpt's:
 as a job stopped on purpose. Each step trains on a global batch generated from the step number alone,
 every rank taking its slice, so the arithmetic is the same on any number of ranks up to the order of
 float reductions: a run resumed on 2 ranks from a step saved on 4 ends with the same weights, bit for
-bit, as any other run resumed on 2 ranks from that same step. Rank 0 prints the final step and a
-digest of the full weights; ``--out FILE`` also writes them (``torch.save``).
+bit, as any other run resumed on 2 ranks from that same step. Rank 0 prints, on resuming, a digest of
+every tensor of the model and optimizer as loaded (``digest`` of the step's tensors, as ``ckpt.open``
+reads them, gives the same) and, at the end, the final step and a digest of the full weights;
+``--out FILE`` also writes them (``torch.save``).
 
 No dropout and no per-rank random state: the step number is the whole data position. Uses gloo on
 CPU, NCCL (with a gloo group for the saves) with CUDA. Needs ``torchrun`` (or its environment variables).
@@ -105,10 +107,14 @@ def newest_step(url: str) -> int | None:
     turns an error of ``read_metadata`` into an ``AssertionError`` that keeps only its text."""
     found: list[int | None] = [None]
     if dist.get_rank() == 0:
+        reader = ckpt.dcp.Reader(url, step="latest")
         try:
-            found[0] = int(ckpt.dcp.Reader(url, step="latest").read_metadata().storage_meta.load_id)
+            reader.read_metadata()
         except CheckpointNotFoundError:  # "holds no committed step"
             pass
+        else:
+            assert reader.manifest is not None  # the step read_metadata resolved
+            found[0] = reader.manifest.step
     dist.broadcast_object_list(found, src=0)
     return found[0]
 
@@ -116,12 +122,32 @@ def newest_step(url: str) -> int | None:
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded weights, on rank 0 (empty elsewhere); every rank must call it (it gathers)."""
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().clone() for k, v in sd.items()}
+    return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
-def digest(weights: dict[str, torch.Tensor]) -> str:
+def full_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the unsharded training state on rank 0 (empty elsewhere), named as a ckpt step
+    written by this script names them (``model/inp.weight``, ``optim/state/inp.weight/exp_avg``);
+    every rank must call it (it gathers)."""
+    model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            flat[prefix] = v.detach()
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}/{k}", x)
+
+    walk("model", model_sd)
+    walk("optim/state", optim_sd.get("state", {}))
+    return flat
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of names and bytes, in name order (16 hex digits)."""
     h = hashlib.sha256()
-    for k, v in sorted(weights.items()):
+    for k, v in sorted(tensors.items()):
         h.update(k.encode())
         h.update(v.contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -164,7 +190,9 @@ def main() -> None:
     else:  # DCP reshards the saved DTensors onto this run's ranks
         dcp.load(state, storage_reader=ckpt.dcp.Reader(args.dir, step=saved))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        log(f"resumed from step {state['step']} in {args.dir} on {world} rank(s)", flush=True)
+        loaded = full_tensors(model, opt)  # what the model and optimizer hold now, unsharded
+        log(f"resumed from step {state['step']} in {args.dir} on {world} rank(s); state {digest(loaded)}",
+            flush=True)
     start = int(state["step"])
 
     stager = ckpt.dcp.Stager()  # one host buffer for the whole run
