@@ -183,6 +183,8 @@ def main() -> None:
         model_sd, optim_sd = get_state_dict(model, opt)  # DTensor shards, by parameter name
         return {"model": model_sd, "optim": optim_sd, "step": step}
 
+    # get_state_dict gives a fresh AdamW its state with one zero-lr step (DCP's way to have tensors to
+    # load into), so AdamW's own step counter runs one ahead of ours: the same on every run, resumed or not.
     state = training_state(0)
     saved = newest_step(args.dir)
     if saved is None:
