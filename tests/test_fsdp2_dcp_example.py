@@ -1,0 +1,101 @@
+"""examples/train_fsdp2_dcp.py under real torchrun (gloo, CPU, 127.0.0.1): an FSDP2 job on DCP's own calls
+over ckpt steps, stopped on 4 ranks and resumed on 2, ends bit-identical to the same job resumed on 2
+from a step saved on purpose.
+
+4 ranks and 2 sum gradients in another order, so neither is compared with an uninterrupted run on the
+other world size: the reference resumes on 2 ranks from the same step, saved by a run that saved
+nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckpt
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # torchrun jobs, about 40 s on 2 cores
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STEPS, EVERY, STOP = 12, 4, 6  # the stop is not a multiple of EVERY: --stop-after saves it itself
+
+
+def torchrun(nproc: int, ckdir: str, *extra: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--monitor-interval", "0.1", os.path.join(ROOT, "examples", "train_fsdp2_dcp.py"), "--dir", ckdir,
+           "--steps", str(STEPS), *extra]
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-6000:]
+    return p.stdout
+
+
+def steps(ckdir: str) -> list[int]:
+    with ckpt.open(ckdir) as ck:
+        return ck.steps()
+
+
+def resumed_from(log: str) -> list[tuple[int, str]]:
+    """(step, digest of the model and optimizer tensors as loaded) of each resume in ``log``."""
+    return [(int(s), d) for s, d in re.findall(r"^resumed from step (\d+) in .* on 2 rank\(s\); state (\w+)$",
+                                                log, re.M)]
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """The example's digest (sha256 of names and bytes in name order), of a step as ckpt.open reads it."""
+    h = hashlib.sha256()
+    for k, v in sorted(tensors.items()):
+        h.update(k.encode())
+        h.update(v.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_stopped_on_4_ranks_resumed_on_2_equals_a_resume_from_a_step_saved_on_purpose(tmp_path):
+    stopped, ref = str(tmp_path / "stopped"), str(tmp_path / "ref")
+    out, ref_out = str(tmp_path / "final.pt"), str(tmp_path / "ref.pt")
+
+    # The job: async saves every EVERY steps on 4 ranks, stopped after STOP (saved, committed), resumed on 2.
+    log = torchrun(4, stopped, "--every", str(EVERY), "--stop-after", str(STOP))
+    assert "new run" in log and f"stopping after step {STOP}" in log, log
+    assert steps(stopped) == [EVERY, STOP]
+    log = torchrun(2, stopped, "--every", str(EVERY), "--out", out)
+    [(step, loaded)] = resumed_from(log)
+    assert step == STOP, log
+    assert f"done: step {STEPS} on 2 rank(s)" in log, log
+    assert steps(stopped) == [STOP, 8, STEPS]  # keep_last=3 let step 4 go
+
+    # The reference: 4 ranks save STOP and nothing else, then 2 ranks resume from it.
+    torchrun(4, ref, "--every", str(STOP), "--stop-after", str(STOP))
+    assert steps(ref) == [STOP]
+    log = torchrun(2, ref, "--every", str(EVERY), "--out", ref_out)
+    [(step, ref_loaded)] = resumed_from(log)
+    assert step == STOP, log
+
+    # The saved step: the same model and optimizer state, bit for bit (the async save at step 4 and
+    # the reused Stager buffer changed nothing), and the same plain values (the step number).
+    with ckpt.open(stopped) as a, ckpt.open(ref) as b:
+        at_stop, ref_at_stop = a.tensors(STOP), b.tensors(STOP)
+        assert a.values(STOP) == b.values(STOP) and a.values(STOP)["step"] == STOP
+        assert a.manifest(STOP).world_size == b.manifest(STOP).world_size == 4
+    assert at_stop.keys() == ref_at_stop.keys()
+    assert any(k.startswith("optim/state/") for k in at_stop)
+    for k in at_stop:
+        assert torch.equal(at_stop[k], ref_at_stop[k]), k
+    # and what the 2 ranks held after dcp.load and set_state_dict, gathered: the saved tensors, every one
+    # (model and optimizer), resharded from 4 ranks to 2 without a bit changed
+    assert loaded == ref_loaded == digest(at_stop)
+
+    # The end: bit-identical final weights, and they moved from the saved step's (the resume trained).
+    got, want = torch.load(out), torch.load(ref_out)
+    assert got.keys() == want.keys() and len(got) > 0
+    for k in got:
+        assert torch.equal(got[k], want[k]), k
+    assert not torch.equal(got["head.weight"], at_stop["model/head.weight"])
