@@ -107,14 +107,10 @@ def newest_step(url: str) -> int | None:
     turns an error of ``read_metadata`` into an ``AssertionError`` that keeps only its text."""
     found: list[int | None] = [None]
     if dist.get_rank() == 0:
-        reader = ckpt.dcp.Reader(url, step="latest")
         try:
-            reader.read_metadata()
+            found[0] = ckpt.dcp.Reader(url, step="latest").step
         except CheckpointNotFoundError:  # "holds no committed step"
             pass
-        else:
-            assert reader.manifest is not None  # the step read_metadata resolved
-            found[0] = reader.manifest.step
     dist.broadcast_object_list(found, src=0)
     return found[0]
 

@@ -255,3 +255,21 @@ def test_stager_buffer_reused_and_sized(tmp_path):
     assert stager.buffer.nbytes <= 1.02 * (4000 + 14) + 64 * 3
     stager.stage({**state, "d": torch.zeros(3)})
     assert stager.layouts_made == 2
+
+
+def test_reader_says_which_step_latest_is_and_takes_no_per_rank_fallback(tmp_path):
+    import inspect
+
+    path = str(tmp_path / "run")
+    with pytest.raises(CheckpointNotFoundError):
+        _ = ckpt.dcp.Reader(path, step="latest").step  # a new run: asked of the Reader, not read from DCP's error
+    for s in (3, 7):
+        dcp.save({"w": torch.full((4,), float(s))}, storage_writer=ckpt.dcp.Writer(path, step=s), no_dist=True)
+    reader = ckpt.dcp.Reader(path, step="latest")
+    assert reader.step == 7 and ckpt.dcp.Reader(path, step=3).step == 3
+    # DCP retries read_metadata(rank=...) only where it takes keyword arguments; that retry would
+    # switch one rank to loading without collectives while the others use them
+    assert "kwargs" not in inspect.signature(reader.read_metadata).parameters
+    got = {"w": torch.zeros(4)}
+    dcp.load(got, storage_reader=reader, no_dist=True)
+    assert torch.equal(got["w"], torch.full((4,), 7.0)) and reader.step == 7

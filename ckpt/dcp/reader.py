@@ -72,13 +72,24 @@ class Reader(StorageReader):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "manifest": None, "_items": {}}
 
+    @property
+    def step(self) -> int:
+        """The step this Reader reads: the number given, or the one ``"latest"`` resolved to when
+        :meth:`read_metadata` ran (resolved now, if it has not). ``CheckpointNotFoundError`` when
+        there is none (``dcp.load`` keeps only the text of that error: ask here to tell a new run)."""
+        if self.manifest is not None:
+            return self.manifest.step
+        return self._read_step(self._open()).step
+
     # -- DCP's calls ----------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.url:
             raise ConfigError(f"ckpt.dcp.Reader reads {self.url!r}; dcp.load's checkpoint_id {checkpoint_id!r} "
                               "names another place: leave checkpoint_id out")
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    # No **kwargs: DCP then never retries with read_metadata(rank=...), which would switch that one rank
+    # to loading without collectives while the others use them (a hang after a transient failure).
+    def read_metadata(self, *args: Any) -> Metadata:
         storage = self._open()
         m = self._read_step(storage)
         entries = {t.key: t for t in m.tensors if t.rank is None}
