@@ -273,3 +273,29 @@ def test_reader_says_which_step_latest_is_and_takes_no_per_rank_fallback(tmp_pat
     got = {"w": torch.zeros(4)}
     dcp.load(got, storage_reader=reader, no_dist=True)
     assert torch.equal(got["w"], torch.full((4,), 7.0)) and reader.step == 7
+
+
+def plan_cached_body(rank: int, world: int, path: str) -> list[bool]:
+    """Three saves with DCP's plan caching (later saves skip the global planning), then each step back."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    same = []
+    for s in (1, 2, 3):
+        state = dtensor_state(world, seed=s)
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(state, storage_writer=ckpt.dcp.Writer(path, step=s), planner=planner)
+    for s in (1, 2, 3):
+        got = dtensor_state(world, zeros=True)
+        dcp.load(got, storage_reader=ckpt.dcp.Reader(path, step=s))
+        want, have = full(dtensor_state(world, seed=s)), full(got)
+        same.append(all((have["model"][k] == v).all() for k, v in want["model"].items())
+                    and (have["step"], have["meta"]) == (want["step"], want["meta"]))
+    return same
+
+
+@pytest.mark.multiprocess
+def test_saves_with_dcp_plan_caching_commit_and_load(tmp_path):
+    path = str(tmp_path / "run")
+    out = run_ranks(2, plan_cached_body, path, timeout=120)
+    assert out == [[True, True, True]] * 2
+    assert ckpt.open(path).steps() == [1, 2, 3] and ckpt.open(path).verify(all=True).ok
