@@ -50,6 +50,8 @@ SECTIONS = [
     Section("nodeloss", "Node loss", "python benchmarks/nodeloss.py"),
     Section("lightning_fit", "A Lightning fit",
             "python benchmarks/lightning_fit.py --steps 40 --every 5 --repeats 5"),
+    Section("dcp_backend", "Under DCP's calls: ckpt.dcp against DCP's own storage",
+            "python benchmarks/dcp_backend.py"),
 ]
 
 
@@ -74,6 +76,10 @@ HEADLINES = [
     Headline("Lightning: overhead per checkpoint ÷ `ModelCheckpoint` with `torch.save`", "lightning_fit",
              "ckpt AsyncCheckpoint", "overhead per checkpoint (s)",
              per=("ModelCheckpoint + TorchCheckpointIO", "overhead per checkpoint (s)")),
+    Headline("`dcp.async_save` durable, `ckpt.dcp.Stager` + `Writer` ÷ DCP's default stager + `FileSystemWriter`",
+             "dcp_backend", "dcp.async_save, ckpt.dcp.Stager + ckpt.dcp.Writer", "durable ÷ DCP"),
+    Headline("bytes over ten `dcp.save`s of an fp32 AdamW training, `ckpt.dcp.Writer` ÷ `FileSystemWriter`",
+             "dcp_backend", "gpt-fp32", "ckpt ÷ DCP"),
 ]
 
 
