@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -75,6 +76,20 @@ class Header:
         return seq
 
 
+_live: weakref.WeakSet[Stager] = weakref.WeakSet()  # this process's Stagers (see release_pending)
+
+
+def release_pending() -> None:
+    """A ckpt save in this process failed before copying its snapshot out (e.g. its step was already
+    committed): let every Stager here stage over its pending snapshot at once instead of waiting
+    ``wait_s`` for a copy that will never come. A snapshot a Writer is copying right now is left alone."""
+    for stager in list(_live):
+        buf = stager.buffer
+        hdr = Header.of(buf.buffer) if buf is not None else None
+        if hdr is not None and hdr.get(READING) <= hdr.get(DONE):
+            hdr.set(DONE, hdr.get(SEQ))
+
+
 class Stager(AsyncStager):
     """Stages a state for ``dcp.async_save`` into one reused host buffer; ``async_save`` returns as
     soon as the copy is done (CUDA copies included). Example::
@@ -112,6 +127,7 @@ class Stager(AsyncStager):
         self.buffer: HostBuffer | None = None
         self.layouts_made = 0
         self._signature: tuple | None = None
+        _live.add(self)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A copy of ``state_dict`` whose tensors are views into the host buffer (DTensors stay

@@ -3,7 +3,8 @@
 DCP plans (which rank writes which item, replicated items once); ckpt stores. On each rank,
 ``write_data`` lays the rank's items out in a host buffer (:func:`ckpt.buffer_layout.make_layout`,
 :class:`ckpt.snapshot.HostBuffer`) and hands it to ckpt's writer (:meth:`ckpt.writer.Writer.write_part`):
-content-addressed, hashed chunks, dedup against what is stored, codecs, durable writes through
+content-addressed, hashed chunks, dedup against what is stored, codecs (XOR deltas against the same
+rank's previous save into the same root, whose bytes a module-level registry keeps: ``_pairs``), durable writes through
 ``local_dir`` when given, then the rank's report (``steps/<S>/rank-<r>.json``). ``finish``, on the
 coordinator, reads every rank's report, rebuilds the nested structure from DCP's metadata and commits
 ``MANIFEST.json`` create-only (:meth:`ckpt.writer.Writer.commit`); retention follows. Until then no
@@ -44,8 +45,9 @@ from ..storage import open_tiered
 from ..storage.base import Storage
 from ..writer import SaveJob
 from ..writer import Writer as ChunkWriter
+from . import _pairs
 from ._structure import build_structure, tensor_key, value_node
-from .stager import DONE, READING, SEQ, Header
+from .stager import DONE, READING, SEQ, Header, release_pending
 
 log = logging.getLogger("ckpt")
 
@@ -56,8 +58,6 @@ REFUSED = {
     "redundancy": "local commits need the Checkpointer", "persist_every": "local commits need the Checkpointer",
     "failure_domain": "local commits need the Checkpointer", "keep_local": "local commits need the Checkpointer",
     "busy": "ckpt.dcp.Stager decides when the buffer is free",
-    "delta_chain": "deltas need the previous save's buffer, which a Writer (one per save) does not keep",
-    "delta_budget": "deltas need the previous save's buffer, which a Writer (one per save) does not keep",
     "check_finite": "DCP's flat state does not say which tensors are parameters; use the Checkpointer",
     "strict": "it is a load option",
 }
@@ -98,8 +98,17 @@ class Writer(StorageWriter):
     already committed raises :class:`~ckpt.StepExistsError`). Options, checked here as the
     Checkpointer checks them: ``local_dir``, ``storage_options``, ``codec``, ``chunk_size``,
     ``keep_last``, ``keep_every``, ``io_threads``, ``timeout``, ``native``, ``snapshot_threads``,
-    ``allow_pickle`` (store non-tensor items that are not plain values as pickle); ``storage``: an opened
-    :class:`~ckpt.storage.base.Storage` instead of opening ``url``. One Writer per save."""
+    ``allow_pickle`` (store non-tensor items that are not plain values as pickle), ``delta_chain``,
+    ``delta_budget``; ``storage``: an opened :class:`~ckpt.storage.base.Storage` instead of opening
+    ``url``. One Writer per save.
+
+    Deltas (``codec="auto"`` or ``"smallest"`` with ``delta_chain`` > 1, the default): successive saves
+    of this process into the same root, with the same items and shapes, store chunks as XOR deltas of
+    the previous save's where that is smaller, as the Checkpointer does. For that each rank keeps its
+    items' host copy between saves, in a pair of buffers that take turns (``ckpt/dcp/_pairs.py``):
+    **host memory: twice this rank's items from the second save on** (once until then; one transient
+    copy per save without deltas), on top of a ``ckpt.dcp.Stager``'s buffer. A save with other items
+    or shapes starts a new pair; ``delta_chain=1`` turns deltas off and frees the pair."""
 
     def __init__(self, url: str | os.PathLike, *, step: int, storage: Storage | None = None, **options: Any):
         if not isinstance(url, (str, os.PathLike)):
@@ -137,10 +146,14 @@ class Writer(StorageWriter):
             self._run = run = _Run(self.url, self.options, self._storage)
             self._finalizer = weakref.finalize(self, run.close)
         run = self._run
-        if run.storage.exists(paths.manifest_key(self.step)):
-            raise StepExistsError(f"step {self.step} is already committed in {run.storage.describe()}; committed "
-                                  "steps are never overwritten. Save under a new step number")
-        run.leases.hold()  # held until this rank is done: `ckpt gc` beside never deletes what it reuses
+        try:
+            if run.storage.exists(paths.manifest_key(self.step)):
+                raise StepExistsError(f"step {self.step} is already committed in {run.storage.describe()}; "
+                                      "committed steps are never overwritten. Save under a new step number")
+            run.leases.hold()  # held until this rank is done: `ckpt gc` beside never deletes what it reuses
+        except BaseException:
+            release_pending()  # the staged snapshot will never be copied out: the next stage need not wait
+            raise
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -153,6 +166,7 @@ class Writer(StorageWriter):
         try:
             results = self._write(run, plan, planner)
         except BaseException:
+            release_pending()
             run.close()
             raise
         if not self._coordinator:
@@ -203,19 +217,56 @@ class Writer(StorageWriter):
             tensors[key] = t.detach()
             leaves[key] = Leaf((tuple(td.chunk.offsets), tuple(td.chunk.sizes)), tuple(td.size), "shard")
             results.append(WriteResult(item.index, t.numel() * t.element_size(), None))
-        buf = HostBuffer(make_layout(tensors, self.options.chunk_size), native=self.options.native,
-                         threads=self.options.snapshot_threads)
+        structure = st.dict_node(list(values), list(values.values()))
+        if not self.options.deltas:
+            _pairs.drop(self.url, self._rank)  # delta_chain=1 (or a codec that never deltas): nothing kept
+            buf = HostBuffer(make_layout(tensors, self.options.chunk_size), native=self.options.native,
+                             threads=self.options.snapshot_threads)
+            self._write_into(run, buf, None, tensors, leaves, structure)
+            return results
+        sig = self._signature(tensors, leaves)
+        pair = _pairs.get(self.url, self._rank, sig, lambda: self._new_pair(run, tensors, sig))
+        with pair.lock:
+            w = pair.writer
+            w.storage, w.io, w.leases = run.storage, run.io, run.leases  # this save's (the writer outlives it)
+            run.writer = w
+            pair.settle(run.storage)
+            buf, other = pair.next_buffer()
+            try:
+                pair.pending = self._write_into(run, buf, other, tensors, leaves, structure)
+            except BaseException:
+                w.settle(None)  # trust only what was trusted before this save
+                raise
+        return results
+
+    def _write_into(self, run: _Run, buf: HostBuffer, other: HostBuffer | None, tensors: dict[str, torch.Tensor],
+                    leaves: dict[str, Leaf], structure: dict) -> tuple[int, mf.Manifest, SaveJob]:
+        """Copy this rank's items into ``buf`` and write them as this rank's part (deltas against
+        ``other`` where the writer's base is there); the buffer is released by ``write_part``."""
         buf.acquire()
         try:
             cuda, hashes = self._copy_in(buf, tensors)
         except BaseException:
             buf.release()
             raise
-        snap = Snapshot(buf, leaves, frozenset(), hashes, cuda, [], buf.generation)
-        job = SaveJob(step=self.step, seq=0, snapshot=snap, structure=st.dict_node(list(values), list(values.values())),
+        snap = Snapshot(buf, leaves, frozenset(), hashes, cuda, [], buf.generation, other)
+        job = SaveJob(step=self.step, seq=0, snapshot=snap, structure=structure,
                       metrics=SaveMetrics(step=self.step), started=time.perf_counter())
-        run.writer.write_part(job, self._rank)
-        return results
+        part = run.writer.write_part(job, self._rank)
+        return self.step, part, job
+
+    def _signature(self, tensors: dict[str, torch.Tensor], leaves: dict[str, Leaf]) -> tuple:
+        """What a kept pair must match to be reused: the items as laid out, and the options its writer took."""
+        o = self.options
+        items = tuple((k, t.dtype, tuple(t.shape), t.device.type, leaves[k]) for k, t in tensors.items())
+        return items, (o.codec, o.delta_chain, o.delta_budget, o.chunk_size, o.native, o.snapshot_threads,
+                       o.local_dir)
+
+    def _new_pair(self, run: _Run, tensors: dict[str, torch.Tensor], sig: tuple) -> _pairs.Pair:
+        o = self.options
+        writer = ChunkWriter(run.storage, o.codec, run.io, run.leases, delta_chain=o.delta_chain,
+                             delta_budget=o.delta_budget)
+        return _pairs.Pair(sig, make_layout(tensors, o.chunk_size), writer, o.native, o.snapshot_threads)
 
     def _copy_in(self, buf: HostBuffer, tensors: dict[str, torch.Tensor]) -> tuple[Any, Any]:
         """Copy this rank's items into its buffer. Items staged by a ckpt.dcp.Stager are read under
