@@ -126,7 +126,11 @@ class Loader:
             newest = None if any(v is None for v in views) else min(views)
             steps = [s for s in steps if newest is not None and s <= newest]
         if not steps:
-            log.info("ckpt: no checkpoint at %s: starting fresh", self.storage.describe())
+            if self.storage.root_state() == "missing":  # a typo in the path must not pass for a new run
+                log.warning("starting fresh: nothing at %s (if this run should resume, check the path)",
+                            self.storage.describe())
+            else:
+                log.info("no checkpoint at %s: starting fresh", self.storage.describe())
             events.emit("fresh", self.comm.rank)
             return None
         first_error: CorruptCheckpointError | None = None

@@ -84,7 +84,11 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
             raise CorruptCheckpointError(f"no committed step loads cleanly from the local tiers, and "
                                          f"{remote.describe()} has none; the newest failed: {first_error}",
                                          object=first_error.object, chunk=first_error.chunk) from first_error
-        log.info("ckpt: no checkpoint in the local tiers or at %s: starting fresh", remote.describe())
+        if remote.root_state() == "missing":  # a typo in the path must not pass for a new run
+            log.warning("starting fresh: nothing in the local tiers or at %s (if this run should resume, "
+                        "check the path)", remote.describe())
+        else:
+            log.info("no checkpoint in the local tiers or at %s: starting fresh", remote.describe())
         events.emit("fresh", peers.rank)
         return None
     if step == "latest":
