@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 
+import pytest
 import torch
+from conftest import s3_url
 
 import ckpt
 
@@ -32,3 +35,21 @@ def test_a_missing_path_warns_with_local_tiers_too(tmp_path, caplog):
         assert c.load("latest", {"w": torch.zeros(4)}) is None
     [r] = [r for r in caplog.records if "starting fresh" in r.getMessage()]
     assert r.levelno == logging.WARNING and f"at {typo}" in r.getMessage()
+
+
+def test_no_s3_credentials_says_where_ckpt_takes_them(rclone_server, tmp_path, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        empty = tmp_path / name
+        empty.write_text("")
+        monkeypatch.setenv(name, str(empty))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata service to wait for
+    options = {"client_kwargs": {"endpoint_url": rclone_server.endpoint}, "retry_deadline": 5, "connect_timeout": 2}
+    with pytest.raises(ckpt.StorageError) as e, ckpt.Checkpointer(s3_url(), storage_options=options) as c:
+        c.load("latest", {"w": torch.zeros(4)})
+    message = str(e.value)
+    assert type(e.value.__cause__).__name__ == "NoCredentialsError"
+    for way in ("storage_options={'key': ..., 'secret': ...}", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                "AWS_PROFILE"):
+        assert way in message

@@ -15,6 +15,22 @@ from ..errors import ConfigError, StorageError
 from .base import RootState, Storage
 
 
+def _advice(e: BaseException) -> str:
+    """What to do about ``e`` or an error it was raised from, where that is known; else ``""``."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if type(x).__name__ in ("NoCredentialsError", "PartialCredentialsError"):  # botocore's, without importing it
+            return (". ckpt found no (complete) S3 credentials; it takes them, first found first, from "
+                    "storage_options={'key': ..., 'secret': ...} (and 'token' for temporary ones), the "
+                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY environment variables, or a profile in "
+                    "~/.aws/credentials or ~/.aws/config (AWS_PROFILE or storage_options={'profile': ...} "
+                    "picks one); for a public bucket pass storage_options={'anon': True}")
+        x = x.__cause__ or x.__context__
+    return ""
+
+
 class FsspecStorage(Storage):
     def __init__(self, url: str, storage_options: dict):
         try:
@@ -32,7 +48,8 @@ class FsspecStorage(Storage):
         return f"{self.root}/{key}"
 
     def _fail(self, what: str, key: str, e: Exception) -> StorageError:
-        return StorageError(f"{what} {self.url}/{key} failed: {type(e).__name__}: {e}")
+        """The StorageError for ``e`` (callers keep ``e`` as its cause), with what to do about it where known."""
+        return StorageError(f"{what} {self.url}/{key} failed: {type(e).__name__}: {e}{_advice(e)}")
 
     def write(self, key: str, buffers: Sequence) -> int:
         data = b"".join(bytes(b) if not isinstance(b, bytes) else b for b in buffers)
