@@ -53,3 +53,15 @@ def test_no_s3_credentials_says_where_ckpt_takes_them(rclone_server, tmp_path, m
     for way in ("storage_options={'key': ..., 'secret': ...}", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                 "AWS_PROFILE"):
         assert way in message
+
+
+def test_step_exists_says_how_to_make_room(tmp_path):
+    root = str(tmp_path / "run")
+    with ckpt.Checkpointer(root) as c:
+        c.save(1, {"w": torch.zeros(4)}).wait()
+    with ckpt.Checkpointer(root) as c:
+        with pytest.raises(ckpt.StepExistsError) as e:
+            c.save(1, {"w": torch.ones(4)}).wait()
+    message = str(e.value)
+    assert "ckpt gc" not in message  # gc never deletes a committed step
+    assert "new step number" in message and "by hand" in message and "keep_last" in message
