@@ -232,7 +232,7 @@ class Writer:
                 self._check_not_committed(job)
                 if snap.cuda is not None:
                     snap.cuda.synchronize()
-                _refuse_poison(job.step, rank, snap.poisoned())
+                _refuse_poison(job.step, rank, snap.poisoned(), lambda: mf.committed_steps(self.over(job)))
                 snap_hashes = snap.hashes or [None] * len(layout.chunks)
                 job.created = []
                 bases = self._bases(snap)
@@ -432,13 +432,18 @@ _STEP_EXISTS_ADVICE = ("Save under a new step number, or delete that step's dire
                        "retention (keep_last) drops old steps as new ones commit.")
 
 
-def _refuse_poison(step: int, rank: int, bad: list[str]) -> None:
-    """Refuse the save, before anything of it is written, if a checked tensor holds NaN or Inf."""
+def _refuse_poison(step: int, rank: int, bad: list[str], committed: Callable[[], list[int]]) -> None:
+    """Refuse the save, before anything of it is written, if a checked tensor holds NaN or Inf
+    (``committed()`` lists the committed steps, asked only then)."""
     if not bad:
         return
     names = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    steps = committed()
+    resume = (f"the newest committed step ({steps[-1]}) is the last healthy one: resume from it "
+              "(load('latest', state))" if steps else
+              "there is no committed step yet to resume from: the state went bad before the first save")
     raise NonFiniteStateError(
-        f"step {step} was not saved: rank {rank}'s state holds NaN or Inf in {names}. Nothing was committed; the "
-        "newest committed step is the last healthy one: resume from it (load('latest', state)) and find what "
+        f"step {step} was not saved: rank {rank}'s state holds NaN or Inf in {names}. Nothing was committed; "
+        f"{resume}, and find what "
         "diverged (learning rate, loss scale, bad data, a faulty GPU). check_finite=False saves such a state anyway.",
         tensors=bad, ranks=[rank])

@@ -65,3 +65,14 @@ def test_step_exists_says_how_to_make_room(tmp_path):
     message = str(e.value)
     assert "ckpt gc" not in message  # gc never deletes a committed step
     assert "new step number" in message and "by hand" in message and "keep_last" in message
+
+
+def test_a_non_finite_first_save_does_not_promise_a_healthy_step(tmp_path):
+    with ckpt.Checkpointer(str(tmp_path / "run"), check_finite="all") as c:  # plain tensors, not only parameters
+        with pytest.raises(ckpt.NonFiniteStateError) as first:
+            c.save(1, {"w": torch.tensor([1.0, float("nan")])}).wait()
+        c.save(2, {"w": torch.zeros(2)}).wait()
+        with pytest.raises(ckpt.NonFiniteStateError) as later:
+            c.save(3, {"w": torch.tensor([float("inf")])}).wait()
+    assert "no committed step yet" in str(first.value) and "last healthy" not in str(first.value)
+    assert "newest committed step (2) is the last healthy one" in str(later.value)
