@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.errors import UnsupportedValueError
+from ckpt.errors import StateMismatchError, UnsupportedValueError
 
 
 def _save(path, step: int, state: dict, **kw) -> None:
@@ -77,3 +77,47 @@ def test_views_save_as_their_values(tmp_path):
     got = ckpt.open(str(tmp_path)).tensors(0)
     for k, v in state.items():
         assert torch.equal(got[k], v.resolve_conj().resolve_neg()), k
+
+
+def _unwritable_targets() -> list:
+    return [
+        ("expanded view (stride 0)", lambda: torch.zeros(1, 4).expand(2, 4)),
+        ("negative view", lambda: torch._neg_view(torch.zeros(2, 4))),
+    ]
+
+
+@pytest.mark.parametrize("what,make", _unwritable_targets())
+def test_load_into_an_unwritable_view_changes_nothing(tmp_path, what, make):
+    _save(tmp_path, 0, {"a": torch.ones(3), "p": torch.arange(8.0).view(2, 4)})
+    a, p = torch.zeros(3), make()
+    c = ckpt.Checkpointer(str(tmp_path))
+    with pytest.raises(StateMismatchError, match=r"'p'.*" + re.escape(what)):
+        c.load(0, {"a": a, "p": p})
+    assert torch.equal(a, torch.zeros(3)) and not p.any()
+    c.load(0, {"a": a, "p": p.clone()})  # the fix the message names works
+    assert torch.equal(a, torch.ones(3))
+
+
+def test_load_into_a_conjugate_view_changes_nothing(tmp_path):
+    _save(tmp_path, 0, {"a": torch.ones(3), "z": torch.ones(4, dtype=torch.complex64)})
+    a, z = torch.zeros(3), torch.zeros(4, dtype=torch.complex64).conj()
+    with pytest.raises(StateMismatchError, match=r"'z'.*conjugate view.*resolve_conj"):
+        ckpt.Checkpointer(str(tmp_path)).load(0, {"a": a, "z": z})
+    assert torch.equal(a, torch.zeros(3))
+
+
+def test_module_with_an_expanded_buffer_is_refused_before_any_write(tmp_path):
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.register_buffer("position_ids", torch.arange(4).expand(1, -1).expand(2, -1))
+
+    src = M()
+    src.position_ids = src.position_ids.clone()
+    _save(tmp_path, 0, {"model": src})
+    dst = M()
+    before = dst.lin.weight.detach().clone()
+    with pytest.raises(StateMismatchError, match="model/position_ids.*stride 0"):
+        ckpt.Checkpointer(str(tmp_path)).load(0, {"model": dst})
+    assert torch.equal(dst.lin.weight, before)
