@@ -81,6 +81,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     target = flatten(state, for_target=True)
     match = _match(m, state, target, rank, world, rank_map)
     _check_fit(m, match, state, target, strict)
+    _check_writable(m, match, target)
     structure = st.dict_node(match.tops, [match.nodes[k] for k in match.tops])
     if st.has_pickle(structure) and not allow_pickle:
         raise UnsupportedValueError(
@@ -173,6 +174,33 @@ def _check_fit(m: mf.Manifest, match: _Match, state: dict[str, Any], target: Any
     if unexpected or miss:
         log.warning("ckpt: loading step %d non-strictly: %d key(s) not in the state, %d missing from the checkpoint",
                     m.step, len(unexpected), len(miss))
+
+
+def _unwritable(t: torch.Tensor) -> str | None:
+    """Why a load cannot write into target tensor ``t`` (a view that reads other memory, or reads it
+    transformed), or None."""
+    leave = "or leave it out of the state passed to load (strict=False)"
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return ("the target is an expanded view (stride 0): load into a real tensor, e.g. assign .clone() "
+                f"(for a module buffer: model.x = model.x.clone()), {leave}")
+    if t.is_neg():
+        return ("the target is a negative view (torch._neg_view): load into a real tensor, e.g. assign "
+                f".resolve_neg(), {leave}")
+    if t.is_conj():
+        return ("the target is a conjugate view (.conj() of a complex tensor): load into a real tensor, e.g. "
+                f"assign .resolve_conj(), {leave}")
+    return None
+
+
+def _check_writable(m: mf.Manifest, match: _Match, target: Any) -> None:
+    """Every state tensor the load writes into can take the bytes (checked before any tensor is written)."""
+    bad = [(tkey, why) for _, _, tkey in match.wanted if tkey is not None
+           for why in [_unwritable(target.tensors[tkey])] if why is not None]
+    if bad:
+        raise StateMismatchError(
+            f"step {m.step} cannot be loaded into {len(bad)} tensor(s) of the state: " +
+            "; ".join(f"{k!r}: {why}" for k, why in bad[:4]) + (" …" if len(bad) > 4 else "") +
+            "; nothing was changed.")
 
 
 @dataclass

@@ -171,7 +171,10 @@ class _Flattener:
     def array(self, arr: np.ndarray, path: tuple, tpath: tuple[str, ...]) -> Any:
         if arr.dtype.hasobject or arr.dtype.fields is not None or arr.dtype.kind == "V":
             return self.other(arr, path)  # objects, structured and void records: no plain layout to restore
-        arr = np.ascontiguousarray(arr)
+        if isinstance(arr, (np.ma.MaskedArray, np.matrix)) and not self.for_target:
+            return self.array_subclass(arr, path)
+        # Not np.ascontiguousarray: it makes a 0-d array 1-d, and the array would come back with shape (1,).
+        arr = arr if arr.flags.c_contiguous else arr.copy(order="C")
         if arr.dtype.isnative:
             try:
                 return self.tensor(torch.from_numpy(arr), path, tpath, numpy=True)
@@ -181,9 +184,26 @@ class _Flattener:
         raw = arr.reshape(-1).view(np.uint8).reshape(arr.shape + (arr.dtype.itemsize,))
         return self.tensor(torch.from_numpy(raw), path, tpath, numpy=arr.dtype.str)
 
+    def array_subclass(self, arr: np.ndarray, path: tuple) -> Any:
+        """A masked array or matrix: stored as a plain array it would come back without its mask, or as an
+        ndarray, so it is refused unless pickled."""
+        if self.allow_pickle:
+            return st.pickle_node(arr)
+        how = ("Store its data and its mask separately, e.g. {'data': m.data, 'mask': np.ma.getmaskarray(m)}, "
+               "and rebuild it with np.ma.masked_array(data, mask=mask)" if isinstance(arr, np.ma.MaskedArray)
+               else "Store np.asarray(m) and rebuild it with np.asmatrix(a)")
+        raise UnsupportedValueError(
+            f"{_where(path)}: a {type(arr).__module__}.{type(arr).__qualname__} cannot be stored as an array: it "
+            f"would load as a plain numpy.ndarray, losing what makes it one. {how} "
+            "(or pass allow_pickle=True to the Checkpointer to pickle it; loading will need allow_pickle=True too)")
+
     def tensor(self, t: torch.Tensor, path: tuple, tpath: tuple[str, ...], numpy: bool | str,
                shard: LocalShard | None = None) -> dict:
         where = _where(path)
+        if t.is_nested:
+            raise UnsupportedValueError(
+                f"{where}: nested tensors (torch.nested) are not supported; store their pieces as a list of "
+                "tensors (list(t.unbind())), or t.to_padded_tensor(0) with the lengths")
         target: Any = t if shard is None else shard
         if is_dtensor(t):
             t, box, gshape = dtensor_box(t, where)
