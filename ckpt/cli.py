@@ -53,10 +53,6 @@ def _open(args: argparse.Namespace) -> Reader:
     return r
 
 
-
-
-
-
 # -- ls -----------------------------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -136,8 +132,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-
-
 # -- verify -------------------------------------------------------------------------------------------
 
 def _verify(args: argparse.Namespace, reader: Reader) -> VerifyResult:
@@ -171,8 +165,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
-
-
 # -- diff ---------------------------------------------------------------------------------------------
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -200,11 +192,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 # -- gc -----------------------------------------------------------------------------------------------
-
-
-
-
-
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -336,14 +323,6 @@ def cmd_chaos(args: argparse.Namespace) -> int:
               + ("every resume came from a committed step that verifies, and nothing differs" if report.ok
                  else "FAILED") + ("" if args.workdir or not args.keep else f" (runs kept in {workdir})"))
     return EXIT_OK if report.ok else EXIT_FAILED
-
-
-
-
-
-
-
-
 
 
 def build_parser() -> argparse.ArgumentParser:

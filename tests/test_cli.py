@@ -335,9 +335,18 @@ def test_diff_by_hashes_and_by_bytes_with_max_abs_difference(ckdir, run):
     assert t["gone"]["status"] == "removed" and t["new"]["status"] == "added"
     assert t["cast"]["status"] == "changed" and t["cast"]["decided_by"] == "shape"
     assert doc["values"] == [{"key": "lr", "a": "0.1", "b": "0.05"}]
+    # the detail says what changed: elements read, chunks by hash, dtype/shape, added/removed
+    assert t["big"]["detail"] == "1 of 40000 element(s) differ, max abs diff 2.5"
+    assert t["packed_moved"]["detail"] == "1 of 10 element(s) differ, max abs diff 0.25"
+    assert t["cast"]["detail"] == "float32(3,) -> float64(3,)" and t["gone"]["detail"] == "float32(2,)"
+    assert t["same_big"]["detail"] == ""
 
     rc, out, _ = run("diff", ckdir, 1, 2, "--exit-code")
     assert rc == 3 and "5 tensor(s) differ" in out
+    detail = {r[0]: r[3] for r in rows(out)[1:] if len(r) == 4}
+    assert detail["big"] == "1 of 3 chunk(s) differ"  # decided by hashes: nothing read
+    assert detail["packed_moved"] == "1 of 10 element(s) differ"  # read to decide
+    assert detail["new"] == "float32(1,)" and "-" not in detail.values()
     assert {r[0] for r in rows(out)[1:]} >= {"big", "packed_moved", "gone", "new", "cast", "lr"}
     rc, out, _ = run("diff", ckdir, 2, "latest", "--exit-code", "--json")
     assert rc == 0 and json.loads(out)["identical"] is True
