@@ -429,6 +429,14 @@ def test_gc_removes_only_old_garbage_and_every_committed_step_still_loads(ckdir,
     assert {i["object"] for i in json.loads(out)["removed"]} == {k for ks in g["young"].values() for k in ks}
     assert run("ls", ckdir, "--json")[1].count('"incomplete"') == 0
 
+    # steps retention removes show their age: their manifest says when they were committed
+    created = {s: ckpt.open(ckdir).manifest(s).created for s in (1, 2)}
+    rc, out, _ = run("gc", ckdir, "--keep-last", "1", "--dry-run", "--json")
+    ages = {i["step"]: i["age_s"] for i in json.loads(out)["would_remove"] if i["kind"] == "step"}
+    assert ages.keys() == {1, 2} and all(abs(ages[s] - (time.time() - created[s])) < 60 for s in ages)
+    rc, out, _ = run("gc", ckdir, "--keep-last", "1", "--dry-run")
+    step_ages = [r[3] for r in rows(out)[1:] if r[0].startswith("step ")]
+    assert len(step_ages) == 2 and all(a[:-1].isdigit() and a.endswith("s") for a in step_ages)  # not "?"
     rc, out, _ = run("gc", ckdir, "--keep-last", "1", "--grace", "0")  # retention, by request
     assert rc == 0 and ckpt.open(ckdir).steps() == [3]
     assert_loads(ckdir, 3, g["states"][3])
