@@ -247,7 +247,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     step = reader.step(args.step)
     res = reader.export(step, args.to, keys=args.keys, strip_prefix=args.strip_prefix, rank=args.rank,
                         overwrite=args.force, format=args.format, dtype=args.dtype, max_shard_size=args.max_shard_size)
-    note = per_rank_note(reader.manifest(step), args.rank)
+    note = per_rank_note(reader.manifest(step), args.rank, res)
     if note:
         print(f"ckpt: note: {note}", file=sys.stderr)
     if res.pickled:

@@ -232,6 +232,11 @@ def test_export_reshards_to_one_file_bit_exactly(two_ranks, run, tmp_path):
     assert set(got) == {"emb", "pos/buf"}
     assert torch.equal(got["emb"], emb_value(1)) and torch.equal(got["pos/buf"], torch.ones(3, dtype=torch.float64))
 
+    assert "per-rank state ['pos'] exported from saved rank 1 of 2" in err
+    # per-rank state the keys leave out is not noted as exported
+    rc, _, err = run("export", two_ranks, "--to", str(tmp_path / "emb.safetensors"), "--keys", "emb")
+    assert rc == 0 and "per-rank" not in err and "pos" not in err
+
     assert run("export", two_ranks, "--to", pt)[0] == 2  # exists: needs --force
     assert run("export", two_ranks, "--to", str(tmp_path / "m.bin"))[0] == 2  # unknown format
     assert run("export", two_ranks, "--to", str(tmp_path / "x.pt"), "--rank", 5)[0] == 2
