@@ -73,20 +73,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _dump(res.to_json())
         return EXIT_OK if res.ok else EXIT_FAILED
     out = Out()
-    rows = []
+    rows: list[list[Any]] = []
     for d in res.steps:
         if d.readable:
             status = d.status if d.status != "corrupt" else f"CORRUPT: {d.error}"
             rows.append([d.step, d.created, d.world_size, d.tensors, out.size(d.raw_bytes),
-                         out.size(d.stored_bytes), out.size(d.new_bytes), status])
+                         out.size(d.stored_bytes), out.size(d.new_bytes), d.tensor_chunks, status])
         elif d.status == "damaged":
-            rows.append([d.step, "-", "-", "-", "-", "-", "-", f"DAMAGED: {d.error}"])
+            rows.append([d.step] + ["-"] * 7 + [f"DAMAGED: {d.error}"])
         else:
-            rows.append([d.step, "-", "-", "-", "-", "-", "-", f"incomplete: {d.rank_files} rank file(s), no manifest"])
+            rows.append([d.step] + ["-"] * 7 + [f"incomplete: {d.rank_files} rank file(s), no manifest"])
         if args.local:
             rows[-1].append(d.where or "-")
-    out.table(["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "status"] +
-              (["where"] if args.local else []), rows, {0, 2, 3, 4, 5, 6})
+    # "tensor chunks": the chunks its tensors reference, not the delta bases a load also reads
+    out.table(["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "tensor chunks", "status"] +
+              (["where"] if args.local else []), rows, {0, 2, 3, 4, 5, 6, 7})
     for p in res.problems:
         print(f"{p.kind}: {p.object} (step {', '.join(map(str, p.steps))}): {p.message}", file=sys.stderr)
     return EXIT_OK if res.ok else EXIT_FAILED

@@ -109,17 +109,32 @@ def test_ls_reports_sizes_new_bytes_incomplete_and_damaged_steps(ckdir, run, mon
     # Piped output is tab-separated with exact byte counts.
     rc, out, _ = run("ls", ckdir)
     table = rows(out)
-    assert table[0] == ["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "status"]
+    assert table[0] == ["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "tensor chunks", "status"]
     assert table[2][0] == "2" and int(table[2][6]) == by[2]["new_bytes"]
-    assert table[4][0] == "4" and table[4][7].startswith("incomplete")
+    assert int(table[2][7]) == by[2]["tensor_chunks"] == by[2]["chunks"]  # no deltas: the same chunks
+    assert table[4][0] == "4" and table[4][8].startswith("incomplete")
 
     # A manifest that does not parse: the step is damaged, ls says so and exits 1.
     with open(os.path.join(ckdir, paths.manifest_key(2)), "wb") as f:
         f.write(b'{"format": "ckpt", truncated')
     rc, out, _ = run("ls", ckdir)
     assert rc == 1
-    assert next(r for r in rows(out) if r[0] == "2")[7].startswith("DAMAGED")
-    assert next(r for r in rows(out) if r[0] == "3")[7] == "committed"
+    assert next(r for r in rows(out) if r[0] == "2")[8].startswith("DAMAGED")
+    assert next(r for r in rows(out) if r[0] == "3")[8] == "committed"
+
+
+def test_ls_counts_the_chunks_a_steps_tensors_use_not_its_delta_bases(ckdir, run):
+    w = torch.randn(3 * CHUNK // 4, generator=torch.Generator().manual_seed(0))  # three whole chunks
+    with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="auto", delta_chain=8) as c:
+        for s in range(1, 9):
+            w[::997] += 1.0  # a few elements of every chunk change: each is stored as a delta of the last
+            c.save(s, {"w": w}).wait()
+    rc, out, _ = run("ls", ckdir, "--json")
+    by = {d["step"]: d for d in json.loads(out)["steps"]}
+    assert [by[s]["tensor_chunks"] for s in range(1, 9)] == [3] * 8
+    assert by[8]["chunks"] > by[2]["chunks"] > 3  # with the bases its deltas need
+    rc, out, _ = run("ls", ckdir)
+    assert rc == 0 and [r[7] for r in rows(out)[1:]] == ["3"] * 8
 
 
 def test_ls_verify_marks_the_steps_that_reference_a_bad_chunk(ckdir, run):
@@ -129,7 +144,7 @@ def test_ls_verify_marks_the_steps_that_reference_a_bad_chunk(ckdir, run):
     os.remove(chunk_path(ckdir, only_1))
     rc, out, err = run("ls", ckdir, "--verify")
     assert rc == 1
-    status = {r[0]: r[7] for r in rows(out)[1:]}
+    status = {r[0]: r[8] for r in rows(out)[1:]}
     assert status["1"].startswith("CORRUPT") and status["2"] == "verified" and status["3"] == "verified"
     assert paths.chunk_key(only_1) in err
 
@@ -549,7 +564,8 @@ def test_tables_on_a_terminal_and_tsv_through_a_pipe_of_the_console_script(ckdir
     assert cli.main(["ls", ckdir]) == 0
     lines = tty.getvalue().splitlines()
     assert "\t" not in tty.getvalue() and set(lines[1].strip()) == {"─"} and "KiB" in lines[2]
-    assert lines[0].split() == ["step", "created", "(UTC)", "ranks", "tensors", "raw", "stored", "new", "status"]
+    assert lines[0].split() == ["step", "created", "(UTC)", "ranks", "tensors", "raw", "stored", "new", "tensor",
+                                "chunks", "status"]
     monkeypatch.undo()
 
     exe = shutil.which("ckpt") or os.path.join(os.path.dirname(sys.executable), "ckpt")
@@ -558,7 +574,7 @@ def test_tables_on_a_terminal_and_tsv_through_a_pipe_of_the_console_script(ckdir
                        check=False)
     assert p.returncode == 0 and p.stderr == ""
     table = [line.split("\t") for line in p.stdout.splitlines()]
-    assert [r[0] for r in table] == ["step", "1", "2"] and all(len(r) == 8 for r in table)
+    assert [r[0] for r in table] == ["step", "1", "2"] and all(len(r) == 9 for r in table)
     assert int(table[1][4]) == (50_000 + 30_000 + 4) * 4 + 3 * 8
 
 
