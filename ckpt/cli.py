@@ -53,10 +53,6 @@ def _open(args: argparse.Namespace) -> Reader:
     return r
 
 
-
-
-
-
 # -- ls -----------------------------------------------------------------------------------------------
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -77,20 +73,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _dump(res.to_json())
         return EXIT_OK if res.ok else EXIT_FAILED
     out = Out()
-    rows = []
+    rows: list[list[Any]] = []
     for d in res.steps:
         if d.readable:
             status = d.status if d.status != "corrupt" else f"CORRUPT: {d.error}"
             rows.append([d.step, d.created, d.world_size, d.tensors, out.size(d.raw_bytes),
-                         out.size(d.stored_bytes), out.size(d.new_bytes), status])
+                         out.size(d.stored_bytes), out.size(d.new_bytes), d.tensor_chunks, status])
         elif d.status == "damaged":
-            rows.append([d.step, "-", "-", "-", "-", "-", "-", f"DAMAGED: {d.error}"])
+            rows.append([d.step] + ["-"] * 7 + [f"DAMAGED: {d.error}"])
         else:
-            rows.append([d.step, "-", "-", "-", "-", "-", "-", f"incomplete: {d.rank_files} rank file(s), no manifest"])
+            rows.append([d.step] + ["-"] * 7 + [f"incomplete: {d.rank_files} rank file(s), no manifest"])
         if args.local:
             rows[-1].append(d.where or "-")
-    out.table(["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "status"] +
-              (["where"] if args.local else []), rows, {0, 2, 3, 4, 5, 6})
+    # "tensor chunks": the chunks its tensors reference, not the delta bases a load also reads
+    out.table(["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "tensor chunks", "status"] +
+              (["where"] if args.local else []), rows, {0, 2, 3, 4, 5, 6, 7})
     for p in res.problems:
         print(f"{p.kind}: {p.object} (step {', '.join(map(str, p.steps))}): {p.message}", file=sys.stderr)
     return EXIT_OK if res.ok else EXIT_FAILED
@@ -136,8 +133,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-
-
 # -- verify -------------------------------------------------------------------------------------------
 
 def _verify(args: argparse.Namespace, reader: Reader) -> VerifyResult:
@@ -171,8 +166,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
-
-
 # -- diff ---------------------------------------------------------------------------------------------
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -200,11 +193,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 # -- gc -----------------------------------------------------------------------------------------------
-
-
-
-
-
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -260,7 +248,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     step = reader.step(args.step)
     res = reader.export(step, args.to, keys=args.keys, strip_prefix=args.strip_prefix, rank=args.rank,
                         overwrite=args.force, format=args.format, dtype=args.dtype, max_shard_size=args.max_shard_size)
-    note = per_rank_note(reader.manifest(step), args.rank)
+    note = per_rank_note(reader.manifest(step), args.rank, res)
     if note:
         print(f"ckpt: note: {note}", file=sys.stderr)
     if res.pickled:
@@ -336,14 +324,6 @@ def cmd_chaos(args: argparse.Namespace) -> int:
               + ("every resume came from a committed step that verifies, and nothing differs" if report.ok
                  else "FAILED") + ("" if args.workdir or not args.keep else f" (runs kept in {workdir})"))
     return EXIT_OK if report.ok else EXIT_FAILED
-
-
-
-
-
-
-
-
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -109,17 +109,32 @@ def test_ls_reports_sizes_new_bytes_incomplete_and_damaged_steps(ckdir, run, mon
     # Piped output is tab-separated with exact byte counts.
     rc, out, _ = run("ls", ckdir)
     table = rows(out)
-    assert table[0] == ["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "status"]
+    assert table[0] == ["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "tensor chunks", "status"]
     assert table[2][0] == "2" and int(table[2][6]) == by[2]["new_bytes"]
-    assert table[4][0] == "4" and table[4][7].startswith("incomplete")
+    assert int(table[2][7]) == by[2]["tensor_chunks"] == by[2]["chunks"]  # no deltas: the same chunks
+    assert table[4][0] == "4" and table[4][8].startswith("incomplete")
 
     # A manifest that does not parse: the step is damaged, ls says so and exits 1.
     with open(os.path.join(ckdir, paths.manifest_key(2)), "wb") as f:
         f.write(b'{"format": "ckpt", truncated')
     rc, out, _ = run("ls", ckdir)
     assert rc == 1
-    assert next(r for r in rows(out) if r[0] == "2")[7].startswith("DAMAGED")
-    assert next(r for r in rows(out) if r[0] == "3")[7] == "committed"
+    assert next(r for r in rows(out) if r[0] == "2")[8].startswith("DAMAGED")
+    assert next(r for r in rows(out) if r[0] == "3")[8] == "committed"
+
+
+def test_ls_counts_the_chunks_a_steps_tensors_use_not_its_delta_bases(ckdir, run):
+    w = torch.randn(3 * CHUNK // 4, generator=torch.Generator().manual_seed(0))  # three whole chunks
+    with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="auto", delta_chain=8) as c:
+        for s in range(1, 9):
+            w[::997] += 1.0  # a few elements of every chunk change: each is stored as a delta of the last
+            c.save(s, {"w": w}).wait()
+    rc, out, _ = run("ls", ckdir, "--json")
+    by = {d["step"]: d for d in json.loads(out)["steps"]}
+    assert [by[s]["tensor_chunks"] for s in range(1, 9)] == [3] * 8
+    assert by[8]["chunks"] > by[2]["chunks"] > 3  # with the bases its deltas need
+    rc, out, _ = run("ls", ckdir)
+    assert rc == 0 and [r[7] for r in rows(out)[1:]] == ["3"] * 8
 
 
 def test_ls_verify_marks_the_steps_that_reference_a_bad_chunk(ckdir, run):
@@ -129,7 +144,7 @@ def test_ls_verify_marks_the_steps_that_reference_a_bad_chunk(ckdir, run):
     os.remove(chunk_path(ckdir, only_1))
     rc, out, err = run("ls", ckdir, "--verify")
     assert rc == 1
-    status = {r[0]: r[7] for r in rows(out)[1:]}
+    status = {r[0]: r[8] for r in rows(out)[1:]}
     assert status["1"].startswith("CORRUPT") and status["2"] == "verified" and status["3"] == "verified"
     assert paths.chunk_key(only_1) in err
 
@@ -231,6 +246,11 @@ def test_export_reshards_to_one_file_bit_exactly(two_ranks, run, tmp_path):
     got = torch.load(pt, weights_only=True)
     assert set(got) == {"emb", "pos/buf"}
     assert torch.equal(got["emb"], emb_value(1)) and torch.equal(got["pos/buf"], torch.ones(3, dtype=torch.float64))
+
+    assert "per-rank state ['pos'] exported from saved rank 1 of 2" in err
+    # per-rank state the keys leave out is not noted as exported
+    rc, _, err = run("export", two_ranks, "--to", str(tmp_path / "emb.safetensors"), "--keys", "emb")
+    assert rc == 0 and "per-rank" not in err and "pos" not in err
 
     assert run("export", two_ranks, "--to", pt)[0] == 2  # exists: needs --force
     assert run("export", two_ranks, "--to", str(tmp_path / "m.bin"))[0] == 2  # unknown format
@@ -335,9 +355,18 @@ def test_diff_by_hashes_and_by_bytes_with_max_abs_difference(ckdir, run):
     assert t["gone"]["status"] == "removed" and t["new"]["status"] == "added"
     assert t["cast"]["status"] == "changed" and t["cast"]["decided_by"] == "shape"
     assert doc["values"] == [{"key": "lr", "a": "0.1", "b": "0.05"}]
+    # the detail says what changed: elements read, chunks by hash, dtype/shape, added/removed
+    assert t["big"]["detail"] == "1 of 40000 element(s) differ, max abs diff 2.5"
+    assert t["packed_moved"]["detail"] == "1 of 10 element(s) differ, max abs diff 0.25"
+    assert t["cast"]["detail"] == "float32(3,) -> float64(3,)" and t["gone"]["detail"] == "float32(2,)"
+    assert t["same_big"]["detail"] == ""
 
     rc, out, _ = run("diff", ckdir, 1, 2, "--exit-code")
     assert rc == 3 and "5 tensor(s) differ" in out
+    detail = {r[0]: r[3] for r in rows(out)[1:] if len(r) == 4}
+    assert detail["big"] == "1 of 3 chunk(s) differ"  # decided by hashes: nothing read
+    assert detail["packed_moved"] == "1 of 10 element(s) differ"  # read to decide
+    assert detail["new"] == "float32(1,)" and "-" not in detail.values()
     assert {r[0] for r in rows(out)[1:]} >= {"big", "packed_moved", "gone", "new", "cast", "lr"}
     rc, out, _ = run("diff", ckdir, 2, "latest", "--exit-code", "--json")
     assert rc == 0 and json.loads(out)["identical"] is True
@@ -420,6 +449,14 @@ def test_gc_removes_only_old_garbage_and_every_committed_step_still_loads(ckdir,
     assert {i["object"] for i in json.loads(out)["removed"]} == {k for ks in g["young"].values() for k in ks}
     assert run("ls", ckdir, "--json")[1].count('"incomplete"') == 0
 
+    # steps retention removes show their age: their manifest says when they were committed
+    created = {s: ckpt.open(ckdir).manifest(s).created for s in (1, 2)}
+    rc, out, _ = run("gc", ckdir, "--keep-last", "1", "--dry-run", "--json")
+    ages = {i["step"]: i["age_s"] for i in json.loads(out)["would_remove"] if i["kind"] == "step"}
+    assert ages.keys() == {1, 2} and all(abs(ages[s] - (time.time() - created[s])) < 60 for s in ages)
+    rc, out, _ = run("gc", ckdir, "--keep-last", "1", "--dry-run")
+    step_ages = [r[3] for r in rows(out)[1:] if r[0].startswith("step ")]
+    assert len(step_ages) == 2 and all(a[:-1].isdigit() and a.endswith("s") for a in step_ages)  # not "?"
     rc, out, _ = run("gc", ckdir, "--keep-last", "1", "--grace", "0")  # retention, by request
     assert rc == 0 and ckpt.open(ckdir).steps() == [3]
     assert_loads(ckdir, 3, g["states"][3])
@@ -527,7 +564,8 @@ def test_tables_on_a_terminal_and_tsv_through_a_pipe_of_the_console_script(ckdir
     assert cli.main(["ls", ckdir]) == 0
     lines = tty.getvalue().splitlines()
     assert "\t" not in tty.getvalue() and set(lines[1].strip()) == {"─"} and "KiB" in lines[2]
-    assert lines[0].split() == ["step", "created", "(UTC)", "ranks", "tensors", "raw", "stored", "new", "status"]
+    assert lines[0].split() == ["step", "created", "(UTC)", "ranks", "tensors", "raw", "stored", "new", "tensor",
+                                "chunks", "status"]
     monkeypatch.undo()
 
     exe = shutil.which("ckpt") or os.path.join(os.path.dirname(sys.executable), "ckpt")
@@ -536,7 +574,7 @@ def test_tables_on_a_terminal_and_tsv_through_a_pipe_of_the_console_script(ckdir
                        check=False)
     assert p.returncode == 0 and p.stderr == ""
     table = [line.split("\t") for line in p.stdout.splitlines()]
-    assert [r[0] for r in table] == ["step", "1", "2"] and all(len(r) == 8 for r in table)
+    assert [r[0] for r in table] == ["step", "1", "2"] and all(len(r) == 9 for r in table)
     assert int(table[1][4]) == (50_000 + 30_000 + 4) * 4 + 3 * 8
 
 

@@ -298,3 +298,35 @@ def test_local_commits_upload_the_last_step(tmp_path):
     assert ckpt.open(local).steps() == [2, 4, 6, 7]
     shutil.rmtree(local)  # the node is gone: the checkpoint path alone has the fit's last step
     assert load_checkpoint(remote)["global_step"] == 7
+
+
+def test_no_modelcheckpoint_by_default_and_the_documented_line_for_enable_checkpointing_false(tmp_path):
+    # the default trainer: AsyncCheckpoint is its checkpoint callback, so Lightning adds no ModelCheckpoint
+    root = tmp_path / "default"
+    saver = AsyncCheckpoint(str(root / "ck"), every_n_train_steps=2)
+    t = trainer(4, [saver], default_root_dir=str(root))
+    assert t.checkpoint_callbacks == [saver] and t.checkpoint_callback is saver
+    t.fit(Tiny(), Batches())
+    assert ckpt.open(str(root / "ck")).steps() == [2, 4]
+    assert not list(root.rglob("*.ckpt"))  # no .ckpt files written beside it
+
+    # enable_checkpointing=False refuses any Checkpoint in callbacks=[...] (Lightning's own check) ...
+    with pytest.raises(L.pytorch.utilities.exceptions.MisconfigurationException):
+        trainer(4, [AsyncCheckpoint(str(tmp_path / "x"))], enable_checkpointing=False)
+    # ... and the line docs/lightning.md gives for it works: a fit that saves and resumes
+    doc = (pathlib.Path(ROOT) / "docs" / "lightning.md").read_text()
+    [line] = [ln for ln in doc.splitlines() if ln.startswith("trainer.callbacks.append(AsyncCheckpoint(")]
+    url = str(tmp_path / "off" / "ck")
+    made: list[AsyncCheckpoint] = []
+
+    def here(_url, **kw):  # the documented call, saving under tmp_path every 2 steps
+        made.append(AsyncCheckpoint(url, **{**kw, "every_n_train_steps": 2}))
+        return made[-1]
+    for max_steps in (4, 6):  # the second fit resumes from step 4
+        made.clear()
+        t = trainer(max_steps, default_root_dir=str(tmp_path / "off"), enable_checkpointing=False)
+        exec(line, {"trainer": t, "AsyncCheckpoint": here})
+        assert t.checkpoint_callbacks == made
+        t.fit(Tiny(), Batches())
+    assert made[0].resumed_step == 4 and t.global_step == 6
+    assert ckpt.open(url).steps() == [2, 4, 6]  # keep_last=3, as the documented line says

@@ -98,7 +98,7 @@ def plan(reader: Reader, *, grace_s: float, keep_last: int | None = None, now: f
     storage = reader.storage
     now = time.time() if now is None else now
     p = GcPlan(grace_s=grace_s, writers=[x for x in list_leases(storage) if x.kind == "writer" and x.live(now)])
-    referenced = _retention(reader, p, keep_last)
+    referenced = _retention(reader, p, keep_last, now)
     if p.writers:  # a live writer: its chunks and unfinished work are not ours to judge
         return p
     _unfinished(reader, p, now)
@@ -106,7 +106,7 @@ def plan(reader: Reader, *, grace_s: float, keep_last: int | None = None, now: f
     return p
 
 
-def _retention(reader: Reader, p: GcPlan, keep_last: int | None) -> set[str]:
+def _retention(reader: Reader, p: GcPlan, keep_last: int | None, now: float) -> set[str]:
     """Plan retention (decided by the committed steps alone) and the chunks it frees, with those of
     lists parked by retention elsewhere; returns every chunk that is not an orphan."""
     storage = reader.storage
@@ -124,9 +124,10 @@ def _retention(reader: Reader, p: GcPlan, keep_last: int | None) -> set[str]:
             referenced |= m.chunks.keys()
     retired: dict[str, int] = {}
     for s in p.retention:
-        p.remove.append(Item("step", paths.step_dir(s), sum(_size(storage, f"{paths.step_dir(s)}/{n}")
-                                                       for n in storage.list(paths.step_dir(s))), None, s))
         m = reader.find(s)
+        age = None if m is None else max(0.0, now - m.created)  # its manifest says when it was committed
+        p.remove.append(Item("step", paths.step_dir(s), sum(_size(storage, f"{paths.step_dir(s)}/{n}")
+                                                       for n in storage.list(paths.step_dir(s))), age, s))
         for h, info in (m.chunks.items() if m is not None else ()):
             if h not in referenced:
                 retired[h] = info.stored

@@ -70,6 +70,30 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
 
 
+def _changed_elements(x: torch.Tensor, y: torch.Tensor) -> int:
+    """How many elements differ bit for bit (a NaN saved again is unchanged)."""
+    if x.numel() == 0:
+        return 0
+    bx = x.reshape(-1).contiguous().view(torch.uint8).reshape(x.numel(), -1)
+    by = y.reshape(-1).contiguous().view(torch.uint8).reshape(y.numel(), -1)
+    return int((bx != by).any(dim=1).sum())
+
+
+def _chunks_changed(a: mf.TensorEntry, b: mf.TensorEntry) -> tuple[int, int]:
+    """(chunks of ``b`` that are not the chunk at the same place in ``a``, chunks of ``b``)."""
+    def refs(e: mf.TensorEntry) -> list[tuple[list[int], str]]:
+        return [(s.offsets, g.chunk) for s in sorted(e.shards, key=lambda s: (s.offsets, s.lengths))
+                for g in s.segments]
+    ra, rb = refs(a), refs(b)
+    return sum(1 for i, r in enumerate(rb) if i >= len(ra) or ra[i] != r), len(rb)
+
+
+def _read_detail(x: torch.Tensor, y: torch.Tensor, max_abs_diff: float | None) -> str:
+    n = _changed_elements(x, y)
+    return f"{n} of {x.numel()} element(s) differ" + (
+        f", max abs diff {max_abs_diff:.6g}" if max_abs_diff is not None else "")
+
+
 @dataclass
 class Diff:
     """What differs between two steps: tensors (``status`` added / removed / changed / same, and
@@ -99,7 +123,10 @@ def diff(reader: Reader, a: int, b: int, *, max_diff: bool = False, threads: int
     Tensors are compared by chunk hashes where those decide it, else by reading their bytes
     (small tensors packed with others, or a different shard layout). With ``max_diff`` every
     changed tensor of the same shape and dtype is read to report its largest absolute difference.
-    Values that differ come as (value path, preview in a, preview in b)."""
+    A changed tensor's ``detail`` says what changed: dtype/shape (``float32(3,) -> float64(3,)``),
+    how many elements differ (and the largest difference) when it was read, else how many of its
+    chunks differ; an added or removed one's, its dtype and shape. Values that differ come as
+    (value path, preview in a, preview in b)."""
     ma, mb = reader.manifest(a), reader.manifest(b)
     ea = {(t.key, t.rank): t for t in ma.tensors}
     eb = {(t.key, t.rank): t for t in mb.tensors}
@@ -119,6 +146,9 @@ def diff(reader: Reader, a: int, b: int, *, max_diff: bool = False, threads: int
             continue
         same = _by_hashes(x, ma, y, mb)
         c = TensorChange(k[0], k[1], "same" if same else "changed", "hashes")
+        if same is False:
+            n, of = _chunks_changed(x, y)
+            c.detail = f"{n} of {of} chunk(s) differ"
         if same is None:
             c.how = "bytes"
             to_read.append(c)
@@ -134,6 +164,8 @@ def diff(reader: Reader, a: int, b: int, *, max_diff: bool = False, threads: int
                     c.status = "same" if _same_bytes(ta, tb) else "changed"
                 if c.status == "changed" and max_diff:
                     c.max_abs_diff = _max_abs_diff(ta, tb)
+                if c.status == "changed":
+                    c.detail = _read_detail(ta, tb, c.max_abs_diff)
     va = dict(st.value_nodes(ma.structure))
     vb = dict(st.value_nodes(mb.structure))
     values = [(p, st.preview(va[p]) if p in va else "(absent)", st.preview(vb[p]) if p in vb else "(absent)")

@@ -58,6 +58,7 @@ class ExportResult:
     skipped_values: list[str] = field(default_factory=list)  # not written (pickles; any value for .pt)
     pickled: list[str] = field(default_factory=list)
     rank: int | None = None  # the saved rank per-rank state came from, if there was any
+    per_rank_keys: list[str] = field(default_factory=list)  # the step's per-rank keys this export holds
     files: list[str] = field(default_factory=list)  # what a directory export wrote, in its directory
     dtype: str | None = None  # the --dtype floating tensors were cast to
 
@@ -214,6 +215,8 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
     if clashes:
         raise ConfigError(f"with --strip-prefix, several tensors would be named {clashes[:4]}; export them "
                           "separately (one --keys prefix each) or without --strip-prefix")
+    written = [e.key for e in entries if e.rank is not None] + result.values
+    result.per_rank_keys = [k for k in m.per_rank_keys if any(w == k or w.startswith(k + "/") for w in written)]
     dtypes = [out_dtype(e.dtype, cast) for e in entries]
     result.tensors = {n: (dtype_name(d), list(e.shape)) for n, e, d in zip(names, entries, dtypes)}
     result.bytes = sum(math.prod(e.shape) * d.itemsize for e, d in zip(entries, dtypes))
@@ -274,8 +277,10 @@ def values_metadata(step: int, reader: Reader, values: dict, result: ExportResul
     return meta
 
 
-def per_rank_note(m: mf.Manifest, rank: int) -> str | None:
-    if not m.per_rank_keys:
+def per_rank_note(m: mf.Manifest, rank: int, result: ExportResult) -> str | None:
+    """What ``ckpt export`` says about per-rank state: only the per-rank keys it exported (from one
+    saved rank); nothing when the keys selected left them all out."""
+    if not result.per_rank_keys:
         return None
-    return (f"per-rank state {m.per_rank_keys} exported from saved rank {rank} of {m.world_size} "
+    return (f"per-rank state {result.per_rank_keys} exported from saved rank {rank} of {m.world_size} "
             "(--rank R for another)")

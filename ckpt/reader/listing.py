@@ -42,7 +42,8 @@ class StepInfo:
     stored_bytes: int | None = None
     new_bytes: int | None = None  # stored size of the chunks no earlier step references
     new_chunks: int | None = None
-    chunks: int | None = None
+    chunks: int | None = None  # every chunk a load of the step reads: its tensors' and their delta bases
+    tensor_chunks: int | None = None  # the chunks its tensors reference directly (bases not counted)
     written_bytes: int | None = None  # what that save itself wrote
     writer: Any = None
     error: str | None = None
@@ -65,7 +66,8 @@ class StepInfo:
         else:
             d.update(created=self.created, world_size=self.world_size, tensors=self.tensors,
                      raw_bytes=self.raw_bytes, stored_bytes=self.stored_bytes, new_bytes=self.new_bytes,
-                     new_chunks=self.new_chunks, chunks=self.chunks, written_bytes=self.written_bytes,
+                     new_chunks=self.new_chunks, chunks=self.chunks, tensor_chunks=self.tensor_chunks,
+                     written_bytes=self.written_bytes,
                      writer=self.writer)
         if self.where is not None:
             d.update(remote=self.remote, local_tiers=self.local_tiers)
@@ -101,10 +103,11 @@ def step_info(reader: Reader, s: int, earlier: set[str]) -> StepInfo:
     if m is None:
         return StepInfo(s, "damaged", error=reader.errors[s], rank_files=len(reader.rank_files(s)))
     new = [h for h in m.chunks if h not in earlier]
+    direct = {g.chunk for t in m.tensors for sh in t.shards for g in sh.segments}
     return StepInfo(s, "committed", created=_iso(m.created), world_size=m.world_size, tensors=len(m.tensors),
                     raw_bytes=m.raw_bytes, stored_bytes=m.stored_bytes,
                     new_bytes=sum(m.chunks[h].stored for h in new), new_chunks=len(new), chunks=len(m.chunks),
-                    written_bytes=m.stats.get("written_bytes"), writer=m.writer)
+                    tensor_chunks=len(direct), written_bytes=m.stats.get("written_bytes"), writer=m.writer)
 
 
 def local_tiers(dirs: Sequence[str]) -> list[Reader]:
