@@ -145,7 +145,9 @@ def test_logs_say_fresh_start_and_resume(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="ckpt")
     path = str(tmp_path / "new")
     assert ckpt.Checkpointer(path).load("latest", {"w": torch.zeros(3)}) is None
-    assert f"no checkpoint at {path}: starting fresh" in caplog.text
+    # nothing at the path at all: a warning (a typo must not pass for a new run)
+    assert f"starting fresh: nothing at {path}" in caplog.text
+    assert any(r.levelno == logging.WARNING and "starting fresh" in r.getMessage() for r in caplog.records)
     with ckpt.Checkpointer(path) as c:
         c.save(7, {"w": torch.ones(3)})
     caplog.clear()
