@@ -104,33 +104,35 @@ def copy_to_host(pieces: Pieces, guarded: set[int] | frozenset[int], check: froz
     if torch.cuda.is_current_stream_capturing():
         raise ConfigError("save() was called while a CUDA graph is being captured: the snapshot's copies and events "
                           "cannot be captured. Save outside the captured region (e.g. between graph replays).")
-    by_device: dict[torch.device, Pieces] = {}
+    # per device: (unguarded pieces, guarded pieces), split once
+    by_device: dict[torch.device, tuple[Pieces, Pieces]] = {}
     for slot, src in pieces:
-        by_device.setdefault(src.device, []).append((slot, src))
-    if any(src.data_ptr() in guarded for _, src in pieces):
+        fast, slow = by_device.setdefault(src.device, ([], []))
+        (slow if src.data_ptr() in guarded else fast).append((slot, src))
+    if any(slow for _, slow in by_device.values()):
         install_step_hook()  # before any copy is launched: a failure here leaves nothing in flight
     parts: list[DeviceCopy] = []
     try:
-        for device, group in by_device.items():
-            parts.append(_copy_device(device, group, guarded, check, launch))
+        for device, (fast, slow) in by_device.items():
+            parts.append(_copy_device(device, fast, slow, check, launch))
     except BaseException:
         for device in by_device:
             _side_stream(device).synchronize()  # nothing may still write into the buffer or read `keep`
         raise
     snap = CudaSnapshot(parts)
     for part in parts:
-        if any(src.data_ptr() in guarded for _, src in by_device[part.device]):
+        if by_device[part.device][1]:
             fence_optimizers(part)
     return snap
 
 
-def _copy_device(device: torch.device, pieces: Pieces, guarded: set[int] | frozenset[int], check: frozenset[str],
+def _copy_device(device: torch.device, fast: Pieces, slow: Pieces, check: frozenset[str],
                  launch: Callable[[Pieces, torch.cuda.Stream, list], None]) -> DeviceCopy:
+    """One device's copies: ``fast`` (nothing fences them: the compute stream waits for them at
+    once), then ``slow`` (an optimizer updates them: the pre-step hook fences them)."""
     compute = torch.cuda.current_stream(device)
     side = _side_stream(device)
     side.wait_stream(compute)  # the copy sees every update queued before save()
-    fast = [(s, t) for s, t in pieces if t.data_ptr() not in guarded]
-    slow = [(s, t) for s, t in pieces if t.data_ptr() in guarded]
     keep: list = []
     verdicts: list[tuple[list[str], torch.Tensor]] = []
     with torch.cuda.device(device), torch.cuda.stream(side), torch.no_grad():

@@ -204,9 +204,13 @@ def finite_checked(state: dict[str, Any], flat: Flat, mode: bool | str) -> froze
     return frozenset(k for k in floating if flat.tensors[k].data_ptr() in ptrs)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # a DTensor: its shard on this rank is what is saved
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (what is saved), or ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+_local = local_tensor
 
 
 def optimizer_guarded(state: dict[str, Any]) -> set[int]:

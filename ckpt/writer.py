@@ -214,7 +214,7 @@ class Writer:
         if storage.exists(paths.manifest_key(step)):
             raise StepExistsError(
                 f"step {step} is already committed in {storage.describe()}; committed steps are never "
-                f"overwritten. {_STEP_EXISTS_ADVICE}")
+                f"overwritten. {STEP_EXISTS_ADVICE}")
 
     # -- one rank's part of a save, on the commit thread -----------------------------------------
     def write_part(self, job: SaveJob, rank: int) -> mf.Manifest:
@@ -351,7 +351,7 @@ class Writer:
         except FileExistsError:
             raise StepExistsError(
                 f"step {step} is already committed in {storage.describe()}; committed steps are never "
-                f"overwritten. {_STEP_EXISTS_ADVICE}") from None
+                f"overwritten. {STEP_EXISTS_ADVICE}") from None
         return step_manifest
 
     def _settle_conflicts(self, parts: list[mf.Manifest], storage: Storage) -> None:
@@ -428,7 +428,7 @@ class _BaseRef:
 
 
 # `ckpt gc` removes only what failed saves left, never a committed step: it cannot make room for a save.
-_STEP_EXISTS_ADVICE = ("Save under a new step number, or delete that step's directory (or prefix) by hand first; "
+STEP_EXISTS_ADVICE = ("Save under a new step number, or delete that step's directory (or prefix) by hand first; "
                        "retention (keep_last) drops old steps as new ones commit.")
 
 

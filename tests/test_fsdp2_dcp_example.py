@@ -9,7 +9,7 @@ nothing else.
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # torchrun jobs, abou
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+EXAMPLE = os.path.join(ROOT, "examples", "train_fsdp2_dcp.py")
 STEPS, EVERY, STOP = 12, 4, 6  # the stop is not a multiple of EVERY: --stop-after saves it itself
 
 
@@ -31,7 +32,7 @@ def torchrun(nproc: int, ckdir: str, *extra: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--monitor-interval", "0.1", os.path.join(ROOT, "examples", "train_fsdp2_dcp.py"), "--dir", ckdir,
+           "--monitor-interval", "0.1", EXAMPLE, "--dir", ckdir,
            "--steps", str(STEPS), *extra]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-6000:]
@@ -49,13 +50,16 @@ def resumed_from(log: str) -> list[tuple[int, str]]:
                                                 log, re.M)]
 
 
-def digest(tensors: dict[str, torch.Tensor]) -> str:
-    """The example's digest (sha256 of names and bytes in name order), of a step as ckpt.open reads it."""
-    h = hashlib.sha256()
-    for k, v in sorted(tensors.items()):
-        h.update(k.encode())
-        h.update(v.contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+def _example_module():
+    """The example itself, imported from its file: the test checks its digest with the example's own function."""
+    spec = importlib.util.spec_from_file_location("train_fsdp2_dcp", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+digest = _example_module().digest  # sha256 of names and bytes in name order, as the example prints it
 
 
 def test_stopped_on_4_ranks_resumed_on_2_equals_a_resume_from_a_step_saved_on_purpose(tmp_path):

@@ -33,6 +33,7 @@ from ..buffer_layout import BufferLayout, TensorSlot, make_layout
 from ..errors import CheckpointError, ConfigError
 from ..sharding import is_dtensor
 from ..snapshot import HostBuffer
+from ..snapshot import local_tensor as _local
 
 log = logging.getLogger("ckpt")
 
@@ -71,7 +72,9 @@ class Header:
         """The seq of a finished snapshot (waits while one is being copied in)."""
         while (seq := self.get(SEQ)) % 2:
             if time.monotonic() > deadline:
-                raise CheckpointError("the Stager's snapshot did not finish in time; nothing was saved")
+                raise CheckpointError("the Stager's snapshot did not finish in time; nothing was saved. Another "
+                                      "stage() is stuck or its process died: wait for the previous async_save's "
+                                      "future, or raise the Writer's timeout")
             time.sleep(0.001)
         return seq
 
@@ -134,8 +137,7 @@ class Stager(AsyncStager):
         DTensors, over a view of their local shard); other values are deep-copied."""
         if not isinstance(state_dict, dict):
             raise ConfigError(f"stage needs a state dict, got {type(state_dict).__name__}")
-        found: list[torch.Tensor] = []
-        _walk(state_dict, found.append)
+        found = _tensors(state_dict)
         tensors = {str(i): _local(t).detach() for i, t in enumerate(found)}
         sig = tuple((t.dtype, tuple(t.shape), t.device.type, _placement(src))
                     for t, src in zip(tensors.values(), found))
@@ -206,11 +208,6 @@ def _view(buf: HostBuffer, slot: TensorSlot) -> torch.Tensor:
     return buf.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if is_dtensor(t) and callable(to_local) else t
-
-
 def _placement(t: torch.Tensor) -> Any:
     if not is_dtensor(t):
         return None
@@ -257,6 +254,17 @@ def _rebuild(src: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
         return view
     _send_dtensors_as_local_views()
     return _dtensor_from_local(view, src.device_mesh, src.placements, src.shape, src.stride())
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj``, in :func:`_walk`'s order (nothing copied)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if type(obj) in (list, tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def _walk(obj: Any, on_tensor: Any) -> Any:

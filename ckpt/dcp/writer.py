@@ -43,7 +43,7 @@ from ..retention import Retention
 from ..snapshot import HostBuffer, Snapshot
 from ..storage import open_tiered
 from ..storage.base import Storage
-from ..writer import SaveJob
+from ..writer import STEP_EXISTS_ADVICE, SaveJob
 from ..writer import Writer as ChunkWriter
 from . import _pairs
 from ._structure import build_structure, tensor_key, value_node
@@ -149,7 +149,7 @@ class Writer(StorageWriter):
         try:
             if run.storage.exists(paths.manifest_key(self.step)):
                 raise StepExistsError(f"step {self.step} is already committed in {run.storage.describe()}; "
-                                      "committed steps are never overwritten. Save under a new step number")
+                                      f"committed steps are never overwritten. {STEP_EXISTS_ADVICE}")
             run.leases.hold()  # held until this rank is done: `ckpt gc` beside never deletes what it reuses
         except BaseException:
             release_pending()  # the staged snapshot will never be copied out: the next stage need not wait
@@ -271,11 +271,12 @@ class Writer(StorageWriter):
     def _copy_in(self, buf: HostBuffer, tensors: dict[str, torch.Tensor]) -> tuple[Any, Any]:
         """Copy this rank's items into its buffer. Items staged by a ckpt.dcp.Stager are read under
         its header's seqlock: a snapshot restaged meanwhile fails the save instead of mixing two."""
-        headers: dict[int, Header] = {}
+        seen: dict[int, Header | None] = {}  # per storage: staged tensors share one buffer
         for t in tensors.values():
-            h = Header.of(t)
-            if h is not None:
-                headers.setdefault(t.untyped_storage().data_ptr(), h)
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen[ptr] = Header.of(t)
+        headers = {p: h for p, h in seen.items() if h is not None}
         deadline = time.monotonic() + self.options.timeout
         seqs = {p: h.wait_even(deadline) for p, h in headers.items()}
         for p, h in headers.items():
