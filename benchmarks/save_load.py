@@ -10,6 +10,8 @@ for another's dirty pages. Reported per method, as medians:
 * blocked: how long the caller waited inside the save call;
 * durable: from the call until the data is on disk, fsync included;
 * load: reading it back into preallocated tensors (from the page cache: the files were just written).
+  ckpt's default load verifies every chunk into staging memory before it writes a tensor (a failed
+  load changes nothing); the "load in place" row reads straight into the tensors, for the cost.
 
 A first, untimed round warms every method up (ckpt allocates its host buffer there, DCP builds its
 plan); ckpt's first-save stall is printed separately.
@@ -203,11 +205,12 @@ class DCPAsyncSave(DCPSave):
 
 class Ckpt(Method):
     name = "ckpt"
+    options: dict = {}
 
     def __init__(self, root):
         super().__init__(root)
         import ckpt
-        self.c = ckpt.Checkpointer(self.dir, keep_last=1)
+        self.c = ckpt.Checkpointer(self.dir, keep_last=1, **self.options)
         self.first_stall = None
 
     def save(self, state, step):
@@ -232,9 +235,15 @@ class Ckpt(Method):
         self.c.close()
 
 
+class CkptInPlace(Ckpt):
+    """Loads straight into the tensors (``staged_load=False``): what staging a load costs."""
+    name = "ckpt (load in place)"
+    options = {"staged_load": False}
+
+
 METHODS: dict[str, Callable] = {
     "memcpy": Memcpy, "torch.save": TorchSave, "dcp.save": DCPSave, "dcp.async_save": DCPAsyncSave,
-    "safetensors": Safetensors, "ckpt": Ckpt,
+    "safetensors": Safetensors, "ckpt": Ckpt, "ckpt-in-place": CkptInPlace,
 }
 
 

@@ -64,12 +64,20 @@ def track(checkpointer: _Closable) -> None:
             _registered = True
 
 
+def untrack(checkpointer: _Closable) -> None:
+    """``checkpointer`` was closed: nothing is left to do for it at exit."""
+    with _lock:
+        _open.discard(checkpointer)
+
+
 def _finish() -> None:
     with _lock:
+        saving = {id(c) for c, _ in _saving.values()}
         pending = list({id(c): c for c in [*(c for c, _ in _saving.values()), *_open]}.values())
     for c in pending:
         try:
-            log.info("ckpt: the interpreter is exiting: finishing the saves of %r before it does", c)
+            if id(c) in saving:  # the others have nothing in flight: closed without a word
+                log.info("ckpt: the interpreter is exiting: finishing the saves of %r before it does", c)
             c.close()
         except KeyboardInterrupt:
             log.error("ckpt: interrupted while finishing the saves of %r at exit; a save in flight is lost "

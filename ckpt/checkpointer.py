@@ -15,9 +15,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
+
+import torch
 
 from . import at_exit, events
 from ._tasks import run_all
@@ -113,12 +116,28 @@ class Checkpointer:
                                       options.check_finite, pair=options.deltas)
         self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
-        self._loader = Loader(self.storage, self._comm, self._io, manifests, self._tiers)
+        self._loader = Loader(self.storage, self._comm, self._io, manifests, self._tiers,
+                              staged=options.staged_load, lend=self._lend_buffer)
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
         self._ledger = SaveLedger()  # steps taken, saves in flight, failures nobody has seen yet
         self._closed = False
         at_exit.track(self)
+
+    @contextmanager
+    def _lend_buffer(self, nbytes: int) -> Iterator[torch.Tensor | None]:
+        """The host buffer as a load's staging memory, when it exists, is idle and is large enough
+        (a load mid-run then needs no memory of its own). Its bytes stop being the previous save's,
+        so the next save encodes no delta against them."""
+        buf = self._snapshots.buffer
+        if buf is None or buf.nbytes < nbytes or not buf.acquire(timeout=0):
+            yield None
+            return
+        try:
+            buf.generation += 1
+            yield buf.buffer[:nbytes]
+        finally:
+            buf.release()
 
     def _open_tiers(self, process_group: Any) -> LocalCommits:
         """Local commits: every node's local_dir is a committed checkpoint (:mod:`ckpt.peers`, imported
@@ -335,6 +354,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            at_exit.untrack(self)
             self._schedule.close()
             self._commit_thread.shutdown(wait=True)
             self._io.shutdown(wait=True)

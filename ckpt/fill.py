@@ -2,10 +2,14 @@
 
 Everything that can be checked before reading data is checked first (keys, shapes, dtypes,
 pickle), so a mismatch costs no I/O and changes nothing. Then every chunk the state needs is read
-once, in parallel, verified and scattered into the destination tensors; a raw chunk that maps onto
-one contiguous piece of one CPU tensor is read straight into that tensor (no second copy). Only
-when every tensor is filled are ``load_state_dict`` calls made and plain values assigned.
-:func:`load_into` runs these steps in order: match, check, destinations, feeds, rebuild, read, apply.
+once, in parallel, verified and scattered into staging memory (``staged``, the default: the
+caller's tensors are written only once every chunk has checked out, so a damaged chunk changes
+nothing), or straight into the caller's CPU tensors (``staged=False``: one copy and the staging
+memory less, but a failure midway leaves a mixture of two steps). A raw chunk that maps onto one
+contiguous piece of a destination is read straight into it. Only when every tensor is filled are
+``load_state_dict`` calls made and plain values assigned.
+:func:`load_into` runs these steps in order: match, check, destinations, stage, feeds, rebuild,
+read, copy back, apply.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +48,10 @@ from .tree import DTYPES
 log = logging.getLogger("ckpt")
 
 RankMap = Callable[[int], int] | dict[int, int] | list[int]
+# Lends staging memory for a load: ``lend(nbytes)`` is a context manager giving a uint8 CPU tensor of
+# at least ``nbytes`` bytes (or None: the load allocates its own), held until the load is done.
+Lend = Callable[[int], AbstractContextManager["torch.Tensor | None"]]
+_ALIGN = 64  # staging offsets: every dtype's alignment, and a cache line
 
 
 @dataclass
@@ -68,14 +77,17 @@ def _shape_str(shape: tuple[int, ...] | list[int]) -> str:
 def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict: bool, allow_pickle: bool,
               io: Executor, rank: int = 0, world: int = 1, rank_map: RankMap | None = None,
               on_change: Callable[[], None] | None = None,
-              before_read: Callable[[set[str]], None] | None = None) -> LoadStats:
+              before_read: Callable[[set[str]], None] | None = None,
+              staged: bool = True, lend: Lend | None = None) -> LoadStats:
     """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
 
     Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
     layout of modules and optimizers, pickles, the values themselves); then the chunks are read,
-    every read finished or cancelled before this returns, and the values put in place. ``on_change``
-    is called just before the state is first changed (so a failure after it means a half-loaded state);
-    ``before_read(chunks)`` before the first chunk is read, with every chunk the reads need."""
+    every read finished or cancelled before this returns, and the values put in place. ``staged``:
+    the reads land in staging memory (``lend``'s, else allocated here) and reach the caller's tensors
+    only once every chunk has checked out. ``on_change`` is called just before the state is first
+    changed (so a failure after it means a half-loaded state); ``before_read(chunks)`` before the
+    first chunk is read, with every chunk the reads need."""
     if _init_optimizers(state, m) and on_change is not None:
         on_change()
     target = flatten(state, for_target=True)
@@ -88,27 +100,32 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
             f"step {m.step} holds pickled objects, and unpickling can run code from the checkpoint. "
             "Load with allow_pickle=True only if you trust its source.")
     dests = _destinations(m, match, target)
-    feeds, strided = _feeds(m, match, dests)
     # The values are rebuilt before any read: unpickling, or a node that cannot be rebuilt, fails now.
     try:
         decoded = st.rebuild(structure, dests.values, allow_pickle=allow_pickle)
     except (TypeError, ValueError, KeyError) as e:
         raise CorruptCheckpointError(f"step {m.step}: its values cannot be rebuilt ({type(e).__name__}: {e})",
                                      object=paths.manifest_key(m.step)) from e
-
-    stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
-    if before_read is not None:
-        before_read(set(feeds))
-    if on_change is not None:
-        on_change()
-    reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()))
-    stats.bytes_read = sum(reads)
-    with torch.no_grad():
-        for local, in_d, stage, rows_shape, in_stage in strided:
-            src = torch.from_numpy(stage).view(local.dtype).view(rows_shape)
-            local[_slices(in_d)].copy_(src[_slices(in_stage)])
-        for t, src in dests.copy_back:
-            t.copy_(src)
+    need = _staging_bytes(dests) if staged else 0
+    with (lend(need) if lend is not None and need else nullcontext()) as lent:
+        if need:
+            _stage(dests, lent if lent is not None else torch.empty(need, dtype=torch.uint8))
+        feeds, strided = _feeds(m, match, dests)
+        stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
+        if before_read is not None:
+            before_read(set(feeds))
+        if on_change is not None and not staged:
+            on_change()
+        reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()))
+        stats.bytes_read = sum(reads)
+        if on_change is not None and staged:
+            on_change()  # every chunk checked out: from here on the state changes
+        with torch.no_grad():
+            for local, in_d, stage, rows_shape, in_stage in strided:
+                src = torch.from_numpy(stage).view(local.dtype).view(rows_shape)
+                local[_slices(in_d)].copy_(src[_slices(in_stage)])
+            for t, src in dests.copy_back:
+                t.copy_(src)
     apply(state, decoded)
     return stats
 
@@ -211,6 +228,7 @@ class _Dests:
     tensors: dict[str, tuple[torch.Tensor, Box]] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    in_place: list[str] = field(default_factory=list)  # saved keys whose destination is the caller's own tensor
 
 
 def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
@@ -243,6 +261,7 @@ def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
         box = ((0,) * len(shape), shape) if owner is not None else leaf.box
         if t.device.type == "cpu" and t.is_contiguous():
             local = t.detach() if t.requires_grad else t
+            out.in_place.append(key)
         else:
             local = torch.empty(tuple(t.shape), dtype=dtype)
             out.copy_back.append((t, local))
@@ -259,6 +278,25 @@ def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
             f"({on_meta[:4]}{' …' if len(on_meta) > 4 else ''}). Materialise the model first, e.g. "
             "model.to_empty(device='cpu'), then load; nothing was changed.")
     return out
+
+
+def _staging_bytes(dests: _Dests) -> int:
+    """Staging memory for the destinations that are the caller's own tensors."""
+    return sum(-(-dests.tensors[k][0].nbytes // _ALIGN) * _ALIGN for k in dests.in_place)
+
+
+def _stage(dests: _Dests, space: torch.Tensor) -> None:
+    """Point every destination that is the caller's own tensor at a stand-in in ``space``, copied
+    back once every chunk has checked out."""
+    pos = 0
+    for key in dests.in_place:
+        t, box = dests.tensors[key]
+        n = t.nbytes
+        stand_in = space[pos : pos + n].view(t.dtype).view(t.shape) if n else torch.empty_like(t)
+        pos += -(-n // _ALIGN) * _ALIGN
+        dests.tensors[key] = (stand_in, box)
+        dests.copy_back.append((t, stand_in))
+    dests.in_place = []
 
 
 Feeds = dict[str, list[tuple[int, int, np.ndarray, int]]]
@@ -340,6 +378,12 @@ def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: 
         if groups != sizes:
             out.append(f"{where} ({type(live).__name__}): the checkpoint has {len(groups)} parameter group(s) of "
                        f"{groups} parameters, the optimizer {len(sizes)} of {sizes}")
+        elif (other := _other_kind(saved, live)) is not None:
+            if strict:
+                out.append(f"{where}: {other}; load it into the optimizer that saved it, or pass strict=False to "
+                           "load it anyway")
+            else:
+                log.warning("ckpt: %s: %s; loading it anyway (strict=False)", where, other)
         return
     if strict and isinstance(live, dict) and live and st.kind(saved) == "dict" and st.kind(target) == "dict":
         saved_keys = {st.path_component(k): (k, v) for k, v in zip(saved["k"], saved["v"])}
@@ -352,6 +396,24 @@ def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: 
         for (c, tv), lv in zip(mine.items(), live.values()):
             if c in saved_keys:
                 _misfits(saved_keys[c][1], tv, lv, f"{where}/{st.preview(json.loads(c), 40)}", strict, out)
+
+
+def _other_kind(saved: Any, live: torch.optim.Optimizer) -> str | None:
+    """How a saved optimizer state differs in kind from ``live`` (its class, and the param_groups
+    keys one has and the other lacks), or None when the same kind saved it."""
+    mine = f"{type(live).__module__}.{type(live).__qualname__}"
+    if saved.get("type") == mine:
+        return None
+    sd = dict(zip(saved["v"]["k"], saved["v"]["v"]))
+    have = {k for g in sd["param_groups"] for k in g["k"] if isinstance(k, str)} - {"params", "param_names"}
+    want = {k for g in live.param_groups for k in g} - {"params", "param_names"}
+    keys = []
+    if want - have:
+        keys.append(f"its param_groups lack {sorted(want - have)[:6]}")
+    if have - want:
+        keys.append(f"have {sorted(have - want)[:6]} the optimizer does not use")
+    return (f"the checkpoint holds the state of a {saved.get('type')} optimizer, this is a {mine}" +
+            (f" ({', '.join(keys)})" if keys else ""))
 
 
 def _param_groups(saved: Any) -> list[int] | None:

@@ -22,7 +22,7 @@ from .errors import (
     NotACheckpointError,
     PartialStateError,
 )
-from .fill import LoadStats, RankMap, load_into
+from .fill import Lend, LoadStats, RankMap, load_into
 from .format import manifest as mf
 from .format import paths
 from .format.planes import trim_scratch
@@ -70,8 +70,10 @@ class Loader:
     the newest older step that loads on every rank is used instead."""
 
     def __init__(self, storage: Storage, comm: Comm, io: Executor, manifests: mf.ManifestCache,
-                 restore: Restore | None = None):
+                 restore: Restore | None = None, *, staged: bool = True, lend: Lend | None = None):
         self.restore = restore
+        self.staged = staged  # reads land in staging memory first: a failed load changes nothing
+        self.lend = lend  # where that memory comes from (the Checkpointer's idle host buffer)
         self.storage = storage
         self.comm = comm
         self.io = io
@@ -182,7 +184,8 @@ class Loader:
         self.storage.reset_tier_counters()
         stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
                           rank=self.comm.rank, world=self.comm.world, rank_map=rank_map,
-                          on_change=lambda: changed.__setitem__(0, True), before_read=before_read)
+                          on_change=lambda: changed.__setitem__(0, True), before_read=before_read,
+                          staged=self.staged, lend=self.lend)
         self.manifests.put(m)
         trim_scratch()  # decoding chains kept chunk-sized buffers per thread: loads are rare
         tiers = self.storage.tier_counters()

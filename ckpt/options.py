@@ -191,10 +191,11 @@ class SnapshotOptions(_Record):
 
 @dataclass(frozen=True)
 class ValueOptions(_Record):
-    """What a save may store and a load expects: ``allow_pickle``, ``strict``."""
+    """What a save may store and a load expects: ``allow_pickle``, ``strict``, ``staged_load``."""
 
     allow_pickle: bool = _option(False, _flag)
     strict: bool = _option(True, _flag)
+    staged_load: bool = _option(True, _flag)
 
 
 _GROUPS: tuple[type[_Record], ...] = (RetentionOptions, EncodingOptions, ScheduleOptions, RedundancyOptions,
@@ -229,7 +230,13 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         instead (default 1.3). Raise it for fewer bytes per save, lower it for faster loads.
     busy: what a save does while the previous one is still writing from the host buffer: ``"wait"``
         for it, or ``"skip"`` this save (logged; the handle says ``skipped``).
-    strict: default for ``load``: refuse keys missing on either side.
+    strict: default for ``load``: refuse keys missing on either side (and, for an optimizer, state
+        saved by another kind of optimizer).
+    staged_load: a load reads and verifies every chunk into staging memory (the idle host buffer
+        when it is large enough, else memory held for the load) before it writes any tensor, so a
+        load that fails changes nothing (default True). ``False`` reads straight into the state's
+        CPU tensors: one copy and that memory less, but a damaged chunk then leaves a mixture of two
+        steps, and saves are refused until a load succeeds (``PartialStateError``).
     allow_pickle: store objects that are not plain values with pickle (off: they are refused).
         Loading such a checkpoint needs ``allow_pickle=True`` too.
     io_threads: threads for hashing, compression and I/O (default: 2 × cores, 8 to 16;
@@ -330,7 +337,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
 
     @property
     def values(self) -> ValueOptions:
-        """``allow_pickle``, ``strict``."""
+        """``allow_pickle``, ``strict``, ``staged_load``."""
         return self._group(ValueOptions)
 
     @property
@@ -377,6 +384,7 @@ class OptionArgs(TypedDict, total=False):
     check_finite: bool | Literal["all"]
     allow_pickle: bool
     strict: bool
+    staged_load: bool
 
 
 def check_storage(storage: Storage | TieredStorage | None, options: Options) -> None:

@@ -1,6 +1,7 @@
 """A script that saves and ends without close(): normally, with an exception, or on Ctrl-C (for
-tests/test_failure.py). The save is still being written when the script ends."""
+tests/test_failure.py), or after close(). The save is still being written when the script ends."""
 
+import logging
 import os
 import signal
 import sys
@@ -10,7 +11,12 @@ import torch
 import ckpt
 
 root, how = sys.argv[1], sys.argv[2]
+logging.basicConfig(level=logging.INFO)  # what each case says at exit is checked too
 state = {"w": torch.arange(16 << 20, dtype=torch.float32)}  # 64 MiB
+if how == "closed":  # nothing in flight at exit: nothing to say
+    with ckpt.Checkpointer(root) as c:
+        c.save(1, {"w": torch.arange(16 << 20, dtype=torch.float32)})
+    sys.exit(0)
 if how == "dropped":  # nobody keeps the Checkpointer: the save must still be finished at exit
     ckpt.Checkpointer(root).save(1, state)
 else:

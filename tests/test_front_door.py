@@ -98,9 +98,31 @@ def _two_steps(ckdir: str) -> dict:
     return {"w": torch.zeros(16 * CHUNK // 4), "step": 0}
 
 
+@pytest.mark.parametrize("mid_run", [False, True])
+def test_a_failed_load_changes_nothing(ckdir, mid_run):
+    """Every chunk is read and checked in staging memory before any tensor is written (mid-run: the
+    idle host buffer is that memory); the state stays as it was and saving goes on."""
+    state = _two_steps(ckdir)
+    state["w"] += 7.0
+    before = state["w"].clone()
+    c = ckpt.Checkpointer(ckdir, chunk_size=CHUNK, io_threads=1)
+    if mid_run:
+        c.save(3, state).wait()  # its host buffer is the load's staging memory; its delta base is gone
+    with pytest.raises(ckpt.CorruptCheckpointError) as e:
+        c.load(2, state)
+    assert "partly overwritten" not in str(e.value)
+    assert torch.equal(state["w"], before) and state["step"] == 0  # not one chunk landed
+    state["w"] += 1.0
+    c.save(4, state).wait()  # no PartialStateError: the state is whole
+    got = {"w": torch.zeros(16 * CHUNK // 4), "step": -1}
+    assert c.load(4, got) == 4 and torch.equal(got["w"], before + 1.0) and got["step"] == 0
+    assert c.load(1, state) == 1 and torch.equal(state["w"], _values(1)) and state["step"] == 1
+    c.close()
+
+
 def test_a_half_loaded_state_is_never_saved_silently(ckdir):
     state = _two_steps(ckdir)
-    c = ckpt.Checkpointer(ckdir, chunk_size=CHUNK, io_threads=1)
+    c = ckpt.Checkpointer(ckdir, chunk_size=CHUNK, io_threads=1, staged_load=False)
     with pytest.raises(ckpt.CorruptCheckpointError, match="partly overwritten") as e:
         c.load(2, state)
     assert str(e.value).startswith("step 2:")  # the error names the step
@@ -114,7 +136,7 @@ def test_a_half_loaded_state_is_never_saved_silently(ckdir):
 
 def test_accept_state_saves_a_half_loaded_state_on_purpose(ckdir):
     state = _two_steps(ckdir)
-    c = ckpt.Checkpointer(ckdir, chunk_size=CHUNK)
+    c = ckpt.Checkpointer(ckdir, chunk_size=CHUNK, io_threads=1, staged_load=False)
     with pytest.raises(ckpt.CorruptCheckpointError):
         c.load("latest", state)
     c.accept_state()
@@ -129,6 +151,37 @@ def test_a_load_refused_by_its_checks_changes_nothing_and_saving_goes_on(ckdir):
         c.load(1, {"w": torch.zeros(3), "step": 0})
     c.save(3, state).wait()  # nothing was changed: no reason to refuse
     c.close()
+
+
+def _adamw_step(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    net = _model(seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return net, opt
+
+
+def test_strict_refuses_another_kind_of_optimizer_before_changing_anything(ckdir, caplog):
+    net, opt = _adamw_step()
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(1, {"model": net, "optim": opt}).wait()
+    net2 = _model(1)
+    sgd = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9)
+    before = [p.clone() for p in net2.parameters()]
+    with pytest.raises(ckpt.StateMismatchError) as e:
+        ckpt.Checkpointer(ckdir).load(1, {"model": net2, "optim": sgd})
+    msg = str(e.value)
+    assert "torch.optim.adamw.AdamW" in msg and "torch.optim.sgd.SGD" in msg and "momentum" in msg
+    assert all(torch.equal(a, b) for a, b in zip(before, net2.parameters()))  # the model was not loaded either
+    assert "momentum" in sgd.param_groups[0] and not sgd.state
+    # the same kind loads; strict=False loads another kind, with a warning naming both
+    adamw = torch.optim.AdamW(net2.parameters())
+    assert ckpt.Checkpointer(ckdir).load(1, {"model": net2, "optim": adamw}) == 1
+    assert adamw.state_dict()["param_groups"][0]["lr"] == 1e-2
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        adam = torch.optim.Adam(net2.parameters())
+        assert ckpt.Checkpointer(ckdir).load(1, {"model": net2, "optim": adam}, strict=False) == 1
+    assert "AdamW optimizer, this is a torch.optim.adam.Adam" in caplog.text
 
 
 def test_the_fallback_hint_is_given_once(ckdir):

@@ -211,14 +211,17 @@ class Reader:
         return out
 
     def load_into(self, state: dict[str, Any], step: Step = None, *, strict: bool = True,
-                  allow_pickle: bool = False, rank: int = 0, world: int = 1) -> int:
+                  allow_pickle: bool = False, rank: int = 0, world: int = 1, staged: bool = True) -> int:
         """Load a committed step (default: the newest) into ``state`` in place, as
         ``Checkpointer.load`` does, every chunk verified, and return the step; as rank ``rank`` of
         ``world`` (default: one process taking everything). No writer, no leases, no process group.
-        ``allow_pickle=True`` unpickles pickled values: only for checkpoints you trust."""
+        ``allow_pickle=True`` unpickles pickled values: only for checkpoints you trust.
+        ``staged=False`` reads straight into the tensors (no staging copy, but a damaged chunk then
+        leaves them half-loaded)."""
         m = self.manifest(step)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read") as io:
-            load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank, world=world)
+            load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank, world=world,
+                      staged=staged)
         return m.step
 
     # -- checks and tools --------------------------------------------------------------------------

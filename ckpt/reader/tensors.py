@@ -17,12 +17,13 @@ from ..tree import DTYPES
 
 
 def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict: bool, allow_pickle: bool,
-              io: Executor, rank: int = 0, world: int = 1) -> Any:
+              io: Executor, rank: int = 0, world: int = 1, staged: bool = True) -> Any:
     """Load manifest ``m`` into ``state`` in place, as rank ``rank`` of ``world``, every chunk verified;
     returns the loader's ``LoadStats``. The only call into ``ckpt.loader`` from the reader."""
     from ..loader import load_into as load  # the loader module imports the commit side: only when reading
 
-    stats = load(storage, m, state, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank, world=world)
+    stats = load(storage, m, state, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank, world=world,
+                 staged=staged)
     trim_scratch()  # decoding delta chains kept chunk-sized buffers per thread: reads are rare
     return stats
 
@@ -36,7 +37,7 @@ def read_tensors(storage: Storage, m: mf.Manifest, entries: list[mf.TensorEntry]
                        structure=st.dict_node(list(names), [st.tensor_node(n) for n in names]),
                        tensors=[mf.TensorEntry(n, e.dtype, list(e.shape), e.shards) for n, e in zip(names, entries)])
     state = {n: torch.empty(tuple(e.shape), dtype=DTYPES[e.dtype]) for n, e in zip(names, entries)}
-    load_into(storage, view, state, strict=True, allow_pickle=False, io=io)
+    load_into(storage, view, state, strict=True, allow_pickle=False, io=io, staged=False)  # fresh tensors: nothing to spare
     return [state[n] for n in names]
 
 
