@@ -19,8 +19,8 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -33,8 +33,8 @@ def test_a_save_in_flight_at_exit_is_committed(tmp_path, how):
         root = str(tmp_path / f"ck{attempt}")
         r = subprocess.run([sys.executable, os.path.join(HERE, "exit_child.py"), root, how], env=child_env(),
                            capture_output=True, text=True, timeout=120)
-        assert r.returncode == {"normal": 0, "dropped": 0, "closed": 0, "exception": 1, "sigint": -signal.SIGINT}[how], \
-            r.stderr
+        codes = {"normal": 0, "dropped": 0, "closed": 0, "exception": 1, "sigint": -signal.SIGINT}
+        assert r.returncode == codes[how], r.stderr
         assert "cannot schedule" not in r.stderr
         if how == "closed":  # closed, nothing in flight: nothing to finish, nothing to say
             assert "interpreter is exiting" not in r.stderr, r.stderr

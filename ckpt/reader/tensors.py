@@ -37,7 +37,8 @@ def read_tensors(storage: Storage, m: mf.Manifest, entries: list[mf.TensorEntry]
                        structure=st.dict_node(list(names), [st.tensor_node(n) for n in names]),
                        tensors=[mf.TensorEntry(n, e.dtype, list(e.shape), e.shards) for n, e in zip(names, entries)])
     state = {n: torch.empty(tuple(e.shape), dtype=DTYPES[e.dtype]) for n, e in zip(names, entries)}
-    load_into(storage, view, state, strict=True, allow_pickle=False, io=io, staged=False)  # fresh tensors: nothing to spare
+    # fresh tensors, nobody else's: no staging needed for a failed read to change nothing
+    load_into(storage, view, state, strict=True, allow_pickle=False, io=io, staged=False)
     return [state[n] for n in names]
 
 
