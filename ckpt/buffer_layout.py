@@ -98,7 +98,10 @@ def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int) -> BufferLayo
         if nbytes == 0:
             slots.append(TensorSlot(key, t.dtype, tuple(t.shape), pos, 0, t.device.type))
             continue
-        start = -(-pos // ALIGN) * ALIGN
+        # Cache-line aligned, but a tensor smaller than a line only to its element (an optimizer's
+        # per-parameter step counters would otherwise pad the buffer by 60 bytes each)
+        align = ALIGN if nbytes >= ALIGN else t.element_size()
+        start = -(-pos // align) * align
         if nbytes >= large:
             close_pack(start)
             for off in range(start, start + nbytes, chunk_size):

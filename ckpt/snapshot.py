@@ -244,13 +244,13 @@ class HostBuffer:
     def __init__(self, layout: BufferLayout, native: bool = True, threads: int | None = None,
                  lock_with: HostBuffer | None = None, shared: bool = False):
         self.layout = layout
+        # Allocated at the layout's exact size, then pinned where it lies (cudaHostRegister):
+        # pin_memory=True would take it from torch's caching host allocator, which rounds every
+        # block up to a power of two (a 40 GiB state would pin 64 GiB, twice that with deltas).
+        self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8)
         if shared:  # for another process to map (DCP's process mode): shared before anything views it
-            self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8).share_memory_()
-            self.pinned = _register_pinned(self, self.buffer)
-        else:
-            pin = torch.cuda.is_available()
-            self.pinned = pin
-            self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            self.buffer = self.buffer.share_memory_()
+        self.pinned = _register_pinned(self, self.buffer)
         self.generation = 0  # snapshots copied in so far
         # A pair of buffers shares one lock: a save holds both (it reads the other as its base)
         # until its chunks are durable. A plain Lock: the thread that takes it (save()) is not the
@@ -383,7 +383,9 @@ def _register_pinned(owner: object, buf: torch.Tensor) -> bool:
     if not torch.cuda.is_available():
         return False
     cudart = torch.cuda.cudart()
-    rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    # cudaHostRegisterPortable (1): pinned for every device's context, not only the current one's
+    # (one buffer takes the copies of all the GPUs this process drives)
+    rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 1)
     if int(rc) != 0:
         log.warning("ckpt: could not pin the %.1f MiB host buffer (cudaHostRegister: %s); device copies into it "
                     "go through plain memory", buf.numel() / 2**20, rc)

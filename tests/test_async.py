@@ -213,3 +213,27 @@ def test_plan_is_reused_and_rebuilt_when_the_structure_changes(ckdir):
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert ckpt.Checkpointer(ckdir).load(0, {"model": torch.nn.Linear(32, 32),
                                               "optim": torch.optim.Adam(fresh_model.parameters())}) == 0
+
+
+def test_host_memory_is_the_state_size_not_a_power_of_two(ckdir):
+    """The snapshot buffer is allocated at the state's size (no allocator rounding, no padding per
+    small tensor): host_bytes ≤ 1.02× the state's bytes, and 2.04× with the delta buffer pair."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(300, 300) for _ in range(6)], torch.nn.LayerNorm(300))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 300)).sum().backward()
+    opt.step()  # per parameter: exp_avg, exp_avg_sq and a 4-byte step counter
+    state = {"model": model, "optim": opt}
+    tensors = [*model.state_dict().values(), *(t for s in opt.state.values() for t in s.values())]
+    nbytes = sum(t.nbytes for t in tensors)
+    assert 4 * 2**20 < nbytes < 7 * 2**20  # far from a power of two: rounding would show
+    with ckpt.Checkpointer(ckdir) as c:
+        first = c.save(1, state).wait()
+        assert nbytes <= first.host_bytes <= 1.02 * nbytes
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        second = c.save(2, state).wait()  # deltas: a second buffer keeps save 1
+        assert c.host_buffers == 2 and second.host_bytes <= 2.04 * nbytes
+    counters = {"steps": [torch.tensor(float(i)) for i in range(4000)], "w": torch.zeros(25_000)}
+    with ckpt.Checkpointer(ckdir + "-small", codec="raw") as c:  # 4,000 scalars: no padding to a cache line each
+        assert c.save(1, counters).wait().host_bytes <= 1.02 * (4000 * 4 + 100_000)
