@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import _log  # noqa: F401  (the logger's name filter, before anything logs)
 from ._version import __version__
 from .errors import (
     CheckpointError,

@@ -76,3 +76,19 @@ def test_a_non_finite_first_save_does_not_promise_a_healthy_step(tmp_path):
             c.save(3, {"w": torch.tensor([float("inf")])}).wait()
     assert "no committed step yet" in str(first.value) and "last healthy" not in str(first.value)
     assert "newest committed step (2) is the last healthy one" in str(later.value)
+
+
+@pytest.mark.parametrize("configured", [True, False])
+def test_log_lines_name_ckpt_once(tmp_path, configured):
+    """Under logging.basicConfig the format names the logger ("WARNING:ckpt:…", never "ckpt:ckpt:");
+    with nothing configured, Python prints the bare message, and ckpt's name is put in front."""
+    import subprocess
+    import sys
+    setup = "import logging; logging.basicConfig()\n" if configured else ""
+    script = setup + (f"import torch, ckpt\nckpt.Checkpointer({str(tmp_path / 'basci')!r}).load('latest', "
+                      "{'w': torch.zeros(1)})\n")
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stderr
+    lines = [line for line in err.splitlines() if "starting fresh" in line]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("WARNING:ckpt:starting fresh" if configured else "ckpt: starting fresh"), err
