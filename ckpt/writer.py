@@ -119,12 +119,31 @@ class Writer:
 
     def _store(self, job: SaveJob, h: str, data: memoryview, base: _BaseRef | None = None, width: int = 1,
                rotate: bool = False, again: bool = False) -> _Put:
-        """Write chunk ``h`` unless it is stored already (``again``: write it whole over whatever is there)."""
+        """Write chunk ``h`` unless it is stored already (``again``: write it whole over whatever is there).
+
+        A new chunk is created, never written over: where another writer (another job in the same
+        root) created it between the probe and the create, its copy stands and is described instead,
+        so every manifest describes the bytes stored under the chunk's key. Only a damaged copy, or
+        one whose chain lost a link, is replaced, and by a whole copy, which every manifest naming
+        the chunk can read whatever it says of it (a whole copy ends a chain)."""
         found, damaged = (None, True) if again else self._probe(job, h, len(data))
+        lost = 0
+        while found is None and not damaged:
+            try:
+                return self._write(job, h, data, base, width, rotate, create=True)
+            except FileExistsError:
+                found, damaged = self._probe(job, h, len(data))
+                lost += 1
+                damaged = damaged or lost >= 3  # created and deleted again each time: replace it whole
         if found is not None:
             with self._lock:
                 self.known[h] = found
             return _Put(h, found, "found")
+        return self._write(job, h, data, None, width, rotate, create=False)
+
+    def _write(self, job: SaveJob, h: str, data: memoryview, base: _BaseRef | None, width: int, rotate: bool,
+               create: bool) -> _Put:
+        """Encode chunk ``h`` and create it (FileExistsError if a copy is there), or write it over one."""
         b = base.resolve(self) if base is not None and base.digest != h else None
         spec = self.codec if job.mode == "encode" else _RAW
         cpu = time.thread_time()
@@ -132,13 +151,14 @@ class Writer:
         cpu = time.thread_time() - cpu
         with self._lock:
             job.encode_cpu_s += cpu
-        stored = self.over(job).write(paths.chunk_key(h), buffers)
+        storage, key = self.over(job), paths.chunk_key(h)
+        stored = storage.create(key, buffers) if create else storage.write(key, buffers)
         info = mf.ChunkInfo(len(data), stored, f"{codec}/1", b.digest if codec == "xor" and b is not None else None)
         with self._lock:
             self.known[h] = info
-            if not damaged:
+            if create:
                 job.created.append(h)  # nothing was stored under this name: this save alone wrote it
-        return _Put(h, info, "written" if damaged else "created")
+        return _Put(h, info, "created" if create else "written")
 
     def _probe(self, job: SaveJob, h: str, size: int, links: int = 0) -> tuple[mf.ChunkInfo | None, bool]:
         """Is chunk ``h`` already stored (by an earlier run)? Read its header to describe it, and for
@@ -205,6 +225,31 @@ class Writer:
                 puts[i] = again[p.hash] = self._store(job, p.hash, buf.view(c.offset, c.length), None, c.width,
                                                       c.rotate, again=True)
 
+    def _adopt_lost(self, job: SaveJob, puts: list[_Put]) -> None:
+        """Chunks whose create the storage finished in the background (a tiered storage's upload) and
+        found another writer's copy in place: that copy stands, in every tier, and is what this
+        save's report describes."""
+        keys = {paths.chunk_key(p.hash): p.hash for p in puts if p.how == "created"}
+        lost = {keys[k] for k in self.over(job).finish_creates(list(keys)) if k in keys}
+        if not lost:
+            return
+        with self._lock:  # not this save's to delete if it fails
+            job.created = [h for h in job.created if h not in lost]
+        adopted: dict[str, _Put] = {}
+        for h in sorted(lost):
+            found = self._probe(job, h, next(p.info.size for p in puts if p.hash == h))[0]
+            if found is None:  # the buffer is released: the next save writes it whole over the damaged copy
+                raise CorruptCheckpointError(
+                    f"step {job.step} was not committed: chunk {h}, stored by another writer into "
+                    f"{self.over(job).describe()} while this save wrote it, is damaged or its delta chain is "
+                    "incomplete. Save again: the next save writes it whole")
+            adopted[h] = _Put(h, found, "found")
+            with self._lock:
+                self.known[h] = found
+        puts[:] = [adopted.get(p.hash, p) for p in puts]
+        log.info("ckpt: %d chunk(s) of step %d were stored by another writer at the same time; the step lists "
+                 "their copies", len(lost), job.step)
+
     def over(self, job: SaveJob) -> Storage:
         """The storage ``job`` runs over."""
         return job.storage if job.storage is not None else self.storage
@@ -254,6 +299,7 @@ class Writer:
             self.over(job).flush()
             if job.on_local is not None:
                 job.on_local()
+            self._adopt_lost(job, puts)
             part = self._report(job, rank, puts)
             self._check_not_committed(job)  # a committed step's rank reports never change
             self.over(job).write(paths.rank_key(job.step, rank), [part.to_json()])
@@ -328,9 +374,10 @@ class Writer:
                storage: Storage | None = None, structure: dict | None = None) -> mf.Manifest:
         """Merge every rank's report into the step manifest and commit it (create-only).
 
-        Two ranks may store the same chunk (same bytes, same name) differently: as deltas of their
-        own bases, or with other byte-plane widths; the copy written last is the one stored. Where
-        their reports disagree, the stored header decides the entry, and the merged table is checked
+        Two ranks may encode the same chunk (same bytes, same name) differently: as deltas of their
+        own bases, or with other byte-plane widths; the copy created first stays and the others
+        list it. Where reports still disagree (a whole copy replaced a damaged one meanwhile), the
+        stored header decides the entry, and the merged table is checked
         (every base listed, chains bounded) before anything is committed. ``storage``: the save's own
         view (default: the writer's storage). ``structure``: the step's structure tree when the front
         end builds it itself (``ckpt.dcp``: from DCP's metadata), instead of the one merged from the

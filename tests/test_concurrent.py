@@ -1,6 +1,8 @@
 """Other processes deleting beside a live writer, with real processes: ``ckpt gc`` in a loop beside a
 training job, and two jobs with retention saving into one root. No save may fail, every committed step
-must verify and hold what its writer saved, and once the writers are gone nothing unreferenced stays."""
+must verify and hold what its writer saved, and once the writers are gone nothing unreferenced stays.
+Two jobs creating the same chunk at once, each encoding it its own way, are staged with a gate
+between one's probe and its create."""
 
 from __future__ import annotations
 
@@ -15,8 +17,12 @@ from concurrent_child import CHUNK, digest
 
 import ckpt
 from ckpt import cli
+from ckpt.format import paths
+from ckpt.format.chunk import HEADER_SIZE, parse_header, verify_object
 from ckpt.reader import Reader, collect
 from ckpt.storage import LocalStorage
+from ckpt.storage.tiered import TieredStorage
+from ckpt.testing import FaultyStorage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -126,3 +132,98 @@ def test_a_marker_still_being_written_is_not_taken_for_a_parked_list(tmp_path):
     c.save(2, {"x": torch.arange(1000.0)}).wait()  # after the commit, retention collects what is parked
     c.close()
     assert os.listdir(os.path.join(root, "retired")) == ["000000000001-bbbbbbbbbbbb.json.tmp-0123456789ab"]
+
+
+# -- two jobs creating one chunk at once ------------------------------------------------------------
+
+def one_chunk_moved() -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-chunk state and the same with a few values changed: saved after the first, it is stored
+    as an XOR delta of it (codec="smallest"); saved first, whole."""
+    before = torch.randn(CHUNK // 4, generator=torch.Generator().manual_seed(11))
+    after = before.clone()
+    after[:8] += 1
+    return before, after
+
+
+def describes_what_is_stored(root: str, step: int) -> None:
+    """The step's entry of every chunk is the stored object's own header (codec, base), and the step
+    loads bit-exactly."""
+    storage = LocalStorage(root)
+    for h, info in ckpt.open(root).manifest(step).chunks.items():
+        hdr = parse_header(storage.read(paths.chunk_key(h), 0, HEADER_SIZE), name=h)
+        assert (info.codec, info.base, info.stored) == (f"{hdr.codec}/1", hdr.base, storage.size(paths.chunk_key(h)))
+
+
+@pytest.mark.parametrize("held", ["delta", "whole"])
+def test_two_jobs_creating_one_chunk_at_once_both_commit_steps_that_load(tmp_path, held):
+    """Job a stores the new chunk as a delta of its previous save, job b (no previous save) whole. One
+    job's create is held between its probe (nothing stored yet) and its write while the other saves:
+    the copy created first stays, and the held job's step lists that copy (and its base), so both
+    steps load and verify on their own. The later write used to replace the first copy, and the step
+    that described the first never loaded again."""
+    root = str(tmp_path / "ck")
+    before, after = one_chunk_moved()
+    disks = {j: FaultyStorage(LocalStorage(root)) for j in "ab"}
+    jobs = {j: ckpt.Checkpointer(root, storage=disks[j], chunk_size=CHUNK, codec="smallest") for j in "ab"}
+    steps = {"a": 3, "b": 2}
+    slow, quick = ("a", "b") if held == "delta" else ("b", "a")
+    gate = None
+    try:
+        jobs["a"].save(1, {"w": before.clone()}).wait()
+        gate = disks[slow].gate("create", key=r"^chunks/")
+        handle = jobs[slow].save(steps[slow], {"w": after.clone()})
+        assert gate.entered.wait(60)  # probed, found nothing, and about to create
+        jobs[quick].save(steps[quick], {"w": after.clone()}).wait()
+        gate.open()
+        handle.wait()
+    finally:
+        if gate is not None:
+            gate.open()
+        for c in jobs.values():
+            c.close()
+    m3 = ckpt.open(root).manifest(3)
+    assert any(i.base is not None for i in m3.chunks.values()) == (held == "whole")  # a's delta stayed, or b's whole
+    for step, state in ((1, before), (2, after), (3, after)):
+        describes_what_is_stored(root, step)
+        got = {"w": torch.zeros(CHUNK // 4)}
+        ckpt.Checkpointer(root).load(step, got)
+        assert torch.equal(got["w"], state)
+    assert cli.main(["verify", root, "--all"]) == 0
+
+
+def test_two_jobs_staging_in_local_tiers_list_the_copy_the_remote_kept(tmp_path):
+    """The same race through local tiers: job a's delta is staged and its upload held while job b
+    uploads the chunk whole. a's create in the remote finds b's copy, which stands: a's local tier gets
+    it too and a's step lists it (the upload used to write over b's copy)."""
+    root = str(tmp_path / "ck")
+    before, after = one_chunk_moved()
+    remote = FaultyStorage(LocalStorage(root))
+    tiers = TieredStorage(LocalStorage(str(tmp_path / "nvme-a")), remote, verify=verify_object)
+    a = ckpt.Checkpointer(root, storage=tiers, chunk_size=CHUNK, codec="smallest")
+    b = ckpt.Checkpointer(root, local_dir=str(tmp_path / "nvme-b"), chunk_size=CHUNK, codec="smallest")
+    gate = None
+    try:
+        a.save(1, {"w": before.clone()}).wait()
+        gate = remote.gate("create", key=r"^chunks/")
+        handle = a.save(3, {"w": after.clone()})
+        assert gate.entered.wait(60)  # staged as a delta; its upload waits
+        b.save(2, {"w": after.clone()}).wait()
+        gate.open()
+        handle.wait()
+    finally:
+        if gate is not None:
+            gate.open()
+        a.close()
+        b.close()
+    for step in (2, 3):
+        describes_what_is_stored(root, step)
+        assert all(i.base is None for i in ckpt.open(root).manifest(step).chunks.values())
+    (x,) = ckpt.open(root).manifest(3).chunks
+    with open(os.path.join(root, paths.chunk_key(x)), "rb") as f, \
+            open(os.path.join(tmp_path, "nvme-a", paths.chunk_key(x)), "rb") as g:
+        assert f.read() == g.read()  # both tiers hold the copy the step describes
+    for step, state in ((1, before), (2, after), (3, after)):
+        got = {"w": torch.zeros(CHUNK // 4)}
+        ckpt.Checkpointer(root).load(step, got)
+        assert torch.equal(got["w"], state)
+    assert cli.main(["verify", root, "--all"]) == 0

@@ -84,10 +84,10 @@ def damaged_load_body(rank: int, world: int, path: str) -> list[str]:
 class KillingStorage(LocalStorage):
     """A disk whose process dies (SIGKILL) on its first chunk write: a rank killed inside write_data."""
 
-    def write(self, key, buffers):
+    def create(self, key, buffers):  # how new chunks are written
         if key.startswith("chunks/"):
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().write(key, buffers)
+        return super().create(key, buffers)
 
 
 def killed_body(rank: int, world: int, path: str) -> str:

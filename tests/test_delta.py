@@ -265,6 +265,42 @@ def test_verify_names_a_damaged_base_and_every_step_and_delta_it_breaks(tmp_path
         ckpt.Checkpointer(root).load(2, {"emb": torch.empty(4096, 64)}, strict=False)
 
 
+def test_verify_checks_each_step_against_its_own_chunk_table(tmp_path, capsys):
+    """A step whose chunk is stored as a delta of a base only other steps list cannot load: verify says
+    so for that step alone, whether another step listing the base sorts before or after it (it once
+    took the base from another step's table and said OK). Such steps are what two jobs racing on one
+    chunk committed before chunk objects were create-only; here they are made by copying in the
+    steps of another root that stored the chunk whole."""
+    from ckpt.reader import Reader
+    from ckpt.reader.verify import verify
+    from ckpt.storage import LocalStorage
+
+    root, other = str(tmp_path / "ck"), str(tmp_path / "other")
+    before = torch.randn(CHUNK // 4, generator=torch.Generator().manual_seed(11))
+    after = before.clone()
+    after[:8] += 1
+    with ckpt.Checkpointer(root, chunk_size=CHUNK, codec="smallest") as c:
+        c.save(1, {"w": before})
+        c.save(3, {"w": after})  # its chunk: a delta of step 1's
+    with ckpt.Checkpointer(other, chunk_size=CHUNK, codec="smallest") as c:
+        c.save(2, {"w": after})  # the same chunk, whole
+        c.save(4, {"w": after})
+    for s in (2, 4):
+        shutil.copytree(os.path.join(other, paths.step_dir(s)), os.path.join(root, paths.step_dir(s)))
+    (x,) = ckpt.open(root).manifest(3).chunks.keys() - ckpt.open(root).manifest(1).chunks.keys()
+    assert ckpt.open(root).manifest(3).chunks[x].base is not None and ckpt.open(root).manifest(4).chunks[x].base is None
+    capsys.readouterr()
+    assert cli.main(["verify", root, "--all", "--json"]) == 1
+    (problem,) = json.loads(capsys.readouterr().out)["problems"]
+    assert problem["chunk"] == x and problem["steps"] == [2, 4] and "do not list" in problem["message"]
+    reader = Reader(LocalStorage(root))
+    assert [p.steps for p in verify(reader, [3, 4]).problems] == [[4]]
+    assert verify(reader, [1, 3]).ok
+    assert cli.main(["verify", root, "--step", "3"]) == 0 and cli.main(["verify", root, "--step", "4"]) == 1
+    with pytest.raises(CorruptCheckpointError, match="which its step does not list"):
+        ckpt.Checkpointer(root).load(4, {"w": torch.empty(CHUNK // 4)})
+
+
 def test_inspect_ls_and_export_understand_deltas(tmp_path, capsys):
     root = str(tmp_path / "ck")
     states = save_run(root, 3)

@@ -93,6 +93,36 @@ def test_commit_is_create_only(backend):
     assert backend.read("steps/000000000002/MANIFEST.json") == b"{}"
 
 
+def test_create_is_create_only_and_the_first_copy_stays(backend):
+    """Chunk objects are created, never written over: two writers' copies of one chunk (the same raw
+    bytes, encoded differently) leave the first. A tiered storage creates in the remote behind its
+    local tier: the second create's copy is replaced in the local tier by the first, and
+    finish_creates names it, so its writer describes the copy that stayed."""
+    key, whole = chunk(200_000, seed=5)
+    h = key.rsplit("/", 1)[-1]
+    _, bufs = encode(memoryview(whole[64:]), h, CodecSpec("zstd"))
+    other = b"".join(bytes(b) for b in bufs)
+    assert other != whole
+    assert backend.create(key, [whole]) == len(whole)
+    assert backend.finish_creates([key]) == set()
+    if isinstance(backend, TieredStorage):
+        backend.create(key, [other])  # staged, then created in the remote: where the first stands
+        assert backend.finish_creates([key]) == {key}
+        assert backend.local.read(key) == whole
+    else:
+        with pytest.raises(FileExistsError):
+            backend.create(key, [other])
+    assert backend.read(key) == whole
+    big = os.urandom(11 * MiB)  # a multipart upload on S3: its completion is the create
+    backend.create("big", [big])
+    with pytest.raises(FileExistsError):
+        backend.create("big", [os.urandom(11 * MiB)])
+    assert backend.read("big") == big
+    s3 = backend.remote if isinstance(backend, TieredStorage) else backend
+    if isinstance(s3, S3Storage):
+        assert s3.multipart_uploads() == []  # the refused upload was aborted
+
+
 def test_mtime_is_recent_or_unknown(backend):
     import time
 

@@ -161,27 +161,35 @@ def trees(chunks: dict[str, mf.ChunkInfo], hashes) -> tuple[list[str], dict[str,
 
 
 def walk(storage: Storage, chunks: dict[str, mf.ChunkInfo], root: str, children: dict[str, list[str]],
-         visit: Callable[[str, int, CorruptCheckpointError | Exception | None], None]) -> None:
+         visit: Callable[[str, int, Exception | None, str | None], None]) -> None:
     """Read and verify ``root`` and every delta made on it, depth first (memory: one raw chunk per
-    level), calling ``visit(hash, bytes read, error or None)`` for each. A delta whose base failed
-    is reported with that failure (it cannot be decoded)."""
+    level), calling ``visit(hash, bytes read, error or None, the base its stored header names or
+    None)`` for each. A delta whose base failed is reported with that failure (it cannot be
+    decoded). A chunk stored as a delta of another base than the one the tree hands it (another
+    writer's copy) is decoded down its own chain, as a load would."""
     stack: list[tuple[str, Base | None, Exception | None]] = [(root, None, None)]
     while stack:
         h, base, inherited = stack.pop()
+        named: str | None = None
+        raw: memoryview | None = None
         if inherited is not None:
             visit(h, 0, CorruptCheckpointError(f"chunk {h} cannot be decoded: its base is damaged ({inherited})",
-                                               object=chunk_key(h), chunk=h))
+                                               object=chunk_key(h), chunk=h), None)
             err: Exception | None = inherited
-            raw = None
         else:
             n = 0
             try:
                 blob = read_object(storage, chunks, h, None)
                 n = len(blob)
-                raw = decode_link(blob, chunks, h, base if base_of(blob, chunks, h) is not None else None)
+                named = base_of(blob, chunks, h)
+                if named is not None and (base is None or base.digest != named):
+                    own, more = resolve(storage, chunks, h, None, blob)
+                    raw, n = memoryview(bytes(own)), n + more  # resolve's bytes are scratch memory
+                else:
+                    raw = decode_link(blob, chunks, h, base if named is not None else None)
                 err = None
             except Exception as e:  # reported per chunk; the walk goes on
                 raw, err = None, e
-            visit(h, n, err)
+            visit(h, n, err, named)
         for c in children.get(h, ()):
             stack.append((c, Base(raw, h) if raw is not None else None, err))

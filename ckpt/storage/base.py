@@ -9,7 +9,7 @@ with the backend's error kept as ``__cause__``.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,7 +35,29 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def write(self, key: str, buffers: Sequence) -> int:
         """Write the concatenation of ``buffers`` to ``key`` durably; the object appears whole or not
-        at all. Returns the number of bytes written."""
+        at all, replacing whatever was there. Returns the number of bytes written. New chunk objects
+        go through :meth:`create`; this replaces one only with a whole (not delta) copy of the same
+        chunk, which every manifest naming it can read."""
+
+    def create(self, key: str, buffers: Sequence) -> int:
+        """Write ``key`` like :meth:`write`, but only if nothing is stored under it: raises
+        ``FileExistsError`` if something is, and leaves that object as it is. Chunk objects are
+        written this way, so a chunk's key always names the bytes the first writer stored, whatever
+        another writer (another job in the same root) encoded at the same moment.
+
+        This default checks, then writes: a backend that can create atomically overrides it; here
+        two writers between the check and the write both write, the last one's object staying."""
+        if self.exists(key):
+            raise FileExistsError(f"{self.describe()}/{key}")
+        return self.write(key, buffers)
+
+    def finish_creates(self, keys: Collection[str]) -> set[str]:
+        """Wait until the creates of ``keys`` (earlier :meth:`create` calls that returned) are done
+        everywhere this storage writes them, and return those that found another writer's object
+        already there: that object stands (in every tier), so the caller describes it instead of
+        its own. A storage whose creates finish inside :meth:`create` has nothing to wait for; a
+        tiered one uploads in the background. Raises what a background write raised."""
+        return set()
 
     @abc.abstractmethod
     def commit(self, key: str, data: bytes) -> None:

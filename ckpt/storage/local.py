@@ -92,22 +92,33 @@ class LocalStorage(Storage):
             self._dirty_dirs.add(os.path.dirname(path))
         return total
 
-    def commit(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        self.flush()  # everything written before must be durable before the commit point exists
-        tmp, _ = self._write_tmp(path, [data])
+    def _link_new(self, path: str, buffers: Sequence, what: str) -> int:
+        tmp, total = self._write_tmp(path, buffers)
         try:
             # link() is atomic and fails if the target exists: create-only, unlike rename().
             os.link(tmp, path)
         except FileExistsError:
             raise
         except OSError as e:
-            raise StorageError(f"committing {path} failed: {e}") from e
+            raise StorageError(f"{what} {path} failed: {e}") from e
         finally:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+        return total
+
+    def create(self, key: str, buffers: Sequence) -> int:
+        path = self._path(key)
+        total = self._link_new(path, buffers, "creating")
+        with self._lock:
+            self._dirty_dirs.add(os.path.dirname(path))
+        return total
+
+    def commit(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        self.flush()  # everything written before must be durable before the commit point exists
+        self._link_new(path, [data], "committing")
         try:
             _fsync_dir(os.path.dirname(path))
         except OSError as e:

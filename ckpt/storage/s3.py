@@ -8,9 +8,10 @@ On top of the generic fsspec backend this adds:
   holds: a server that went away turns into :class:`~ckpt.errors.StorageError` in bounded time.
 * **Parallel multipart uploads** for objects of at least ``multipart_threshold`` bytes, parts sent
   by ``upload_concurrency`` threads; a failed upload is aborted, so no orphan parts stay billed.
-* **Create-only commit.** One PUT of the whole manifest with ``If-None-Match: *`` after a HEAD: on a
-  server that honours the header (AWS S3, moto) two committers cannot both win; on one that ignores it
-  (rclone's ``serve s3`` at the time of writing) it degrades to check-then-put.
+* **Create-only commit and chunks.** One PUT of the whole manifest with ``If-None-Match: *`` after a
+  HEAD: on a server that honours the header (AWS S3, moto) two committers cannot both win; on one that
+  ignores it (rclone's ``serve s3`` at the time of writing) it degrades to check-then-put. New chunk
+  objects are created the same way (``create``; a HEAD first only where the server ignores the header).
   :meth:`S3Storage.conditional_writes` probes which one a server is.
 * **No listing on the commit path**: ``exists``/``size`` are HEAD requests, never fsspec's
   listing cache (which is also disabled).
@@ -80,6 +81,12 @@ def is_retryable(e: BaseException) -> bool:
     return False
 
 
+def _lost_race(e: BaseException) -> bool:
+    """A conditional write refused because another writer's object is there (or being written)."""
+    code, status = _status(e)
+    return status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict")
+
+
 def _status(e: BaseException) -> tuple[str, int]:
     ce = _client_error(e)
     if ce is None:
@@ -124,6 +131,7 @@ class S3Storage(FsspecStorage):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self._parts = ThreadPoolExecutor(self.upload_concurrency, thread_name_prefix="ckpt-s3-part")
         self._conditional: bool | None = None
+        self._probing = threading.Lock()  # the first creates, from many threads, wait for one probe
         self._lock = threading.Lock()
         self._gave_up_at: float | None = None  # when a request last gave up on the server (monotonic)
         self.counters = {"retries": 0, "multipart": 0, "aborted": 0}
@@ -183,20 +191,37 @@ class S3Storage(FsspecStorage):
 
     # -- the surface ----------------------------------------------------------------------------
     def write(self, key: str, buffers: Sequence) -> int:
+        return self._put(key, buffers, {})
+
+    def create(self, key: str, buffers: Sequence) -> int:
+        """One PUT (or the completion of a multipart upload) with ``If-None-Match: *``: on a server
+        that honours it the first writer's object stays and the others get ``FileExistsError``. On
+        one that ignores it (:meth:`conditional_writes`, asked once) a HEAD comes first, and two
+        writers between the HEAD and the PUT both write, the last one's object staying."""
+        if not self.conditional_writes() and self.exists(key):
+            raise FileExistsError(f"{self.url}/{key}")
+        try:
+            return self._put(key, buffers, {"IfNoneMatch": "*"})
+        except StorageError as e:
+            if _lost_race(e):
+                raise FileExistsError(f"{self.url}/{key}") from None
+            raise
+
+    def _put(self, key: str, buffers: Sequence, cond: dict) -> int:
         views = [memoryview(b).cast("B") for b in buffers]
         total = sum(len(v) for v in views)
         try:
             if total >= self.multipart_threshold and total > self.part_size:
-                self._multipart(key, views, total)
+                self._multipart(key, views, total, cond)
             else:
                 body = b"".join(views)
-                self._call("writing", key, "put_object", Bucket=self.bucket, Key=self._s3key(key), Body=body)
+                self._call("writing", key, "put_object", Bucket=self.bucket, Key=self._s3key(key), Body=body, **cond)
         except Exception as e:
             err = self._wrap("writing", key, e)
             raise err from e
         return total
 
-    def _multipart(self, key: str, views: list[memoryview], total: int) -> None:
+    def _multipart(self, key: str, views: list[memoryview], total: int, cond: dict) -> None:
         data = views[0] if len(views) == 1 else memoryview(b"".join(views))
         n = max(1, total // self.part_size)
         size = -(-total // n)  # even parts of part_size to 2 × part_size: every one above S3's 5 MiB minimum
@@ -223,7 +248,7 @@ class S3Storage(FsspecStorage):
             if first is not None:
                 raise first
             self._call("completing multipart upload of", key, "complete_multipart_upload", Bucket=self.bucket,
-                       Key=s3key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+                       Key=s3key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **cond)
         except Exception:
             self._abort(key, s3key, upload_id)
             raise
@@ -246,8 +271,7 @@ class S3Storage(FsspecStorage):
             self._call("committing", key, "put_object", Bucket=self.bucket, Key=self._s3key(key), Body=bytes(data),
                        IfNoneMatch="*")
         except Exception as e:
-            code, status = _status(e)
-            if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+            if _lost_race(e):
                 raise FileExistsError(f"{self.url}/{key}") from None
             raise self._wrap("committing", key, e) from e
 
@@ -319,21 +343,25 @@ class S3Storage(FsspecStorage):
     def conditional_writes(self) -> bool:
         """Does the server honour ``If-None-Match: *`` (true create-only)? Probed once, with a
         throwaway object under the prefix."""
-        if self._conditional is None:
-            key = f".ckpt-probe-{uuid.uuid4().hex[:12]}"
-            kw = {"Bucket": self.bucket, "Key": self._s3key(key), "Body": b"probe", "IfNoneMatch": "*"}
-            try:
-                self._call("probing", key, "put_object", **kw)
+        with self._probing:
+            if self._conditional is None:
+                self._conditional = self._probe_conditional()
+            return self._conditional
+
+    def _probe_conditional(self) -> bool:
+        key = f".ckpt-probe-{uuid.uuid4().hex[:12]}"
+        kw = {"Bucket": self.bucket, "Key": self._s3key(key), "Body": b"probe", "IfNoneMatch": "*"}
+        try:
+            for second in (False, True):
                 try:
                     self._call("probing", key, "put_object", **kw)
-                    self._conditional = False
                 except Exception as e:
-                    self._conditional = _status(e)[1] == 412 or _status(e)[0] == "PreconditionFailed"
-                    if not self._conditional:
-                        raise
-            finally:
-                self.delete(key)
-        return self._conditional
+                    if second and _lost_race(e):
+                        return True
+                    raise self._wrap("probing", key, e) from e
+            return False  # the second PUT replaced the first
+        finally:
+            self.delete(key)
 
     def root_state(self) -> RootState:
         """As for any fsspec URL, but a bucket that does not exist is an error, not a new run."""

@@ -11,6 +11,11 @@ truth: a step exists when its MANIFEST.json exists there.
   chunk it names.
 * ``exists(chunk)`` answers for the durable tier; a chunk only staged locally (its earlier upload
   failed) is uploaded then, so dedup never commits a manifest naming a chunk the remote lacks.
+* A new chunk (``create``) is created in the remote (create-only) by its upload. Where another
+  writer's copy got there first (another job saving into the same root), that copy stands and
+  replaces the staged one in the local tier, and ``finish_creates`` (which waits for the uploads)
+  names the key: the writer then describes that copy, never its own. The tiers hold the same bytes
+  under a chunk's key.
 * Reading a chunk tries the local copy and checks it with the ``verify`` function it was given (the
   chunk format is the codec's business, not the storage's); a copy that fails is ignored, reported
   (``tier_counters().local_rejected``, a warning) and read from the remote instead.
@@ -21,10 +26,10 @@ of its own), each save runs over its own :class:`SaveView` (``view(persist)``, c
 job; nothing on this shared object changes): ``persist`` says whether it is uploaded. Local-only,
 writes, ``exists``, ``head`` and ``commit`` concern the local tier alone; uploaded, a chunk counts as
 stored (``exists``, ``head``) only when both tiers have it: one only the local tier has is uploaded
-then (the heal path of failed uploads), one only the remote has is written again, into the local
-tier alone. So every step a tier commits names chunks that tier holds, and an uploaded one chunks
-the remote holds. Outside a save both tiers are read (the local first for chunks); a step file the
-remote lacks is read from the local tier (a step committed only there).
+then (the heal path of failed uploads), one only the remote has is copied into the local tier. So
+every step a tier commits names chunks that tier holds, and an uploaded one chunks the remote holds.
+Outside a save both tiers are read (the local first for chunks); a step file the remote lacks is read
+from the local tier (a step committed only there).
 
 ``hold(key, data)`` puts a verified chunk in front of both tiers, in memory: a load whose chunks came
 from peers (or were rebuilt from parity) reads them from there, while the local tier is healed
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import CheckpointError, StorageError
@@ -71,6 +76,7 @@ class TieredStorage(Storage):
         self._counters = TierCounters()
         self._failed: str | None = None  # the first upload failure since the last drain
         self._held: dict[str, memoryview] = {}  # verified chunks in memory, read before either tier
+        self._lost: set[str] = set()  # chunks created where another writer's object stood (see finish_creates)
 
     def view(self, persist: bool) -> Storage:
         """One save's storage (local commits): ``persist`` is whether it is uploaded."""
@@ -106,19 +112,46 @@ class TieredStorage(Storage):
             self._counters = TierCounters()
 
     # -- writing --------------------------------------------------------------------------------
-    def _upload(self, key: str) -> None:
+    def _upload(self, key: str, create: bool = False) -> None:
         failed = self._failed
         if failed is not None:  # an upload already failed: the rest would only wait out their own retries
             raise _NotUploaded(f"not uploading {key}: an earlier upload to {self.remote.describe()} failed "
                                f"({failed})")
         try:
             data = self.local.read(key)
-            self.remote.write(key, [data])
+            if create:
+                try:
+                    self.remote.create(key, [data])
+                except FileExistsError:
+                    if self._take_remote(key):
+                        with self._lock:
+                            self._lost.add(key)
+                        return
+                    self.remote.write(key, [data])  # what stood there is damaged: no manifest can use it
+            else:
+                self.remote.write(key, [data])
         except BaseException as e:
             self._failed = self._failed or f"{type(e).__name__}: {e}"
             raise
         with self._lock:
             self._counters.uploaded += 1
+
+    def _take_remote(self, key: str) -> bool:
+        """Another writer's copy of chunk ``key`` is in the remote, and it stands: put the same bytes
+        in the local tier, so both tiers hold what one manifest entry describes. False (the local
+        tier unchanged) if the remote copy is gone again or fails its check."""
+        try:
+            blob = self.remote.read(key)
+        except FileNotFoundError:
+            return False
+        try:
+            self._verify(key, [memoryview(blob)])
+        except CheckpointError as e:
+            log.warning("ckpt: the copy of %s in %s is damaged (%s); writing this one over it", key,
+                        self.remote.describe(), e)
+            return False
+        self.local.write(key, [blob])
+        return True
 
     def write(self, key: str, buffers: Sequence) -> int:
         if not is_chunk_key(key):
@@ -132,6 +165,24 @@ class TieredStorage(Storage):
         with self._lock:
             self._pending.append(self._uploads.submit(self._upload, key))
         return n
+
+    def create(self, key: str, buffers: Sequence) -> int:
+        """A chunk is staged (the local tier holds what the remote does, or nothing good) and created
+        in the remote behind it; where another writer's copy is there first, that copy is put in the
+        local tier too, and :meth:`finish_creates` names the key."""
+        if not is_chunk_key(key):
+            return super().create(key, buffers)
+        n = self.local.write(key, buffers)
+        with self._lock:
+            self._pending.append(self._uploads.submit(self._upload, key, True))
+        return n
+
+    def finish_creates(self, keys: Collection[str]) -> set[str]:
+        self.drain()
+        with self._lock:
+            lost = self._lost.intersection(keys)
+            self._lost -= lost
+        return lost
 
     def flush(self) -> None:
         """The local tier is durable (directory entries fsynced); uploads may still be running."""
@@ -293,22 +344,23 @@ class TieredStorage(Storage):
         return self.read(key, 0, n)
 
     def exists(self, key: str) -> bool:
-        return self.stored(key, set())
+        return self.stored(key)
 
-    def stored(self, key: str, remote_only: set[str]) -> bool:
-        """Whether ``key`` is stored, for an uploaded save; with local commits a chunk only the remote
-        has is not (it goes into ``remote_only``: the save writes it into the local tier alone)."""
+    def stored(self, key: str) -> bool:
+        """Whether ``key`` is stored, for an uploaded save. With local commits a chunk counts only when
+        both tiers hold it: one only the remote has is copied into the local tier first (the same
+        bytes: a copy encoded anew could be another delta than the one the remote's manifests name)."""
         if self.remote.exists(key):
             if self.local_commits and is_chunk_key(key) and not self.local.exists(key):
-                # the local tier is a checkpoint too, and lacks it (a run restarted from the checkpoint
-                # path): the writer writes it, into the local tier only
-                remote_only.add(key)
-                return False
+                return self._take_remote(key)  # the local tier is a checkpoint too, and lacks it
             return True
         if is_chunk_key(key) and self.local.exists(key):
             blob = self.local.read(key)
             if self._local_ok(key, blob):  # staged but never uploaded (an earlier failed save): heal
-                self.remote.write(key, [blob])
+                try:
+                    self.remote.create(key, [blob])
+                except FileExistsError:  # another writer's went up meanwhile: it stands, in both tiers
+                    return self._take_remote(key)
                 return True
         return False
 
@@ -344,18 +396,19 @@ class SaveView(Storage):
         self.tiers = tiers
         self.persist = persist
         self.url = tiers.url
-        self._remote_only: set[str] = set()  # chunks the remote has and the local tier lacks
-        self._lock = threading.Lock()
 
     def write(self, key: str, buffers: Sequence) -> int:
         if not self.persist:
             return self.tiers.local.write(key, buffers)
-        with self._lock:
-            uploaded = key in self._remote_only
-            self._remote_only.discard(key)
-        if uploaded:  # see stored(): only the local tier lacked it
-            return self.tiers.local.write(key, buffers)
         return self.tiers.write(key, buffers)
+
+    def create(self, key: str, buffers: Sequence) -> int:
+        if not self.persist:
+            return self.tiers.local.create(key, buffers)
+        return self.tiers.create(key, buffers)
+
+    def finish_creates(self, keys: Collection[str]) -> set[str]:
+        return self.tiers.finish_creates(keys) if self.persist else set()
 
     def commit(self, key: str, data: bytes) -> None:
         if not self.persist:
@@ -366,12 +419,7 @@ class SaveView(Storage):
     def exists(self, key: str) -> bool:
         if not self.persist:
             return self.tiers.local.exists(key)
-        found: set[str] = set()
-        ok = self.tiers.stored(key, found)
-        if found:
-            with self._lock:
-                self._remote_only |= found
-        return ok
+        return self.tiers.stored(key)
 
     def head(self, key: str, n: int) -> Blob:
         if is_chunk_key(key):

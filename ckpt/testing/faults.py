@@ -9,6 +9,9 @@ break, instead of monkeypatching a backend class for the whole process.
     ...
     assert disk.calls["write"] == 7 and disk.failed["commit"] == 1
 
+A rule or gate naming ``write`` also matches ``create`` (a create-only write: how new chunk objects
+are written), so ``"write"`` means any write of an object; name ``create`` alone to match only those.
+
 Every call is counted (``calls``: per operation; ``log``: (operation, key) in order), whether or not
 a rule fired. A rule counts only the calls it matches (its operations and key pattern), so ``nth=2``
 with ``key=r"^chunks/"`` means the second chunk write, whatever else was written in between. The
@@ -23,7 +26,7 @@ import errno
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +34,7 @@ from ..errors import StorageError
 from ..storage.base import Blob, RootState, Storage, TierCounters
 
 # The operations a rule can name; "key" is the key or prefix, "" for the calls that take none.
-OPERATIONS = ("write", "commit", "read", "readv", "read_object", "head", "exists", "size", "mtime", "list",
+OPERATIONS = ("write", "create", "commit", "read", "readv", "read_object", "head", "exists", "size", "mtime", "list",
               "delete", "root_state", "remove_root", "flush", "close")
 
 ErrorSpec = BaseException | type[BaseException] | Callable[[str, str], BaseException] | None
@@ -71,7 +74,8 @@ class Rule:
         self._pattern = re.compile(self.key) if self.key is not None else None
 
     def matches(self, op: str, key: str) -> bool:
-        return (not self.ops or op in self.ops) and (self._pattern is None or bool(self._pattern.search(key)))
+        named = not self.ops or op in self.ops or (op == "create" and "write" in self.ops)
+        return named and (self._pattern is None or bool(self._pattern.search(key)))
 
     def should_fire(self, free: bool = True) -> bool:
         """Called once per matching call, under the storage's lock: counts it and says whether it fails
@@ -186,6 +190,10 @@ class FaultyStorage(Storage):
         self._enter("write", key)
         return self.inner.write(key, buffers)
 
+    def create(self, key: str, buffers: Sequence) -> int:
+        self._enter("create", key)
+        return self.inner.create(key, buffers)
+
     def commit(self, key: str, data: bytes) -> None:
         self._enter("commit", key)
         self.inner.commit(key, data)
@@ -243,6 +251,9 @@ class FaultyStorage(Storage):
         self.inner.close()
 
     # -- passed through untouched ----------------------------------------------------------------------------
+    def finish_creates(self, keys: Collection[str]) -> set[str]:
+        return self.inner.finish_creates(keys)
+
     def describe(self) -> str:
         return self.inner.describe()
 
