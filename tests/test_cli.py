@@ -597,26 +597,121 @@ def test_usage_errors_exit_2_and_help_documents_exit_codes(ckdir, run, capsys):
     assert run("diff", ckdir, 1, 7)[0] == 1  # a step that does not exist
 
 
-def test_tables_fit_the_terminal(ckdir, monkeypatch):
-    """Long keys are folded inside their column: no line is wider than the terminal."""
-    long = "model/" + "layers.0.attention.query_key_value." * 3
-    a = {long + "weight": torch.zeros(40_000), long + "bias": torch.zeros(10), "lr": 0.1}
-    b = {long + "weight": torch.ones(40_000), long + "bias": torch.zeros(10), "lr": 0.2}
-    with ckpt.Checkpointer(ckdir) as c:
-        c.save(1, a)
-        c.save(2, b)
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
 
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-    for width in (60, 100):
-        monkeypatch.setenv("COLUMNS", str(width))
-        for args in (["ls", ckdir], ["inspect", ckdir], ["diff", ckdir, "1", "2", "--max-diff"],
-                     ["verify", ckdir, "--all"]):
-            tty = Tty()
-            monkeypatch.setattr(sys, "stdout", tty)
-            assert cli.main(args) == 0
-            monkeypatch.undo()
-            monkeypatch.setenv("COLUMNS", str(width))
-            lines = tty.getvalue().splitlines()
-            assert lines and max(len(line) for line in lines) <= width, (args, width)
+
+def on_terminal(monkeypatch, width: int, *args) -> tuple[int, list[str]]:
+    """cli.main(args) with stdout a terminal ``width`` columns wide: (exit code, lines)."""
+    tty = Tty()
+    with monkeypatch.context() as m:
+        m.setenv("COLUMNS", str(width))
+        m.setattr(sys, "stdout", tty)
+        rc = cli.main([str(a) for a in args])
+    return rc, tty.getvalue().splitlines()
+
+
+def tables(lines: list[str]) -> list[list[str]]:
+    """The rows of each table drawn on a terminal: the lines under its rule, up to a blank line, a
+    note or gc's summary."""
+    out, rows = [], None
+    for line in lines + [""]:
+        if line and set(line) == {"─"}:
+            rows = []
+        elif rows is not None and (not line.strip() or line.startswith(("(", "would remove:"))):
+            out.append(rows)
+            rows = None
+        elif rows is not None:
+            rows.append(line)
+    return out
+
+
+LONG = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 11) for p in "qkvo"]
+
+
+def test_tables_fit_the_terminal_one_line_a_row(ckdir, tmp_path, monkeypatch, capsys):
+    """At 80 columns and at 200 no line is wider than the terminal and no row folds onto a second
+    line: long keys are cut in the middle (kept distinct), sizes and times get short forms,
+    columns are hidden as needed and the note says so; --json keeps every key whole."""
+    from rich.cells import cell_len
+
+    with ckpt.Checkpointer(ckdir, chunk_size=CHUNK) as c:
+        for s in (1, 2):
+            c.save(s, {"model": {k: torch.full((64, 64), float(s + i)) for i, k in enumerate(LONG)},
+                       "lr": 0.1 * s, "note": "x" * 150 + str(s)}).wait()
+    _orphan(ckdir, 1)
+    stray = os.path.join(ckdir, "chunks", "ab", "ab" * 32 + ".tmp-0123456789ab")
+    os.makedirs(os.path.dirname(stray), exist_ok=True)
+    open(stray, "wb").close()
+    keys = ["model/" + k for k in LONG]
+
+    def json_of(*args):
+        assert cli.main([str(a) for a in args] + ["--json"]) in (0, 1)
+        return json.loads(capsys.readouterr().out)
+    ins, diff, gc = json_of("inspect", ckdir), json_of("diff", ckdir, 1, 2), json_of("gc", ckdir, "--dry-run",
+                                                                                      "--grace", 0)
+    assert [t["key"] for t in ins["detail"]["tensors"]] == keys  # --json: every key whole
+    expected = {("ls",): [2], ("inspect",): [len(keys)], ("diff", 1, 2, "--max-diff"): [len(keys), 2],
+                ("gc", "--dry-run", "--grace", 0): [len(gc["would_remove"])]}
+    assert len(diff["tensors"]) == len(keys) and expected[("gc", "--dry-run", "--grace", 0)] == [2]
+
+    for width in (80, 200):
+        for cmd, counts in expected.items():
+            rc, lines = on_terminal(monkeypatch, width, cmd[0], ckdir, *cmd[1:])
+            assert rc == 0 and lines, (cmd, width)
+            assert max(map(cell_len, lines)) <= width, (cmd, width, lines)
+            # one line a row: each table has exactly its rows
+            assert [len(t) for t in tables(lines)] == counts, (cmd, width, lines)
+        rc, lines = on_terminal(monkeypatch, width, "inspect", ckdir)
+        rows = tables(lines)[0]
+        names = [r.split()[0] for r in rows]
+        assert len(set(names)) == len(keys)  # shortened or not, every key still distinct
+        if width == 200:
+            assert names == keys and all("…" not in line for line in lines[:-3])
+        else:
+            assert all("…" in n for n in names) and "model/model.layers.11" in " ".join(names)
+            assert "(hidden: kind, shards, reused, base, chain; names cut with …; --json has it all)" in lines
+        rc, lines = on_terminal(monkeypatch, width, "ls", ckdir)
+        created = json_of("ls", ckdir)["steps"][0]["created"]  # 2024-06-01T12:34:56Z
+        assert (created in lines[-2]) == (width == 200) and created[:10] in lines[-2]
+
+
+def test_shortened_names_stay_distinct_and_are_cut_at_separators():
+    from ckpt.console import layout
+
+    keys = [k.replace("model.", "model/", 1) for k in LONG]  # model/layers.11.self_attn.q_proj.weight
+    lay = layout(["key", "n"], [[k, 1] for k in keys], {1}, {0: "middle"}, (), 33)
+    names = [line.split()[0] for line in lay.lines[2:]]
+    assert lay.shortened and all(len(n) <= 30 for n in names) and len(set(names)) == len(keys)
+    assert "model/layers.11….q_proj.weight" in names and "model/layers.0.….q_proj.weight" in names
+    # These need 34 cells to stay distinct (the layer and the projection): a column is hidden for it.
+    keys = ["model/" + k for k in LONG]
+    lay = layout(["key", "kind", "n"], [[k, "tensor", 1] for k in keys], {2}, {0: "middle"}, [1], 40)
+    names = [line.split()[0] for line in lay.lines[2:]]
+    assert lay.hidden == [1] and len(set(names)) == len(keys) and max(map(len, lay.lines)) <= 40
+    # Narrower still: the columns that may go are hidden and names shortened below KEEP.
+    lay = layout(["key", "a", "b"], [["x" * 50, "y" * 30, "z"]], frozenset(), {0: "end"}, [1], 20)
+    assert lay.hidden == [1] and lay.lines[2] == "x" * 16 + "…  z"
+
+
+def _help(monkeypatch, capsys, width: int, *args) -> list[str]:
+    monkeypatch.setenv("COLUMNS", str(width))
+    with pytest.raises(SystemExit) as e:
+        cli.main([*args, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_help_wraps_to_the_terminal_without_breaking_words(monkeypatch, capsys):
+    commands = list(cli.build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    assert {"ls", "inspect", "verify", "diff", "gc", "export", "import", "chaos"} <= set(commands)
+    for args in [()] + [(c,) for c in commands]:
+        narrow = _help(monkeypatch, capsys, 80, *args)
+        assert max(map(len, narrow)) <= 80, (args, [line for line in narrow if len(line) > 80])
+        wide = _help(monkeypatch, capsys, 1000, *args)
+        # the same words, only the line breaks moved: no word was cut in two (nor at a hyphen)
+        assert sorted(" ".join(narrow).split()) == sorted(" ".join(wide).split()), args
+    text = "\n".join(_help(monkeypatch, capsys, 80, "chaos"))
+    assert "exit codes:" in text and "  1  the checkpoint is missing" in text
+
