@@ -715,3 +715,82 @@ def test_help_wraps_to_the_terminal_without_breaking_words(monkeypatch, capsys):
     text = "\n".join(_help(monkeypatch, capsys, 80, "chaos"))
     assert "exit codes:" in text and "  1  the checkpoint is missing" in text
 
+
+# -- export: where it cannot write, and ranks that were not saved ----------------------------------------
+
+def unwritable_dir(tmp_path) -> str:
+    """A directory this process cannot create files in: a read-only one, or (as root, whom file
+    modes do not stop) sysfs, which refuses new files to everyone."""
+    d = tmp_path / "read-only"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        (d / "probe").touch()
+    except OSError:
+        return str(d)
+    (d / "probe").unlink()
+    try:
+        open("/sys/ckpt-probe", "wb").close()
+    except OSError:
+        return "/sys"
+    pytest.skip("no directory here refuses this process's writes")
+
+
+EXPORTS = [("model.safetensors",), ("model.pt",), ("hf", "--format", "hf"), ("dcp", "--format", "dcp")]
+
+
+def test_export_where_it_cannot_write_is_a_clear_error_exit_1(ckdir, run, tmp_path):
+    save_steps(ckdir, steps=(1,))
+    where = unwritable_dir(tmp_path)
+    for name, *fmt in EXPORTS:
+        to = os.path.join(where, name)
+        rc, out, err = run("export", ckdir, "--to", to, *fmt)
+        assert rc == 1 and out == "" and "Traceback" not in err, (name, err)
+        assert err.startswith("ckpt: error: cannot ") and to in err, err
+        assert not os.path.exists(to)
+
+
+FULL_DISK = """
+import json, os, sys
+from ckpt import cli
+for args in json.loads(sys.argv[1]):
+    rc = cli.main(args)
+    print(json.dumps({"rc": rc}), flush=True)
+"""
+
+
+def test_export_onto_a_full_disk_is_a_clear_error_and_leaves_nothing(ckdir, tmp_path):
+    """A disk that fills up mid-write, as the file size limit makes one (EFBIG instead of ENOSPC,
+    from the same write calls): each format says which file failed and what to check, exits 1,
+    and leaves no partial file behind."""
+    resource = pytest.importorskip("resource")
+    import signal
+
+    save_steps(ckdir, steps=(1,))  # a 320 KiB export
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = [["export", ckdir, "--to", str(out / name), *fmt] for name, *fmt in EXPORTS]
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * KiB, 64 * KiB))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", FULL_DISK, json.dumps(runs)], capture_output=True, text=True,
+                       env=env, timeout=300, preexec_fn=small_disk, check=False)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert [json.loads(line)["rc"] for line in p.stdout.splitlines()] == [1] * len(EXPORTS), p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("ckpt: error:")]
+    assert len(errors) == len(EXPORTS)
+    for (name, *_), err in zip(EXPORTS, errors):
+        assert f"cannot write {out / name}: " in err and "is writable and has 0.3 MiB free" in err, err
+        assert "enforce fail" not in err and "inline_container" not in err
+    assert os.listdir(out) == []  # no partial file, no staging directory
+
+
+def test_export_refuses_a_rank_that_was_not_saved(ckdir, run, tmp_path):
+    save_steps(ckdir, steps=(1,))  # one rank, no per-rank state: a wrong --rank used to pass unnoticed
+    for rank in (5, -5, 1):
+        rc, _, err = run("export", ckdir, "--to", tmp_path / "m.safetensors", "--rank", rank)
+        assert rc == 2 and f"rank {rank} is out of range: step 1 was saved on rank 0 only" in err
+    assert os.listdir(tmp_path) == ["ck"]
+    assert run("export", ckdir, "--to", tmp_path / "m.safetensors", "--rank", 0)[0] == 0
