@@ -153,6 +153,8 @@ def writing(path: str, nbytes: int, folder: str | None = None) -> Iterator[None]
         text = str(cause).strip()
         reason = re.sub(r"\[enforce fail at [^]]*\]\s*\.?\s*", "", text.splitlines()[0] if text
                         else type(cause).__name__)
+        if reason.startswith("unexpected pos"):  # torch.save's zip writer: a write came out short
+            reason = f"a write came out short ({reason})"
         where = folder or os.path.dirname(os.path.abspath(path))
         raise StorageError(f"cannot write {path}: {reason}. Check that {where} is writable and has "
                            f"{nbytes / 2**20:.1f} MiB free") from e
