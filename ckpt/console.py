@@ -1,5 +1,6 @@
-"""How the ``ckpt`` command line draws its results: tables (rich on a terminal, as wide as it is;
-tab-separated with exact byte counts when piped), human sizes, and a progress bar on stderr."""
+"""How the ``ckpt`` command line draws its results: tables (on a terminal as wide as it is, one
+line a row; tab-separated with exact byte counts when piped), human sizes, ``--help`` wrapped to
+the terminal, and a progress bar on stderr."""
 
 from __future__ import annotations
 
@@ -168,9 +169,11 @@ def layout(header: list[str], rows: list[list[Any]], right: set[int] | frozenset
     stages: list[tuple[bool, bool, dict[str, int] | None, int]] = [
         (False, False, None, 0), (True, False, None, 0), (True, True, None, 0)]
     stages += [(True, True, KEEP, k) for k in range(len(drop) + 1)] + [(True, True, FLOOR, len(drop))]
-    kept = {i: _distinct_width([_text(r[i], True) for r in rows], KEEP[how]) if how == "middle" else KEEP[how]
-            for i, how in fit.items()}
+    kept: dict[int, int] = {}
     for wrap, short, floor, k in stages:
+        if floor is KEEP and not kept:  # only once the table does not fit with every name whole
+            kept = {i: _distinct_width([_text(r[i], True) for r in rows], KEEP[how]) if how == "middle"
+                    else KEEP[how] for i, how in fit.items()}
         texts = [[_text(r[i], short) for r in rows] for i in range(n)]
         shown = [i for i in range(n) if i not in drop[:k]]
         heads = {i: max(map(cell_len, header[i].split())) if wrap and header[i].strip() else cell_len(header[i])
@@ -200,8 +203,8 @@ def layout(header: list[str], rows: list[list[Any]], right: set[int] | frozenset
 
 
 class Out:
-    """Where results go: on a terminal, tables (rich) that fit its width, long cells folded, sizes
-    for humans; piped, tab-separated rows with exact byte counts (so ``cut``/``awk`` and
+    """Where results go: on a terminal, tables that fit its width one line a row (:func:`layout`),
+    sizes for humans; piped, tab-separated rows with exact byte counts (so ``cut``/``awk`` and
     spreadsheets read them)."""
 
     def __init__(self, stream: TextIO | None = None, tty: bool | None = None, width: int | None = None):
