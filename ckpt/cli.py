@@ -161,9 +161,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         what = f"step(s) {fmt_steps(steps)}"
         out.write(f"OK: {what}: {res.chunks} chunk(s), {human_bytes(res.bytes)} read and verified")
         return EXIT_OK
-    out.table(["problem", "object", "steps", "detail"],
-              [[p.kind, p.object, ",".join(map(str, p.steps)), p.message] for p in res.problems],
-              fit={1: "middle", 2: "end", 3: "end"})
+    if out.tty:  # one problem a paragraph: its detail is what matters, and would not fit a table cell
+        for p in res.problems:
+            out.paragraph(f"{p.kind}: {p.object} (step {', '.join(map(str, p.steps))}): {p.message}")
+    else:
+        out.table(["problem", "object", "steps", "detail"],
+                  [[p.kind, p.object, ",".join(map(str, p.steps)), p.message] for p in res.problems])
     bad = sorted({s for p in res.problems for s in p.steps})
     good = [s for s in steps if s not in bad]
     print(f"ckpt: verify: {len(res.problems)} damaged or missing object(s), used by step(s) {fmt_steps(bad)}; "

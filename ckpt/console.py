@@ -221,6 +221,12 @@ class Out:
         else:
             self.stream.write(text + "\n")
 
+    def paragraph(self, text: str) -> None:
+        """One item as lines of the terminal's width, the lines after the first indented under it."""
+        for line in textwrap.wrap(text, self.width, subsequent_indent="    ", break_long_words=False,
+                                  break_on_hyphens=False) if self.tty else [text]:
+            self.write(line)
+
     def size(self, n: int | None) -> str:
         """A size cell: exact bytes when piped, ``250.0 KiB`` (or ``250K`` if narrow) on a terminal."""
         if n is None:

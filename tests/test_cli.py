@@ -677,6 +677,22 @@ def test_tables_fit_the_terminal_one_line_a_row(ckdir, tmp_path, monkeypatch, ca
         assert (created in lines[-2]) == (width == 200) and created[:10] in lines[-2]
 
 
+def test_verify_problems_on_a_narrow_terminal_keep_their_whole_message(ckdir, monkeypatch, capsys):
+    save_steps(ckdir, steps=(1, 2))
+    c = ckpt.Checkpointer(ckdir)
+    shared = tensor_entry(c.manifest(1), "frozen").shards[0].segments[1].chunk
+    c.close()
+    with open(chunk_path(ckdir, shared), "r+b") as f:
+        f.truncate(100)
+    assert cli.main(["verify", ckdir, "--all", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    rc, lines = on_terminal(monkeypatch, 80, "verify", ckdir, "--all")
+    assert rc == 1 and max(map(len, lines)) <= 80 and problems
+    text = " ".join(line.strip() for line in lines)
+    for p in problems:  # each problem's detail whole, not cut to a cell nor broken inside a word
+        assert f"{p['kind']}: {p['object']} (step 1, 2): {p['message']}" in text
+
+
 def test_shortened_names_stay_distinct_and_are_cut_at_separators():
     from ckpt.console import layout
 
