@@ -23,8 +23,20 @@ import shutil
 import sys
 from typing import Any
 
-from . import __version__, cli_types
-from .console import Out, Progress, fmt_age, fmt_base_steps, fmt_box, fmt_shape, fmt_steps, human_bytes
+from . import cli_parser
+from .console import (
+    Out,
+    Progress,
+    fmt_age,
+    fmt_base_steps,
+    fmt_box,
+    fmt_dtype,
+    fmt_ratio,
+    fmt_shape,
+    fmt_steps,
+    fmt_time,
+    human_bytes,
+)
 from .errors import CheckpointError, ConfigError
 from .reader import Reader
 from .reader.collect import GcReport
@@ -33,14 +45,6 @@ from .reader.verify import VerifyResult
 from .tree import preview
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
-
-EXIT_CODES = """exit codes:
-  0  success (verify: every object is intact)
-  1  the checkpoint is missing, damaged or unreadable, or the operation failed
-     (verify/ls --verify: something is corrupt or missing; gc: a damaged manifest stopped it)
-  2  usage error (bad arguments or options)
-  3  diff --exit-code: the steps differ"""
-
 
 def _dump(doc: dict) -> None:
     json.dump(doc, sys.stdout, indent=2)
@@ -77,7 +81,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for d in res.steps:
         if d.readable:
             status = d.status if d.status != "corrupt" else f"CORRUPT: {d.error}"
-            rows.append([d.step, d.created, d.world_size, d.tensors, out.size(d.raw_bytes),
+            rows.append([d.step, fmt_time(d.created), d.world_size, d.tensors, out.size(d.raw_bytes),
                          out.size(d.stored_bytes), out.size(d.new_bytes), d.tensor_chunks, status])
         elif d.status == "damaged":
             rows.append([d.step] + ["-"] * 7 + [f"DAMAGED: {d.error}"])
@@ -87,7 +91,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows[-1].append(d.where or "-")
     # "tensor chunks": the chunks its tensors reference, not the delta bases a load also reads
     out.table(["step", "created (UTC)", "ranks", "tensors", "raw", "stored", "new", "tensor chunks", "status"] +
-              (["where"] if args.local else []), rows, {0, 2, 3, 4, 5, 6, 7})
+              (["where"] if args.local else []), rows, {0, 2, 3, 4, 5, 6, 7}, fit={8: "end", 9: "end"},
+              drop=[7, 3, 2])
     for p in res.problems:
         print(f"{p.kind}: {p.object} (step {', '.join(map(str, p.steps))}): {p.message}", file=sys.stderr)
     return EXIT_OK if res.ok else EXIT_FAILED
@@ -104,8 +109,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     out = Out()
     out.write(f"{args.url}: {len(reader.committed)} committed step(s); step {step}")
-    out.write(f"  created {summary.created}, {m.world_size} rank(s), {len(m.tensors)} tensor(s), "
-              f"raw {human_bytes(m.raw_bytes)}, stored {human_bytes(m.stored_bytes)}, "
+    out.write(f"  created {summary.created}, {m.world_size} rank(s), {len(m.tensors)} tensor(s)")
+    out.write(f"  raw {human_bytes(m.raw_bytes)}, stored {human_bytes(m.stored_bytes)}, "
               f"new {human_bytes(summary.new_bytes or 0)} ({summary.new_chunks} of {len(m.chunks)} chunks)")
     if m.per_rank_keys:
         out.write(f"  per-rank keys: {', '.join(m.per_rank_keys)}")
@@ -113,19 +118,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out.write(f"  damaged steps: {', '.join(map(str, ins.damaged))} (ckpt ls shows why)")
     if tensors:
         out.write(f"\nstep {step}: tensors")
-        rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["kind"], t["dtype"],
+        rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["kind"], fmt_dtype(t["dtype"]),
                  fmt_shape(t["shape"]), out.size(t["bytes"]), len(t["shards"]), t["new_chunks"], t["reused_chunks"],
                  ",".join(c.removesuffix("/1") for c in t["codecs"]) or "-",
-                 f"{t['ratio']:.2f}" if t["ratio"] else "-", fmt_base_steps(t["base_steps"]), t["chain"]]
+                 fmt_ratio(t["ratio"]), fmt_base_steps(t["base_steps"]), t["chain"]]
                 for t in tensors]
         out.table(["key", "kind", "dtype", "shape", "size", "shards", "new", "reused", "codec", "ratio", "base",
-                   "chain"], rows, {4, 5, 6, 7, 9, 11})
+                   "chain"], rows, {4, 5, 6, 7, 9, 11}, fit={0: "middle", 8: "end"}, drop=[11, 10, 5, 7, 1, 6])
     sharded = [t for t in tensors if t["kind"] == "sharded"]
     if sharded:
         out.write(f"\nstep {step}: shards (box of the global tensor, saving rank, chunks)")
         rows = [[t["key"], fmt_box(s["offsets"], s["lengths"]), s["rank"], len(s["chunks"])]
                 for t in sharded for s in t["shards"]]
-        out.table(["key", "box", "rank", "chunks"], rows, {2, 3})
+        out.table(["key", "box", "rank", "chunks"], rows, {2, 3}, fit={0: "middle", 1: "end"})
     if values:
         out.write(f"\nstep {step}: values")
         for p, n in values:
@@ -156,8 +161,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         what = f"step(s) {fmt_steps(steps)}"
         out.write(f"OK: {what}: {res.chunks} chunk(s), {human_bytes(res.bytes)} read and verified")
         return EXIT_OK
-    out.table(["problem", "object", "steps", "detail"],
-              [[p.kind, p.object, ",".join(map(str, p.steps)), p.message] for p in res.problems])
+    if out.tty:  # one problem a paragraph: its detail is what matters, and would not fit a table cell
+        for p in res.problems:
+            out.paragraph(f"{p.kind}: {p.object} (step {', '.join(map(str, p.steps))}): {p.message}")
+    else:
+        out.table(["problem", "object", "steps", "detail"],
+                  [[p.kind, p.object, ",".join(map(str, p.steps)), p.message] for p in res.problems])
     bad = sorted({s for p in res.problems for s in p.steps})
     good = [s for s in steps if s not in bad]
     print(f"ckpt: verify: {len(res.problems)} damaged or missing object(s), used by step(s) {fmt_steps(bad)}; "
@@ -184,9 +193,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
             rows = [[c.name, c.status, c.how, c.detail or "-"] +
                     ([f"{c.max_abs_diff:.6g}" if c.max_abs_diff is not None else "-"] if args.max_diff else [])
                     for c in differ]
-            out.table(header, rows)
+            out.table(header, rows, {4}, fit={0: "middle", 3: "end"}, drop=[2])
         if values:
-            out.table(["value", f"step {a}", f"step {b}"], [list(v) for v in values])
+            if differ and out.tty:
+                out.write()  # the two tables apart
+            out.table(["value", f"step {a}", f"step {b}"], [list(v) for v in values],
+                      fit={0: "middle", 1: "end", 2: "end"})
     if args.exit_code and (differ or values):
         return EXIT_DIFFERENT
     return EXIT_OK
@@ -219,7 +231,7 @@ def _print_gc(args: argparse.Namespace, rep: GcReport) -> None:
     if removed:
         out.table(["what", "object", "bytes", "age"],
                   [[i.kind if i.kind != "step" else f"step {i.step} (retention)", i.key, out.size(i.bytes),
-                    fmt_age(i.age_s)] for i in removed], {2, 3})
+                    fmt_age(i.age_s)] for i in removed], {2, 3}, fit={0: "end", 1: "middle"})
     counts: dict[str, int] = {}
     for i in removed:
         counts[i.kind] = counts.get(i.kind, 0) + 1
@@ -282,7 +294,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- parser -------------------------------------------------------------------------------------------
+# -- chaos --------------------------------------------------------------------------------------------
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     import tempfile
@@ -308,7 +320,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     rows = [[a.index, a.killed or f"exit {a.rc}", "fresh" if a.fresh else step(a.resumed_from), step(a.latest),
              {True: "yes", False: "NO", None: "-"}[a.verified], "ok" if a.ok else "; ".join(a.problems)[:300]]
             for a in report.attempts]
-    out.table(["run", "ended", "resumed from", "newest committed", "verifies", "result"], rows, right={0})
+    out.table(["run", "ended", "resumed from", "newest committed", "verifies", "result"], rows, right={0},
+              fit={1: "end", 5: "end"})
     for p in report.problems:
         out.write(f"PROBLEM: {p}")
     if report.compared:
@@ -327,134 +340,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ckpt", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_CODES,
-        description="Look at, check, compare, clean up and export ckpt checkpoints. URL is a directory or "
-                    "an fsspec URL. No process group needed; pickled values are never loaded.")
-    p.add_argument("--version", action="version", version=f"ckpt {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("url", metavar="URL", help="checkpoint directory or fsspec URL (file://, memory://, s3:// …)")
-    common.add_argument("--storage-option", action="append", type=cli_types.key_value, metavar="KEY=VALUE",
-                        help="fsspec storage option (repeatable); VALUE is parsed as JSON when it can be")
-    common.add_argument("--jobs", type=cli_types.positive, default=8, metavar="N", help="parallel reads (default 8)")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(name: str, help: str, func) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EXIT_CODES,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        sp.set_defaults(func=func)
-        return sp
-
-    ls = add("ls", "committed steps with time, world size, raw/stored/new bytes; incomplete and damaged steps", cmd_ls)
-    ls.add_argument("--verify", action="store_true", help="also re-read and re-hash every chunk")
-    ls.add_argument("--local", action="append", metavar="DIR",
-                    help="a node's local_dir (repeatable): also list the steps committed only there, and per step "
-                         "which tiers hold it and the share of its chunks they hold between them")
-    ls.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
-
-    ins = add("inspect", "one step in depth: tensors, shards, codecs, new/reused chunks, values", cmd_inspect)
-    ins.add_argument("--step", type=cli_types.step, help="step to show (default: the latest)")
-    ins.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
-
-    ver = add("verify", "re-read and re-hash every chunk of a step; name each corrupt or missing object", cmd_verify)
-    which = ver.add_mutually_exclusive_group()
-    which.add_argument("--step", type=cli_types.step, help="step to verify (default: the latest)")
-    which.add_argument("--all", action="store_true", help="verify every committed step")
-    ver.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
-
-    dif = add("diff", "which tensors and values changed between two steps", cmd_diff)
-    dif.add_argument("a", type=cli_types.step, metavar="A", help="first step")
-    dif.add_argument("b", type=cli_types.step, metavar="B", help="second step")
-    dif.add_argument("--max-diff", action="store_true",
-                     help="read changed tensors and report the largest absolute difference")
-    dif.add_argument("--exit-code", action="store_true", help="exit 3 when the steps differ")
-    dif.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
-
-    gcp = add("gc", "remove orphan chunks, temp files and incomplete steps older than a grace period", cmd_gc)
-    gcp.add_argument("--dry-run", action="store_true", help="only list what would be removed, with sizes")
-    gcp.add_argument("--grace", type=cli_types.duration, default=3600.0, metavar="AGE",
-                     help="leave garbage younger than this (a running save may commit it): "
-                          "90s, 30m, 1h (default), 2d, 0")
-    gcp.add_argument("--keep-last", type=cli_types.positive, metavar="N",
-                     help="also delete all but the newest N committed steps (and chunks only they use)")
-    gcp.add_argument("--local", action="append", metavar="DIR",
-                     help="also collect a node's local_dir (repeatable), as its own checkpoint: replicas and parity "
-                          "blocks of committed steps are kept")
-    gcp.add_argument("--keep-local", type=cli_types.positive, metavar="N",
-                     help="in each --local tier, keep only the newest N committed steps")
-    gcp.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
-
-    exp = add("export", "write one step as a single unsharded .safetensors or .pt file, Hugging Face shards or a "
-                        "plain DCP directory", cmd_export)
-    exp.add_argument("--step", type=cli_types.step, help="step to export (default: the latest)")
-    exp.add_argument("--to", required=True, metavar="FILE|DIR",
-                     help="output file (*.safetensors, *.pt or *.pth) or, with --format hf|dcp, directory")
-    exp.add_argument("--format", choices=["safetensors", "pt", "hf", "dcp"],
-                     help="hf: model-0000i-of-0000n.safetensors + model.safetensors.index.json (one shard: "
-                          "model.safetensors); dcp: a torch.distributed.checkpoint directory; "
-                          "default: from FILE's suffix")
-    exp.add_argument("--max-shard-size", metavar="SIZE",
-                     help="--format hf: largest shard, e.g. 5GB (default), 500MB, 2GiB; a larger tensor gets a "
-                          "shard alone")
-    exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
-                     help="cast floating tensors (float64/32/16, bfloat16) to this dtype; others stay as saved")
-    exp.add_argument("--keys", action="append", metavar="PREFIX",
-                     help="export only keys starting with PREFIX (repeatable), e.g. --keys model/")
-    exp.add_argument("--strip-prefix", action="store_true",
-                     help="take the --keys prefix off each name (model/0.weight -> 0.weight), so that "
-                          "model.load_state_dict(load_file(FILE)) works as it is")
-    exp.add_argument("--rank", type=int, default=0, metavar="R",
-                     help="saved rank whose per-rank state to export (default 0)")
-    exp.add_argument("--force", action="store_true",
-                     help="overwrite FILE if it exists; write into a non-empty DIR (an earlier export's files are "
-                          "replaced, other files kept)")
-
-    imp = sub.add_parser(
-        "import", help="bring safetensors, Hugging Face, torch.save or DCP weights in as a committed step",
-        description="Import SRC (a .safetensors file, a Hugging Face directory, a torch.save file read with "
-                    "weights_only=True, or a plain DCP directory) as step N of the checkpoint at URL, under the "
-                    "top-level key --key (default model): a run then loads it with "
-                    "ckptr.load(N, {'model': model}, strict=False).", epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    imp.set_defaults(func=cmd_import)
-    imp.add_argument("src", metavar="SRC", help="file or directory to import")
-    imp.add_argument("url", metavar="URL", help="checkpoint directory or fsspec URL to save the step into")
-    imp.add_argument("--step", type=cli_types.new_step, required=True, metavar="N",
-                     help="the step number to commit (must be new)")
-    key = imp.add_mutually_exclusive_group()
-    key.add_argument("--key", default="model", help="top-level key the imported items go under (default: model)")
-    key.add_argument("--top-level", action="store_true",
-                     help="keep a torch.save dict's own top-level keys ({'model': ..., 'optim': ...}) as the step's")
-    imp.add_argument("--keys", action="append", metavar="PREFIX",
-                     help="import only items whose name starts with PREFIX (repeatable), e.g. --keys model.")
-    imp.add_argument("--strip-prefix", action="store_true", help="take the --keys prefix off each name")
-    imp.add_argument("--storage-option", action="append", type=cli_types.key_value, metavar="KEY=VALUE",
-                     help="fsspec storage option for URL (repeatable)")
-
-    cha = sub.add_parser(
-        "chaos", help="kill a training command at random moments, resume it, check nothing was lost",
-        description="Run COMMAND once to the end, then again while SIGKILLing it (during saves too) --kills "
-                    "times, restarting it after each kill; check that every restart resumed from the newest "
-                    "committed step, that this step verifies, and that the final step equals the uninterrupted "
-                    "run's bit for bit. {dir} in COMMAND is replaced by the checkpoint directory; COMMAND must "
-                    "resume from load('latest') when started again.",
-        epilog="example:\n  ckpt chaos --kills 4 -- python examples/train.py --dir {dir} --steps 200 --every 20\n\n"
-               + EXIT_CODES.replace("verify: every object is intact", "chaos: nothing was lost or differs"),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    cha.set_defaults(func=cmd_chaos)
-    cha.add_argument("--kills", type=int, default=3, metavar="N", help="how many times to kill it (default 3)")
-    cha.add_argument("--seed", type=int, default=0, help="seed of the kill moments, to replay a run (default 0)")
-    cha.add_argument("--timeout", type=cli_types.duration, default=600.0, metavar="T",
-                     help="longest one run of COMMAND may take (default 10m)")
-    cha.add_argument("--workdir", metavar="DIR", help="keep the runs' checkpoints and logs here (default: a temporary "
-                     "directory, removed at the end)")
-    cha.add_argument("--keep", action="store_true", help="keep the temporary directory and say where it is")
-    cha.add_argument("--ignore", action="append", metavar="PREFIX",
-                     help="do not compare tensors and values whose name starts with PREFIX (repeatable), e.g. "
-                          "rng/ for random states the command never seeds")
-    cha.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
-    cha.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the training command, with {dir}")
-    return p
+    return cli_parser.build_parser({"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff,
+                                    "gc": cmd_gc, "export": cmd_export, "import": cmd_import, "chaos": cmd_chaos})
 
 
 def main(argv: list[str] | None = None) -> int:

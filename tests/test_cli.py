@@ -597,26 +597,217 @@ def test_usage_errors_exit_2_and_help_documents_exit_codes(ckdir, run, capsys):
     assert run("diff", ckdir, 1, 7)[0] == 1  # a step that does not exist
 
 
-def test_tables_fit_the_terminal(ckdir, monkeypatch):
-    """Long keys are folded inside their column: no line is wider than the terminal."""
-    long = "model/" + "layers.0.attention.query_key_value." * 3
-    a = {long + "weight": torch.zeros(40_000), long + "bias": torch.zeros(10), "lr": 0.1}
-    b = {long + "weight": torch.ones(40_000), long + "bias": torch.zeros(10), "lr": 0.2}
-    with ckpt.Checkpointer(ckdir) as c:
-        c.save(1, a)
-        c.save(2, b)
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
 
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-    for width in (60, 100):
-        monkeypatch.setenv("COLUMNS", str(width))
-        for args in (["ls", ckdir], ["inspect", ckdir], ["diff", ckdir, "1", "2", "--max-diff"],
-                     ["verify", ckdir, "--all"]):
-            tty = Tty()
-            monkeypatch.setattr(sys, "stdout", tty)
-            assert cli.main(args) == 0
-            monkeypatch.undo()
-            monkeypatch.setenv("COLUMNS", str(width))
-            lines = tty.getvalue().splitlines()
-            assert lines and max(len(line) for line in lines) <= width, (args, width)
+
+def on_terminal(monkeypatch, width: int, *args) -> tuple[int, list[str]]:
+    """cli.main(args) with stdout a terminal ``width`` columns wide: (exit code, lines)."""
+    tty = Tty()
+    with monkeypatch.context() as m:
+        m.setenv("COLUMNS", str(width))
+        m.setattr(sys, "stdout", tty)
+        rc = cli.main([str(a) for a in args])
+    return rc, tty.getvalue().splitlines()
+
+
+def tables(lines: list[str]) -> list[list[str]]:
+    """The rows of each table drawn on a terminal: the lines under its rule, up to a blank line, a
+    note or gc's summary."""
+    out, rows = [], None
+    for line in lines + [""]:
+        if line and set(line) == {"─"}:
+            rows = []
+        elif rows is not None and (not line.strip() or line.startswith(("(", "would remove:"))):
+            out.append(rows)
+            rows = None
+        elif rows is not None:
+            rows.append(line)
+    return out
+
+
+LONG = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 11) for p in "qkvo"]
+
+
+def test_tables_fit_the_terminal_one_line_a_row(ckdir, tmp_path, monkeypatch, capsys):
+    """At 80 columns and at 200 no line is wider than the terminal and no row folds onto a second
+    line: long keys are cut in the middle (kept distinct), sizes and times get short forms,
+    columns are hidden as needed and the note says so; --json keeps every key whole."""
+    from rich.cells import cell_len
+
+    with ckpt.Checkpointer(ckdir, chunk_size=CHUNK) as c:
+        for s in (1, 2):
+            c.save(s, {"model": {k: torch.full((64, 64), float(s + i)) for i, k in enumerate(LONG)},
+                       "lr": 0.1 * s, "note": "x" * 150 + str(s)}).wait()
+    _orphan(ckdir, 1)
+    stray = os.path.join(ckdir, "chunks", "ab", "ab" * 32 + ".tmp-0123456789ab")
+    os.makedirs(os.path.dirname(stray), exist_ok=True)
+    open(stray, "wb").close()
+    keys = ["model/" + k for k in LONG]
+
+    def json_of(*args):
+        assert cli.main([str(a) for a in args] + ["--json"]) in (0, 1)
+        return json.loads(capsys.readouterr().out)
+    ins, diff, gc = json_of("inspect", ckdir), json_of("diff", ckdir, 1, 2), json_of("gc", ckdir, "--dry-run",
+                                                                                      "--grace", 0)
+    assert [t["key"] for t in ins["detail"]["tensors"]] == keys  # --json: every key whole
+    expected = {("ls",): [2], ("inspect",): [len(keys)], ("diff", 1, 2, "--max-diff"): [len(keys), 2],
+                ("gc", "--dry-run", "--grace", 0): [len(gc["would_remove"])]}
+    assert len(diff["tensors"]) == len(keys) and expected[("gc", "--dry-run", "--grace", 0)] == [2]
+
+    for width in (80, 200):
+        for cmd, counts in expected.items():
+            rc, lines = on_terminal(monkeypatch, width, cmd[0], ckdir, *cmd[1:])
+            assert rc == 0 and lines, (cmd, width)
+            assert max(map(cell_len, lines)) <= width, (cmd, width, lines)
+            # one line a row: each table has exactly its rows
+            assert [len(t) for t in tables(lines)] == counts, (cmd, width, lines)
+        rc, lines = on_terminal(monkeypatch, width, "inspect", ckdir)
+        rows = tables(lines)[0]
+        names = [r.split()[0] for r in rows]
+        assert len(set(names)) == len(keys)  # shortened or not, every key still distinct
+        if width == 200:
+            assert names == keys and all("…" not in line for line in lines[:-3])
+        else:
+            assert all("…" in n for n in names) and "model/model.layers.11" in " ".join(names)
+            assert "(hidden: kind, shards, reused, base, chain; names cut with …; --json has it all)" in lines
+        rc, lines = on_terminal(monkeypatch, width, "ls", ckdir)
+        created = json_of("ls", ckdir)["steps"][0]["created"]  # 2024-06-01T12:34:56Z
+        assert (created in lines[-2]) == (width == 200) and created[:10] in lines[-2]
+
+
+def test_verify_problems_on_a_narrow_terminal_keep_their_whole_message(ckdir, monkeypatch, capsys):
+    save_steps(ckdir, steps=(1, 2))
+    c = ckpt.Checkpointer(ckdir)
+    shared = tensor_entry(c.manifest(1), "frozen").shards[0].segments[1].chunk
+    c.close()
+    with open(chunk_path(ckdir, shared), "r+b") as f:
+        f.truncate(100)
+    assert cli.main(["verify", ckdir, "--all", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    rc, lines = on_terminal(monkeypatch, 80, "verify", ckdir, "--all")
+    assert rc == 1 and max(map(len, lines)) <= 80 and problems
+    text = " ".join(line.strip() for line in lines)
+    for p in problems:  # each problem's detail whole, not cut to a cell nor broken inside a word
+        assert f"{p['kind']}: {p['object']} (step 1, 2): {p['message']}" in text
+
+
+def test_shortened_names_stay_distinct_and_are_cut_at_separators():
+    from ckpt.console import layout
+
+    keys = [k.replace("model.", "model/", 1) for k in LONG]  # model/layers.11.self_attn.q_proj.weight
+    lay = layout(["key", "n"], [[k, 1] for k in keys], {1}, {0: "middle"}, (), 33)
+    names = [line.split()[0] for line in lay.lines[2:]]
+    assert lay.shortened and all(len(n) <= 30 for n in names) and len(set(names)) == len(keys)
+    assert "model/layers.11….q_proj.weight" in names and "model/layers.0.….q_proj.weight" in names
+    # These need 34 cells to stay distinct (the layer and the projection): a column is hidden for it.
+    keys = ["model/" + k for k in LONG]
+    lay = layout(["key", "kind", "n"], [[k, "tensor", 1] for k in keys], {2}, {0: "middle"}, [1], 40)
+    names = [line.split()[0] for line in lay.lines[2:]]
+    assert lay.hidden == [1] and len(set(names)) == len(keys) and max(map(len, lay.lines)) <= 40
+    # Narrower still: the columns that may go are hidden and names shortened below KEEP.
+    lay = layout(["key", "a", "b"], [["x" * 50, "y" * 30, "z"]], frozenset(), {0: "end"}, [1], 20)
+    assert lay.hidden == [1] and lay.lines[2] == "x" * 16 + "…  z"
+
+
+def _help(monkeypatch, capsys, width: int, *args) -> list[str]:
+    monkeypatch.setenv("COLUMNS", str(width))
+    with pytest.raises(SystemExit) as e:
+        cli.main([*args, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_help_wraps_to_the_terminal_without_breaking_words(monkeypatch, capsys):
+    commands = list(cli.build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    assert {"ls", "inspect", "verify", "diff", "gc", "export", "import", "chaos"} <= set(commands)
+    for args in [()] + [(c,) for c in commands]:
+        narrow = _help(monkeypatch, capsys, 80, *args)
+        assert max(map(len, narrow)) <= 80, (args, [line for line in narrow if len(line) > 80])
+        wide = _help(monkeypatch, capsys, 1000, *args)
+        # the same words, only the line breaks moved: no word was cut in two (nor at a hyphen)
+        assert sorted(" ".join(narrow).split()) == sorted(" ".join(wide).split()), args
+    text = "\n".join(_help(monkeypatch, capsys, 80, "chaos"))
+    assert "exit codes:" in text and "  1  the checkpoint is missing" in text
+
+
+# -- export: where it cannot write, and ranks that were not saved ----------------------------------------
+
+def unwritable_dir(tmp_path) -> str:
+    """A directory this process cannot create files in: a read-only one, or (as root, whom file
+    modes do not stop) sysfs, which refuses new files to everyone."""
+    d = tmp_path / "read-only"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        (d / "probe").touch()
+    except OSError:
+        return str(d)
+    (d / "probe").unlink()
+    try:
+        open("/sys/ckpt-probe", "wb").close()
+    except OSError:
+        return "/sys"
+    pytest.skip("no directory here refuses this process's writes")
+
+
+EXPORTS = [("model.safetensors",), ("model.pt",), ("hf", "--format", "hf"), ("dcp", "--format", "dcp")]
+
+
+def test_export_where_it_cannot_write_is_a_clear_error_exit_1(ckdir, run, tmp_path):
+    save_steps(ckdir, steps=(1,))
+    where = unwritable_dir(tmp_path)
+    for name, *fmt in EXPORTS:
+        to = os.path.join(where, name)
+        rc, out, err = run("export", ckdir, "--to", to, *fmt)
+        assert rc == 1 and out == "" and "Traceback" not in err, (name, err)
+        assert err.startswith("ckpt: error: cannot ") and to in err, err
+        assert not os.path.exists(to)
+
+
+FULL_DISK = """
+import json, os, sys
+from ckpt import cli
+for args in json.loads(sys.argv[1]):
+    rc = cli.main(args)
+    print(json.dumps({"rc": rc}), flush=True)
+"""
+
+
+def test_export_onto_a_full_disk_is_a_clear_error_and_leaves_nothing(ckdir, tmp_path):
+    """A disk that fills up mid-write, as the file size limit makes one (EFBIG instead of ENOSPC,
+    from the same write calls): each format says which file failed and what to check, exits 1,
+    and leaves no partial file behind."""
+    resource = pytest.importorskip("resource")
+    import signal
+
+    save_steps(ckdir, steps=(1,))  # a 320 KiB export
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = [["export", ckdir, "--to", str(out / name), *fmt] for name, *fmt in EXPORTS]
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * KiB, 64 * KiB))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", FULL_DISK, json.dumps(runs)], capture_output=True, text=True,
+                       env=env, timeout=300, preexec_fn=small_disk, check=False)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert [json.loads(line)["rc"] for line in p.stdout.splitlines()] == [1] * len(EXPORTS), p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("ckpt: error:")]
+    assert len(errors) == len(EXPORTS)
+    for (name, *_), err in zip(EXPORTS, errors):
+        assert f"cannot write {out / name}: " in err and "is writable and has 0.3 MiB free" in err, err
+        assert "enforce fail" not in err and "inline_container" not in err
+        assert ("File too large" in err) if name.endswith(("safetensors", "hf")) else ("came out short" in err)
+    assert os.listdir(out) == []  # no partial file, no staging directory
+
+
+def test_export_refuses_a_rank_that_was_not_saved(ckdir, run, tmp_path):
+    save_steps(ckdir, steps=(1,))  # one rank, no per-rank state: a wrong --rank used to pass unnoticed
+    for rank in (5, -5, 1):
+        rc, _, err = run("export", ckdir, "--to", tmp_path / "m.safetensors", "--rank", rank)
+        assert rc == 2 and f"rank {rank} is out of range: step 1 was saved on rank 0 only" in err
+    assert os.listdir(tmp_path) == ["ck"]
+    assert run("export", ckdir, "--to", tmp_path / "m.safetensors", "--rank", 0)[0] == 0

@@ -73,3 +73,44 @@ print(sorted(m for m in {WRITER_SIDE!r} if m in sys.modules))
     assert out.strip().splitlines()[-1] == "[]"
     assert ckpt.Checkpointer.__name__ == "Checkpointer"  # still there, imported when named
     assert frozen_and_moving(1)["step"] == 1
+
+
+def test_bad_arguments_are_config_errors_with_advice(ckdir, tmp_path):
+    """What a user gets wrong, or an attacker passes on, is refused with a ConfigError that says what
+    is accepted, before anything is read or written; nothing is silently taken as something else."""
+    import numpy as np
+    import pytest
+
+    save_steps(ckdir, steps=(1, 2))
+    state = {"frozen": torch.empty(50_000)}
+    with ckpt.open(ckdir) as r:
+        # keys: a str or a list of str
+        for keys in (5, b"model/", ["frozen", 3], {"frozen": 1}):
+            with pytest.raises(ckpt.ConfigError, match="keys must be a key or key prefix"):
+                r.tensors(keys=keys)
+        assert set(r.tensors(keys=("frozen", "small/"))) == {"frozen", "small/a", "small/b"}
+        # steps: an int (numpy's too) or "latest"; never a numeric string, a float or a bool
+        for step, hint in (("2", "pass 2, not '2'"), (2.0, "pass 2"), (True, "True"), ("x", "'x'"), ([2], "[2]")):
+            for call in (lambda s: r.tensors(s), lambda s: r.manifest(s), lambda s: r.diff(1, s),
+                         lambda s: r.values(s), lambda s: r.load_into(dict(state), s, strict=False),
+                         lambda s: r.export(s, tmp_path / "x.pt")):
+                with pytest.raises(ckpt.ConfigError, match="a step is an int or 'latest'") as e:
+                    call(step)
+                assert hint in str(e.value)
+        assert r.manifest(np.int64(2)).step == 2 and r.manifest("latest").step == r.manifest(None).step == 2
+        assert r.diff(np.int32(1), "latest").b == 2
+        # ranks: a saved rank; per-rank data of a rank that does not exist is not silently left out
+        for rank in (1, -1, 5):
+            for call in (lambda n: r.tensors(rank=n), lambda n: r.values(rank=n),
+                         lambda n: r.export(1, tmp_path / "x.pt", rank=n)):
+                with pytest.raises(ckpt.ConfigError, match=f"rank {rank} is out of range: .*rank 0 only"):
+                    call(rank)
+            with pytest.raises(ckpt.ConfigError, match=f"rank={rank} is not a rank of world=1"):
+                r.load_into(dict(state), rank=rank, strict=False)
+        for bad in (True, 0.0, "0"):
+            with pytest.raises(ckpt.ConfigError, match="must be an int"):
+                r.tensors(rank=bad)
+            with pytest.raises(ckpt.ConfigError, match="must be an int"):
+                r.load_into(dict(state), rank=bad, strict=False)
+        assert r.load_into(dict(state), rank=1, world=2, strict=False) == 2  # rank 1 of 2 loading: fine
+    assert os.listdir(tmp_path) == ["ck"]

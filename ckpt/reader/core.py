@@ -19,6 +19,7 @@ here unpickles unless ``load_into`` is told to: a value saved with pickle comes 
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from ..format import paths
 from ..storage import Storage, open_storage
 from . import collect, listing
 from .diff import Diff, diff
-from .export import ExportResult, export
+from .export import ExportResult, check_rank, export
 from .tensors import load_into, read_tensors
 from .verify import VerifyResult, verify
 
@@ -53,7 +54,23 @@ class Pickled:
 def _prefixes(keys: str | Sequence[str] | None) -> list[str] | None:
     if keys is None:
         return None
-    return [keys] if isinstance(keys, str) else list(keys)
+    if isinstance(keys, str):
+        return [keys]
+    if isinstance(keys, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in keys):
+        return list(keys)
+    raise ConfigError(f"keys must be a key or key prefix (a str such as 'model/') or a list of them, got {keys!r}")
+
+
+def _step_number(step: object) -> int:
+    """A step given as a number: an int (numpy's too), never a bool, a float or a numeric string."""
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return int(step)
+    hint = ""
+    if isinstance(step, str) and step.strip().isdigit():
+        hint = f" (pass {int(step)}, not {step!r})"
+    elif isinstance(step, float) and step.is_integer():
+        hint = f" (pass {int(step)})"
+    raise ConfigError(f"a step is an int or 'latest' (or None, the newest), got {step!r}{hint}")
 
 
 class Reader:
@@ -123,7 +140,7 @@ class Reader:
             if not self.committed:
                 raise CheckpointNotFoundError(f"{self.storage.describe()} has no committed step")
             return self.committed[-1]
-        return int(step)
+        return _step_number(step)
 
     def earlier_chunks(self, step: int) -> set[str]:
         """Chunks referenced by committed steps before ``step`` (damaged manifests count for nothing).
@@ -179,6 +196,7 @@ class Reader:
         rank ``rank``'s."""
         m = self.manifest(step)
         wanted = _prefixes(keys)
+        check_rank(m, rank)
         entries = [t for t in m.tensors if (t.rank is None or t.rank == rank)
                    and (wanted is None or any(t.key == p or t.key.startswith(p) for p in wanted))]
         if wanted is not None and not entries:
@@ -193,6 +211,8 @@ class Reader:
         ``[rank r]`` suffix, or only rank ``rank``'s when it is given.
         Pickled values are :class:`Pickled` placeholders, never unpickled."""
         m = self.manifest(step)
+        if rank is not None:
+            check_rank(m, rank)
         nodes = list(st.value_nodes(m.structure, rank=rank))
         # Tensors inside values (numpy's RNG state is a tuple holding an array): read them too,
         # each from the rank whose value it is.
@@ -218,6 +238,12 @@ class Reader:
         ``allow_pickle=True`` unpickles pickled values: only for checkpoints you trust.
         ``staged=False`` reads straight into the tensors (no staging copy, but a damaged chunk then
         leaves them half-loaded)."""
+        for name, n in (("world", world), ("rank", rank)):
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise ConfigError(f"{name} must be an int, got {n!r}")
+        if not 0 <= rank < world:
+            raise ConfigError(f"rank={rank} is not a rank of world={world}: load as rank 0 to {world - 1} of "
+                              f"{world} (the defaults, rank=0 and world=1, load everything into one process)")
         m = self.manifest(step)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read") as io:
             load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank, world=world,

@@ -21,12 +21,14 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..errors import ConfigError, StorageError, UnsupportedValueError
@@ -133,6 +135,42 @@ def _safetensors_dtypes_refused(dtypes: set[str]) -> set[str]:
 
 
 
+@contextmanager
+def writing(path: str, nbytes: int, folder: str | None = None) -> Iterator[None]:
+    """Turn a failed write of an export (unwritable directory, full disk) into a :class:`StorageError`
+    that says which file and what to check. safetensors, ``torch.save`` and DCP each report it in
+    their own words (``SafetensorError: … No space left on device``, ``RuntimeError: [enforce fail at
+    inline_container.cc:672] . unexpected pos …``, DCP's ``CheckpointException`` around either): the
+    first line is kept, cleaned of source locations."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (OSError, SafetensorError, RuntimeError, CheckpointException) as e:
+        cause: BaseException = e
+        if isinstance(e, CheckpointException) and e.failures:
+            cause = next(iter(e.failures.values()))[0]
+        text = str(cause).strip()
+        reason = re.sub(r"\[enforce fail at [^]]*\]\s*\.?\s*", "", text.splitlines()[0] if text
+                        else type(cause).__name__)
+        if reason.startswith("unexpected pos"):  # torch.save's zip writer: a write came out short
+            reason = f"a write came out short ({reason})"
+        where = folder or os.path.dirname(os.path.abspath(path))
+        raise StorageError(f"cannot write {path}: {reason}. Check that {where} is writable and has "
+                           f"{nbytes / 2**20:.1f} MiB free") from e
+
+
+def check_rank(m: mf.Manifest, rank: object) -> int:
+    """A saved rank of step ``m`` (whose per-rank state to read), refused before anything is read
+    or written when it is not one: a rank past the world size would silently leave that state out."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ConfigError(f"rank must be an int (a saved rank), got {rank!r}")
+    if not 0 <= rank < m.world_size:
+        saved = "rank 0 only" if m.world_size == 1 else f"ranks 0 to {m.world_size - 1}"
+        raise ConfigError(f"rank {rank} is out of range: step {m.step} was saved on {saved}")
+    return rank
+
+
 def _check_target(path: str, fmt: str, overwrite: bool) -> None:
     """Refuse a target that would be clobbered or cannot be written, before anything is read."""
     if fmt in DIR_FORMATS:
@@ -147,6 +185,9 @@ def _check_target(path: str, fmt: str, overwrite: bool) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"cannot write {path}: the directory {folder} does not exist (create it first)")
+    if not os.access(folder, os.W_OK):  # as root this passes; the write itself then fails, reported alike
+        raise StorageError(f"cannot write {path}: {folder} is not writable (choose another --to, or fix its "
+                           "permissions)")
 
 
 def _values(m: mf.Manifest, rank: int, wanted: Callable[[str], bool], fmt: str, result: ExportResult
@@ -182,9 +223,7 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
     limit = parse_size(max_shard_size if max_shard_size is not None else "5GB")
     _check_target(path, fmt, overwrite)
     m = reader.manifest(step)
-    if m.per_rank_keys and not 0 <= rank < m.world_size:
-        raise ConfigError(f"--rank {rank}: step {step} was saved on {m.world_size} rank(s); "
-                          f"use 0 to {m.world_size - 1}")
+    check_rank(m, rank)
 
     def wanted(key: str) -> bool:
         return not prefixes or any(key.startswith(p) for p in prefixes)
@@ -237,9 +276,8 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
 
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        _write(fmt, out, tmp, path, step, reader, values, result)
-    except OSError as e:
-        raise StorageError(f"writing {path} failed: {e}") from e
+        with writing(path, result.bytes):
+            _write(fmt, out, tmp, path, step, reader, values, result)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from ..errors import ConfigError, StorageError
 from ..format import manifest as mf
 from ..tree import has_pickle
+from .export import writing
 from .tensors import read_tensors
 
 if TYPE_CHECKING:
@@ -91,7 +92,8 @@ def write_hf(reader: Reader, m: mf.Manifest, entries: list[mf.TensorEntry], name
                 tensors = read_tensors(reader.storage, m, [entries[i] for i in group], io)
                 out = {names[i]: t.to(dtypes[i]) for i, t in zip(group, tensors)}
                 del tensors
-                save_file(out, os.path.join(stage, file), metadata=metadata)
+                with writing(result.path, result.bytes, result.path):
+                    save_file(out, os.path.join(stage, file), metadata=metadata)
                 del out
         if len(files) == 1:
             return files
@@ -141,7 +143,8 @@ def write_dcp(reader: Reader, m: mf.Manifest, entries: list[mf.TensorEntry], nam
             flat[p] = rebuilt[p]
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(_nest(flat), storage_writer=dcp.FileSystemWriter(stage), no_dist=True)
+            with writing(result.path, result.bytes, result.path):
+                dcp.save(_nest(flat), storage_writer=dcp.FileSystemWriter(stage), no_dist=True)
         return sorted(os.listdir(stage))
 
     result.files = _staged(result.path, overwrite, _DCP_FILES, write)
@@ -166,7 +169,7 @@ def _staged(path: str, overwrite: bool, ours: re.Pattern, write: Callable[[str],
             os.replace(os.path.join(stage, f), os.path.join(path, f))
         return files
     except OSError as e:
-        raise StorageError(f"writing into {path} failed: {e}") from e
+        raise StorageError(f"writing into {path} failed: {e}. Check that it is writable and has room") from e
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         if created and os.path.isdir(path) and not os.listdir(path):
