@@ -34,22 +34,25 @@ from .errors import (
     StorageError,
     UnsupportedValueError,
 )
-from .flatten import RNGState
-from .reader import Pickled, Reader, open
-from .sharding import LocalShard, PerRank
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .cuda_snapshot import fence
+    from .flatten import RNGState
     from .handle import SaveHandle, SaveMetrics
     from .importer import import_checkpoint
     from .loader import LoadStats
     from .options import Options
+    from .reader import Pickled, Reader, open
     from .redundancy_config import Parity, Replicas
+    from .sharding import LocalShard, PerRank
 
-# The writer's side is imported when first named, so that reading (ckpt.open, the ckpt command line)
-# never imports the writer, the commit protocol, the peers or their process groups.
-_LAZY = {"Checkpointer": "checkpointer", "SaveHandle": "handle", "SaveMetrics": "handle", "LoadStats": "loader",
+# Everything is imported when first named: reading (ckpt.open, the ckpt command line) never imports
+# the writer, the commit protocol, the peers or their process groups, and `ckpt --help`, `--version`,
+# `ls` and `inspect` never import torch (most of a second, several on a busy machine).
+_LAZY = {"RNGState": "flatten", "open": "reader", "Reader": "reader", "Pickled": "reader", "LocalShard": "sharding",
+         "PerRank": "sharding",
+         "Checkpointer": "checkpointer", "SaveHandle": "handle", "SaveMetrics": "handle", "LoadStats": "loader",
          "Options": "options", "Parity": "redundancy_config", "Replicas": "redundancy_config", "fence": "cuda_snapshot",
          "import_checkpoint": "importer"}
 

@@ -32,31 +32,49 @@ import json
 import math
 import pickle
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .errors import UnsupportedValueError
 
+if TYPE_CHECKING:
+    import torch
+
 Node = Any  # a JSON value: None, bool, int, float, str, list, or a dict with a "t" kind
 
-# dtypes a checkpoint may name; a manifest naming anything else is refused.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
+# dtypes a checkpoint may name, with their bytes per element; a manifest naming anything else is
+# refused. A table of its own, without torch: reading a manifest (ckpt ls, inspect) needs no torch.
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
 }
+
+
+_torch_dtypes: dict[str, torch.dtype] = {}
+
+
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Name -> torch dtype for the names in ``ITEMSIZE`` (imports torch on first use)."""
+    if not _torch_dtypes:
+        import torch
+        _torch_dtypes.update({n: getattr(torch, n) for n in ITEMSIZE
+                              if isinstance(getattr(torch, n, None), torch.dtype)})
+    return _torch_dtypes
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES``, the same as :func:`torch_dtypes`, for ``from ckpt.tree import DTYPES`` (which then imports torch)."""
+    if name == "DTYPES":
+        return torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The manifest's name for ``dtype``; refuses dtypes a checkpoint cannot hold."""
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
+    if name not in ITEMSIZE:
         raise UnsupportedValueError(f"tensors of dtype {dtype} are not supported by ckpt")
     return name
 
@@ -181,10 +199,12 @@ def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool,
             return np.frombuffer(base64.b64decode(node["b"]), dtype=np.dtype(node["dtype"]))[0]
         return np.dtype(node["dtype"]).type(go(node["v"]))
     if t == "size":
+        import torch
         return torch.Size(node["v"])
     if t == "dtype":
-        return DTYPES[node["v"]]
+        return torch_dtypes()[node["v"]]
     if t == "device":
+        import torch
         return torch.device(node["v"])
     if t == "bytes":
         return base64.b64decode(node["v"])

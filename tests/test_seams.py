@@ -43,6 +43,28 @@ print(sorted(m for m in sys.modules if m.startswith("ckpt.peers")))
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_the_cli_lists_inspects_and_verifies_without_importing_torch(tmp_path):
+    """`ckpt --help`, `--version`, `ls`, `inspect`, `verify` and `gc --dry-run` never import torch (most of
+    their time when they did: 1.4 s here, 3.6 to 6.7 s on a busy machine); export and diff do, when used."""
+    root = str(tmp_path / "ck")
+    subprocess.run([sys.executable, "-c", f"import torch, ckpt\nwith ckpt.Checkpointer({root!r}) as c:\n"
+                    "    c.save(1, {'w': torch.ones(4), 'lr': 0.1}).wait()"], check=True, timeout=120)
+    code = f"""
+import contextlib, io, sys
+from ckpt import cli
+for argv in (["--version"], ["--help"], ["ls", {root!r}], ["inspect", {root!r}], ["verify", {root!r}],
+             ["gc", {root!r}, "--dry-run"], ["ls", {root!r}, "--json"]):
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            assert cli.main(argv) == 0, argv
+        except SystemExit as e:  # --help and --version exit through argparse
+            assert e.code == 0, argv
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def _module_graph() -> dict[str, set[str]]:
     """Module-level imports between ckpt's modules (imports inside functions are deliberate lazy edges,
     and TYPE_CHECKING blocks are not imports at run time)."""

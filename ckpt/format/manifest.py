@@ -26,7 +26,7 @@ from ..errors import (
     NotACheckpointError,
     StateMismatchError,
 )
-from ..tree import DTYPES
+from ..tree import ITEMSIZE
 from .boxes import intersect, volume
 from .chunk import CODEC_VERSIONS, is_chunk_hash
 from .paths import STEP_DIR_RE, STEPS, manifest_key, rank_key
@@ -117,7 +117,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 @dataclass
@@ -276,10 +276,10 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
                name, f"tensor {key!r} names rank {str(owner)[:20]} outside the world size")
         _check((key, owner) not in seen, name, f"tensor {key!r} is listed twice")
         seen.add((key, owner))
-        _check(t.get("dtype") in DTYPES, name, f"tensor {key!r} has unknown dtype {str(t.get('dtype'))[:40]!r}")
+        _check(t.get("dtype") in ITEMSIZE, name, f"tensor {key!r} has unknown dtype {str(t.get('dtype'))[:40]!r}")
         shape = t.get("shape")
         _check(_ints(shape) and len(shape) <= 64, name, f"tensor {key!r} has a bad shape")
-        itemsize = DTYPES[t["dtype"]].itemsize
+        itemsize = ITEMSIZE[t["dtype"]]
         shards = []
         _check(isinstance(t.get("shards"), list), name, f"tensor {key!r} has no shard list")
         for s in t["shards"]:

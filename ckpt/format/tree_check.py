@@ -11,9 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..tree import DTYPES, MAX_DEPTH, Node, kind
+from ..tree import ITEMSIZE, MAX_DEPTH, Node, kind
 
 _KEY_KINDS = {None, "tuple", "float", "npscalar", "size", "dtype", "device", "bytes", "pickle", "tensor"}  # hashable
 
@@ -110,12 +109,14 @@ def _check_size(n: dict, depth: int, as_key: bool, walk: _Walk) -> str | None:
 
 def _check_dtype(n: dict, depth: int, as_key: bool, walk: _Walk) -> str | None:
     v = n.get("v")
-    if not isinstance(v, str) or v not in DTYPES:  # v may be unhashable
+    if not isinstance(v, str) or v not in ITEMSIZE:  # v may be unhashable
         return f"a dtype node naming an unknown dtype {str(v)[:40]!r}"
     return None
 
 
 def _check_device(n: dict, depth: int, as_key: bool, walk: _Walk) -> str | None:
+    import torch  # only a structure that holds a torch.device needs torch to check it
+
     v = n.get("v")
     try:
         if not isinstance(v, str) or len(v) > 64:

@@ -25,9 +25,7 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .. import tree as st
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, NotACheckpointError
@@ -35,10 +33,13 @@ from ..format import manifest as mf
 from ..format import paths
 from ..storage import Storage, open_storage
 from . import collect, listing
-from .diff import Diff, diff
-from .export import ExportResult, check_rank, export
-from .tensors import load_into, read_tensors
 from .verify import VerifyResult, verify
+
+if TYPE_CHECKING:  # tensors, diffs and exports import torch when first used: ls and inspect need none
+    import torch
+
+    from .diff import Diff
+    from .export import ExportResult
 
 Step = int | str | None  # a step number, or None / "latest" for the newest committed step
 
@@ -71,6 +72,17 @@ def _step_number(step: object) -> int:
     elif isinstance(step, float) and step.is_integer():
         hint = f" (pass {int(step)})"
     raise ConfigError(f"a step is an int or 'latest' (or None, the newest), got {step!r}{hint}")
+
+
+def check_rank(m: mf.Manifest, rank: object) -> int:
+    """A saved rank of step ``m`` (whose per-rank state to read), refused before anything is read
+    or written when it is not one: a rank past the world size would silently leave that state out."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ConfigError(f"rank must be an int (a saved rank), got {rank!r}")
+    if not 0 <= rank < m.world_size:
+        saved = "rank 0 only" if m.world_size == 1 else f"ranks 0 to {m.world_size - 1}"
+        raise ConfigError(f"rank {rank} is out of range: step {m.step} was saved on {saved}")
+    return rank
 
 
 class Reader:
@@ -203,6 +215,8 @@ class Reader:
             raise ConfigError(f"step {m.step} has no tensor named or starting with {wanted}; its keys begin "
                               f"{sorted({t.key.split('/', 1)[0] + '/' for t in m.tensors})}")
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read") as io:
+            from .tensors import read_tensors
+
             return dict(zip([e.key for e in entries], read_tensors(self.storage, m, entries, io)))
 
     def values(self, step: Step = None, *, rank: int | None = None) -> dict[str, Any]:
@@ -244,6 +258,8 @@ class Reader:
         if not 0 <= rank < world:
             raise ConfigError(f"rank={rank} is not a rank of world={world}: load as rank 0 to {world - 1} of "
                               f"{world} (the defaults, rank=0 and world=1, load everything into one process)")
+        from .tensors import load_into
+
         m = self.manifest(step)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read") as io:
             load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank, world=world,
@@ -262,6 +278,8 @@ class Reader:
     def diff(self, a: Step, b: Step, *, max_diff: bool = False) -> Diff:
         """Tensors and values that differ between steps ``a`` and ``b`` (by chunk hashes where they
         decide it, else by bytes; ``max_diff`` reads changed tensors for the largest difference)."""
+        from .diff import diff
+
         return diff(self, self.step(a), self.step(b), max_diff=max_diff, threads=self.threads)
 
     def export(self, step: Step, path: str | os.PathLike, *, keys: str | Sequence[str] | None = None,
@@ -281,6 +299,8 @@ class Reader:
 
             ck.export("latest", "hf-out", format="hf", keys="model/", strip_prefix=True, dtype="bf16")
         """
+        from .export import export
+
         return export(self, self.step(step), os.fspath(path), prefixes=_prefixes(keys),
                       strip_prefix=strip_prefix, rank=rank, overwrite=overwrite, threads=self.threads,
                       format=format, dtype=dtype, max_shard_size=max_shard_size)

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from ..errors import ConfigError, StorageError, UnsupportedValueError
 from ..format import manifest as mf
 from ..tree import DTYPES, dtype_name, has_pickle, strip_pickles, value_nodes
+from .core import check_rank
 from .tensors import read_tensors
 
 if TYPE_CHECKING:
@@ -158,17 +159,6 @@ def writing(path: str, nbytes: int, folder: str | None = None) -> Iterator[None]
         where = folder or os.path.dirname(os.path.abspath(path))
         raise StorageError(f"cannot write {path}: {reason}. Check that {where} is writable and has "
                            f"{nbytes / 2**20:.1f} MiB free") from e
-
-
-def check_rank(m: mf.Manifest, rank: object) -> int:
-    """A saved rank of step ``m`` (whose per-rank state to read), refused before anything is read
-    or written when it is not one: a rank past the world size would silently leave that state out."""
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ConfigError(f"rank must be an int (a saved rank), got {rank!r}")
-    if not 0 <= rank < m.world_size:
-        saved = "rank 0 only" if m.world_size == 1 else f"ranks 0 to {m.world_size - 1}"
-        raise ConfigError(f"rank {rank} is out of range: step {m.step} was saved on {saved}")
-    return rank
 
 
 def _check_target(path: str, fmt: str, overwrite: bool) -> None:
