@@ -242,7 +242,8 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
     native: use the compiled core when it is built (fused multi-threaded copy + hash on CPU, batched
         device-to-host copies on GPU); ``False`` uses torch's copies (same bytes, same hashes).
     snapshot_threads: threads for the CPU copy + hash (default: cores, at most 8).
-    check_finite: refuse a save whose model parameters or optimizer state hold NaN or Inf
+    check_finite: refuse a save whose model parameters, optimizer state or optimizer settings
+        (``lr``, ``betas``, ... in ``param_groups``) hold NaN or Inf
         (:class:`~ckpt.NonFiniteStateError`; nothing is committed). ``"all"`` checks every floating
         tensor (buffers and loose tensors too), ``False`` nothing.
     every: the save interval ``should_save(step)`` follows: N steps (an int), a duration
