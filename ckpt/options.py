@@ -213,7 +213,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         ``keep_last``). Retention runs after each commit, in the background.
     local_dir: a fast local directory (NVMe) staged in front of the checkpoint path: chunks are
         written and fsynced there first, then uploaded; restores read a chunk there when its hash
-        matches.
+        matches. Beside the checkpoint path: neither may be inside the other.
     chunk_size: bytes per chunk (default 16 MiB); the unit of dedup, verification and partial reads.
     codec: ``"auto"`` (per chunk the smallest of raw, zstd, byte planes + zstd and an XOR delta
         against the previous save, from a sample; whole saves raw where that is measured to be
