@@ -120,7 +120,8 @@ class S3Storage(FsspecStorage):
         opts["config_kwargs"] = config
         # A try that stalls where no socket timeout applies (a body the server never reads) is cut
         # when the deadline runs out, yet always gets this long: a connection and one read.
-        self._try_floor = float(config["connect_timeout"] or 0) + float(config["read_timeout"] or 0) or 1.0
+        self._read_timeout = float(config["read_timeout"] or 0) or 1.0
+        self._try_floor = float(config["connect_timeout"] or 0) + self._read_timeout
         super().__init__(url, opts)
         self.fs.retries = 1  # s3fs's own retry loop (a class attribute): one try, ours retries
         _without_expect_continue(self.fs)
@@ -301,7 +302,8 @@ class S3Storage(FsspecStorage):
         def once(limit: float) -> bytes:
             t0 = time.monotonic()
             r = self.fs.call_s3("get_object", timeout=limit, **kw)
-            return _read_body(self.fs, r, max(1.0, limit - (time.monotonic() - t0)))
+            # the body gets what is left of the try, and at least one read timeout
+            return _read_body(self.fs, r, max(self._read_timeout, limit - (time.monotonic() - t0)))
         return self._retrying("reading", key, once)
 
     def _read_parallel(self, key: str, kw: dict) -> bytes:
