@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")  # bf16 matmuls in the training: keep oneDNN off AMX/AVX-512
+# oneDNN's bf16 matmul (the gpt-bf16 training) dies of SIGILL on machines that report AMX/AVX512-BF16
+# without enabling it: keep it on AVX2, set before torch loads oneDNN (this process only).
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import argparse  # noqa: E402
 import shutil  # noqa: E402

@@ -28,20 +28,26 @@ a "disk" faster than compression, where ``auto`` must not be slower than ``raw``
 
 from __future__ import annotations
 
-import argparse
-import glob
-import math
 import os
-import platform
-import shutil
-import sys
-import sysconfig
-import tempfile
-import time
-import warnings
 
-import torch
-import zstandard
+# oneDNN's bf16 matmul (the gpt-bf16 training) dies of SIGILL on machines that report AMX/AVX512-BF16
+# without enabling it: keep it on AVX2, set before torch loads oneDNN (this process only; ckpt itself
+# never sets it).
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
+import argparse  # noqa: E402
+import glob  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import sysconfig  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+import zstandard  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -14,19 +14,25 @@ Needs CUDA; prints tables, writes gpu_snapshot.{json,md,png} under --out.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-import tempfile
-import time
 
-import torch
-from harness import median, pyplot, save_figure, write_results
+# The training here is on the GPU, but a bf16 op that lands on the CPU would meet oneDNN: on machines
+# that report AMX/AVX512-BF16 without enabling it its bf16 matmul dies of SIGILL. Kept on AVX2, set
+# before torch loads oneDNN (this process only; ckpt itself never sets it).
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
-import ckpt
-from ckpt import cuda_snapshot
-from ckpt.buffer_layout import make_layout
-from ckpt.snapshot import HostBuffer
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+from harness import median, pyplot, save_figure, write_results  # noqa: E402
+
+import ckpt  # noqa: E402
+from ckpt import cuda_snapshot  # noqa: E402
+from ckpt.buffer_layout import make_layout  # noqa: E402
+from ckpt.snapshot import HostBuffer  # noqa: E402
 
 GiB = 1 << 30
 

@@ -76,8 +76,9 @@ class PartialStateError(CheckpointError):
 
 class NonFiniteStateError(CheckpointError):
     """A save was refused because the state holds NaN or Inf where it must not (model parameters or
-    optimizer state by default; see the ``check_finite`` option). Nothing was committed: ``latest``
-    is still the last healthy step. ``tensors`` names the offending tensors this process knows of,
+    optimizer state by default, and the optimizers' settings such as the learning rate; see the
+    ``check_finite`` option). Nothing was committed: ``latest`` is still the last healthy step.
+    ``tensors`` names the offending tensors (and settings, by key path) this process knows of,
     ``ranks`` the ranks whose state held them."""
 
     def __init__(self, message: str, *, tensors: list[str] | None = None, ranks: list[int] | None = None):

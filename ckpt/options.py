@@ -214,7 +214,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         ``keep_last``). Retention runs after each commit, in the background.
     local_dir: a fast local directory (NVMe) staged in front of the checkpoint path: chunks are
         written and fsynced there first, then uploaded; restores read a chunk there when its hash
-        matches.
+        matches. Beside the checkpoint path: neither may be inside the other.
     chunk_size: bytes per chunk (default 16 MiB); the unit of dedup, verification and partial reads.
     codec: ``"auto"`` (per chunk the smallest of raw, zstd, byte planes + zstd and an XOR delta
         against the previous save, from a sample; whole saves raw where that is measured to be
@@ -249,7 +249,8 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
     native: use the compiled core when it is built (fused multi-threaded copy + hash on CPU, batched
         device-to-host copies on GPU); ``False`` uses torch's copies (same bytes, same hashes).
     snapshot_threads: threads for the CPU copy + hash (default: cores, at most 8).
-    check_finite: refuse a save whose model parameters or optimizer state hold NaN or Inf
+    check_finite: refuse a save whose model parameters, optimizer state or optimizer settings
+        (``lr``, ``betas``, ... in ``param_groups``) hold NaN or Inf
         (:class:`~ckpt.NonFiniteStateError`; nothing is committed). ``"all"`` checks every floating
         tensor (buffers and loose tensors too), ``False`` nothing.
     every: the save interval ``should_save(step)`` follows: N steps (an int), a duration

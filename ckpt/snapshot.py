@@ -26,10 +26,11 @@ which tensors this rank writes) only when the state's structure changes.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from . import _ext
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native
 from .flatten import Flat, Leaf
+from .flatten import _component as key_component  # the names flatten gives keys
 from .planning import Inventory
 from .ranks import Comm
 from .tree import dtype_name
@@ -67,6 +69,7 @@ class Snapshot:
     generation: int = 0  # the buffer's generation holding this snapshot (the next snapshot into it changes it)
     other: HostBuffer | None = None  # the other buffer of the pair (it holds the delta base, if any)
     released: bool = False
+    bad_settings: list[str] = field(default_factory=list)  # optimizer settings found NaN or Inf (their key paths)
 
     def release(self) -> None:
         """Give the host buffer back to the next snapshot, once every CUDA copy into it is done (on
@@ -80,9 +83,10 @@ class Snapshot:
                 self.buffer.release()
 
     def poisoned(self) -> list[str]:
-        """Every checked tensor holding NaN or Inf, in state order; call after the CUDA copy is done."""
+        """Every checked tensor holding NaN or Inf, in state order, then every optimizer setting that
+        is NaN or Inf; call after the CUDA copy is done."""
         bad = set(self.nonfinite) | set(self.cuda.nonfinite() if self.cuda is not None else ())
-        return [k for k in self.buffer.layout_keys if k in bad]
+        return [k for k in self.buffer.layout_keys if k in bad] + self.bad_settings
 
 
 class Snapshotter:
@@ -143,6 +147,7 @@ class Snapshotter:
             self.buffer = buf
         share = self._share
         check = finite_checked(state, flat, self.check_finite)
+        bad_settings = nonfinite_settings(state) if self.check_finite is not False else []
         buf.acquire()
         try:
             cuda, hashes, bad = buf.copy_in(flat.tensors, optimizer_guarded(state) if buf.has_cuda else frozenset(),
@@ -151,7 +156,7 @@ class Snapshotter:
             buf.release()
             raise
         return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad,
-                        buf.generation, self.spare)
+                        buf.generation, self.spare, bad_settings=bad_settings)
 
     @property
     def host_bytes(self) -> int:
@@ -199,9 +204,43 @@ def finite_checked(state: dict[str, Any], flat: Flat, mode: bool | str) -> froze
             ptrs.update(_local(p).data_ptr() for p in v.parameters())
         elif isinstance(v, torch.optim.Optimizer):
             ptrs.update(_local(p).data_ptr() for g in v.param_groups for p in g["params"])
+            # settings held as tensors (a tensor learning rate, for capturable optimizers)
+            ptrs.update(_local(t).data_ptr() for g in v.param_groups for k, x in g.items() if k != "params"
+                        for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor))
             ptrs.update(_local(t).data_ptr() for pst in v.state.values() for t in pst.values()
                         if isinstance(t, torch.Tensor))
     return frozenset(k for k in floating if flat.tensors[k].data_ptr() in ptrs)
+
+
+def nonfinite_settings(state: dict[str, Any]) -> list[str]:
+    """The key paths (``"optim/param_groups/0/lr"``) of the float settings in the optimizers'
+    ``param_groups`` (learning rate, betas, weight decay, eps, ...) that are NaN or Inf, in state
+    order. A NaN learning rate turns every parameter into NaN at the next step: a state holding one
+    is as poisoned as a NaN weight, though every tensor in it is still finite."""
+    bad: list[str] = []
+
+    def walk(path: tuple[str, ...], v: Any) -> None:
+        if isinstance(v, torch.optim.Optimizer):
+            for i, group in enumerate(v.param_groups):
+                for name, x in group.items():
+                    if name != "params":
+                        settings(path + ("param_groups", str(i), key_component(name)), x)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(path + (key_component(k),), x)
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(path + (str(i),), x)
+
+    def settings(path: tuple[str, ...], x: Any) -> None:
+        if isinstance(x, float) and not math.isfinite(x):
+            bad.append("/".join(path))
+        elif isinstance(x, (list, tuple)):  # betas, Adafactor's eps pair
+            for i, y in enumerate(x):
+                settings(path + (str(i),), y)
+
+    walk((), state)
+    return bad
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

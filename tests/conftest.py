@@ -1,15 +1,22 @@
 from __future__ import annotations
 
-import logging
 import os
-import uuid
 
-import pytest
-import torch
-from torch import nn
+# oneDNN's bf16 matmul dies of SIGILL (exit -4) on machines that report AMX/AVX512-BF16 without
+# enabling it, so the suite's result depended on the machine it ran on. Tests that train in bf16, and
+# every process they start (all inherit this environment), stay on AVX2. Set before torch loads
+# oneDNN; the test process's choice, never ckpt's (tests/test_onednn_isa.py checks the scripts too).
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
-from ckpt.storage.local import LocalStorage
-from ckpt.testing import FaultyStorage, MotoS3, RcloneS3, storage_options
+import logging  # noqa: E402
+import uuid  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from ckpt.storage.local import LocalStorage  # noqa: E402
+from ckpt.testing import FaultyStorage, MotoS3, RcloneS3, storage_options  # noqa: E402
 
 
 def make_model(seed: int = 0) -> nn.Module:

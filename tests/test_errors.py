@@ -286,6 +286,27 @@ def test_storage_is_injected_instead_of_opened(tmp_path):
         ckpt.Checkpointer(str(tmp_path), storage=LocalStorage(tmp_path), storage_options={})
 
 
+@pytest.mark.parametrize("layout", ["local_dir inside", "path inside", "through a symlink", "file URL"])
+def test_a_local_dir_nested_with_the_checkpoint_path_is_refused(tmp_path, layout):
+    """Issue 24 item 23: each tier lists and collects everything under its directory, so a local_dir
+    inside the checkpoint path (or around it) had one tier's files taken for the other's checkpoint
+    objects. Refused at construction, before anything is created; real paths are compared."""
+    run = tmp_path / "run"
+    path, local, why = str(run), str(run / "stage"), "local_dir is inside the checkpoint path"
+    if layout == "path inside":
+        path, local, why = str(tmp_path / "nvme" / "run"), str(tmp_path / "nvme"), "checkpoint path is inside local_dir"
+    elif layout == "through a symlink":  # the link hides that the stage is under the run
+        run.mkdir()
+        os.symlink(run, tmp_path / "link")
+        local = str(tmp_path / "link" / "stage")
+    elif layout == "file URL":
+        path = f"file://{run}"
+    with pytest.raises(ckpt.ConfigError, match=why + r".*beside the checkpoint path"):
+        ckpt.Checkpointer(path, local_dir=local)
+    assert not os.path.exists(run / "stage") and not os.path.exists(tmp_path / "nvme")
+    ckpt.Checkpointer(str(run), local_dir=str(tmp_path / "run-stage")).close()  # a sibling sharing a prefix is fine
+
+
 def test_chunk_directory_removed_between_saves(ckdir):
     import shutil
     c = ckpt.Checkpointer(ckdir)

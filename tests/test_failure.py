@@ -100,6 +100,34 @@ def test_a_poisoned_save_is_refused_and_latest_stays_healthy(tmp_path, native, w
         assert c.steps() == [1, 3]
 
 
+@pytest.mark.parametrize("setting, value, bad", [
+    ("lr", float("nan"), "lr"), ("betas", (0.9, float("inf")), "betas/1"),
+    ("weight_decay", float("-inf"), "weight_decay"), ("eps", float("nan"), "eps"), ("lr", "tensor", "lr")])
+def test_a_non_finite_optimizer_setting_is_refused(tmp_path, setting, value, bad):
+    """Issue 24 item 23: a NaN learning rate (or betas, weight decay, eps) in param_groups turns every
+    parameter into NaN at the next step, though each tensor saved now is finite: refused like a NaN
+    tensor. A learning rate held as a tensor is checked by the copy pass with the other tensors."""
+    net, opt = trained()
+    if value == "tensor":
+        opt = torch.optim.Adam(net.parameters(), lr=torch.tensor(1e-3), foreach=False)
+    state = {"model": net, "optim": opt}
+    with ckpt.Checkpointer(tmp_path / "on") as c:
+        c.save(1, state).wait()
+        before = files_under(tmp_path / "on")
+        if value == "tensor":
+            opt.param_groups[0]["lr"].fill_(float("nan"))
+        else:
+            opt.param_groups[0][setting] = value
+        with pytest.raises(ckpt.NonFiniteStateError, match="step 2 was not saved.*NaN or Inf in optim/param_groups/0/"
+                           + bad) as e:
+            c.save(2, state).wait()
+        assert e.value.tensors == [f"optim/param_groups/0/{bad}"]
+        assert c.steps() == [1] and files_under(tmp_path / "on") == before
+    with ckpt.Checkpointer(tmp_path / "off", check_finite=False) as c:
+        c.save(1, state).wait()
+        assert c.steps() == [1]
+
+
 def test_buffers_and_loose_tensors_are_checked_only_when_asked(tmp_path):
     net, opt = trained()
     state = {"model": net, "optim": opt, "scores": torch.tensor([1.0, float("nan")])}

@@ -125,7 +125,10 @@ def test_failed_multipart_is_aborted(server):
         def faults_after_create(method, *a, **kw):  # instrumentation: the fault lands between calls
             r = call(method, *a, **kw)
             if method == "create_multipart_upload":
-                proxy.arm("503", 3)
+                # Two per part: the body now goes out with the headers, so the proxy's answer-and-close
+                # may break the write first, and aiohttp then resends an idempotent PUT once itself.
+                # The abort meets what is left over, and has tries enough for it.
+                proxy.arm("503", 6)
                 proxy.drop_all()  # parts must open new connections, and meet the 503s
             return r
 
@@ -195,6 +198,82 @@ def test_a_dead_server_fails_a_save_of_many_chunks_within_one_deadline(tmp_path)
         srv.kill()
         c.close()  # the lease removal meets the dead server too: logged, bounded
     assert elapsed < 2 * deadline + 2  # before: about 64 / 8 deadlines
+
+
+def _in_thread(fn, limit: float) -> tuple[BaseException | None, float]:
+    """Run ``fn`` in a thread; its error and how long it took. A hang fails the test after ``limit``
+    seconds instead of hanging the suite (the thread is a daemon, let go when its sockets close)."""
+    out: list[BaseException | None] = [None]
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # handed to the test
+            out[0] = e
+    t0 = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), f"still waiting on the server after {limit}s"
+    return out[0], time.monotonic() - t0
+
+
+def test_a_server_that_accepts_and_never_answers_fails_a_save_in_bounded_time(rclone_server):
+    """Issue 24 item 19: every PUT asked 'Expect: 100-continue' and waited for the answer outside
+    read_timeout and retry_deadline, so a server that accepted connections and never answered held
+    a save forever. Now it fails within the deadline and commits nothing."""
+    url = s3_url()
+    with ckpt.Checkpointer(url, storage_options=fast(rclone_server.endpoint)) as c:
+        c.save(1, {"w": torch.ones(1000)}).wait()
+    proxy = FaultProxy(rclone_server.port, stall_s=600)  # a stalled connection is held until close()
+    proxy.arm("stall", 100_000)  # every connection
+    c = ckpt.Checkpointer(url, storage_options=fast(proxy.endpoint, read_timeout=2, retry_deadline=10))
+    try:
+        err, elapsed = _in_thread(lambda: c.save(2, {"w": torch.randn(200_000)}).wait(), 60)
+        assert isinstance(err, ckpt.StorageError), err
+        assert elapsed < 30
+        assert proxy.injected["stall"] >= 1
+        proxy.disarm()  # the server answers again: close() is quick
+        c.close()
+    finally:
+        proxy.close()
+    with ckpt.Checkpointer(url, storage_options=fast(rclone_server.endpoint)) as c:
+        assert c.steps() == [1]
+        assert not c.storage.exists(paths.manifest_key(2))
+
+
+@pytest.mark.parametrize("how", ["put", "multipart"])
+def test_a_body_the_server_never_reads_is_cut_at_the_deadline(rclone_server, how):
+    """A body larger than the socket buffers, sent to a server that stops reading, blocks the write,
+    where no socket timeout applies: each try is cut when the retry deadline runs out. A multipart
+    upload whose parts stall is aborted, leaving no parts behind."""
+    proxy = FaultProxy(rclone_server.port, stall_s=600)
+    mp = {"multipart_chunksize": 16 * MiB} if how == "multipart" else {"multipart_threshold": 64 * MiB}
+    st = open_storage(s3_url(), fast(proxy.endpoint, read_timeout=1, retry_deadline=3, **mp))
+    call = st.fs.call_s3
+
+    def stall_parts(method, *a, **kw):  # instrumentation: the stall lands between the calls
+        r = call(method, *a, **kw)
+        if method == "create_multipart_upload":
+            proxy.arm("stall", 2)  # the two parts' connections; the abort goes through
+            proxy.drop_all()
+        return r
+
+    if how == "multipart":
+        st.fs.call_s3 = stall_parts
+    else:
+        proxy.arm("stall", 100_000)
+    try:
+        err, elapsed = _in_thread(lambda: st.write("chunks/aa/big", [os.urandom(40 * MiB)]), 60)
+        assert isinstance(err, ckpt.StorageError), err
+        assert elapsed < 20
+        assert proxy.injected["stall"] >= 1
+    finally:
+        proxy.close()
+    direct = open_storage(st.url, fast(rclone_server.endpoint))
+    assert not direct.exists("chunks/aa/big")
+    if how == "multipart":
+        assert st.counters["aborted"] == 1 and direct.multipart_uploads() == []
 
 
 # -- tier-aware restore -----------------------------------------------------------------------------

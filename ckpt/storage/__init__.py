@@ -7,6 +7,7 @@ module is the factory: it picks the backend from the URL.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from urllib.parse import urlparse
 
@@ -37,6 +38,23 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
     return FsspecStorage(url, storage_options or {})
 
 
+def _apart(path: str, local_dir: str, given: str) -> None:
+    """Refuse a local_dir that is the checkpoint path, or one of the two inside the other. Both tiers
+    list and collect what is under their root: nested, one tier's chunks, manifests and leases would
+    be seen by the other as its own objects (orphans ``ckpt gc`` removes, steps it did not commit).
+    Compared as real paths, so a symlink or ``..`` does not hide it."""
+    a, b = os.path.realpath(path), os.path.realpath(local_dir)
+    if a == b:
+        raise ConfigError(f"local_dir {given!r} is the checkpoint path itself; leave local_dir out")
+    inner = "local_dir is inside the checkpoint path" if os.path.commonpath([a, b]) == a else (
+        "the checkpoint path is inside local_dir" if os.path.commonpath([a, b]) == b else None)
+    if inner is not None:
+        raise ConfigError(
+            f"{inner} (checkpoint path {a}, local_dir {b}): each tier lists and collects everything under "
+            "its directory, so the other tier's files would be taken for its own checkpoint objects. Put "
+            "local_dir beside the checkpoint path, not inside it or around it (e.g. /nvme/ckpt for /mnt/run).")
+
+
 def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = None, *,
                 verify: Callable[[str, list[memoryview]], None], upload_threads: int = 8,
                 local_commits: bool = False) -> Storage:
@@ -52,6 +70,6 @@ def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = 
     local = open_storage(local_dir)
     if not isinstance(local, LocalStorage):
         raise ConfigError(f"local_dir must be a local directory, got {local_dir!r}")
-    if isinstance(remote, LocalStorage) and remote.root == local.root:
-        raise ConfigError(f"local_dir {local_dir!r} is the checkpoint path itself; leave local_dir out")
+    if isinstance(remote, LocalStorage):
+        _apart(remote.root, local.root, local_dir)
     return TieredStorage(local, remote, verify=verify, upload_threads=upload_threads, local_commits=local_commits)

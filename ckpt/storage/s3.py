@@ -6,6 +6,8 @@ On top of the generic fsspec backend this adds:
   truncated bodies are retried with full-jitter exponential backoff, bounded both in attempts and in
   total time (``retry_deadline``). botocore's and s3fs's own retry loops are turned off so the bound
   holds: a server that went away turns into :class:`~ckpt.errors.StorageError` in bounded time.
+  Every try ends: bodies go out without ``Expect: 100-continue`` (whose wait no timeout covered),
+  and a try still under way when the deadline runs out is cancelled.
 * **Parallel multipart uploads** for objects of at least ``multipart_threshold`` bytes, parts sent
   by ``upload_concurrency`` threads; a failed upload is aborted, so no orphan parts stay billed.
 * **Create-only commit and chunks.** One PUT of the whole manifest with ``If-None-Match: *`` after a
@@ -123,8 +125,13 @@ class S3Storage(FsspecStorage):
         config.setdefault("request_checksum_calculation", "when_required")
         config.setdefault("response_checksum_validation", "when_required")
         opts["config_kwargs"] = config
+        # A try that stalls where no socket timeout applies (a body the server never reads) is cut
+        # when the deadline runs out, yet always gets this long: a connection and one read.
+        self._read_timeout = float(config["read_timeout"] or 0) or 1.0
+        self._try_floor = float(config["connect_timeout"] or 0) + self._read_timeout
         super().__init__(url, opts)
         self.fs.retries = 1  # s3fs's own retry loop (a class attribute): one try, ours retries
+        _without_expect_continue(self.fs)
         bucket, _, prefix = self.root.partition("/")
         if not bucket:
             raise ConfigError(f"{url!r} names no bucket; use s3://bucket/prefix")
@@ -143,20 +150,28 @@ class S3Storage(FsspecStorage):
     # -- the retry loop -------------------------------------------------------------------------
     def _call(self, what: str, key: str, method: str, _attempts: int | None = None, **kw: Any) -> Any:
         """One S3 call with jittered exponential backoff on retryable errors, bounded in time."""
-        return self._retrying(what, key, lambda: self.fs.call_s3(method, **kw), _attempts)
+        return self._retrying(what, key, lambda limit: self.fs.call_s3(method, timeout=limit, **kw), _attempts)
 
-    def _retrying(self, what: str, key: str, once: Callable[[], T], attempts: int | None = None) -> T:
-        """``once()`` until it succeeds, with full-jitter backoff on retryable errors: at most
-        ``max_attempts`` tries, never sleeping past ``retry_deadline``. When one request gives up on
-        the server, the others already retrying give up at their next try instead of each waiting
-        out a deadline of its own: a save's failure time is bounded as a whole."""
+    def _retrying(self, what: str, key: str, once: Callable[[float], T], attempts: int | None = None) -> T:
+        """``once(limit)`` until it succeeds, with full-jitter backoff on retryable errors: at most
+        ``max_attempts`` tries, never sleeping past ``retry_deadline``, each try cancelled after
+        ``limit`` seconds (what is left of the deadline, at least a connect and a read timeout). When
+        one request gives up on the server, the others already retrying give up at their next try
+        instead of each waiting out a deadline of its own: a save's failure time is bounded as a whole."""
+        from fsspec.exceptions import FSTimeoutError
+
         max_attempts = attempts or self.max_attempts
         start = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
+            limit = max(self._try_floor, self.retry_deadline - (time.monotonic() - start))
             try:
-                return once()
+                try:
+                    return once(limit)
+                except FSTimeoutError as e:  # says nothing by itself
+                    raise TimeoutError(f"no complete answer within {limit:.1f}s (what was left of "
+                                       "retry_deadline)") from e
             except Exception as e:  # classified below
                 if not is_retryable(e):
                     raise
@@ -308,9 +323,11 @@ class S3Storage(FsspecStorage):
 
     def _get(self, key: str, kw: dict) -> bytes:
         # The body is read inside the retried call: a reset mid-body is retried like any other.
-        def once() -> bytes:
-            r = self.fs.call_s3("get_object", **kw)
-            return _read_body(self.fs, r)
+        def once(limit: float) -> bytes:
+            t0 = time.monotonic()
+            r = self.fs.call_s3("get_object", timeout=limit, **kw)
+            # the body gets what is left of the try, and at least one read timeout
+            return _read_body(self.fs, r, max(self._read_timeout, limit - (time.monotonic() - t0)))
         return self._retrying("reading", key, once)
 
     def _read_parallel(self, key: str, kw: dict) -> bytes:
@@ -380,10 +397,33 @@ class S3Storage(FsspecStorage):
         self._parts.shutdown(wait=False)
 
 
-def _read_body(fs, response) -> bytes:
+def _drop_expect(params: dict, **_: Any) -> None:
+    params.get("headers", {}).pop("Expect", None)
+
+
+def _without_expect_continue(fs: Any) -> None:
+    """Send PUT bodies straight away instead of asking ``Expect: 100-continue`` first.
+
+    botocore asks it of every PutObject and UploadPart; aiohttp then holds the body until the server
+    answers "100 Continue", and starts the read timeout only once the body is sent. A server that
+    accepts the connection and never answers held a save forever, past read_timeout and
+    retry_deadline. The hook goes on the session s3fs makes its clients from (a client copies the
+    session's handlers when made), so every client it makes, now or after a reconnect, has it: s3fs
+    keeps a session it did not make instead of making a new one. Registered last, after botocore's
+    own handler has added the header."""
+    from aiobotocore.session import AioSession
+
+    session = fs.session if fs.session is not None else AioSession(**fs.kwargs)
+    session.get_component("event_emitter").register_last("before-call.s3", _drop_expect,
+                                                         unique_id="ckpt-no-expect-continue")
+    fs.session = session
+    fs._session_is_owned = False
+
+
+def _read_body(fs, response, limit: float) -> bytes:
     from fsspec.asyn import sync
 
     async def read():
         async with response["Body"] as body:
             return await body.read()
-    return sync(fs.loop, read)
+    return sync(fs.loop, read, timeout=limit)

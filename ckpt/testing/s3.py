@@ -118,7 +118,8 @@ SLOWDOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</
 class FaultProxy:
     """Forwards 127.0.0.1:port to an upstream port. ``arm(kind, n)`` makes the next ``n`` new
     connections fail with ``kind``: ``"503"`` (answer SlowDown, close), ``"reset"`` (read part of
-    the request, then RST), ``"stall"`` (hold the connection ``stall_s`` seconds, then close).
+    the request, then RST), ``"stall"`` (read part of the request, hold the connection ``stall_s``
+    seconds or until :meth:`close`, then close: a server that accepts and never answers).
     ``upstream_bytes`` counts request bytes forwarded; ``on_bytes(n, event)`` sets ``event`` once
     that many have gone through (to act mid-upload without sleeping)."""
 
@@ -149,6 +150,11 @@ class FaultProxy:
         assert kind in self.injected
         with self._lock:
             self.faults += [kind] * n
+
+    def disarm(self) -> None:
+        """Drop the faults not yet used: new connections go through again."""
+        with self._lock:
+            self.faults.clear()
 
     def on_bytes(self, n: int, event: threading.Event, hold: bool = False) -> None:
         """Set ``event`` once ``n`` more request bytes went upstream; with ``hold``, also stop
