@@ -126,11 +126,23 @@ class Checkpointer:
 
     @contextmanager
     def _lend_buffer(self, nbytes: int) -> Iterator[torch.Tensor | None]:
-        """The host buffer as a load's staging memory, when it exists, is idle and is large enough
-        (a load mid-run then needs no memory of its own). Its bytes stop being the previous save's,
-        so the next save encodes no delta against them."""
+        """A load's staging memory. Before the first save: memory kept afterwards as the reserve the
+        first save's host buffer takes over (when the sizes agree), so the load's page faults are
+        not paid twice; close() or that save lets it go. Later: the host buffer itself, when it is
+        idle and large enough (a load mid-run then needs no memory of its own); its bytes stop being
+        the previous save's, so the next save encodes no delta against them."""
         buf = self._snapshots.buffer
-        if buf is None or buf.nbytes < nbytes or not buf.acquire(timeout=0):
+        if buf is None:  # before the first save: memory that save's host buffer can take over
+            space = self._snapshots.reserve
+            if space is None or space.numel() < nbytes:
+                space = torch.empty(nbytes, dtype=torch.uint8)
+            self._snapshots.reserve = None
+            try:
+                yield space
+            finally:
+                self._snapshots.reserve = space
+            return
+        if buf.nbytes < nbytes or not buf.acquire(timeout=0):
             yield None
             return
         try:
@@ -354,6 +366,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._snapshots.reserve = None
             at_exit.untrack(self)
             self._schedule.close()
             self._commit_thread.shutdown(wait=True)

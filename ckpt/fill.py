@@ -106,10 +106,14 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     except (TypeError, ValueError, KeyError) as e:
         raise CorruptCheckpointError(f"step {m.step}: its values cannot be rebuilt ({type(e).__name__}: {e})",
                                      object=paths.manifest_key(m.step)) from e
-    need = _staging_bytes(dests) if staged else 0
+    # Stand-ins: CPU memory the chunks are read into, copied into the tensors once every chunk has
+    # checked out; for every destination on a device (or strided), and with ``staged`` for the
+    # caller's own CPU tensors too. One allocation for all, or memory ``lend`` gives.
+    keys = (dests.own if staged else []) + dests.elsewhere
+    need = sum(_padded(dests.tensors[k][0].nbytes) for k in keys)
     with (lend(need) if lend is not None and need else nullcontext()) as lent:
         if need:
-            _stage(dests, lent if lent is not None else torch.empty(need, dtype=torch.uint8))
+            _stand_ins(dests, keys, lent if lent is not None else torch.empty(need, dtype=torch.uint8))
         feeds, strided = _feeds(m, match, dests)
         stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
         if before_read is not None:
@@ -228,7 +232,8 @@ class _Dests:
     tensors: dict[str, tuple[torch.Tensor, Box]] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    in_place: list[str] = field(default_factory=list)  # saved keys whose destination is the caller's own tensor
+    own: list[str] = field(default_factory=list)  # saved keys whose destination is the caller's CPU tensor
+    elsewhere: list[str] = field(default_factory=list)  # ... a tensor on a device, or strided: read via the CPU
 
 
 def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
@@ -261,10 +266,10 @@ def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
         box = ((0,) * len(shape), shape) if owner is not None else leaf.box
         if t.device.type == "cpu" and t.is_contiguous():
             local = t.detach() if t.requires_grad else t
-            out.in_place.append(key)
+            out.own.append(key)
         else:
-            local = torch.empty(tuple(t.shape), dtype=dtype)
-            out.copy_back.append((t, local))
+            local = t  # given a CPU stand-in before any read (_stand_ins)
+            out.elsewhere.append(key)
         out.tensors[key] = (local, box)
         out.values[key] = target.targets[tkey]
     if mismatches:
@@ -280,23 +285,21 @@ def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
     return out
 
 
-def _staging_bytes(dests: _Dests) -> int:
-    """Staging memory for the destinations that are the caller's own tensors."""
-    return sum(-(-dests.tensors[k][0].nbytes // _ALIGN) * _ALIGN for k in dests.in_place)
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
-def _stage(dests: _Dests, space: torch.Tensor) -> None:
-    """Point every destination that is the caller's own tensor at a stand-in in ``space``, copied
-    back once every chunk has checked out."""
+def _stand_ins(dests: _Dests, keys: list[str], space: torch.Tensor) -> None:
+    """Point the destinations of ``keys`` at CPU stand-ins carved from ``space``, each copied into
+    its tensor (``copy_back``) once every chunk has checked out."""
     pos = 0
-    for key in dests.in_place:
+    for key in keys:
         t, box = dests.tensors[key]
         n = t.nbytes
-        stand_in = space[pos : pos + n].view(t.dtype).view(t.shape) if n else torch.empty_like(t)
-        pos += -(-n // _ALIGN) * _ALIGN
+        stand_in = space[pos : pos + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+        pos += _padded(n)
         dests.tensors[key] = (stand_in, box)
         dests.copy_back.append((t, stand_in))
-    dests.in_place = []
 
 
 Feeds = dict[str, list[tuple[int, int, np.ndarray, int]]]

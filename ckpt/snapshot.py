@@ -111,6 +111,9 @@ class Snapshotter:
         self.native = native
         self.threads = threads
         self.buffer: HostBuffer | None = None
+        # Memory a load staged into before the first save: that save's buffer takes it over when
+        # the sizes agree, so the pages faulted in once serve both (Checkpointer._lend_buffer).
+        self.reserve: torch.Tensor | None = None
         self.layouts_made = 0  # the first save, and one per structure change
         self._signature: tuple | None = None
         self._share: Share | None = None
@@ -131,8 +134,8 @@ class Snapshotter:
                 buf.acquire()
                 buf.release()
             self.buffer = self.spare = buf = None
-            buf = HostBuffer(make_layout({k: flat.tensors[k] for k in share.write}, self.chunk_size),
-                             native=self.native, threads=self.threads)
+            layout = make_layout({k: flat.tensors[k] for k in share.write}, self.chunk_size)
+            buf = HostBuffer(layout, native=self.native, threads=self.threads, memory=self._reserved(layout.nbytes))
             self.buffer, self._signature, self._share = buf, sig, share
             self.layouts_made += 1
             log.debug("ckpt: new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
@@ -157,6 +160,13 @@ class Snapshotter:
             raise
         return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad,
                         buf.generation, self.spare, bad_settings=bad_settings)
+
+    def _reserved(self, nbytes: int) -> torch.Tensor | None:
+        """The reserve, for a buffer of ``nbytes`` if it is that size (within 2%); let go either way."""
+        memory, self.reserve = self.reserve, None
+        if memory is None or not nbytes <= memory.numel() <= nbytes * 1.02 + 4096:
+            return None
+        return memory[:max(nbytes, 1)]
 
     @property
     def host_bytes(self) -> int:
@@ -281,12 +291,15 @@ class HostBuffer:
     ``native=False`` (or no compiled core) uses torch's copies and leaves hashing to the writer."""
 
     def __init__(self, layout: BufferLayout, native: bool = True, threads: int | None = None,
-                 lock_with: HostBuffer | None = None, shared: bool = False):
+                 lock_with: HostBuffer | None = None, shared: bool = False, memory: torch.Tensor | None = None):
         self.layout = layout
         # Allocated at the layout's exact size, then pinned where it lies (cudaHostRegister):
         # pin_memory=True would take it from torch's caching host allocator, which rounds every
         # block up to a power of two (a 40 GiB state would pin 64 GiB, twice that with deltas).
-        self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8)
+        if memory is not None and not shared:  # already faulted in (a load staged there): cleared, not allocated
+            self.buffer = memory.zero_()
+        else:
+            self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8)
         if shared:  # for another process to map (DCP's process mode): shared before anything views it
             self.buffer = self.buffer.share_memory_()
         self.pinned = _register_pinned(self, self.buffer)

@@ -120,6 +120,25 @@ def test_a_failed_load_changes_nothing(ckdir, mid_run):
     c.close()
 
 
+def test_strided_targets_are_filled_only_once_every_chunk_checked_out(ckdir):
+    """A strided (transposed) target is read through a CPU stand-in like a device tensor: left as it
+    was when another tensor's chunk is damaged, filled when all is well."""
+    b = torch.arange(32 * 1024, dtype=torch.float32).reshape(256, 128)
+    with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="raw") as c:
+        c.save(1, {"a": _values(1), "b": b}).wait()
+        h = tensor_entry(c.manifest(1), "a").shards[0].segments[-1].chunk
+    target = {"a": torch.zeros(16 * CHUNK // 4), "b": torch.zeros(128, 256).t()}
+    assert not target["b"].is_contiguous()
+    assert ckpt.Checkpointer(ckdir).load(1, target) == 1 and torch.equal(target["b"], b)
+    target = {"a": torch.zeros(16 * CHUNK // 4), "b": torch.zeros(128, 256).t()}
+    with open(os.path.join(ckdir, "chunks", h[:2], h), "r+b") as f:
+        f.seek(200)
+        f.write(b"\xff\xff")
+    with pytest.raises(ckpt.CorruptCheckpointError):
+        ckpt.Checkpointer(ckdir).load(1, target)
+    assert not target["a"].any() and not target["b"].any()
+
+
 def test_a_half_loaded_state_is_never_saved_silently(ckdir):
     state = _two_steps(ckdir)
     c = ckpt.Checkpointer(ckdir, chunk_size=CHUNK, io_threads=1, staged_load=False)
