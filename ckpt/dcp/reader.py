@@ -196,7 +196,9 @@ class Reader(StorageReader):
         view = mf.Manifest(step=m.step, kind="step", world_size=1, chunks=m.chunks, tensors=view_entries,
                            structure=st.dict_node(list(names), [st.tensor_node(n) for n in names]))
         with ThreadPoolExecutor(self.io_threads, thread_name_prefix="ckpt-dcp-read") as pool:
-            load_into(self._open(), view, state, strict=True, allow_pickle=False, io=pool)
+            # staged: a damaged chunk leaves the caller's tensors as they were; fresh tensors need no staging
+            load_into(self._open(), view, state, strict=True, allow_pickle=False, io=pool,
+                      staged=any(into is dest for _, _, dest, into in dests))
         for r, target, dest, into in dests:
             if into is not dest:
                 dest.copy_(into)
