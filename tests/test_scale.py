@@ -47,3 +47,54 @@ def test_save_and_load_time_grow_linearly_with_the_number_of_top_level_keys(tmp_
         ratio = best[4 * N][i] / best[N][i]
         assert ratio < 7, (f"{what}: {best[N][i]:.3f} s CPU for {N} keys, {best[4 * N][i]:.3f} s for {4 * N} "
                            f"({ratio:.1f}x for 4x the keys): a step is no longer linear in the number of keys")
+
+
+class _Probe:
+    """A Stateful that notes whether the cyclic collector runs while ckpt calls it (inside save/load)."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def state_dict(self) -> dict:
+        self.seen.append(gc.isenabled())
+        return {"x": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.seen.append(gc.isenabled())
+
+
+def test_the_collector_is_held_off_inside_save_and_load_and_restored_as_the_caller_had_it(tmp_path):
+    """save() and load() hold off the cyclic collector while they build millions of acyclic containers
+    (ckpt._gc: it walked the whole heap every few hundred thousand of them); afterwards it is as the
+    caller had it, also when pauses nest on several threads."""
+    import threading
+
+    from ckpt._gc import paused
+
+    for enabled in (True, False):
+        gc.enable() if enabled else gc.disable()
+        try:
+            probe = _Probe()
+            with ckpt.Checkpointer(str(tmp_path / str(enabled))) as c:
+                c.save(1, {"probe": probe, "w": torch.ones(4)}).wait()
+                assert gc.isenabled() == enabled
+                c.load(1, {"probe": probe, "w": torch.ones(4)})
+                assert gc.isenabled() == enabled
+            assert len(probe.seen) >= 2 and not any(probe.seen)  # state_dict() in save, load_state_dict() in load
+            inner_done, outer_may_end = threading.Event(), threading.Event()
+
+            def other(inner_done: threading.Event, outer_may_end: threading.Event) -> None:
+                with paused():
+                    inner_done.set()
+                    outer_may_end.wait()
+
+            with paused():
+                t = threading.Thread(target=other, args=(inner_done, outer_may_end))
+                t.start()
+                inner_done.wait()
+            assert not gc.isenabled()  # the other thread's pause still holds
+            outer_may_end.set()
+            t.join()
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()
