@@ -2,7 +2,9 @@
 :func:`ckpt.format.manifest.parse` runs on them as untrusted JSON).
 
 The checks run once per tensor of the state (100,000 for a large ``state_dict``), so each error
-message is formatted only when its check fails.
+message is formatted only when its check fails. They also bound what a reader may allocate for a
+chunk: a chunk is never larger than the bytes the table's own tensors place in it, plus alignment
+padding (:func:`check_chunk_sizes`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ MAX_CHAIN = 256  # a chain of deltas longer than this is refused as damaged (ckp
 MAX_CHUNK_BYTES = 1 << 34  # 16 GiB: a sanity bound on what a manifest may claim for one chunk
 MAX_STEP = (1 << 63) - 1  # steps are non-negative 64-bit integers
 MAX_WORLD = 1 << 24
+# Every tensor starts ALIGN-aligned in the buffer its rank's chunks cut (ckpt.buffer_layout), so a
+# chunk holds less than ALIGN bytes of padding before each of its segments and after the last.
+ALIGN = 64
 
 
 @dataclass
@@ -113,7 +118,7 @@ def ints(v: Any, n: int | None = None) -> bool:
 
 
 def parse_chunks(raw: Any, name: str) -> dict[str, ChunkInfo]:
-    """The chunk table, every entry and chain checked."""
+    """The chunk table, every entry and chain checked (sizes against the tensors: :func:`check_chunk_sizes`)."""
     if not isinstance(raw, dict):
         raise bad(name, "chunks must be an object")
     chunks: dict[str, ChunkInfo] = {}
@@ -225,3 +230,26 @@ def check_tiling(t: TensorEntry, name: str) -> None:
             len(boxes) <= 512 and any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])):
         raise bad(name, f"the shards of tensor {t.key!r} do not tile its shape {t.shape}")
 
+
+def check_chunk_sizes(chunks: dict[str, ChunkInfo], tensors: list[TensorEntry], name: str) -> None:
+    """No chunk claims more bytes than the tensors place in it, plus the padding around them.
+
+    Readers allocate a chunk's size to decode it (a compressed chunk's size is only known for sure
+    once it is decoded), so that size is believed only as far as the step's own tensors account for
+    it: at most ALIGN + the sum of (segment length + ALIGN) over the segments in it. A chunk no
+    segment names is padding alone (less than ALIGN), or the base of a delta: a base has its delta's
+    size (:func:`check_chains`) and every chain ends in a delta no other chunk is based on, which
+    this checks."""
+    held: dict[str, int] = {}
+    for t in tensors:
+        for s in t.shards:
+            for g in s.segments:
+                held[g.chunk] = held.get(g.chunk, ALIGN) + g.length + ALIGN
+    bases = {c.base for c in chunks.values() if c.base is not None}
+    for h, c in chunks.items():
+        if h in bases:
+            continue  # a base: the size of its delta, checked where that chain starts
+        room = held.get(h, ALIGN)
+        if c.size > room:
+            raise bad(name, f"chunk {h} claims {c.size} bytes, more than the {room} its tensors' segments and their "
+                      "padding account for", h)

@@ -34,6 +34,7 @@ from .entries import (
     ChunkInfo,
     TensorEntry,
     bad,
+    check_chunk_sizes,
     check_tiling,
     is_int,
     parse_chunks,
@@ -199,6 +200,7 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
         if kind == "step":
             check_tiling(entry, name)
         tensors.append(entry)
+    check_chunk_sizes(chunks, tensors, name)
     why = problem(structure, {t.key for t in tensors} if kind == "step" else None)
     _check(why is None, name, f"its structure holds {why}")
     return Manifest(step=doc["step"], kind=kind, structure=structure, tensors=tensors, chunks=chunks, world_size=world,
