@@ -17,6 +17,7 @@ search for cycles waits, and it runs at the next allocation after the pause if i
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,3 +43,17 @@ def paused() -> Iterator[None]:
             _depth -= 1
             if _depth == 0 and _was_enabled:
                 gc.enable()
+
+
+def _reset_in_child() -> None:
+    """A process forked during a pause has none of the threads that would end it: it starts unpaused."""
+    global _depth, _lock
+    _lock = threading.Lock()
+    if _depth > 0:
+        _depth = 0
+        if _was_enabled:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import time
 
+import pytest
 import torch
 
 import ckpt
@@ -98,3 +99,19 @@ def test_the_collector_is_held_off_inside_save_and_load_and_restored_as_the_call
             assert gc.isenabled() == enabled
         finally:
             gc.enable()
+
+
+@pytest.mark.multiprocess
+def test_a_process_forked_during_a_pause_starts_with_the_collector_on():
+    """No thread of a forked child will end the parent's pause: the child starts unpaused."""
+    import os
+
+    from ckpt._gc import paused
+
+    assert gc.isenabled()
+    with paused():
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once
+            os._exit(0 if gc.isenabled() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
