@@ -47,6 +47,8 @@ SECTIONS = [
     Section("failure", "The moment of failure", "python benchmarks/failure.py --size-gib 1 --repeats 3"),
     Section("delta", "Deltas", "python benchmarks/delta.py"),
     Section("distributed", "Several ranks", "python benchmarks/distributed.py"),
+    Section("many_keys", "Many small tensors: a state_dict as the state",
+            "python benchmarks/many_keys.py"),
     Section("nodeloss", "Node loss", "python benchmarks/nodeloss.py"),
     Section("lightning_fit", "A Lightning fit",
             "python benchmarks/lightning_fit.py --steps 40 --every 5 --repeats 5"),

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .format.entries import ALIGN  # the format bounds a chunk's size by it (entries.check_chunk_sizes)
 from .tree import dtype_name
-
-ALIGN = 64
 
 
 @dataclass(frozen=True)

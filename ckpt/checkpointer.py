@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import at_exit, events
+from ._gc import paused
 from ._tasks import run_all
 from .commit import CommitProtocol
 from .errors import CheckpointError, ConfigError
@@ -207,8 +208,10 @@ class Checkpointer:
         metrics = SaveMetrics(step=step)
         emergency = step == self._schedule.emergency_step  # never skipped
         try:
-            flat = flatten(state, allow_pickle=self.options.allow_pickle)
-            snap = self._snapshots.take(seq, flat, state, skip_if_busy=self.options.busy == "skip" and not emergency)
+            with paused():  # while the caller waits: a state of many small tensors is mostly GC work (ckpt._gc)
+                flat = flatten(state, allow_pickle=self.options.allow_pickle)
+                snap = self._snapshots.take(seq, flat, state,
+                                            skip_if_busy=self.options.busy == "skip" and not emergency)
         except BaseException as e:
             self._ledger.release(step)
             self._protocol.abandon(seq, step, e)
@@ -303,10 +306,12 @@ class Checkpointer:
         (:class:`~ckpt.PartialStateError`) until a load succeeds or :meth:`accept_state`."""
         self._check_open()
         self._wait_pending()
+        strict = self.options.strict if strict is None else strict
+        allow_pickle = self.options.allow_pickle if allow_pickle is None else allow_pickle
         try:
-            done = self._loader.load(step, state, strict=self.options.strict if strict is None else strict,
-                                     allow_pickle=self.options.allow_pickle if allow_pickle is None else allow_pickle,
-                                     fallback=fallback, rank_map=rank_map)
+            with paused():  # see save()
+                done = self._loader.load(step, state, strict=strict, allow_pickle=allow_pickle, fallback=fallback,
+                                         rank_map=rank_map)
         except CheckpointError as e:
             if self._loader.partial is not None:
                 e.args = (f"{e} (The state was partly overwritten before this failed: load a step before training "

@@ -185,8 +185,9 @@ def _check_fit(m: mf.Manifest, match: _Match, state: dict[str, Any], target: Any
             f"step {m.step} does not match the state: " + "; ".join(parts) +
             ". Pass strict=False to load what matches and leave the rest as it is.")
     misfits: list[str] = []
+    mine = dict(st.top_items(target.structure))  # once: a lookup per key keeps many top-level keys linear
     for top in match.tops:
-        _misfits(match.nodes[top], target_nodes(target, top), state[top], top, strict, misfits)
+        _misfits(match.nodes[top], mine[top], state[top], top, strict, misfits)
     if misfits:
         raise StateMismatchError(
             f"step {m.step} does not fit the state: " + "; ".join(misfits[:6]) + (" …" if len(misfits) > 6 else "") +
@@ -351,11 +352,6 @@ def _feed_shard(shard: mf.Shard, item: int, local: torch.Tensor, dbox: Box, feed
             feeds[chunk].append((coff, length, stage, spos - r0 * row))
     strided.append((local, in_d, stage, (r1 - r0, *sbox[1][1:]), ((0, *in_s[0][1:]), in_s[1])))
     return volume(inter[1])
-
-
-def target_nodes(target: Any, top: str) -> Any:
-    """The state's own structure node for top-level key ``top``."""
-    return dict(st.top_items(target.structure))[top]
 
 
 def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: list[str]) -> None:

@@ -250,14 +250,15 @@ def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False
     if bad:
         raise ConfigError(f"state keys must be strings; got {bad[:3]!r}")
     f = _Flattener(allow_pickle, for_target)
-    nodes, tops = [], {}
+    nodes, spans = [], {}
     for k, v in state.items():
         before = len(f.flat.tensors)
         nodes.append(f.node(v, (k,), (st.path_component(k),)))
-        tops[k] = list(f.flat.tensors)[before:]
+        spans[k] = (before, len(f.flat.tensors))  # a span, not a list per key: many top-level keys stay linear
     f.flat.structure = st.dict_node(list(state.keys()), nodes)
+    order = list(f.flat.tensors) if f.flat.per_rank else []
     for k in f.flat.per_rank:  # every tensor under a per-rank key is this rank's own
-        for key in tops[k]:
+        for key in order[spans[k][0]:spans[k][1]]:
             t = f.flat.tensors[key]
             shape = tuple(t.shape)
             f.flat.leaves[key] = Leaf(((0,) * len(shape), shape), shape, "rank")

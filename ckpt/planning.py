@@ -89,7 +89,7 @@ class WriteAssignment:
 
 # -- the planner ----------------------------------------------------------------------------------
 
-def _top(key: str, tops: list[str]) -> str | None:
+def _top(key: str, tops: set[str] | dict[str, str]) -> str | None:
     head = key.split("/", 1)[0]
     return head if head in tops else None
 
@@ -129,7 +129,7 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
     shared: dict[str, _Shared] = {}
     for r, inv in enumerate(invs):
         for i, row in enumerate(inv.tensors):
-            if row.kind == "rank" or _top(row.key, tops0) in per_rank:
+            if row.kind == "rank" or _top(row.key, inv.tops) in per_rank:
                 writes[r].append(i)
                 loads[r] += row.nbytes
                 continue

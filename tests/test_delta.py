@@ -499,8 +499,10 @@ def test_ranks_that_stored_the_same_chunk_differently_commit_what_stayed(tmp_pat
     stored = storage.write(paths.chunk_key(h), kept[1])
     other = mf.ChunkInfo(len(raw), stored + 1000, "planes/1")  # what the other rank wrote before it
     entries = (other, mf.ChunkInfo(len(raw), stored, "planes/1"))
-    parts = [mf.Manifest(step=1, kind="rank", rank=r, structure=ckpt.tree.dict_node([], []), tensors=[],
-                         chunks={h: info}) for r, info in enumerate(entries)]
+    n = len(raw)  # each rank's tensor holds the chunk (a chunk no tensor uses would be damage)
+    parts = [mf.Manifest(step=1, kind="rank", rank=r, structure=ckpt.tree.dict_node([], []), tensors=[
+        mf.TensorEntry("x", "uint8", [n], [mf.Shard(r, [0], [n], [mf.Segment(h, 0, n)])], rank=r)],
+        chunks={h: info}) for r, info in enumerate(entries)]
     with ThreadPoolExecutor(2) as io:
         m = Writer(storage, CodecSpec("auto"), io).commit(1, parts, frozenset())
     assert m.chunks[h] == mf.ChunkInfo(len(raw), stored, "planes/1")

@@ -254,6 +254,83 @@ def test_a_grown_chunk_is_never_read_whole(ckdir):
     assert peak < 64 << 20
 
 
+
+HUGE = 1 << 34  # 16 GiB: the most a manifest's chunk table may claim for one chunk
+
+
+def _delta_steps(ckdir: str) -> list[dict]:
+    """Three saves of a slowly changing tensor: step 0 stores whole chunks, steps 1 and 2 deltas on them."""
+    w = torch.randn(16 * CHUNK // 4, generator=torch.Generator().manual_seed(5))
+    states = []
+    with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="smallest") as c:
+        for s in range(3):
+            w[s * 100 : s * 100 + 10] += 1.0
+            states.append({"w": w.clone()})
+            c.save(s, states[-1]).wait()
+    return states
+
+
+def _claim(ckdir: str, step: int, pick) -> str:
+    """Rewrite ``step``'s manifest so the chunk ``pick(manifest)`` chooses, and every chunk of its
+    chain (links must share a size), claims HUGE bytes; returns that chunk."""
+    m = ckpt.Checkpointer(ckdir).manifest(step)
+    h = pick(m)
+    path = os.path.join(ckdir, paths.manifest_key(step))
+    with open(path) as f:
+        doc = json.load(f)
+    for x in ckpt.format.manifest.chain(m.chunks, h):
+        doc["chunks"][x][0] = HUGE
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return h
+
+
+def _peak_of(fn) -> tuple[BaseException, int]:
+    tracemalloc.start()
+    try:
+        with pytest.raises(ckpt.CorruptCheckpointError) as e:
+            fn()
+        return e.value, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("which", ["delta chain", "whole chunk"])
+def test_a_manifest_claiming_a_huge_chunk_is_refused_before_anything_is_allocated(ckdir, which):
+    """Issue 24 item 21: a chunk entry claiming 16 GiB made the chain reader allocate that much scratch
+    memory before any check; the claim must be refused, naming the chunk, in memory bounded by the data."""
+    states = _delta_steps(ckdir)
+    if which == "delta chain":
+        step, pick = 2, lambda m: next(h for h, i in m.chunks.items() if i.codec.startswith("xor/"))
+    else:
+        step, pick = 0, lambda m: tensor_entry(m, "w").shards[0].segments[0].chunk
+    h = _claim(ckdir, step, pick)
+    target = {"w": torch.zeros(16 * CHUNK // 4)}
+    err, peak = _peak_of(lambda: ckpt.Checkpointer(ckdir).load(step, target))
+    assert err.chunk == h and h in str(err) and str(HUGE) in str(err)
+    assert peak < 64 << 20
+    assert torch.equal(target["w"], torch.zeros(16 * CHUNK // 4))  # refused before anything changed
+    for other in range(3):  # the other steps still load
+        if other != step:
+            ckpt.Checkpointer(ckdir).load(other, target)
+            assert torch.equal(target["w"], states[other]["w"])
+
+
+def test_a_chain_whose_headers_disagree_with_its_table_is_refused_before_scratch_is_allocated(ckdir):
+    """Past the manifest's checks, the chain reader itself allocates for a chunk only the size every
+    link's header agrees on with the table (and with the object's real length)."""
+    from ckpt.format import chains
+
+    _delta_steps(ckdir)
+    c = ckpt.Checkpointer(ckdir)
+    m = c.manifest(2)
+    h = next(x for x, i in m.chunks.items() if i.codec.startswith("xor/"))
+    table = {x: ckpt.format.manifest.ChunkInfo(HUGE, i.stored, i.codec, i.base) for x, i in m.chunks.items()}
+    err, peak = _peak_of(lambda: chains.resolve(c.storage, table, h, 2))
+    assert err.chunk == h and "the manifest says" in str(err)
+    assert peak < 64 << 20
+
+
 # -- 6. only regular files inside the root are chunks ---------------------------------------------------------
 
 def _raw_step(ckdir: str) -> tuple[str, torch.Tensor]:

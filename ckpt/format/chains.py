@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from ..storage.base import Storage
 from . import manifest as mf
-from .chunk import HEADER_SIZE, MAX_WIDTH, Base, decode, parse_header
+from .chunk import HEADER_SIZE, MAX_WIDTH, Base, check_header, decode, parse_header
 from .paths import chunk_key
 from .planes import scratch
 
@@ -71,9 +71,11 @@ def base_of(blob, chunks: dict[str, mf.ChunkInfo], h: str) -> str | None:
     """The base chunk ``h``'s stored header names (None: stored whole). It must be in the table, so
     the step keeps it (usually it is the entry's own base; where several writers stored the same
     chunk differently, the copy that stayed may be another rank's delta, whose base that rank's
-    part of the table lists)."""
+    part of the table lists). The header must describe the chunk the table does, with the object's
+    real length: nothing is allocated for a chain until every link of it agrees on its size."""
     key = chunk_key(h)
     hdr = parse_header(memoryview(blob)[:HEADER_SIZE], name=key)
+    check_header(hdr, name=key, expect_hash=h, expect_len=chunks[h].size, object_len=len(blob))
     if hdr.base is not None and hdr.base not in chunks:
         raise CorruptCheckpointError(
             f"chunk object {key} is a delta of {hdr.base}, which its step does not list; it is damaged",
@@ -132,6 +134,7 @@ def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int
         wait(running)  # nothing of this chain is read after it returns
     # The whole chunk is decoded into scratch memory, then each delta XORs into those same bytes in
     # place (where a delta is zero, its base's bytes are left as they are); each link's hash is checked.
+    # Its size is what the table, the parsed manifest's tensors and every link's header agree on.
     work = scratch("chain", size)
     (x, data), rest = blobs[-1], blobs[-2::-1]
     raw = decode_link(data, chunks, x, None, work)

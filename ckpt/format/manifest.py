@@ -9,7 +9,6 @@ A manifest is untrusted input when read back: :func:`parse` checks every field i
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import tree as st
+from .._gc import paused
 from .._version import __version__
 from ..errors import (
     CheckpointError,
@@ -26,9 +26,25 @@ from ..errors import (
     NotACheckpointError,
     StateMismatchError,
 )
-from ..tree import ITEMSIZE
-from .boxes import intersect, volume
-from .chunk import CODEC_VERSIONS, is_chunk_hash
+from .entries import MAX_CHAIN as MAX_CHAIN
+from .entries import MAX_CHUNK_BYTES as MAX_CHUNK_BYTES
+from .entries import (
+    MAX_STEP,
+    MAX_WORLD,
+    ChunkInfo,
+    TensorEntry,
+    bad,
+    check_chunk_sizes,
+    check_tiling,
+    is_int,
+    parse_chunks,
+    parse_tensor,
+)
+from .entries import Segment as Segment
+from .entries import Shard as Shard
+from .entries import chain as chain
+from .entries import check_chains as check_chains
+from .entries import closure as closure
 from .paths import STEP_DIR_RE, STEPS, manifest_key, rank_key
 from .tree_check import newest_feature, problem
 
@@ -39,85 +55,7 @@ if TYPE_CHECKING:
 FORMAT = "ckpt"
 FORMAT_VERSION = 4  # 2 adds per-rank entries and nodes, 3 numpy values as raw bytes, 4 the planes and xor
 # codecs (delta chains); saves write the lowest that fits
-MAX_CHAIN = 256  # a chain of deltas longer than this is refused as damaged (ckpt writes at most delta_chain)
-MAX_CHUNK_BYTES = 1 << 34  # 16 GiB: a sanity bound on what a manifest may claim for one chunk
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
-MAX_STEP = (1 << 63) - 1  # steps are non-negative 64-bit integers
-MAX_WORLD = 1 << 24
-
-
-@dataclass
-class ChunkInfo:
-    """One stored chunk: raw size, stored size (header included), codec descriptor (``zstd/1``) and,
-    for a delta (``xor/1``), the chunk it is a delta of, which is then in the same table."""
-
-    size: int
-    stored: int
-    codec: str
-    base: str | None = None
-
-    def to_json(self) -> list:
-        return [self.size, self.stored, self.codec] + ([self.base] if self.base is not None else [])
-
-
-def chain(chunks: dict[str, ChunkInfo], h: str) -> list[str]:
-    """``h`` and its bases, newest first, down to the chunk stored whole. A base the table lacks ends
-    the list (and is in it, so callers see it); a table that :func:`parse` checked lacks none."""
-    out = [h]
-    while out[-1] in chunks and (b := chunks[out[-1]].base) is not None and len(out) <= MAX_CHAIN:
-        out.append(b)
-    return out
-
-
-def closure(chunks: dict[str, ChunkInfo], hashes, missing: set[str] | None = None) -> dict[str, ChunkInfo]:
-    """The chunks ``hashes`` name and every base they need, from ``chunks``. A chunk the table lacks
-    is added to ``missing`` where that is given (else KeyError)."""
-    out: dict[str, ChunkInfo] = {}
-    for h in hashes:
-        for x in chain(chunks, h):
-            if x in out:
-                break
-            if x not in chunks and missing is not None:
-                missing.add(x)
-                break
-            out[x] = chunks[x]
-    return out
-
-
-@dataclass
-class Segment:
-    """``length`` bytes at ``offset`` of chunk ``chunk``, in order, make up a shard's bytes."""
-
-    chunk: str
-    offset: int
-    length: int
-
-
-@dataclass
-class Shard:
-    """The part of a tensor one rank saved: an N-d box (offsets, lengths) of the global tensor,
-    stored row-major as a sequence of segments."""
-
-    rank: int
-    offsets: list[int]
-    lengths: list[int]
-    segments: list[Segment]
-
-
-@dataclass
-class TensorEntry:
-    """A tensor of the state. ``rank`` is set for per-rank state (that rank's own tensor, whole);
-    None for a global tensor, whose ``shards`` tile its ``shape``."""
-
-    key: str
-    dtype: str
-    shape: list[int]
-    shards: list[Shard]
-    rank: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 @dataclass
@@ -135,6 +73,10 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> bytes:
+        with paused():  # see parse()
+            return self._to_json()
+
+    def _to_json(self) -> bytes:
         doc = {
             "format": FORMAT,
             "format_version": self.format_version,
@@ -183,15 +125,7 @@ def _entry_json(t: TensorEntry) -> dict:
 
 def _check(cond: bool, name: str, what: str) -> None:
     if not cond:
-        raise CorruptCheckpointError(f"manifest {name} is invalid: {what}; the step is damaged", object=name)
-
-
-def _is_int(v: Any, lo: int = 0, hi: int = MAX_STEP) -> bool:
-    return type(v) is int and lo <= v <= hi
-
-
-def _ints(v: Any, n: int | None = None) -> bool:
-    return isinstance(v, list) and (n is None or len(v) == n) and all(_is_int(x) for x in v)
+        raise bad(name, what)
 
 
 def _no_constants(name: str) -> None:
@@ -205,6 +139,11 @@ def parse(data: bytes | bytearray, *, name: str) -> Manifest:
     or a :class:`CorruptCheckpointError` (:class:`IncompatibleFormatError` for a newer format): never
     a ``RecursionError``, ``ValueError``, ``KeyError`` or ``TypeError`` from deep, huge or
     ill-typed JSON."""
+    with paused():  # a large state's manifest is millions of containers, none in a cycle (see ckpt._gc)
+        return _parse(data, name)
+
+
+def _parse(data: bytes | bytearray, name: str) -> Manifest:
     try:
         doc = json.loads(data, parse_constant=_no_constants)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, ints of 4300+ digits
@@ -214,7 +153,7 @@ def parse(data: bytes | bytearray, *, name: str) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise NotACheckpointError(f"{name} is not a ckpt manifest (no \"format\": \"ckpt\" field)")
     version: Any = doc.get("format_version")  # untrusted JSON until _check says otherwise
-    _check(_is_int(version, 1), name, "format_version must be a positive integer")
+    _check(is_int(version, 1), name, "format_version must be a positive integer")
     if version > FORMAT_VERSION:
         raise IncompatibleFormatError(
             f"{name} was written by {str(doc.get('writer', 'a newer ckpt'))[:100]} in format v{version}; this ckpt "
@@ -226,11 +165,11 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
     # Every field is untrusted JSON (Any) until _check has looked at it.
     kind: Any = doc.get("kind")
     _check(kind in ("step", "rank"), name, "kind must be 'step' or 'rank'")
-    _check(_is_int(doc.get("step")), name, f"step must be an integer from 0 to {MAX_STEP}")
+    _check(is_int(doc.get("step")), name, f"step must be an integer from 0 to {MAX_STEP}")
     world: Any = doc.get("world_size")
-    _check(_is_int(world, 1, MAX_WORLD), name, f"world_size must be an integer from 1 to {MAX_WORLD}")
+    _check(is_int(world, 1, MAX_WORLD), name, f"world_size must be an integer from 1 to {MAX_WORLD}")
     rank: Any = doc.get("rank")
-    _check(rank is None or _is_int(rank, 0, MAX_WORLD), name, "rank must be a non-negative integer")
+    _check(rank is None or is_int(rank, 0, MAX_WORLD), name, "rank must be a non-negative integer")
     created: Any = doc.get("created", 0.0)
     _check(type(created) in (int, float) and 0 <= created < 1e11, name, "created must be a time in seconds")
     writer: Any = doc.get("writer", "")
@@ -247,96 +186,25 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
         if st.is_per_rank(v):
             _check(kind == "step" and isinstance(v.get("v"), list) and len(v["v"]) == world,
                    name, f"per-rank key {k!r} must hold one value per rank ({world})")
-    raw_chunks: Any = doc.get("chunks")
-    _check(isinstance(raw_chunks, dict), name, "chunks must be an object")
-    chunks: dict[str, ChunkInfo] = {}
-    for h, c in raw_chunks.items():
-        _check(is_chunk_hash(h), name, f"chunk name {h[:40]!r} is not a 32-digit hex hash")
-        _check(isinstance(c, list) and len(c) in (3, 4) and _is_int(c[0], 0, MAX_CHUNK_BYTES)
-               and _is_int(c[1], 0, MAX_CHUNK_BYTES + 4096) and isinstance(c[2], str)
-               and (len(c) == 3 or (isinstance(c[3], str) and is_chunk_hash(c[3]))),
-               name, f"chunk {h} entry must be [size, stored, codec] or [size, stored, codec, base] within bounds")
-        codec, _, cver = c[2].partition("/")
-        if codec not in CODEC_VERSIONS or not cver.isdigit() or len(cver) > 4 or int(cver) > CODEC_VERSIONS[codec]:
-            raise IncompatibleFormatError(
-                f"{name}: chunk {h} uses codec {c[2][:40]!r}, which this ckpt ({__version__}) cannot decode; "
-                "upgrade ckpt")
-        _check((codec == "xor") == (len(c) == 4), name, f"chunk {h}: a delta (xor) and only a delta names a base")
-        chunks[h] = ChunkInfo(c[0], c[1], c[2], c[3] if len(c) == 4 else None)
-    check_chains(chunks, name)
+    chunks = parse_chunks(doc.get("chunks"), name)
     tensors: list[TensorEntry] = []
     seen: set[tuple[str, int | None]] = set()  # (key, owning rank)
     raw_tensors: Any = doc.get("tensors")
     _check(isinstance(raw_tensors, list), name, "tensors must be a list")
+    top_rank = world - 1 if kind == "step" else MAX_WORLD
     for t in raw_tensors:
-        _check(isinstance(t, dict) and isinstance(t.get("key"), str), name, "tensor entry without a key")
-        key = t["key"]
-        owner = t.get("rank")
-        _check(owner is None or _is_int(owner, 0, world - 1 if kind == "step" else MAX_WORLD),
-               name, f"tensor {key!r} names rank {str(owner)[:20]} outside the world size")
-        _check((key, owner) not in seen, name, f"tensor {key!r} is listed twice")
-        seen.add((key, owner))
-        _check(t.get("dtype") in ITEMSIZE, name, f"tensor {key!r} has unknown dtype {str(t.get('dtype'))[:40]!r}")
-        shape = t.get("shape")
-        _check(_ints(shape) and len(shape) <= 64, name, f"tensor {key!r} has a bad shape")
-        itemsize = ITEMSIZE[t["dtype"]]
-        shards = []
-        _check(isinstance(t.get("shards"), list), name, f"tensor {key!r} has no shard list")
-        for s in t["shards"]:
-            _check(isinstance(s, dict), name, f"tensor {key!r}: shard must be an object")
-            offs, lens = s.get("offsets"), s.get("lengths")
-            _check(_ints(offs, len(shape)) and _ints(lens, len(shape))
-                   and all(o + n <= d for o, n, d in zip(offs, lens, shape)),
-                   name, f"tensor {key!r}: a shard box does not fit shape {shape}")
-            _check(_is_int(s.get("rank"), 0, MAX_WORLD), name, f"tensor {key!r}: shard rank must be a rank")
-            raw_segs = s.get("segments", [])
-            _check(isinstance(raw_segs, list), name, f"tensor {key!r}: segments must be a list")
-            segs = []
-            total = 0
-            for g in raw_segs:
-                _check(isinstance(g, list) and len(g) == 3 and isinstance(g[0], str) and _is_int(g[1])
-                       and _is_int(g[2]), name, f"tensor {key!r}: segment must be [chunk, offset, length]")
-                _check(g[0] in chunks, name, f"tensor {key!r} names chunk {g[0][:40]!r} missing from the chunk table")
-                _check(g[1] + g[2] <= chunks[g[0]].size, name,
-                       f"tensor {key!r}: segment runs past the end of chunk {g[0]}")
-                segs.append(Segment(g[0], g[1], g[2]))
-                total += g[2]
-            _check(total == math.prod(lens) * itemsize, name,
-                   f"tensor {key!r}: segments hold {total} bytes, the shard box needs {math.prod(lens) * itemsize}")
-            shards.append(Shard(s["rank"], offs, lens, segs))
+        entry = parse_tensor(t, chunks, top_rank, name)
+        if (entry.key, entry.rank) in seen:
+            raise bad(name, f"tensor {entry.key!r} is listed twice")
+        seen.add((entry.key, entry.rank))
         if kind == "step":
-            boxes = [(tuple(s.offsets), tuple(s.lengths)) for s in shards if volume(s.lengths) > 0]
-            _check(sum(volume(b[1]) for b in boxes) == volume(shape) and (
-                len(boxes) > 512 or not any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])),
-                name, f"the shards of tensor {key!r} do not tile its shape {shape}")
-        tensors.append(TensorEntry(key, t["dtype"], shape, shards, owner))
+            check_tiling(entry, name)
+        tensors.append(entry)
+    check_chunk_sizes(chunks, tensors, name)
     why = problem(structure, {t.key for t in tensors} if kind == "step" else None)
     _check(why is None, name, f"its structure holds {why}")
     return Manifest(step=doc["step"], kind=kind, structure=structure, tensors=tensors, chunks=chunks, world_size=world,
                     rank=rank, created=float(created), writer=writer, stats=stats, format_version=doc["format_version"])
-
-
-def check_chains(chunks: dict[str, ChunkInfo], name: str) -> None:
-    """Every base is in the table and has its delta's size; chains end (no loop) within MAX_CHAIN links."""
-    depth: dict[str, int] = {}  # deltas between a chunk and the whole chunk its chain ends in
-    for h in chunks:
-        path: list[str] = []
-        on_path: set[str] = set()
-        x: str | None = h
-        while x is not None and x not in depth:
-            _check(x not in on_path, name, f"the delta chain of chunk {h} loops")
-            path.append(x)
-            on_path.add(x)
-            b = chunks[x].base
-            if b is not None:
-                _check(b in chunks, name, f"chunk {x} is a delta of {b}, which is not in the chunk table")
-                _check(chunks[b].size == chunks[x].size, name, f"chunk {x} is a delta of {b}, which has another size")
-            x = b
-        d = -1 if x is None else depth[x]
-        for p in reversed(path):
-            d += 1
-            depth[p] = d
-        _check(d <= MAX_CHAIN, name, f"the delta chain of chunk {h} is longer than {MAX_CHAIN}")
 
 
 # One parser per format version: a new version adds an entry instead of growing an if-chain.
