@@ -134,7 +134,7 @@ def _load(stem: str, cls):
     try:
         return cls(ctypes.CDLL(path), path)
     except (OSError, AttributeError) as e:  # AttributeError: a symbol is missing (a build of an older ckpt)
-        log.warning("ckpt: could not load %s (%s); using the pure-Python path", path, e)
+        log.warning("could not load %s (%s); using the pure-Python path", path, e)
         return None
 
 
@@ -147,7 +147,7 @@ def _load_cpu() -> CpuCore | None:
     import xxhash
     probe = np.frombuffer(bytes(range(256)) * 20, np.uint8)
     if core.xxh3_128(probe.ctypes.data, probe.nbytes) != xxhash.xxh3_128_hexdigest(probe.tobytes()):
-        log.warning("ckpt: %s hashes differently from xxhash; not using it (reinstall ckpt to rebuild it)", core.path)
+        log.warning("%s hashes differently from xxhash; not using it (reinstall ckpt to rebuild it)", core.path)
         return None
     return core
 

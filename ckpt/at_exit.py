@@ -77,11 +77,11 @@ def _finish() -> None:
     for c in pending:
         try:
             if id(c) in saving:  # the others have nothing in flight: closed without a word
-                log.info("ckpt: the interpreter is exiting: finishing the saves of %r before it does", c)
+                log.info("the interpreter is exiting: finishing the saves of %r before it does", c)
             c.close()
         except KeyboardInterrupt:
-            log.error("ckpt: interrupted while finishing the saves of %r at exit; a save in flight is lost "
+            log.error("interrupted while finishing the saves of %r at exit; a save in flight is lost "
                       "(the steps committed before it are whole)", c)
             return
         except Exception as e:
-            log.error("ckpt: a save of %r failed at exit: %s", c, e)
+            log.error("a save of %r failed at exit: %s", c, e)

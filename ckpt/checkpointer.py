@@ -220,7 +220,7 @@ class Checkpointer:
         metrics.host_bytes = self._snapshots.host_bytes
         if snap is None:
             metrics.skipped = True
-            log.info("ckpt: skipped the save of step %d: the previous save is still writing (busy='skip')", step)
+            log.info("skipped the save of step %d: the previous save is still writing (busy='skip')", step)
             self._ledger.release(step)
             self._protocol.skip(seq, step)
             return SaveHandle(step, metrics, None)
@@ -395,7 +395,7 @@ class Checkpointer:
             try:
                 self.close()
             except CheckpointError as e:
-                log.error("ckpt: %s", e)
+                log.error("%s", e)
 
     def __repr__(self) -> str:
         o = self.options

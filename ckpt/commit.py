@@ -168,7 +168,7 @@ class CommitProtocol:
         try:
             committed = self._save(job)
         except BaseException as e:
-            log.error("ckpt: saving step %d failed: %s", job.step, e)
+            log.error("saving step %d failed: %s", job.step, e)
             future.set_exception(e)
             return
         finally:
@@ -245,7 +245,7 @@ class CommitProtocol:
             return committed
         if decision.status is Status.SKIP:
             job.metrics.skipped = True
-            log.info("ckpt: step %d was not saved: rank(s) %s skipped it (busy='skip')", job.step, list(decision.ranks))
+            log.info("step %d was not saved: rank(s) %s skipped it (busy='skip')", job.step, list(decision.ranks))
             return None
         if comm.world == 1 and error is not None:
             raise error  # alone, this process's own error is the save's error
@@ -329,7 +329,7 @@ class CommitProtocol:
                 self._absent()
             self.comm.publish(seq, decision.to_json())
         except Exception as e:
-            log.error("ckpt: %s", e)
+            log.error("%s", e)
         self._forget(seq)
 
     def _forget(self, seq: int) -> None:
@@ -337,7 +337,7 @@ class CommitProtocol:
             try:
                 self.comm.forget(seq)
             except DistributedSaveError as e:
-                log.error("ckpt: %s", e)
+                log.error("%s", e)
 
 
 def _read_part(writer: Writer, step: int, rank: int, seq: int = 0) -> mf.Manifest:
@@ -349,7 +349,7 @@ def _read_part(writer: Writer, step: int, rank: int, seq: int = 0) -> mf.Manifes
 
 
 def _log_commit(m: mf.Manifest, metrics: SaveMetrics) -> None:
-    log.info("ckpt: step %d committed in %.2fs: %.1f MiB state, %.1f MiB written (%d new chunks, %d reused) "
+    log.info("step %d committed in %.2fs: %.1f MiB state, %.1f MiB written (%d new chunks, %d reused) "
              "by %d rank(s); save() blocked %.3fs", m.step, metrics.duration_s or 0.0,
              m.stats.get("raw_bytes", 0) / 2**20, m.stats.get("written_bytes", 0) / 2**20,
              m.stats.get("chunks_written", 0), m.stats.get("chunks_reused", 0), m.world_size, metrics.stall_s)

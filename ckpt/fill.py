@@ -194,7 +194,7 @@ def _check_fit(m: mf.Manifest, match: _Match, state: dict[str, Any], target: Any
             ". Build the state as the run that saved it did (or load with strict=False where only nested keys "
             "differ); nothing was changed.")
     if unexpected or miss:
-        log.warning("ckpt: loading step %d non-strictly: %d key(s) not in the state, %d missing from the checkpoint",
+        log.warning("loading step %d non-strictly: %d key(s) not in the state, %d missing from the checkpoint",
                     m.step, len(unexpected), len(miss))
 
 
@@ -382,7 +382,7 @@ def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: 
                 out.append(f"{where}: {other}; load it into the optimizer that saved it, or pass strict=False to "
                            "load it anyway")
             else:
-                log.warning("ckpt: %s: %s; loading it anyway (strict=False)", where, other)
+                log.warning("%s: %s; loading it anyway (strict=False)", where, other)
         return
     if strict and isinstance(live, dict) and live and st.kind(saved) == "dict" and st.kind(target) == "dict":
         saved_keys = {st.path_component(k): (k, v) for k, v in zip(saved["k"], saved["v"])}

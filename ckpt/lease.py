@@ -115,7 +115,7 @@ class Leases:
                     if lease_id == self.writer_id:
                         self._valid_until = expires
                 except Exception as e:  # the next beat tries again; hold() notices a lapsed lease
-                    log.warning("ckpt: renewing %s lease in %s failed: %s", kind, self.storage.describe(), e)
+                    log.warning("renewing %s lease in %s failed: %s", kind, self.storage.describe(), e)
 
     def _track(self, lease_id: str, kind: str) -> None:
         with self._lock:
@@ -156,7 +156,7 @@ class Leases:
                 raise StorageError(
                     f"another process has been deleting chunks in {self.storage.describe()} for more than "
                     f"{self.wait_s:.0f}s ({busy[0].describe()}); if it is dead, delete {lease_key(busy[0].id)}")
-            log.info("ckpt: waiting for %s to finish deleting chunks in %s", busy[0].describe(),
+            log.info("waiting for %s to finish deleting chunks in %s", busy[0].describe(),
                      self.storage.describe())
             time.sleep(delay)  # polling a lease held by another process: nothing to wait on here
             delay = min(1.0, delay * 2)
@@ -169,7 +169,7 @@ class Leases:
         try:
             self.storage.delete(lease_key(self.writer_id))
         except Exception as e:  # it expires on its own
-            log.warning("ckpt: removing the writer lease from %s failed: %s", self.storage.describe(), e)
+            log.warning("removing the writer lease from %s failed: %s", self.storage.describe(), e)
 
     # -- the deleting side ---------------------------------------------------------------------------
     def others(self) -> list[LeaseInfo]:
@@ -197,7 +197,7 @@ class Leases:
             try:
                 self.storage.delete(lease_key(lease_id))
             except Exception as e:  # it expires on its own
-                log.warning("ckpt: removing a deletion lease from %s failed: %s", self.storage.describe(), e)
+                log.warning("removing a deletion lease from %s failed: %s", self.storage.describe(), e)
 
     def sweep(self) -> None:
         """Delete leases that are dead (their process ended without removing them)."""

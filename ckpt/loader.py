@@ -140,14 +140,14 @@ class Loader:
             done, err = attempt(s)
             if done is not None:
                 if first_error is not None:
-                    log.warning("ckpt: loaded step %d instead of the damaged latest step %d", s, steps[-1])
+                    log.warning("loaded step %d instead of the damaged latest step %d", s, steps[-1])
                 return done
             if not isinstance(err, CorruptCheckpointError):
                 assert err is not None
                 raise err
             if not fallback:
                 raise advise(err, "load('latest', state, fallback=True) loads the newest step that verifies.")
-            log.warning("ckpt: %s; falling back to an older step", err)
+            log.warning("%s; falling back to an older step", err)
             first_error = first_error or err
         assert first_error is not None
         raise CorruptCheckpointError(f"no committed step in {self.storage.describe()} loads cleanly; "
@@ -192,7 +192,7 @@ class Loader:
         if tiers is not None:  # which tier each chunk came from; damaged local copies are named
             stats.local_chunks, stats.remote_chunks = tiers.local_hits, tiers.remote_reads
             stats.local_rejected = list(tiers.local_rejected)
-        log.info("ckpt: resumed from step %d of %s (%.1f MiB read and verified, %d chunk(s); saved on %d rank(s), "
+        log.info("resumed from step %d of %s (%.1f MiB read and verified, %d chunk(s); saved on %d rank(s), "
                  "loaded as %s)", step, self.storage.describe(), stats.bytes_read / MiB, stats.chunks_read,
                  m.world_size, self.comm.describe())
         events.emit("resume", self.comm.rank, step=step)

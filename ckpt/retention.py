@@ -66,7 +66,7 @@ def delete_steps(storage: Storage, cache: mf.ManifestCache, victims: list[int], 
         try:
             garbage |= cache.get(s).chunks.keys()
         except CheckpointError as e:  # unreadable manifest: drop the step, leave its chunks to `ckpt gc`
-            log.warning("ckpt: retention: step %d has an unreadable manifest (%s); its chunks are left for gc", s, e)
+            log.warning("retention: step %d has an unreadable manifest (%s); its chunks are left for gc", s, e)
     doomed = sorted(garbage - _references(cache, remaining) - set(keep))
     for s in victims:
         storage.delete(paths.manifest_key(s))  # the step stops existing here
@@ -159,7 +159,7 @@ class Retention:
         try:
             self._apply(step)
         except Exception as e:
-            log.warning("ckpt: retention in %s after step %d failed (nothing committed was lost): %s",
+            log.warning("retention in %s after step %d failed (nothing committed was lost): %s",
                         self.storage.describe(), step, e)
 
     def _apply(self, step: int) -> None:
@@ -177,10 +177,10 @@ class Retention:
                                      keep=keep, park=bool(writers))
             if writers:
                 if victims:
-                    log.info("ckpt: retention removed step(s) %s; their %d chunk(s) are left to delete until %s "
+                    log.info("retention removed step(s) %s; their %d chunk(s) are left to delete until %s "
                              "stops writing here", victims, len(chunks), writers[0].describe())
                 return
             collected = collect_parked(self.storage, self.manifests, remaining, self._delete_many, keep=keep)
             if victims or collected:
-                log.info("ckpt: retention removed step(s) %s and %d unreferenced chunk(s)", victims,
+                log.info("retention removed step(s) %s and %d unreferenced chunk(s)", victims,
                          len(chunks) + len(collected))

@@ -221,7 +221,7 @@ class Schedule:
         else:
             self.interval = Interval("auto" if every == "auto" else "none", mtbf_s=mtbf)
         if every is not None:
-            log.info("ckpt: saving %s", self.interval.describe())
+            log.info("saving %s", self.interval.describe())
         _install(self)
 
     def close(self) -> None:
@@ -246,13 +246,13 @@ class Schedule:
             self._target = doc
             if doc is not None and doc["why"] == "preemption" and not self.preempting:
                 self.preempting = True
-                log.warning("ckpt: preemption signal %s reached rank %d: saving step %d, then stopping",
+                log.warning("preemption signal %s reached rank %d: saving step %d, then stopping",
                             _signal_name(doc.get("signal")), doc["rank"], doc["step"])
         hit = isinstance(self.every, int) and step % self.every == 0
         target = self._target
         if target is not None and step >= target["step"]:
             if step > target["step"]:
-                log.error("ckpt: this rank reached the agreed save step %d late (at %d): ranks more than two steps "
+                log.error("this rank reached the agreed save step %d late (at %d): ranks more than two steps "
                           "apart, or should_save() not called at every step; saving now", target["step"], step)
             if target["why"] == "preemption":
                 self.emergency_step = step
@@ -284,7 +284,7 @@ class Schedule:
         old = self.interval.seconds
         self.interval = new
         if old is None or abs(new.seconds - old) > 0.2 * old:  # type: ignore[operator]
-            log.info("ckpt: saving %s", new.describe())
+            log.info("saving %s", new.describe())
         return new.seconds
 
     def _learn_commit(self) -> None:
@@ -295,7 +295,7 @@ class Schedule:
     def emergency_committed(self, step: int) -> None:
         since, self.signalled_at = self.signalled_at, None
         if since is not None:  # said once
-            log.warning("ckpt: emergency save of step %d committed %.2fs after the preemption signal", step,
+            log.warning("emergency save of step %d committed %.2fs after the preemption signal", step,
                         time.monotonic() - since)
 
     def saved(self, handle: Any) -> None:

@@ -138,13 +138,13 @@ class Snapshotter:
             buf = HostBuffer(layout, native=self.native, threads=self.threads, memory=self._reserved(layout.nbytes))
             self.buffer, self._signature, self._share = buf, sig, share
             self.layouts_made += 1
-            log.debug("ckpt: new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
+            log.debug("new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
                       self.comm.describe(), len(buf.layout.slots), len(buf.layout.chunks), buf.nbytes / 2**20,
                       buf.pinned)
         elif self.pair:  # the previous snapshot stays where it is: this one goes into the other buffer
             if self.spare is None:
                 self.spare = HostBuffer(buf.layout, native=self.native, threads=self.threads, lock_with=buf)
-                log.info("ckpt: a second host buffer of %.1f MiB keeps the previous save for delta encoding "
+                log.info("a second host buffer of %.1f MiB keeps the previous save for delta encoding "
                          "(delta_chain=1 turns deltas and this buffer off)", self.spare.nbytes / 2**20)
             buf, self.spare = self.spare, buf
             self.buffer = buf
@@ -439,7 +439,7 @@ def _register_pinned(owner: object, buf: torch.Tensor) -> bool:
     # (one buffer takes the copies of all the GPUs this process drives)
     rc = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 1)
     if int(rc) != 0:
-        log.warning("ckpt: could not pin the %.1f MiB host buffer (cudaHostRegister: %s); device copies into it "
+        log.warning("could not pin the %.1f MiB host buffer (cudaHostRegister: %s); device copies into it "
                     "go through plain memory", buf.numel() / 2**20, rc)
         return False
     weakref.finalize(owner, _unregister, cudart, buf)  # holds ``buf``: unregistered before the memory goes

@@ -208,7 +208,7 @@ class Writer:
                  if not ok}
         if not gone:
             return
-        log.warning("ckpt: %d chunk(s) this save needs (reused ones, or bases of its deltas) had been deleted by "
+        log.warning("%d chunk(s) this save needs (reused ones, or bases of its deltas) had been deleted by "
                     "another process; writing the chunks that need them again, whole", len(gone))
         with self._lock:
             for h in gone:
@@ -247,7 +247,7 @@ class Writer:
             with self._lock:
                 self.known[h] = found
         puts[:] = [adopted.get(p.hash, p) for p in puts]
-        log.info("ckpt: %d chunk(s) of step %d were stored by another writer at the same time; the step lists "
+        log.info("%d chunk(s) of step %d were stored by another writer at the same time; the step lists "
                  "their copies", len(lost), job.step)
 
     def over(self, job: SaveJob) -> Storage:
@@ -360,15 +360,15 @@ class Writer:
                 self.known.pop(h, None)
         try:
             if self.leases is None or not self.leases.exclusive():
-                log.info("ckpt: step %d failed; its %d new chunk(s) are left for `ckpt gc` (another writer is live)",
+                log.info("step %d failed; its %d new chunk(s) are left for `ckpt gc` (another writer is live)",
                          job.step, len(created))
                 return
             storage = self.over(job)
             run_all(self.io, storage.delete, [paths.chunk_key(h) for h in created])
             storage.flush()
-            log.info("ckpt: step %d failed; removed the %d chunk(s) it had written", job.step, len(created))
+            log.info("step %d failed; removed the %d chunk(s) it had written", job.step, len(created))
         except Exception as e:  # the save's own error matters more; gc removes them later
-            log.warning("ckpt: removing the chunks of failed step %d failed: %s", job.step, e)
+            log.warning("removing the chunks of failed step %d failed: %s", job.step, e)
 
     def commit(self, step: int, parts: list[mf.Manifest], per_rank: frozenset[str],
                storage: Storage | None = None, structure: dict | None = None) -> mf.Manifest:
@@ -414,7 +414,7 @@ class Writer:
             stored = storage.size(key)
             check_header(hdr, name=key, expect_hash=h, object_len=stored)
             truth = mf.ChunkInfo(hdr.raw_len, stored, f"{hdr.codec}/1", hdr.base)
-            log.info("ckpt: chunk %s was stored differently by two ranks; the step lists the copy that stayed (%s)",
+            log.info("chunk %s was stored differently by two ranks; the step lists the copy that stayed (%s)",
                      h, truth.codec)
             for part in parts:
                 if h in part.chunks:

@@ -86,9 +86,15 @@ def test_log_lines_name_ckpt_once(tmp_path, configured):
     import sys
     setup = "import logging; logging.basicConfig()\n" if configured else ""
     script = setup + (f"import torch, ckpt\nckpt.Checkpointer({str(tmp_path / 'basci')!r}).load('latest', "
-                      "{'w': torch.zeros(1)})\n")
+                      "{'w': torch.zeros(1)})\n"
+                      f"with ckpt.Checkpointer({str(tmp_path / 'run')!r}) as c:\n"
+                      "    c.save(1, {'w': torch.zeros(1)}).wait()\n"
+                      "    c.load(1, {'w': torch.zeros(1), 'x': torch.zeros(1)}, strict=False)\n")
     err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stderr
     lines = [line for line in err.splitlines() if "starting fresh" in line]
     assert len(lines) == 1, err
     assert lines[0].startswith("WARNING:ckpt:starting fresh" if configured else "ckpt: starting fresh"), err
+    [line] = [line for line in err.splitlines() if "non-strictly" in line]
+    assert line.startswith("WARNING:ckpt:loading step 1" if configured else "ckpt: loading step 1"), err
+    assert "ckpt:ckpt" not in err and "ckpt: ckpt:" not in err

@@ -60,7 +60,7 @@ class Pair:
             return self.buffer, None
         if self.spare is None:
             self.spare = HostBuffer(self.layout, native=self.native, threads=self.threads, lock_with=self.buffer)
-            log.info("ckpt: ckpt.dcp.Writer keeps a second host buffer of %.1f MiB: the previous save, for delta "
+            log.info("ckpt.dcp.Writer keeps a second host buffer of %.1f MiB: the previous save, for delta "
                      "encoding (delta_chain=1 turns deltas and both kept buffers off)", self.spare.nbytes / 2**20)
         self.buffer, self.spare = self.spare, self.buffer
         return self.buffer, self.spare

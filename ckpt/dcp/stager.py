@@ -184,7 +184,7 @@ class Stager(AsyncStager):
                     raise CheckpointError(
                         f"a ckpt.dcp.Writer has been copying the previous snapshot out of the Stager's buffer for more "
                         f"than {self.wait_s:.0f}s; nothing was staged. Wait for the previous save's future first")
-                log.warning("ckpt: the previous snapshot in the Stager's buffer was never copied out by a save (it "
+                log.warning("the previous snapshot in the Stager's buffer was never copied out by a save (it "
                             "probably failed before writing); staging over it")
                 return
             time.sleep(0.002)

@@ -315,7 +315,7 @@ class Writer(StorageWriter):
         bare = [dataclasses.replace(p, structure=st.dict_node([], [])) for p in parts]
         committed = run.writer.commit(self.step, bare, frozenset(), run.storage,
                                       structure=build_structure(leaves, mappings))
-        log.info("ckpt: committed step %d through DCP (%d ranks, %d tensors)", self.step, world,
+        log.info("committed step %d through DCP (%d ranks, %d tensors)", self.step, world,
                  len(committed.tensors))
         if self.options.keep_last is not None or self.options.keep_every is not None:
             Retention(run.storage, mf.ManifestCache(run.storage), self.options.keep_last, self.options.keep_every,

@@ -179,7 +179,7 @@ class AsyncCheckpoint(CheckpointBase):
             try:
                 c.close()
             except CheckpointError as e:
-                log.error("ckpt: %s", e)
+                log.error("%s", e)
 
     def wait(self) -> None:
         """Block until every save so far is committed; raise the first failure."""
@@ -258,7 +258,7 @@ class AsyncCheckpoint(CheckpointBase):
         except UnsupportedValueError as e:
             raise UnsupportedValueError(str(e) + PICKLE_HINT.format(who="AsyncCheckpoint")) from e
         except StepExistsError:
-            log.warning("ckpt: step %d is already committed in %s; not saving it again", step, self.url)
+            log.warning("step %d is already committed in %s; not saving it again", step, self.url)
             self._last_step = step
             return
         self._last_step = step

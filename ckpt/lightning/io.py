@@ -126,7 +126,7 @@ class CkptCheckpointIO(CheckpointIOBase):
     def remove_checkpoint(self, path: Any) -> None:
         key = self._key(path)
         if self.resumed_from is not None and self.resumed_from[0] == key:
-            log.info("ckpt: not removing %s: this run resumed from it", path)
+            log.info("not removing %s: this run resumed from it", path)
             return
         entry = self._open.pop(key, None)
         self._next_step.pop(key, None)
@@ -144,7 +144,7 @@ class CkptCheckpointIO(CheckpointIOBase):
             try:
                 entry[0].close()
             except CheckpointError as e:
-                log.warning("ckpt: a save to %s failed before it was removed: %s", key, e)
+                log.warning("a save to %s failed before it was removed: %s", key, e)
         storage = (self._open_storage(key) if self._open_storage is not None
                    else open_storage(key, self.options.storage_options))  # the credentials the saves used
         try:
