@@ -31,13 +31,62 @@ template <typename T> inline T rotr1(T v) { return static_cast<T>((v >> 1) | (v 
 
 constexpr uint64_t STEP = 4096;  // elements per block
 
+#ifdef CKPT_SSE2
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline void store16(uint8_t* p, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v); }
+
+// Elements [0, m) of width 2 or 4 into their planes, 16 at a time: each 16-element block's bytes are
+// transposed by rounds of byte unpacks (no byte shuffle in SSE2). Returns the first element not done.
+template <int W, bool X, bool R>
+uint64_t group_sse2(const uint8_t* in, const uint8_t* base, uint64_t m, uint8_t* const* P) {
+  auto word = [&](uint64_t off) {  // 16 bytes of elements, XOR base, rotated left by one bit
+    __m128i v = load16(in + off);
+    if (X) v = _mm_xor_si128(v, load16(base + off));
+    if (R) {
+      v = W == 4 ? _mm_or_si128(_mm_slli_epi32(v, 1), _mm_srli_epi32(v, 31))
+                 : _mm_or_si128(_mm_slli_epi16(v, 1), _mm_srli_epi16(v, 15));
+    }
+    return v;
+  };
+  uint64_t j = 0;
+  for (; j + 16 <= m; j += 16) {
+    const uint64_t off = j * W;
+    if (W == 2) {
+      const __m128i v0 = word(off), v1 = word(off + 16);
+      const __m128i t0 = _mm_unpacklo_epi8(v0, v1), t1 = _mm_unpackhi_epi8(v0, v1);
+      const __m128i u0 = _mm_unpacklo_epi8(t0, t1), u1 = _mm_unpackhi_epi8(t0, t1);
+      const __m128i w0 = _mm_unpacklo_epi8(u0, u1), w1 = _mm_unpackhi_epi8(u0, u1);
+      store16(P[0] + j, _mm_unpacklo_epi8(w0, w1));
+      store16(P[1] + j, _mm_unpackhi_epi8(w0, w1));
+    } else {
+      const __m128i v0 = word(off), v1 = word(off + 16), v2 = word(off + 32), v3 = word(off + 48);
+      const __m128i t0 = _mm_unpacklo_epi8(v0, v1), t1 = _mm_unpackhi_epi8(v0, v1);
+      const __m128i t2 = _mm_unpacklo_epi8(v2, v3), t3 = _mm_unpackhi_epi8(v2, v3);
+      const __m128i u0 = _mm_unpacklo_epi8(t0, t1), u1 = _mm_unpackhi_epi8(t0, t1);
+      const __m128i u2 = _mm_unpacklo_epi8(t2, t3), u3 = _mm_unpackhi_epi8(t2, t3);
+      const __m128i w0 = _mm_unpacklo_epi8(u0, u1), w1 = _mm_unpackhi_epi8(u0, u1);  // elements 0-7
+      const __m128i w2 = _mm_unpacklo_epi8(u2, u3), w3 = _mm_unpackhi_epi8(u2, u3);  // elements 8-15
+      store16(P[0] + j, _mm_unpacklo_epi64(w0, w2));
+      store16(P[1] + j, _mm_unpackhi_epi64(w0, w2));
+      store16(P[2] + j, _mm_unpacklo_epi64(w1, w3));
+      store16(P[3] + j, _mm_unpackhi_epi64(w1, w3));
+    }
+  }
+  return j;
+}
+#endif
+
 // Whole elements at a time: load (XOR base, rotate), then one byte to each plane.
 template <int W, bool X, bool R>
 void group_w(const uint8_t* in, const uint8_t* base, uint64_t m, uint8_t* out) {
   using T = typename Word<W>::T;
   uint8_t* P[W];
   for (int p = 0; p < W; ++p) P[p] = out + static_cast<uint64_t>(p) * m;
-  for (uint64_t j = 0; j < m; ++j) {
+  uint64_t j0 = 0;
+#ifdef CKPT_SSE2
+  if constexpr (W == 2 || W == 4) j0 = group_sse2<W, X, R>(in, base, m, P);
+#endif
+  for (uint64_t j = j0; j < m; ++j) {
     T v, b;
     std::memcpy(&v, in + j * W, W);
     if (X) {
@@ -65,14 +114,14 @@ bool all_zero(const uint8_t* p, uint64_t n) {
 // does not vectorise the scalar loop: out may be base). Returns the first element not done.
 template <int W, bool R>
 uint64_t interleave_sse2(const uint8_t* const* planes, const uint8_t* base, uint64_t j, uint64_t j1, uint8_t* out) {
-  auto load = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  auto load = load16;
   auto finish = [&](__m128i v, uint8_t* o, const uint8_t* b) {
     if (R) {
       v = W == 4 ? _mm_or_si128(_mm_srli_epi32(v, 1), _mm_slli_epi32(v, 31))
                  : _mm_or_si128(_mm_srli_epi16(v, 1), _mm_slli_epi16(v, 15));
     }
     if (b) v = _mm_xor_si128(v, load(b));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(o), v);
+    store16(o, v);
   };
   for (; j + 16 <= j1; j += 16) {
     const __m128i a = load(planes[0] + j), b = load(planes[1] + j);
