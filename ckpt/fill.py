@@ -401,7 +401,8 @@ def _other_kind(saved: Any, live: torch.optim.Optimizer) -> str | None:
     """How a saved optimizer state differs in kind from ``live`` (its class, and the param_groups
     keys one has and the other lacks), or None when the same kind saved it."""
     mine = f"{type(live).__module__}.{type(live).__qualname__}"
-    if saved.get("type") == mine:
+    kind = str(saved.get("type"))
+    if any(_names_class(kind, c) for c in type(live).__mro__):  # its class, or one it derives from
         return None
     sd = dict(zip(saved["v"]["k"], saved["v"]["v"]))
     have = {k for g in sd["param_groups"] for k in g["k"] if isinstance(k, str)} - {"params", "param_names"}
@@ -411,8 +412,16 @@ def _other_kind(saved: Any, live: torch.optim.Optimizer) -> str | None:
         keys.append(f"its param_groups lack {sorted(want - have)[:6]}")
     if have - want:
         keys.append(f"have {sorted(have - want)[:6]} the optimizer does not use")
-    return (f"the checkpoint holds the state of a {saved.get('type')} optimizer, this is a {mine}" +
+    return (f"the checkpoint holds the state of a {kind} optimizer, this is a {mine}" +
             (f" ({', '.join(keys)})" if keys else ""))
+
+
+def _names_class(kind: str, c: type) -> bool:
+    """Does a saved ``module.qualname`` name class ``c``? Also across ``__main__``: a class saved
+    from a script run as ``python train.py`` is ``train.X`` when the next run imports it."""
+    if kind == f"{c.__module__}.{c.__qualname__}":
+        return True
+    return kind.endswith(f".{c.__qualname__}") and "__main__" in (kind[: -len(c.__qualname__) - 1], c.__module__)
 
 
 def _param_groups(saved: Any) -> list[int] | None:

@@ -43,6 +43,9 @@ def _component(k: Any) -> str:
     return k if isinstance(k, str) else repr(k)
 
 
+key_component = _component  # the public name: snapshot builds key paths the same way
+
+
 @dataclass(frozen=True)
 class Leaf:
     """Where a tensor leaf sits in its global tensor. ``kind`` is ``"replicated"`` (a plain tensor:

@@ -39,8 +39,11 @@ import torch
 from . import _ext
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native
-from .flatten import Flat, Leaf
-from .flatten import _component as key_component  # the names flatten gives keys
+from .flatten import (
+    Flat,
+    Leaf,
+    key_component,  # the names flatten gives keys
+)
 from .planning import Inventory
 from .ranks import Comm
 from .tree import dtype_name
@@ -150,7 +153,7 @@ class Snapshotter:
             self.buffer = buf
         share = self._share
         check = finite_checked(state, flat, self.check_finite)
-        bad_settings = nonfinite_settings(state) if self.check_finite is not False else []
+        bad_settings = nonfinite_settings(flat) if self.check_finite is not False else []
         buf.acquire()
         try:
             cuda, hashes, bad = buf.copy_in(flat.tensors, optimizer_guarded(state) if buf.has_cuda else frozenset(),
@@ -222,34 +225,32 @@ def finite_checked(state: dict[str, Any], flat: Flat, mode: bool | str) -> froze
     return frozenset(k for k in floating if flat.tensors[k].data_ptr() in ptrs)
 
 
-def nonfinite_settings(state: dict[str, Any]) -> list[str]:
+# Settings for which no value but a finite one makes sense. Elsewhere an infinite setting is often a
+# deliberate "no limit" (a max_grad_norm, Prodigy's growth_rate), so only NaN is refused there.
+_FINITE_ONLY = frozenset({"lr", "betas", "eps", "weight_decay", "momentum", "dampening", "alpha", "rho"})
+
+
+def nonfinite_settings(flat: Flat) -> list[str]:
     """The key paths (``"optim/param_groups/0/lr"``) of the float settings in the optimizers'
-    ``param_groups`` (learning rate, betas, weight decay, eps, ...) that are NaN or Inf, in state
-    order. A NaN learning rate turns every parameter into NaN at the next step: a state holding one
-    is as poisoned as a NaN weight, though every tensor in it is still finite."""
+    ``param_groups`` that are NaN, or infinite where no infinite value makes sense (learning rate,
+    betas, eps, weight decay, momentum, ...), in state order. A NaN learning rate turns every
+    parameter into NaN at the next step: a state holding one is as poisoned as a NaN weight, though
+    every tensor in it is still finite. The optimizers are those flatten found (``flat.statefuls``)."""
     bad: list[str] = []
 
-    def walk(path: tuple[str, ...], v: Any) -> None:
-        if isinstance(v, torch.optim.Optimizer):
-            for i, group in enumerate(v.param_groups):
-                for name, x in group.items():
-                    if name != "params":
-                        settings(path + ("param_groups", str(i), key_component(name)), x)
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(path + (key_component(k),), x)
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                walk(path + (str(i),), x)
-
-    def settings(path: tuple[str, ...], x: Any) -> None:
-        if isinstance(x, float) and not math.isfinite(x):
-            bad.append("/".join(path))
+    def settings(path: str, x: Any, finite_only: bool) -> None:
+        if isinstance(x, float) and (math.isnan(x) or (finite_only and math.isinf(x))):
+            bad.append(path)
         elif isinstance(x, (list, tuple)):  # betas, Adafactor's eps pair
             for i, y in enumerate(x):
-                settings(path + (str(i),), y)
+                settings(f"{path}/{i}", y, finite_only)
 
-    walk((), state)
+    for where, obj in flat.statefuls.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            for i, group in enumerate(obj.param_groups):
+                for name, x in group.items():
+                    if name != "params":
+                        settings(f"{where}/param_groups/{i}/{key_component(name)}", x, name in _FINITE_ONLY)
     return bad
 
 

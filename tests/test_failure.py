@@ -128,6 +128,21 @@ def test_a_non_finite_optimizer_setting_is_refused(tmp_path, setting, value, bad
         assert c.steps() == [1]
 
 
+def test_an_infinite_limit_in_param_groups_is_a_setting_not_poison(tmp_path):
+    """Infinity is a deliberate "no limit" for many optimizer settings (a max_grad_norm, Prodigy's
+    growth_rate): saved; NaN there is still refused."""
+    net, opt = trained()
+    opt.param_groups[0]["max_grad_norm"] = float("inf")
+    opt.param_groups[0]["growth_rate"] = float("inf")
+    state = {"model": net, "optim": opt}
+    with ckpt.Checkpointer(tmp_path / "ck") as c:
+        c.save(1, state).wait()
+        opt.param_groups[0]["growth_rate"] = float("nan")
+        with pytest.raises(ckpt.NonFiniteStateError) as e:
+            c.save(2, state).wait()
+        assert e.value.tensors == ["optim/param_groups/0/growth_rate"] and c.steps() == [1]
+
+
 def test_buffers_and_loose_tensors_are_checked_only_when_asked(tmp_path):
     net, opt = trained()
     state = {"model": net, "optim": opt, "scores": torch.tensor([1.0, float("nan")])}

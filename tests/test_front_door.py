@@ -197,6 +197,10 @@ def test_strict_refuses_another_kind_of_optimizer_before_changing_anything(ckdir
     adamw = torch.optim.AdamW(net2.parameters())
     assert ckpt.Checkpointer(ckdir).load(1, {"model": net2, "optim": adamw}) == 1
     assert adamw.state_dict()["param_groups"][0]["lr"] == 1e-2
+    class MyAdamW(torch.optim.AdamW):  # a subclass takes its base class's state, strict or not
+        pass
+    mine = MyAdamW(net2.parameters())
+    assert ckpt.Checkpointer(ckdir).load(1, {"model": net2, "optim": mine}) == 1 and mine.state
     with caplog.at_level(logging.WARNING, logger="ckpt"):
         adam = torch.optim.Adam(net2.parameters())
         assert ckpt.Checkpointer(ckdir).load(1, {"model": net2, "optim": adam}, strict=False) == 1
