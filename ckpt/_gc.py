@@ -29,8 +29,14 @@ _was_enabled = False
 
 @contextmanager
 def paused() -> Iterator[None]:
-    """No cyclic collection inside the block (reference counting still frees everything)."""
+    """No cyclic collection inside the block (reference counting still frees everything). Only on
+    the main thread, the caller's (a save or load it waits for): ckpt's background threads never
+    switch the collector, so a training loop that manages it itself (``gc.disable()`` between
+    steps) finds it as it left it once ``save()`` returns."""
     global _depth, _was_enabled
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     with _lock:
         if _depth == 0:
             _was_enabled = gc.isenabled()

@@ -6,7 +6,10 @@ the same tensor lands at the same place in the same chunk on every save, so an u
 produces unchanged chunks.
 
 Layout rules:
-* every tensor starts at a 64-byte aligned offset (padding is zero and stays zero);
+* every tensor of 64 bytes or more starts at a 64-byte aligned offset, a smaller one at a multiple
+  of its element size (thousands of step counters add no padding); padding is zero and stays zero;
+* every chunk starts at a 64-byte aligned offset, so elements stay aligned within their chunk (the
+  byte planes of the codecs assume it: a misaligned float would spread over the wrong planes);
 * a large tensor (at least a quarter chunk) starts a fresh chunk and is cut into ``chunk_size``
   pieces, its last piece ending where it ends, so partial reads of it touch only its own chunks;
 * small tensors are packed together into shared chunks of up to ``chunk_size`` bytes, so a
@@ -108,8 +111,13 @@ def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int) -> BufferLayo
             pos = start + nbytes
             pack_start = pos
         else:
-            if start + nbytes - pack_start > chunk_size:
-                close_pack(start)
+            opens = pack_start == pos  # the first tensor of a new pack chunk
+            if opens or start + nbytes - pack_start > chunk_size:
+                start = -(-pos // ALIGN) * ALIGN  # a chunk starts on a cache line
+                if opens:
+                    pack_start = start
+                else:
+                    close_pack(start)
             pos = start + nbytes
         slots.append(TensorSlot(key, t.dtype, tuple(t.shape), start, nbytes, t.device.type))
     close_pack(pos)

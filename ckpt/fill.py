@@ -30,6 +30,7 @@ import torch
 from . import tree as st
 from ._tasks import run_all
 from .errors import (
+    CheckpointError,
     ConfigError,
     CorruptCheckpointError,
     ReshardError,
@@ -41,6 +42,7 @@ from .format import chains, paths
 from .format import manifest as mf
 from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
 from .format.chunk import HEADER_SIZE, check_header, parse_header, verify
+from .format.entries import ALIGN
 from .sharding import is_dtensor
 from .storage import Storage
 from .tree import DTYPES
@@ -51,7 +53,6 @@ RankMap = Callable[[int], int] | dict[int, int] | list[int]
 # Lends staging memory for a load: ``lend(nbytes)`` is a context manager giving a uint8 CPU tensor of
 # at least ``nbytes`` bytes (or None: the load allocates its own), held until the load is done.
 Lend = Callable[[int], AbstractContextManager["torch.Tensor | None"]]
-_ALIGN = 64  # staging offsets: every dtype's alignment, and a cache line
 
 
 @dataclass
@@ -78,7 +79,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
               io: Executor, rank: int = 0, world: int = 1, rank_map: RankMap | None = None,
               on_change: Callable[[], None] | None = None,
               before_read: Callable[[set[str]], None] | None = None,
-              staged: bool = True, lend: Lend | None = None) -> LoadStats:
+              staged: bool = True, lend: Lend | None = None, ready: Callable[[], None] | None = None) -> LoadStats:
     """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
 
     Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
@@ -87,7 +88,9 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     the reads land in staging memory (``lend``'s, else allocated here) and reach the caller's tensors
     only once every chunk has checked out. ``on_change`` is called just before the state is first
     changed (so a failure after it means a half-loaded state); ``before_read(chunks)`` before the
-    first chunk is read, with every chunk the reads need."""
+    first chunk is read, with every chunk the reads need; ``ready()`` once, just before the reads
+    first write into the state (staged: after every chunk checked out; in place: before the
+    reads): it may raise to stop the load there (other ranks failed), the state still unchanged."""
     if _init_optimizers(state, m) and on_change is not None:
         on_change()
     target = flatten(state, for_target=True)
@@ -110,20 +113,20 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     # checked out; for every destination on a device (or strided), and with ``staged`` for the
     # caller's own CPU tensors too. One allocation for all, or memory ``lend`` gives.
     keys = (dests.own if staged else []) + dests.elsewhere
-    need = sum(_padded(dests.tensors[k][0].nbytes) for k in keys)
+    places, need = _places([dests.tensors[k][0] for k in keys])
     with (lend(need) if lend is not None and need else nullcontext()) as lent:
         if need:
-            _stand_ins(dests, keys, lent if lent is not None else torch.empty(need, dtype=torch.uint8))
+            _stand_ins(dests, keys, places, lent if lent is not None else staging_memory(need))
         feeds, strided = _feeds(m, match, dests)
         stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
         if before_read is not None:
             before_read(set(feeds))
-        if on_change is not None and not staged:
-            on_change()
+        if not staged:
+            _changing(ready, on_change)
         reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()))
         stats.bytes_read = sum(reads)
-        if on_change is not None and staged:
-            on_change()  # every chunk checked out: from here on the state changes
+        if staged:
+            _changing(ready, on_change)  # every chunk checked out: from here on the state changes
         with torch.no_grad():
             for local, in_d, stage, rows_shape, in_stage in strided:
                 src = torch.from_numpy(stage).view(local.dtype).view(rows_shape)
@@ -286,19 +289,43 @@ def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
     return out
 
 
-def _padded(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+def staging_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of CPU memory for a load to stage into; a typed error saying what to do when the
+    machine has not got it."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as e:
+        raise CheckpointError(f"could not allocate {nbytes / 2**20:.0f} MiB of staging memory for the load ({e}); "
+                              "load with staged_load=False to read straight into the tensors") from e
 
 
-def _stand_ins(dests: _Dests, keys: list[str], space: torch.Tensor) -> None:
-    """Point the destinations of ``keys`` at CPU stand-ins carved from ``space``, each copied into
-    its tensor (``copy_back``) once every chunk has checked out."""
-    pos = 0
-    for key in keys:
+def _changing(ready: Callable[[], None] | None, on_change: Callable[[], None] | None) -> None:
+    if ready is not None:
+        ready()
+    if on_change is not None:
+        on_change()
+
+
+def _places(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Where each tensor's stand-in goes in staging memory, and the bytes it takes: the host buffer's
+    own rule (:func:`ckpt.buffer_layout.make_layout`: cache-line aligned, small tensors to their
+    element), so a state's staging fits in its host buffer, which a load mid-run borrows."""
+    places, pos = [], 0
+    for t in tensors:
+        align = ALIGN if t.nbytes >= ALIGN else t.element_size()
+        pos = -(-pos // align) * align
+        places.append(pos)
+        pos += t.nbytes
+    return places, pos
+
+
+def _stand_ins(dests: _Dests, keys: list[str], places: list[int], space: torch.Tensor) -> None:
+    """Point the destinations of ``keys`` at CPU stand-ins in ``space`` (at ``places``), each copied
+    into its tensor (``copy_back``) once every chunk has checked out."""
+    for key, pos in zip(keys, places):
         t, box = dests.tensors[key]
         n = t.nbytes
         stand_in = space[pos : pos + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
-        pos += _padded(n)
         dests.tensors[key] = (stand_in, box)
         dests.copy_back.append((t, stand_in))
 

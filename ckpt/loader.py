@@ -160,32 +160,53 @@ class Loader:
         """Load one step; with several ranks, agree on whether every rank managed."""
         done, err = None, None
         changed = [False]
+        agreed = [False]
+
+        def ready() -> None:
+            """Every chunk this rank needs has checked out (staged), or its reads are about to write into
+            the state (in place): with several ranks, nobody changes its state unless every rank got here."""
+            agreed[0] = True
+            if self.comm.world > 1:
+                self._refuse_if_any_failed(step, self.comm.agree(_outcome(None)))
+
         try:
-            done = self._load_step(step, state, strict, allow_pickle, rank_map, changed, manifest, before_read)
+            done = self._load_step(step, state, strict, allow_pickle, rank_map, changed, manifest, before_read,
+                                   ready)
         except CheckpointError as e:
             err = _naming(e, step)
+        except Exception as e:  # not ckpt's own (a torch error, memory): still one outcome on every rank
+            err = _naming(CheckpointError(f"{type(e).__name__}: {e}"), step)
+            err.__cause__ = e
+        if self.comm.world > 1 and not agreed[0]:  # failed before the others' first round: answer it
+            self.comm.agree(_outcome(err))
         if err is None:
             self.partial = None
         elif changed[0]:
             self.partial = step
         if self.comm.world > 1:
-            views = self.comm.agree({"ok": err is None, "corrupt": isinstance(err, CorruptCheckpointError),
-                                     "message": str(err)[:2000] if err is not None else ""})
+            views = self.comm.agree(_outcome(err))
             bad = [r for r, v in enumerate(views) if not v["ok"]]
             if bad and err is None:
-                cls = CorruptCheckpointError if all(views[r]["corrupt"] for r in bad) else CheckpointError
-                done, err = None, cls(f"rank(s) {bad} could not load step {step}: {views[bad[0]]['message']}")
+                if changed[0]:  # this rank loaded the step, another failed after changing its state
+                    self.partial = step
+                done, err = None, _failed_on(step, bad, views)
         return done, err
+
+    def _refuse_if_any_failed(self, step: int, views: list[dict]) -> None:
+        bad = [r for r, v in enumerate(views) if not v["ok"]]
+        if bad:
+            raise _failed_on(step, bad, views)
 
     def _load_step(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool,
                    rank_map: RankMap | None, changed: list[bool], manifest: mf.Manifest | None = None,
-                   before_read: Callable[[set[str]], None] | None = None) -> LoadResult:
+                   before_read: Callable[[set[str]], None] | None = None,
+                   ready: Callable[[], None] | None = None) -> LoadResult:
         m = manifest if manifest is not None else mf.read_step(self.storage, step)
         self.storage.reset_tier_counters()
         stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
                           rank=self.comm.rank, world=self.comm.world, rank_map=rank_map,
                           on_change=lambda: changed.__setitem__(0, True), before_read=before_read,
-                          staged=self.staged, lend=self.lend)
+                          staged=self.staged, lend=self.lend, ready=ready)
         self.manifests.put(m)
         trim_scratch()  # decoding chains kept chunk-sized buffers per thread: loads are rare
         tiers = self.storage.tier_counters()
@@ -197,6 +218,17 @@ class Loader:
                  m.world_size, self.comm.describe())
         events.emit("resume", self.comm.rank, step=step)
         return LoadResult(m, stats)
+
+
+def _outcome(err: CheckpointError | None) -> dict:
+    """What a rank tells the others about its load attempt."""
+    return {"ok": err is None, "corrupt": isinstance(err, CorruptCheckpointError),
+            "message": str(err)[:2000] if err is not None else ""}
+
+
+def _failed_on(step: int, bad: list[int], views: list[dict]) -> CheckpointError:
+    cls = CorruptCheckpointError if all(views[r]["corrupt"] for r in bad) else CheckpointError
+    return cls(f"rank(s) {bad} could not load step {step}: {views[bad[0]]['message']}")
 
 
 def _naming(e: CheckpointError, step: int) -> CheckpointError:

@@ -327,6 +327,41 @@ def test_a_failure_on_one_rank_reaches_every_rank(tmp_path):
     assert state["step"] == 3
 
 
+def wide_state(rank: int, world: int, step: int) -> dict:
+    """64 x 1024 float32 split by rows: each rank's rows fill chunks of their own."""
+    r0, nr = rows_of(64, world, rank)
+    local = torch.arange(r0 * 1024, (r0 + nr) * 1024, dtype=torch.float32).reshape(nr, 1024) + step * 1e6
+    return {"w": ckpt.LocalShard(local, (r0, 0), (64, 1024)), "step": step}
+
+
+def damaged_for_one_rank_body(rank: int, world: int, root: str) -> dict:
+    with ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw") as c:
+        c.save(1, wide_state(rank, world, 1)).wait()
+        c.save(2, wide_state(rank, world, 2)).wait()
+        dist.barrier()
+        if rank == 0:  # a flipped byte in a chunk only rank 1's rows use
+            entry = tensor_entry(c.manifest(2), "w")
+            h = next(g.chunk for sh in entry.shards if sh.offsets[0] >= 32 for g in sh.segments)
+            with open(os.path.join(root, "chunks", h[:2], h), "r+b") as f:
+                f.seek(100)
+                f.write(b"\xff")
+        dist.barrier()
+        state = wide_state(rank, world, 1)
+        with pytest.raises(ckpt.CorruptCheckpointError) as info:
+            c.load(2, state)
+        unchanged = torch.equal(state["w"].tensor, wide_state(rank, world, 1)["w"].tensor) and state["step"] == 1
+        c.save(3, state).wait()  # nothing changed on any rank: saving goes on
+        return {"unchanged": unchanged, "message": str(info.value)}
+
+
+def test_a_load_that_fails_on_one_rank_changes_no_rank(tmp_path):
+    """Ranks agree that every chunk checked out everywhere before any rank writes its state: rank 0
+    read all its chunks cleanly, yet keeps its state because rank 1's chunk was damaged."""
+    out = run_ranks(2, damaged_for_one_rank_body, str(tmp_path), timeout=120)
+    assert all(r["unchanged"] for r in out), out
+    assert "rank(s) [1]" in out[0]["message"]
+
+
 TIMEOUT = 4.0
 
 

@@ -51,6 +51,22 @@ def test_layout_chunks_tile_the_buffer_and_segments_cover_each_tensor(sizes):
             assert off == 0 and layout.chunks[first].offset == slot.offset
 
 
+def test_every_chunk_starts_on_a_cache_line_with_small_mixed_tensors():
+    """Small fp16 and fp32 tensors are aligned to their element only, but a chunk (and so the byte
+    planes its elements are split into) always starts 64-byte aligned."""
+    g = torch.Generator().manual_seed(3)
+    sizes = torch.randint(1, 40, (3000,), generator=g).tolist()
+    tensors = {f"t{i}": torch.zeros(n, dtype=torch.float16 if i % 3 else torch.float32) for i, n in enumerate(sizes)}
+    tensors["big"] = torch.zeros(70_001, dtype=torch.float32)
+    tensors.update({f"u{i}": torch.zeros(n, dtype=torch.float32) for i, n in enumerate(sizes[:500])})
+    layout = make_layout(tensors, 64 * 1024)
+    assert len(layout.chunks) > 3
+    assert all(c.offset % ALIGN == 0 for c in layout.chunks)
+    for slot in layout.slots:
+        first, off, _ = layout.segments(slot)[0]
+        assert off % slot.dtype.itemsize == 0  # elements aligned within their chunk
+
+
 def test_layout_is_stable_for_the_same_structure():
     a = make_layout(_tensors([5, 1 << 20, 17]), 1 << 20)
     b = make_layout(_tensors([5, 1 << 20, 17]), 1 << 20)
