@@ -89,6 +89,9 @@ def test_bad_arguments_are_config_errors_with_advice(ckdir, tmp_path):
             with pytest.raises(ckpt.ConfigError, match="keys must be a key or key prefix"):
                 r.tensors(keys=keys)
         assert set(r.tensors(keys=("frozen", "small/"))) == {"frozen", "small/a", "small/b"}
+        assert set(r.tensors(keys={"frozen": 1}.keys())) == {"frozen"}  # any iterable of str
+        assert set(r.tensors(keys=(k for k in ["small/"]))) == {"small/a", "small/b"}
+        assert set(r.tensors(keys="frozen", rank=np.int64(0))) == {"frozen"}  # numpy ints are ints
         # steps: an int (numpy's too) or "latest"; never a numeric string, a float or a bool
         for step, hint in (("2", "pass 2, not '2'"), (2.0, "pass 2"), (True, "True"), ("x", "'x'"), ([2], "[2]")):
             for call in (lambda s: r.tensors(s), lambda s: r.manifest(s), lambda s: r.diff(1, s),

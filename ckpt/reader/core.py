@@ -22,7 +22,7 @@ from __future__ import annotations
 import numbers
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -57,8 +57,10 @@ def _prefixes(keys: str | Sequence[str] | None) -> list[str] | None:
         return None
     if isinstance(keys, str):
         return [keys]
-    if isinstance(keys, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in keys):
-        return list(keys)
+    if isinstance(keys, Iterable) and not isinstance(keys, (bytes, dict)):  # a list, a set, dict.keys(), a generator
+        listed = list(keys)
+        if all(isinstance(k, str) for k in listed):
+            return listed
     raise ConfigError(f"keys must be a key or key prefix (a str such as 'model/') or a list of them, got {keys!r}")
 
 
@@ -77,8 +79,9 @@ def _step_number(step: object) -> int:
 def check_rank(m: mf.Manifest, rank: object) -> int:
     """A saved rank of step ``m`` (whose per-rank state to read), refused before anything is read
     or written when it is not one: a rank past the world size would silently leave that state out."""
-    if isinstance(rank, bool) or not isinstance(rank, int):
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
         raise ConfigError(f"rank must be an int (a saved rank), got {rank!r}")
+    rank = int(rank)
     if not 0 <= rank < m.world_size:
         saved = "rank 0 only" if m.world_size == 1 else f"ranks 0 to {m.world_size - 1}"
         raise ConfigError(f"rank {rank} is out of range: step {m.step} was saved on {saved}")
