@@ -518,9 +518,9 @@ def test_parity_coded_in_pieces_on_threads_is_the_whole_blocks_code():
     k, m, length = 3, 2, 1000
     blocks = [rnd.randbytes(length) for _ in range(k)]
     whole = zfec.Encoder(k, k + m).encode(blocks, (k, k + 1))
-    for piece in (length, 300, 7):  # one piece, a few (the last short), many on the threads
-        assert [bytes(erasure.encode(k, m, blocks, length, j, piece=piece)) for j in range(m)] == whole
+    for piece, threads in ((length, 4), (300, 1), (300, 4), (7, 3)):  # one piece, a few (the last short), many
+        assert [bytes(erasure.encode(k, m, blocks, length, j, piece, threads)) for j in range(m)] == whole
         have = {0: blocks[0], k: whole[0], k + 1: whole[1]}
-        assert bytes(erasure.decode(k, m, have, length, 2, piece=piece)) == blocks[2]
-        assert bytes(erasure.decode(k, m, have, length, 1, piece=piece)) == blocks[1]
-        assert erasure.decode(k, m, have, length, 0, piece=piece) is blocks[0]  # given: no decoding
+        assert bytes(erasure.decode(k, m, have, length, 2, piece, threads)) == blocks[2]
+        assert bytes(erasure.decode(k, m, have, length, 1, piece, threads)) == blocks[1]
+        assert erasure.decode(k, m, have, length, 0, piece, threads) is blocks[0]  # given: no decoding

@@ -111,3 +111,73 @@ def test_parity_holders_and_rebuilders_keep_one_stripe_at_a_time(tmp_path, k, m,
             assert 0 < x["load"]["peak"] <= k * x["load"]["largest"], (r, x)
         else:
             assert not x["rebuilt"] and x["load"]["peak"] == 0, (r, x)
+
+
+# -- the bandwidth limit of the benchmark's S3 ------------------------------------------------------------
+
+def test_token_bucket_holds_any_pattern_of_takes_to_its_rate():
+    from ckpt.testing import TokenBucket
+
+    now = [0.0]
+    b = TokenBucket(1000.0, burst=100.0, clock=lambda: now[0])
+    assert b.take(100) == 0.0  # the burst passes at once
+    assert b.take(500) == pytest.approx(0.5)  # then each byte waits its turn
+    assert b.take(250) == pytest.approx(0.75)  # a second sender's wait includes the first one's bytes
+    now[0] = 0.75
+    assert b.take(0) == 0.0  # paid back
+    now[0] = 100.0
+    assert b.take(150) == pytest.approx(0.05)  # an idle while banks no more than the burst
+    # a sender that waits what it is told: B bytes take (B - burst) / rate, whatever the pieces
+    for pieces in ([1] * 3000, [7, 700, 70, 2000, 223], [3000]):
+        now[0] = 1000.0 + sum(pieces)
+        b = TokenBucket(1000.0, burst=100.0, clock=lambda: now[0])
+        start = now[0]
+        for n in pieces:
+            now[0] += b.take(n)
+        assert now[0] - start == pytest.approx((3000 - 100) / 1000)
+        assert b.taken == 3000
+    with pytest.raises(ValueError, match="positive"):
+        TokenBucket(0)
+
+
+def _serve_once(sock, payload: bytes, got: list) -> None:
+    """Upstream: take one connection, read as many bytes as it answers (like a request with its
+    length), answer ``payload``, close."""
+    c, _ = sock.accept()
+    with c:
+        n = 0
+        while n < len(payload) and (data := c.recv(1 << 16)):
+            n += len(data)
+        got.append(n)
+        c.sendall(payload)
+
+
+def test_fault_proxy_rate_limits_both_directions_of_a_real_transfer():
+    import socket
+    import time
+
+    from ckpt.testing import FaultProxy
+
+    rate, size = 8 << 20, 2 << 20
+    with socket.socket() as upstream:
+        upstream.bind(("127.0.0.1", 0))
+        upstream.listen(1)
+        got: list[int] = []
+        server = threading.Thread(target=_serve_once, args=(upstream, os.urandom(size), got), daemon=True)
+        server.start()
+        proxy = FaultProxy(upstream.getsockname()[1], rate=rate)
+        try:
+            t0 = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as c:
+                c.sendall(os.urandom(size))
+                back = 0
+                while data := c.recv(1 << 16):
+                    back += len(data)
+            elapsed = time.perf_counter() - t0
+            server.join(30)
+        finally:
+            proxy.close()
+    assert got == [size] and back == size
+    assert proxy.limits["up"].taken == proxy.limits["down"].taken == size
+    floor = 2 * (size - proxy.limits["up"].burst) / rate  # up, then down: never faster than the rate
+    assert floor <= elapsed < floor + 20, elapsed

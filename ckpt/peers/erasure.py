@@ -125,26 +125,27 @@ def _padded(b: bytes | bytearray | memoryview, length: int) -> bytes | bytearray
 
 
 # Bytes of a block coded as one piece. zfec lets go of the GIL while it codes, and coding is byte-position
-# wise, so a large block's pieces are coded on threads at once (zfec codes ~0.6 GB/s per core here: a
-# rebuild on one core would take longer than moving its bytes).
+# wise, so a rebuild decodes a large block's pieces on threads at once: training waits for a restore, and
+# on one core decoding took about as long as moving the blocks. A save's encoding stays on one thread:
+# it runs behind training, whose own threads want the cores.
 PIECE = 8 << 20
 THREADS = min(8, os.cpu_count() or 1)
 
 
-def _by_piece(length: int, code: Callable[[int, int], None], piece: int) -> None:
-    """``code(start, end)`` for every piece of [0, length), on threads when there are several."""
+def _by_piece(length: int, code: Callable[[int, int], None], piece: int, threads: int) -> None:
+    """``code(start, end)`` for every piece of [0, length), on up to ``threads`` threads."""
     spans = [(a, min(length, a + piece)) for a in range(0, length, piece)]
-    if len(spans) <= 1 or THREADS == 1:
+    if len(spans) <= 1 or threads <= 1:
         for a, e in spans:
             code(a, e)
         return
-    with ThreadPoolExecutor(min(THREADS, len(spans)), thread_name_prefix="ckpt-parity") as pool:
+    with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-parity") as pool:
         for f in [pool.submit(code, a, e) for a, e in spans]:
             f.result()
 
 
 def encode(k: int, m: int, blocks: Sequence[bytes | bytearray | memoryview], length: int, which: int,
-           piece: int = PIECE) -> bytearray:
+           piece: int = PIECE, threads: int = 1) -> bytearray:
     """Parity block ``which`` (0..m-1) of k data blocks, each zero-padded to ``length``."""
     import zfec
 
@@ -155,12 +156,12 @@ def encode(k: int, m: int, blocks: Sequence[bytes | bytearray | memoryview], len
     def code(a: int, e: int) -> None:
         out[a:e] = coder.encode([d[a:e] for d in data], (k + which,))[0]
 
-    _by_piece(length, code, piece)
+    _by_piece(length, code, piece, threads)
     return out
 
 
 def decode(k: int, m: int, blocks: dict[int, bytes | bytearray | memoryview], length: int, want: int,
-           piece: int = PIECE) -> bytes | bytearray | memoryview:
+           piece: int = PIECE, threads: int = THREADS) -> bytes | bytearray | memoryview:
     """Data block ``want`` (0..k-1) of a stripe from any k of its blocks (block number -> bytes,
     data blocks zero-padded to ``length``)."""
     import zfec
@@ -176,5 +177,5 @@ def decode(k: int, m: int, blocks: dict[int, bytes | bytearray | memoryview], le
         # fresh lists each call: zfec reorders the list of blocks it is given
         out[a:e] = coder.decode([d[a:e] for d in data], list(nums))[want]
 
-    _by_piece(length, code, piece)
+    _by_piece(length, code, piece, threads)
     return out
