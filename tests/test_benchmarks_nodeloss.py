@@ -69,6 +69,8 @@ def test_nodeloss_benchmark_quick(tmp_path):
     assert all(restore[w]["node2"]["source"] == "local tiers" for w in ("intact", "replicas", "parity", "s3",
                                                                         "s3_limited"))
     assert all(r["s3_limited_over_this"] > 0 for r in restore.values())
+    assert restore["intact"]["over_floor_s"] == 0 and restore["replicas"]["over_floor_s"] == pytest.approx(
+        restore["replicas"]["node2_s"] - restore["intact"]["node2_s"])
     assert set(doc["targets"]) == {"blocked_replicas", "blocked_parity", "restore_replicas", "restore_parity",
                                    "restore_replicas_limited", "restore_parity_limited", "parity_overhead"}
     assert doc["targets"]["parity_overhead"]["met"] is True
