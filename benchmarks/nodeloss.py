@@ -1,7 +1,8 @@
 """Node loss: frequent local commits protected by peers (replicas, parity) against none, on 4 gloo ranks.
 
-    python benchmarks/nodeloss.py                      # 4 ranks × 256 MiB, 10 measured saves, 3 restores
+    python benchmarks/nodeloss.py                      # 4 ranks × 256 MiB, 10 measured saves, 5 restores
     python benchmarks/nodeloss.py --quick              # 8 MiB per rank, 1 MiB chunks: a smoke test
+    python benchmarks/nodeloss.py --s3-fraction 0.25   # S3 limited to a quarter of the disk's read speed
 
 Four ranks (processes on this machine, gloo over 127.0.0.1, OMP_NUM_THREADS=1), each its own failure
 domain (``failure_domain=f"node{rank}"``) with its own ``local_dir``, each holding ``--mib-per-rank``
@@ -29,15 +30,22 @@ node 2's local directories) before each of:
 * **peers (replicas)** and **peers (parity)**: ``load("latest")`` gets node 2's chunks from a peer's
   copy, or rebuilds them from parity; not one chunk comes from S3;
 * **S3 (node 2 only)**: the *none* Checkpointer: nodes 0, 1, 3 read their tiers, node 2 reads S3;
-* **S3 (every node fresh)**: fresh empty ``local_dir`` on every rank: all four read S3 at once.
+* **S3 (every node fresh)**: fresh empty ``local_dir`` on every rank: all four read S3 at once;
+* both again with **S3 limited to a node's bandwidth**: each rank reaches rclone through a proxy of
+  its own (``ckpt.testing.FaultProxy(rate=...)``: a token bucket each way, shared by the rank's
+  connections) that holds it to ``--s3-fraction`` (default 1/10) of this disk's read speed,
+  measured first (a file written and read back past the page cache: ``O_DIRECT``, 16 MiB reads,
+  4 at once), while peers still talk over loopback. The first two rows and the peer rows reach S3
+  (only to list its steps) through the limited proxies too: the cluster a restore is meant for.
 
 Each restore is timed from ``load()`` to its return (the Checkpointer is made outside the timing, a
 restarted job makes one anyway), reported for node 2 and for the slowest rank, and for node 2 also
 until its tier is healed (``wait()``: the chunks it took from peers or S3 written back behind the
 load); every load is checked bit for bit (sha256 of every rank's tensors against the saved ones)
 and by where its chunks came from.
-The tiers and rclone's directory share this machine's disk, and "S3" is loopback: this compares the
-paths (gloo exchange, parity decoding, S3 requests), not a real network against real S3.
+The tiers and rclone's directory share this machine's disk, and "S3" is loopback: unlimited, this
+compares the paths (gloo exchange, parity decoding, S3 requests); limited, it models S3 at a node's
+share of a network against peers on a faster one, not real S3.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import mmap
 import os
 import platform
 import shutil
@@ -52,6 +61,7 @@ import sys
 import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -62,7 +72,7 @@ from distributed import synced  # noqa: E402  (benchmarks/, the script's own fol
 from harness import banner, fmt, median, pyplot, save_figure, write_results  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.testing import RcloneS3, run_ranks, storage_options  # noqa: E402
+from ckpt.testing import FaultProxy, RcloneS3, run_ranks, storage_options  # noqa: E402
 
 WORLD = 4
 WIPED = 2  # the node that is lost
@@ -73,10 +83,14 @@ CONFIGS = ("none", "replicas", "parity")
 LABELS = {"none": "none", "replicas": "Replicas(2)", "parity": "Parity(3+1)"}
 K, M = 3, 1
 PERSIST_EVERY = 1000
-RESTORES = ("intact", "replicas", "parity", "s3", "s3_fresh")
+RESTORES = ("intact", "replicas", "parity", "s3", "s3_fresh", "s3_limited", "s3_fresh_limited")
 RESTORE_LABELS = {"intact": "every tier intact (floor)", "replicas": "peers: Replicas(2)",
-                  "parity": "peers: Parity(3+1), rebuilt", "s3": "S3, node 2 only (none)",
-                  "s3_fresh": "S3, every node fresh"}
+                  "parity": "peers: Parity(3+1), rebuilt", "s3": "S3 at disk speed, node 2 only (none)",
+                  "s3_fresh": "S3 at disk speed, every node fresh",
+                  "s3_limited": "S3 limited, node 2 only (none)", "s3_fresh_limited": "S3 limited, every node fresh"}
+FROM_S3 = ("s3", "s3_fresh", "s3_limited", "s3_fresh_limited")  # the none Checkpointer: node 2 reads S3
+FRESH = ("s3_fresh", "s3_fresh_limited")
+UNLIMITED = ("s3", "s3_fresh")  # restores that reach S3 straight, at loopback speed
 TARGET_BLOCKED = 1.05
 TARGET_RESTORE = 2.0
 TARGET_PARITY = (K + M) / K + 0.05
@@ -127,9 +141,10 @@ def redundancy(cfg: str):
     return {"none": None, "replicas": ckpt.Replicas(2), "parity": ckpt.Parity(data=K, parity=M)}[cfg]
 
 
-def open_ckptr(cfg: str, rank: int, a: dict, local_dir: str | None = None) -> ckpt.Checkpointer:
+def open_ckptr(cfg: str, rank: int, a: dict, local_dir: str | None = None, endpoint: str | None = None
+               ) -> ckpt.Checkpointer:
     return ckpt.Checkpointer(
-        f"s3://{BUCKET}/{a['run']}/{cfg}", storage_options=storage_options(a["endpoint"]),
+        f"s3://{BUCKET}/{a['run']}/{cfg}", storage_options=storage_options(endpoint or a["endpoint"]),
         local_dir=local_dir or os.path.join(a["root"], f"node{rank}", cfg), redundancy=redundancy(cfg),
         persist_every=PERSIST_EVERY, failure_domain=f"node{rank}", keep_local=2, keep_last=1, codec="raw",
         chunk_size=a["chunk_size"], timeout=300)
@@ -201,9 +216,9 @@ def rank_body(rank: int, world: int, a: dict) -> dict:
     final = rounds
 
     def restore(what: str, rep: int) -> dict:
-        cfg = {"intact": "none", "s3": "none", "s3_fresh": "none"}.get(what, what)
-        fresh = os.path.join(a["root"], f"fresh{rep}", f"node{rank}") if what == "s3_fresh" else None
-        c = open_ckptr(cfg, rank, a, local_dir=fresh)
+        cfg = "none" if what == "intact" or what in FROM_S3 else what
+        fresh = os.path.join(a["root"], f"fresh{rep}", f"node{rank}") if what in FRESH else None
+        c = open_ckptr(cfg, rank, a, local_dir=fresh, endpoint=None if what in UNLIMITED else a["limited"][rank])
         try:
             st.zero()
             state = st.state(-1)
@@ -229,7 +244,7 @@ def rank_body(rank: int, world: int, a: dict) -> dict:
             raise AssertionError(f"restore {what}: rank(s) {bad} did not load step {final} bit for bit: {per_rank}")
         check_sources(what, per_rank)
         n2 = per_rank[WIPED]
-        say(rank, f"  restore {rep + 1}/{a['restores']}  {RESTORE_LABELS[what]:30s} node 2 {n2['s']:6.2f}s  "
+        say(rank, f"  restore {rep + 1}/{a['restores']}  {RESTORE_LABELS[what]:37s} node 2 {n2['s']:6.2f}s  "
                   f"slowest {max(o['s'] for o in per_rank):6.2f}s  (node 2: {n2['peer_chunks']} from peers, "
                   f"{n2['rebuilt_chunks']} rebuilt, {n2['remote_chunks']} from S3, {n2['local_chunks']} local)")
         return {"ranks": per_rank}
@@ -246,6 +261,48 @@ def rank_body(rank: int, world: int, a: dict) -> dict:
     return {"saves": saves, "restores": restores, "state_bytes": st.nbytes, "final_step": final}
 
 
+def disk_read_speed(directory: str, nbytes: int, block: int = 16 << 20, threads: int = 4, reads: int = 5
+                    ) -> tuple[list[float], str]:
+    """This disk's sequential read speed (bytes/s, each of ``reads`` reads) past the page cache, and
+    how it was measured: a file of ``nbytes`` written and fsynced in ``directory``, read with O_DIRECT
+    in ``block``-sized reads, ``threads`` at once (the device with a queue, as the loader's threads
+    read). Where O_DIRECT is refused (tmpfs), read after posix_fadvise(DONTNEED) instead. (A virtual
+    disk's speed moves with its host: 1.1 to 2.6 GB/s on the machine of the recorded results.)"""
+    path = os.path.join(directory, "disk-speed.bin")
+    n = max(block, nbytes // block * block)
+    piece = os.urandom(block)
+    try:
+        with open(path, "wb") as f:
+            for _ in range(n // block):
+                f.write(piece)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            how = f"O_DIRECT, {block >> 20} MiB reads, {threads} at once"
+        except OSError:
+            fd = os.open(path, os.O_RDONLY)
+            how = f"after posix_fadvise(DONTNEED), {block >> 20} MiB reads, {threads} at once"
+        bufs = [mmap.mmap(-1, block) for _ in range(threads)]  # page-aligned, as O_DIRECT wants
+        speeds = []
+        try:
+            for _ in range(reads):
+                if "fadvise" in how:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                with ThreadPoolExecutor(threads) as pool:
+                    t0 = time.perf_counter()
+                    got = sum(pool.map(lambda i: os.preadv(fd, [bufs[i % threads]], i * block), range(n // block)))
+                    speeds.append(got / (time.perf_counter() - t0))
+        finally:
+            os.close(fd)
+        return speeds, how
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
 def check_sources(what: str, ranks: list[dict]) -> None:
     """Where each rank's chunks came from is what the scenario says."""
     n2 = ranks[WIPED]
@@ -254,7 +311,7 @@ def check_sources(what: str, ranks: list[dict]) -> None:
         if not cond:
             raise AssertionError(f"restore {what}: {why}: {ranks}")
 
-    if what == "s3_fresh":
+    if what in FRESH:
         need(all(r["source"] == "checkpoint" and r["remote_chunks"] > 0 for r in ranks), "not every rank read S3")
         return
     need(all(r["source"] == "local tiers" for r in ranks), "not loaded from the local tiers")
@@ -262,7 +319,7 @@ def check_sources(what: str, ranks: list[dict]) -> None:
     need(all(r["remote_chunks"] == 0 for r in others), "an intact node read S3")
     if what == "intact":
         need(n2["remote_chunks"] == 0, "node 2 read S3 with its tier intact")
-    elif what == "s3":
+    elif what in FROM_S3:
         need(n2["remote_chunks"] > 0 and not n2["peer_chunks"] and not n2["rebuilt_chunks"],
              "node 2 did not read S3 alone")
     elif what == "replicas":
@@ -275,8 +332,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib-per-rank", type=float, default=256.0, help="state per rank, MiB (4 ranks)")
     p.add_argument("--saves", type=int, default=10, help="measured local-only saves per configuration")
-    p.add_argument("--restores", type=int, default=3, help="restores per scenario (median reported)")
+    p.add_argument("--restores", type=int, default=5, help="restores per scenario (median reported)")
     p.add_argument("--chunk-mib", type=float, default=16.0, help="chunk_size in MiB (ckpt's default: 16)")
+    p.add_argument("--s3-fraction", type=float, default=0.1, help="the limited S3 rows: each node's bandwidth to "
+                   "S3 as a fraction of this disk's read speed (measured first)")
+    p.add_argument("--s3-mibps", type=float, default=None, help="the limited S3 rows: each node's bandwidth to S3 "
+                   "in MiB/s (instead of --s3-fraction)")
     p.add_argument("--out", default=None, help="where the .md/.json/.png go (default: benchmarks/results; with "
                    "--quick: a temp dir, so a smoke run never overwrites the recorded results)")
     p.add_argument("--name", default="nodeloss", help="results file name (without extension)")
@@ -288,6 +349,8 @@ def main() -> None:
         args.mib_per_rank, args.saves, args.restores, args.chunk_mib = 8.0, 2, 1, 1.0
     if args.saves < 1 or args.restores < 1 or args.mib_per_rank <= 0:
         p.error("--saves and --restores must be at least 1, --mib-per-rank positive")
+    if not 0 < args.s3_fraction <= 1 or (args.s3_mibps is not None and args.s3_mibps <= 0):
+        p.error("--s3-fraction must be in (0, 1], --s3-mibps positive")
     chunk = int(args.chunk_mib * 2**20)
     if args.out is None:
         args.out = (os.path.join(tempfile.gettempdir(), "ckpt-bench-results") if args.quick else
@@ -303,19 +366,33 @@ def main() -> None:
     t_start = time.perf_counter()
     load_before = os.getloadavg()[0]
     server = None
+    proxies: list[FaultProxy] = []
     try:
+        speeds, how = disk_read_speed(root, max(64 << 20, int(args.mib_per_rank * 2**20)))
+        disk = median(speeds)
+        how += f", median of {len(speeds)}"
+        rate = args.s3_mibps * 2**20 if args.s3_mibps is not None else args.s3_fraction * disk
+        limit = {"disk_read_mibps": disk / 2**20, "disk_read_how": how, "s3_mibps": rate / 2**20,
+                 "disk_read_runs_mibps": [x / 2**20 for x in speeds],
+                 "fraction": None if args.s3_mibps is not None else args.s3_fraction}
+        print(f"this disk reads {disk / 2**20:.0f} MiB/s ({how}); S3 limited to {rate / 2**20:.0f} MiB/s per node "
+              "in the limited rows", flush=True)
         server = RcloneS3(os.path.join(root, "s3")).start()
         server.make_bucket(BUCKET)
+        proxies = [FaultProxy(server.port, rate=rate) for _ in range(WORLD)]  # one link per node
         a = {"mib": args.mib_per_rank, "saves": args.saves, "restores": args.restores, "chunk_size": chunk,
              "root": os.path.join(root, "nodes"), "endpoint": server.endpoint, "run": "bench",
-             "timeout": min(args.timeout, 600.0)}
+             "limited": [x.endpoint for x in proxies], "timeout": min(args.timeout, 600.0)}
         res = run_ranks(WORLD, rank_body, a, timeout=args.timeout, pg_timeout=a["timeout"])[0]
+        limit["through_node_links_mib"] = [{d: b.taken / 2**20 for d, b in x.limits.items()} for x in proxies]
     finally:
+        for x in proxies:
+            x.close()
         if server is not None:
             server.stop()
         shutil.rmtree(root, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
-    report(args, cmd, res, chunk, elapsed, (load_before, os.getloadavg()[0]))
+    report(args, cmd, res, chunk, elapsed, (load_before, os.getloadavg()[0]), limit)
 
 
 def summarize(res: dict) -> dict:
@@ -363,30 +440,39 @@ def summarize(res: dict) -> dict:
             "remote_chunks_other_ranks": sum(x["remote_chunks"] or 0 for r in reps[-1:]
                                              for i, x in enumerate(r["ranks"]) if i != WIPED),
         }
-    s3 = out["restore"]["s3"]["node2_s"]
-    for what in ("replicas", "parity"):
-        r = out["restore"][what]
+    s3, limited = out["restore"]["s3"]["node2_s"], out["restore"]["s3_limited"]["node2_s"]
+    floor = out["restore"]["intact"]["node2_s"]
+    for r in out["restore"].values():
+        r["over_floor_s"] = r["node2_s"] - floor  # what losing the tier costs beyond a restart with it
         r["s3_over_this"] = s3 / r["node2_s"] if r["node2_s"] else float("nan")
-    for what in ("intact", "s3", "s3_fresh"):
-        r = out["restore"][what]
-        r["s3_over_this"] = s3 / r["node2_s"] if r["node2_s"] else float("nan")
+        r["s3_limited_over_this"] = limited / r["node2_s"] if r["node2_s"] else float("nan")
     t = out["targets"]
     for cfg in ("replicas", "parity"):
         x = out["configs"][cfg]["blocked_vs_none"]
         t[f"blocked_{cfg}"] = {"what": f"blocked time {LABELS[cfg]} ÷ none", "target": f"≤ {TARGET_BLOCKED:.2f}",
                                "value": x, "met": x <= TARGET_BLOCKED}
-    for cfg in ("replicas", "parity"):
-        x = out["restore"][cfg]["s3_over_this"]
-        t[f"restore_{cfg}"] = {"what": f"restore of node 2: S3 ÷ {RESTORE_LABELS[cfg]}",
-                               "target": f"≥ {TARGET_RESTORE:.1f}", "value": x, "met": x >= TARGET_RESTORE}
+    for suffix, key, what in (("_limited", "s3_limited_over_this", "S3 limited"),
+                              ("", "s3_over_this", "S3 at disk speed")):
+        for cfg in ("replicas", "parity"):
+            x = out["restore"][cfg][key]
+            t[f"restore_{cfg}{suffix}"] = {"what": f"restore of node 2: {what} ÷ {RESTORE_LABELS[cfg]}",
+                                           "target": f"≥ {TARGET_RESTORE:.1f}", "value": x, "met": x >= TARGET_RESTORE}
     x = out["configs"]["parity"]["overhead"]
     t["parity_overhead"] = {"what": f"storage of {LABELS['parity']} ÷ state", "target": f"≤ {TARGET_PARITY:.3f} "
                             f"((k+m)/k + 0.05)", "value": x, "met": x <= TARGET_PARITY}
     return out
 
 
-def report(args, cmd: str, res: dict, chunk: int, elapsed: float, loadavg: tuple[float, float]) -> None:
+def limit_line(limit: dict) -> str:
+    """The limited rows' S3, said as the issue asks: a node's bandwidth against this disk's."""
+    share = (f" = 1/{1 / limit['fraction']:g} of local disk read {limit['disk_read_mibps']:.0f} MiB/s"
+             if limit["fraction"] else f" (local disk read {limit['disk_read_mibps']:.0f} MiB/s)")
+    return f"S3 limited to {limit['s3_mibps']:.0f} MiB/s per node{share} ({limit['disk_read_how']})"
+
+
+def report(args, cmd: str, res: dict, chunk: int, elapsed: float, loadavg: tuple[float, float], limit: dict) -> None:
     s = summarize(res)
+    s["s3_limit"] = limit
     mib = 2**20
     state = res["state_bytes"] * WORLD
     lines = [
@@ -402,7 +488,9 @@ def report(args, cmd: str, res: dict, chunk: int, elapsed: float, loadavg: tuple
          f"(after the first save, which uploads), each the maximum over ranks (times) or the sum over ranks (bytes); "
          f"the configurations take turns within each round, and every save is waited for before the next. "
          f"Restores: median of {args.restores}, every load checked bit for bit. The tiers and rclone's directory "
-         f"share one disk and S3 is on loopback: this compares the paths, not a real network against real S3. "
+         f"share one disk and S3 is on loopback; in the limited rows each node reaches it through a proxy of its "
+         f"own holding it to a node's bandwidth, while peers talk over loopback: a model of S3 at a node's share "
+         f"of the network against peers on a faster one, not real S3. "
          f"Wall time of the whole run: {elapsed:.0f}s; 1-minute load average {loadavg[0]:.1f} before and "
          f"{loadavg[1]:.1f} after."),
         "",
@@ -426,19 +514,26 @@ def report(args, cmd: str, res: dict, chunk: int, elapsed: float, loadavg: tuple
               "the chunks each rank wrote to its own tier plus what it stored for peers (replicas, parity blocks), "
               "all ranks.",
               "", f"### Restore of node 2 (its local tier wiped), {res['state_bytes'] / mib:.0f} MiB", "",
-              "| restored from | node 2 (s) | slowest rank (s) | S3 (node 2 only) ÷ this | node 2's tier healed (s) | "
+              f"{limit_line(limit)}; peers on loopback.", "",
+              "| restored from | node 2 (s) | node 2 − floor (s) | slowest rank (s) | "
+              "S3 limited (node 2 only) ÷ this | S3 at disk speed (node 2 only) ÷ this | node 2's tier healed (s) | "
               "node 2's chunks: peers / rebuilt / S3 / local |",
-              "|---|---:|---:|---:|---:|---:|"]
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in s["restore"].values():
         n = r["node2"]
-        lines.append(f"| {r['label']} | {fmt(r['node2_s'], 2)} | {fmt(r['slowest_s'], 2)} | "
-                     f"{fmt(r['s3_over_this'], 2)} | {fmt(r['node2_healed_s'], 2)} | "
+        lines.append(f"| {r['label']} | {fmt(r['node2_s'], 2)} | {fmt(r['over_floor_s'], 2)} | "
+                     f"{fmt(r['slowest_s'], 2)} | "
+                     f"{fmt(r['s3_limited_over_this'], 2)} | {fmt(r['s3_over_this'], 2)} | "
+                     f"{fmt(r['node2_healed_s'], 2)} | "
                      f"{n['peer_chunks']} / {n['rebuilt_chunks']} / "
                      f"{n['remote_chunks']} / {n['local_chunks']} |")
-    lines += ["", "Node 2 (s): `load()` to its return, when training can go on; node 2's tier healed: until the "
-              "chunks it took from peers or S3 are written back into its tier (in the background, behind the "
-              "load; `wait()` returns then). The other nodes read nothing from S3 in every row but the last "
-              "(checked), and every load was bit-exact.",
+    lines += ["", "Node 2 (s): `load()` to its return, when training can go on (every rank's load ends together); "
+              "node 2 − floor: that less the floor's median, what losing the tier cost; node 2's tier healed: until "
+              "the chunks it took from peers or S3 are written back into its tier (in the background, behind the "
+              "load; `wait()` returns then). The other nodes read nothing from S3 but in the \"every node "
+              "fresh\" rows (checked), and every load was bit-exact. Through node 2's limited link, all runs: "
+              f"{limit['through_node_links_mib'][WIPED]['down']:.0f} MiB from S3 "
+              f"({limit['through_node_links_mib'][WIPED]['up']:.1f} MiB of requests).",
               "", "### Targets", "", "| target | measured | goal | met |", "|---|---:|---:|---|"]
     for t in s["targets"].values():
         lines.append(f"| {t['what']} | {fmt(t['value'], 3)} | {t['target']} | {'yes' if t['met'] else 'no'} |")
@@ -492,10 +587,11 @@ def plot(s: dict, path: str, per_rank: int) -> None:
     ax3.invert_yaxis()
     ax3.set_xlim(0, 1.3 * max(max(r["node2_s"], r["slowest_s"]) for r in rs))
     ax3.set_xlabel("seconds (median)")
-    ax3.set_title(f"restore of node 2 ({per_rank / 2**20:.0f} MiB), its tier wiped")
-    ax3.legend(loc="lower right")
+    ax3.set_title(f"restore of node 2 ({per_rank / 2**20:.0f} MiB), its tier wiped\n"
+                  f"S3 limited: {s['s3_limit']['s3_mibps']:.0f} MiB/s per node, peers on loopback", fontsize=10)
+    ax3.legend(loc="upper right")
     fig.suptitle(f"node loss: {WORLD} gloo ranks × {per_rank / 2**20:.0f} MiB on {os.cpu_count()} CPUs, codec raw, "
-                 "remote: rclone serve s3 on 127.0.0.1")
+                 "remote: rclone serve s3 on 127.0.0.1 (limited: through a rate-limited proxy per node)")
     save_figure(fig, path)
 
 

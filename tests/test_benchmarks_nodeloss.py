@@ -25,8 +25,10 @@ def test_nodeloss_benchmark_quick(tmp_path):
                         "--timeout", "200"],
                        capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    for row in ("| none |", "| Replicas(2) |", "| Parity(3+1) |", "| peers: Replicas(2) |", "| S3, node 2 only"):
+    for row in ("| none |", "| Replicas(2) |", "| Parity(3+1) |", "| peers: Replicas(2) |",
+                "| S3 at disk speed, node 2 only", "| S3 limited, node 2 only", "| S3 limited, every node fresh"):
         assert row in p.stdout
+    assert "S3 limited to " in p.stdout and " MiB/s per node = 1/10 of local disk read " in p.stdout
     assert (tmp_path / "nodeloss.md").exists()
     doc = json.loads((tmp_path / "nodeloss.json").read_text())
     assert doc["world"] == 4 and doc["codec"] == "raw" and doc["saves"] == 2
@@ -47,17 +49,29 @@ def test_nodeloss_benchmark_quick(tmp_path):
     assert configs["parity"]["overhead"] == pytest.approx(4 / 3, rel=0.01)
 
     restore = doc["restore"]
-    assert set(restore) == {"intact", "replicas", "parity", "s3", "s3_fresh"}
+    assert set(restore) == {"intact", "replicas", "parity", "s3", "s3_fresh", "s3_limited", "s3_fresh_limited"}
+    limit = doc["s3_limit"]
+    assert limit["fraction"] == 0.1 and limit["s3_mibps"] == pytest.approx(limit["disk_read_mibps"] / 10)
+    # node 2's link carried what it read from S3 in the limited rows: its load, then its heal reading
+    # the same chunks again (node 2 only), and its load when every node was fresh
+    state_mib = doc["state_bytes_per_rank"] / 2**20
+    assert limit["through_node_links_mib"][2]["down"] == pytest.approx(3 * state_mib, rel=0.05)
+    assert limit["through_node_links_mib"][0]["down"] == pytest.approx(state_mib, rel=0.05)
     for name, r in restore.items():
         assert r["exact"] is True, name
         assert r["node2_s"] > 0 and r["node2_runs_s"] == [r["node2_s"]] and r["node2_healed_s"] > 0
         assert r["node2"]["bytes_read"] == pytest.approx(doc["state_bytes_per_rank"], rel=0.01), name  # + headers
     assert restore["replicas"]["node2"]["peer_chunks"] > 0 and restore["replicas"]["node2"]["remote_chunks"] == 0
     assert restore["parity"]["node2"]["rebuilt_chunks"] > 0 and restore["parity"]["node2"]["remote_chunks"] == 0
-    assert restore["s3"]["node2"]["remote_chunks"] > 0 and restore["s3"]["remote_chunks_other_ranks"] == 0
-    assert restore["s3_fresh"]["node2"]["source"] == "checkpoint"
-    assert all(restore[w]["node2"]["source"] == "local tiers" for w in ("intact", "replicas", "parity", "s3"))
+    for w in ("s3", "s3_limited"):
+        assert restore[w]["node2"]["remote_chunks"] > 0 and restore[w]["remote_chunks_other_ranks"] == 0
+    assert restore["s3_fresh"]["node2"]["source"] == restore["s3_fresh_limited"]["node2"]["source"] == "checkpoint"
+    assert all(restore[w]["node2"]["source"] == "local tiers" for w in ("intact", "replicas", "parity", "s3",
+                                                                        "s3_limited"))
+    assert all(r["s3_limited_over_this"] > 0 for r in restore.values())
+    assert restore["intact"]["over_floor_s"] == 0 and restore["replicas"]["over_floor_s"] == pytest.approx(
+        restore["replicas"]["node2_s"] - restore["intact"]["node2_s"])
     assert set(doc["targets"]) == {"blocked_replicas", "blocked_parity", "restore_replicas", "restore_parity",
-                                   "parity_overhead"}
+                                   "restore_replicas_limited", "restore_parity_limited", "parity_overhead"}
     assert doc["targets"]["parity_overhead"]["met"] is True
     assert all({"value", "target", "met"} <= set(t) for t in doc["targets"].values())

@@ -238,13 +238,13 @@ def _killed_body(rank: int, world: int, root: str, victim: int) -> dict:
     if rank == victim:
         original = Peers.exchange
 
-        def exchange(self, plan, read, received, stats):
+        def exchange(self, plan, read, received, stats, **rounds):
             def dying(src, item, data):
                 received(src, item, data)
                 if _SAVING[0] >= 3:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            return original(self, plan, read, dying, stats)
+            return original(self, plan, read, dying, stats, **rounds)
 
         Peers.exchange = exchange  # type: ignore[method-assign]
     c = _ckptr(root, rank, "replicas", persist_every=2, timeout=30)
@@ -503,7 +503,24 @@ def test_parity_layout_rebuilds_any_m_lost_members(k, m):
                 have = {b: datas[p][slice(*members[p].segment(q, k))] for b, (p, q) in enumerate(st.data)
                         if p not in lost}
                 have.update({k + j: stored[(st.index, j)] for j, h in enumerate(st.parity) if h not in lost})
-                out = erasure.decode(k, m, have, st.length)
+                out = erasure.decode(k, m, have, st.length, mine[0])
                 a, e = members[pos].segment(st.data[mine[0]][1], k)
-                rebuilt[a:e] = out[mine[0]][: e - a]
+                rebuilt[a:e] = out[: e - a]
             assert bytes(rebuilt) == datas[pos]
+
+
+def test_parity_coded_in_pieces_on_threads_is_the_whole_blocks_code():
+    import random
+
+    import zfec
+
+    rnd = random.Random(7)
+    k, m, length = 3, 2, 1000
+    blocks = [rnd.randbytes(length) for _ in range(k)]
+    whole = zfec.Encoder(k, k + m).encode(blocks, (k, k + 1))
+    for piece, threads in ((length, 4), (300, 1), (300, 4), (7, 3)):  # one piece, a few (the last short), many
+        assert [bytes(erasure.encode(k, m, blocks, length, j, piece, threads)) for j in range(m)] == whole
+        have = {0: blocks[0], k: whole[0], k + 1: whole[1]}
+        assert bytes(erasure.decode(k, m, have, length, 2, piece, threads)) == blocks[2]
+        assert bytes(erasure.decode(k, m, have, length, 1, piece, threads)) == blocks[1]
+        assert erasure.decode(k, m, have, length, 0, piece, threads) is blocks[0]  # given: no decoding

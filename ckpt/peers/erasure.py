@@ -1,5 +1,6 @@
 """Reed-Solomon parity over a group of ranks: where each byte of each rank's data goes (pure layout
-math, tested without processes), and encoding/decoding one stripe with zfec.
+math, tested without processes), and encoding/decoding one stripe with zfec (a large block in
+pieces, on threads).
 
 A group has ``n = k + m`` members in distinct failure domains. Member ``i``'s data for a step is its
 chunk objects, concatenated in hash order (``D_i``), cut into ``k`` segments of ``ceil(|D_i| / k)``
@@ -15,7 +16,9 @@ blocks, enough to decode the lost segments.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import CorruptCheckpointError
@@ -121,17 +124,58 @@ def _padded(b: bytes | bytearray | memoryview, length: int) -> bytes | bytearray
     return out
 
 
-def encode(k: int, m: int, blocks: Sequence[bytes | bytearray | memoryview], length: int, which: int) -> bytes:
+# Bytes of a block coded as one piece. zfec lets go of the GIL while it codes, and coding is byte-position
+# wise, so a rebuild decodes a large block's pieces on threads at once: training waits for a restore, and
+# on one core decoding took about as long as moving the blocks. A save's encoding stays on one thread:
+# it runs behind training, whose own threads want the cores.
+PIECE = 8 << 20
+THREADS = min(8, os.cpu_count() or 1)
+
+
+def _by_piece(length: int, code: Callable[[int, int], None], piece: int, threads: int) -> None:
+    """``code(start, end)`` for every piece of [0, length), on up to ``threads`` threads."""
+    spans = [(a, min(length, a + piece)) for a in range(0, length, piece)]
+    if len(spans) <= 1 or threads <= 1:
+        for a, e in spans:
+            code(a, e)
+        return
+    with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-parity") as pool:
+        for f in [pool.submit(code, a, e) for a, e in spans]:
+            f.result()
+
+
+def encode(k: int, m: int, blocks: Sequence[bytes | bytearray | memoryview], length: int, which: int,
+           piece: int = PIECE, threads: int = 1) -> bytearray:
     """Parity block ``which`` (0..m-1) of k data blocks, each zero-padded to ``length``."""
     import zfec
 
-    return zfec.Encoder(k, k + m).encode([_padded(b, length) for b in blocks], (k + which,))[0]
+    coder = zfec.Encoder(k, k + m)
+    data = [memoryview(_padded(b, length)) for b in blocks]
+    out = bytearray(length)
+
+    def code(a: int, e: int) -> None:
+        out[a:e] = coder.encode([d[a:e] for d in data], (k + which,))[0]
+
+    _by_piece(length, code, piece, threads)
+    return out
 
 
-def decode(k: int, m: int, blocks: dict[int, bytes | bytearray | memoryview], length: int) -> list[bytes]:
-    """The k data blocks of a stripe from any k of its blocks (block number -> bytes, data blocks
-    zero-padded to ``length``)."""
+def decode(k: int, m: int, blocks: dict[int, bytes | bytearray | memoryview], length: int, want: int,
+           piece: int = PIECE, threads: int = THREADS) -> bytes | bytearray | memoryview:
+    """Data block ``want`` (0..k-1) of a stripe from any k of its blocks (block number -> bytes,
+    data blocks zero-padded to ``length``)."""
     import zfec
 
+    if want in blocks:
+        return _padded(blocks[want], length)
+    coder = zfec.Decoder(k, k + m)
     nums = sorted(blocks)[:k]
-    return list(zfec.Decoder(k, k + m).decode([_padded(blocks[b], length) for b in nums], nums))
+    data = [memoryview(_padded(blocks[b], length)) for b in nums]
+    out = bytearray(length)
+
+    def code(a: int, e: int) -> None:
+        # fresh lists each call: zfec reorders the list of blocks it is given
+        out[a:e] = coder.decode([d[a:e] for d in data], list(nums))[want]
+
+    _by_piece(length, code, piece, threads)
+    return out

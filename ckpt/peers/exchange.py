@@ -57,6 +57,7 @@ class Transfer:
     item: Item
     size: int
     room: int = 0  # the receiver's buffer is this long (zeros after ``size``): a stripe block arrives padded
+    round: int = 0  # exchange() moves every transfer of round r (and calls after_round(r)) before round r+1's
 
 
 @dataclass
@@ -68,6 +69,29 @@ class PeerStats:
     stored_bytes: int = 0  # replicas and parity blocks this rank stored for its peers
     peer_chunks: int = 0  # chunks this rank got from peers (load)
     rebuilt_chunks: int = 0  # chunks this rank rebuilt from parity (load)
+
+
+Waves = dict[tuple[int, int], list[list[tuple[int, Transfer]]]]  # (src, dst) -> waves of (tag, transfer)
+
+
+def _waves(mine: list[Transfer]) -> list[Waves]:
+    """Per round, each pair's transfers cut into waves of at most WAVE_BYTES. Both ends of a pair
+    cut the same list the same way; a transfer's tag is its place in the pair's whole list, so tags
+    never repeat between rounds."""
+    pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    for t in mine:
+        pairs[(t.src, t.dst)].append(t)
+    out: list[Waves] = [{} for _ in range(1 + max((t.round for t in mine), default=-1))]
+    for key, ts in pairs.items():
+        used: dict[int, int] = {}
+        for tag, t in enumerate(ts):
+            cut = out[t.round].setdefault(key, [[]])
+            if cut[-1] and used.get(t.round, 0) + t.size > WAVE_BYTES:
+                cut.append([])
+                used[t.round] = 0
+            cut[-1].append((tag, t))
+            used[t.round] = used.get(t.round, 0) + t.size
+    return out
 
 
 class Peers:
@@ -149,30 +173,27 @@ class Peers:
             "(it resumes from the newest step the tiers or the checkpoint path can give back)", ranks=ranks)
 
     def exchange(self, plan: list[Transfer], read: Callable[[Item], bytes | bytearray],
-                 received: Callable[[int, Item, memoryview], None], stats: PeerStats) -> None:
+                 received: Callable[[int, Item, memoryview], None], stats: PeerStats, rounds: int = 1,
+                 after_round: Callable[[int], None] | None = None) -> None:
         """Collective: move every transfer of ``plan`` (the same list on every rank) from its source to
-        its destination, in waves of at most WAVE_BYTES per pair of ranks. A rank whose read or check
-        fails still finishes every wave (sending zeros instead), so no peer waits for bytes that never
-        come; then every rank raises the first failure."""
+        its destination, round by round (``Transfer.round``, 0..``rounds``-1), each round in waves of at
+        most WAVE_BYTES per pair of ranks; after round r, ``after_round(r)``, so a receiver can use
+        and drop what round r brought before round r+1's bytes arrive (a parity holder codes one
+        stripe at a time). A rank whose read or check fails still finishes every wave (sending zeros
+        instead), so no peer waits for bytes that never come; then every rank raises the first failure."""
         mine = [t for t in plan if (t.src == self.rank) != (t.dst == self.rank) and t.size > 0]
-        pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-        for t in mine:
-            pairs[(t.src, t.dst)].append(t)
-        waves: dict[tuple[int, int], list[list[tuple[int, Transfer]]]] = {}
-        for key, ts in pairs.items():
-            cut: list[list[tuple[int, Transfer]]] = [[]]
-            used = 0
-            for i, t in enumerate(ts):
-                if cut[-1] and used + t.size > WAVE_BYTES:
-                    cut.append([])
-                    used = 0
-                cut[-1].append((i, t))
-                used += t.size
-            waves[key] = cut
+        waves = _waves(mine)
         failure: CheckpointError | None = None
         try:
-            for w in range(max((len(v) for v in waves.values()), default=0)):
-                failure = self._wave(w, waves, read, received, stats) or failure
+            for r in range(max(rounds, len(waves))):
+                cut = waves[r] if r < len(waves) else {}
+                for w in range(max((len(v) for v in cut.values()), default=0)):
+                    failure = self._wave(w, cut, read, received, stats) or failure
+                if after_round is not None:
+                    try:
+                        after_round(r)
+                    except CheckpointError as e:
+                        failure = failure or e
         except Exception as e:
             raise self._broken(e, []) from e
         views = self.gather(None if failure is None else
@@ -187,9 +208,8 @@ class Peers:
                 raise CorruptCheckpointError(why)
             raise DistributedSaveError(why, ranks=[r for r, _ in bad])
 
-    def _wave(self, w: int, waves: dict[tuple[int, int], list[list[tuple[int, Transfer]]]],
-              read: Callable[[Item], bytes | bytearray], received: Callable[[int, Item, memoryview], None],
-              stats: PeerStats) -> CheckpointError | None:
+    def _wave(self, w: int, waves: Waves, read: Callable[[Item], bytes | bytearray],
+              received: Callable[[int, Item, memoryview], None], stats: PeerStats) -> CheckpointError | None:
         """Wave ``w`` of :meth:`exchange`: every send and receive posted, then waited for; the first
         failure of this rank's own reads or checks."""
         import torch
@@ -295,6 +315,8 @@ class Peers:
         mine = erasure.GroupLayout.build(g, self.redundancy.data, self.redundancy.parity,
                                          [erasure.Member(r, [(h, n) for h, n in docs[r]["chunks"]]) for r in ranks])
         me = ranks.index(self.rank)
+        # Round j brings every stripe's segments to its parity holder j: each member holds parity j of
+        # exactly one stripe, so a holder has one stripe's k segments in memory at a time, never m.
         plan = []  # transfers stay within a group: this group's are all this rank takes part in
         for st in mine.stripes:
             for pos, q in st.data:
@@ -302,8 +324,9 @@ class Peers:
                 a, b = mem.segment(q, mine.k)
                 for j, holder in enumerate(st.parity):
                     plan.append(Transfer(mem.rank, mine.members[holder].rank, ("seg", g, pos, q, j), b - a,
-                                         st.length))
+                                         st.length, round=j))
         got: dict[tuple[int, int], memoryview] = {}
+        d = paths.step_dir(step)
 
         def read(item: Item) -> bytearray:
             _, _, pos, q, _ = item
@@ -313,14 +336,18 @@ class Peers:
         def received(src: int, item: Item, data: memoryview) -> None:
             got[(item[2], item[3])] = data  # the received buffer, padded to the stripe's length
 
-        self.exchange(plan, read, received, stats)
-        d = paths.step_dir(step)
-        for st in mine.stripes:
-            if me not in st.parity or st.length == 0:
-                continue
-            blocks = [got.get((pos, q), b"") for pos, q in st.data]
-            j = st.parity.index(me)
-            block = erasure.encode(mine.k, mine.m, blocks, st.length, j)
-            self.local.write(f"{d}/{mine.parity_name(st.index, j)}", [block])
-            stats.stored_bytes += len(block)
+        def code(j: int) -> None:
+            """Parity block j of the stripe this rank holds it for, from the segments round j brought."""
+            st = next(st for st in mine.stripes if st.parity[j] == me)
+            try:
+                if st.length:
+                    blocks = [got.get((pos, q), b"") for pos, q in st.data]
+                    block = erasure.encode(mine.k, mine.m, blocks, st.length, j)
+                    del blocks
+                    self.local.write(f"{d}/{mine.parity_name(st.index, j)}", [block])
+                    stats.stored_bytes += len(block)
+            finally:
+                got.clear()
+
+        self.exchange(plan, read, received, stats, rounds=mine.m, after_round=code)
         self.local.write(f"{d}/{mine.name}", [json.dumps(mine.to_json()).encode()])

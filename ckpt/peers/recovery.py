@@ -146,7 +146,10 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
                               "why); load again once that is mended")
     plan: list[Transfer] = []
     load = [0] * peers.world
-    rebuild: dict[tuple[int, int], tuple[list[tuple[int, list]], list[str]]] = {}  # this rank's
+    # This rank's rebuild, one stripe per round: (group, member, stripe, its k blocks); a member's chunks.
+    decodes: list[tuple[int, int, int, list[tuple[int, int, Item, int]]]] = []
+    members: dict[tuple[int, int], list[str]] = {}
+    rounds = 1
     for dst, doc in enumerate(every):
         lost = []
         for h in doc["needs"]:
@@ -161,15 +164,21 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
         by_member, why = _unrecoverable(peers, s, lost)
         if why is not None and not s.persisted:
             raise CorruptCheckpointError(f"step {s.step} cannot be recovered from the local tiers: {why}")
-        for (g, p), hashes in (by_member if why is None else {}).items():
-            stripes = _rebuild_plan(peers, s, g, p, dst)
+        n = 0  # the rebuilder decodes stripe n as soon as round n brought its blocks, then drops them
+        for (g, p), hashes in sorted((by_member if why is None else {}).items()):
             if dst == peers.rank:
-                rebuild[(g, p)] = (stripes, hashes)
-            for t, blocks in stripes:
+                members[(g, p)] = hashes
+            for t, blocks in _rebuild_plan(peers, s, g, p, dst):
                 length = s.layouts[g].stripes[t].length  # segments arrive padded to it, as zfec wants them
-                plan += [Transfer(src, dst, item, size, length) for _, src, item, size in blocks if src != dst]
+                plan += [Transfer(src, dst, item, size, length, round=n) for _, src, item, size in blocks
+                         if src != dst]
+                if dst == peers.rank:
+                    decodes.append((g, p, t, blocks))
+                n += 1
+        rounds = max(rounds, n)
     stats = PeerStats()
     got: dict[Item, bytes | memoryview] = {}
+    segs: dict[tuple[int, int], list[tuple[int, int, memoryview]]] = defaultdict(list)
 
     def read(item: Item) -> bytes | bytearray:
         if item[0] == "chunk":
@@ -187,29 +196,39 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
         else:
             got[item] = data  # the received buffer itself, alive as long as this view
 
-    peers.exchange(plan, read, received, stats)
-    for (g, p), (stripes, hashes) in rebuild.items():
-        stats.rebuilt_chunks += _rebuild(peers, s, g, p, stripes, got, read, hashes, keep)
+    def decode(n: int) -> None:
+        """Round n's stripe of this rank's rebuild: its member's segment decoded, the blocks dropped."""
+        if n < len(decodes):
+            g, p, t, blocks = decodes[n]
+            try:
+                segs[(g, p)].append(_decode(s, g, p, t, {b: got[item] if item in got else read(item)
+                                                         for b, _, item, _ in blocks}))
+            finally:
+                got.clear()
+
+    peers.exchange(plan, read, received, stats, rounds=rounds, after_round=decode)
+    for (g, p), hashes in members.items():
+        stats.rebuilt_chunks += _keep_rebuilt(peers, s, g, p, segs[(g, p)], hashes, keep)
     return stats
 
 
-def _rebuild(peers: Peers, s: Survey, g: int, pos: int, stripes: list, got: dict, read: Callable, wanted: list[str],
-             keep: Callable[[str, memoryview], None]) -> int:
-    """Member ``pos`` of group ``g`` decoded from k blocks per stripe; its chunks in ``wanted``
-    verified and kept."""
+def _decode(s: Survey, g: int, pos: int, t: int, have: dict[int, bytes | bytearray | memoryview]
+            ) -> tuple[int, int, memoryview]:
+    """Member ``pos``'s segment in stripe ``t`` of group ``g``, decoded from k of the stripe's blocks:
+    (start, end) of the member's data, and its bytes."""
     lay = s.layouts[g]
-    mem = lay.members[pos]
-    segs: list[tuple[int, int, memoryview]] = []  # the member's bytes [a, e), in the decoded blocks
-    for t, blocks in stripes:
-        st = lay.stripes[t]
-        have = {b: (got[item] if item in got else read(item)) for b, _, item, _ in blocks}
-        decoded = erasure.decode(lay.k, lay.m, have, st.length)
-        b = next(i for i, (p, _) in enumerate(st.data) if p == pos)
-        q = st.data[b][1]
-        a, e = mem.segment(q, lay.k)
-        if e > a:
-            segs.append((a, e, memoryview(decoded[b])[: e - a]))
-    segs.sort(key=lambda x: x[0])
+    st = lay.stripes[t]
+    b = next(i for i, (p, _) in enumerate(st.data) if p == pos)
+    a, e = lay.members[pos].segment(st.data[b][1], lay.k)
+    return a, e, memoryview(erasure.decode(lay.k, lay.m, have, st.length, b))[: e - a]
+
+
+def _keep_rebuilt(peers: Peers, s: Survey, g: int, pos: int, segs: list[tuple[int, int, memoryview]],
+                  wanted: list[str], keep: Callable[[str, memoryview], None]) -> int:
+    """Member ``pos`` of group ``g``, rebuilt (its decoded segments): its chunks in ``wanted``
+    verified and kept."""
+    mem = s.layouts[g].members[pos]
+    segs = sorted((x for x in segs if x[1] > x[0]), key=lambda x: x[0])
 
     def span(start: int, end: int) -> memoryview:
         """Bytes [start, end) of the member: a view when one segment holds them, else joined."""

@@ -3,7 +3,8 @@
 * :func:`run_ranks` runs a function on real ``torch.distributed`` ranks (gloo on 127.0.0.1), one
   process each, and returns what every rank returned.
 * :class:`RcloneS3` and :class:`MotoS3` start real S3-compatible servers on loopback;
-  :class:`FaultProxy` sits in front of one and breaks connections (503 SlowDown, resets, stalls);
+  :class:`FaultProxy` sits in front of one and breaks connections (503 SlowDown, resets, stalls)
+  or holds them to a bandwidth (``rate=``, a :class:`TokenBucket` each way);
   :func:`storage_options` gives the options that reach them.
 * :class:`FaultyStorage` wraps any :class:`~ckpt.storage.base.Storage` and makes chosen calls fail,
   counting every call, so a test can show what ckpt does when the disk or the store says no.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from .faults import FaultyStorage, Gate, Rule
 from .ranks import run_ranks
-from .s3 import FaultProxy, MotoS3, RcloneS3, free_port, storage_options, wait_port
+from .s3 import FaultProxy, MotoS3, RcloneS3, TokenBucket, free_port, storage_options, wait_port
 
-__all__ = ["FaultyStorage", "Gate", "Rule", "run_ranks", "RcloneS3", "MotoS3", "FaultProxy", "free_port",
-           "wait_port", "storage_options"]
+__all__ = ["FaultyStorage", "Gate", "Rule", "run_ranks", "RcloneS3", "MotoS3", "FaultProxy", "TokenBucket",
+           "free_port", "wait_port", "storage_options"]

@@ -4,7 +4,9 @@
   process serving a directory; it can be killed for real.
 * ``MotoS3``: moto's ``ThreadedMotoServer``, in this process.
 * ``FaultProxy``: a TCP proxy in front of either that injects faults per new connection: an HTTP
-  503 SlowDown answer, a reset (RST) after part of the request, or a stall.
+  503 SlowDown answer, a reset (RST) after part of the request, or a stall; with ``rate=``, it also
+  holds the bytes it forwards to that many per second each way, shared by its connections (one
+  proxy per node: the bandwidth a node gets to S3), through a :class:`TokenBucket`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 ACCESS, SECRET = "ckpttest", "ckpttestsecret"
 
@@ -109,6 +112,36 @@ class MotoS3:
         self.server.stop()
 
 
+PIECE = 1 << 16  # bytes a proxy forwards per read
+
+
+class TokenBucket:
+    """``rate`` bytes per second, with bursts of at most ``burst`` bytes: ``take(n)`` counts n bytes
+    and says how many seconds to wait before passing them on so that the flow keeps to the rate.
+    Several threads share one bucket (the connections of one node share its link): each one's
+    wait includes the bytes the others took before it. ``clock`` is ``time.monotonic`` unless a
+    test gives its own."""
+
+    def __init__(self, rate: float, burst: float | None = None, clock: Callable[[], float] = time.monotonic):
+        if not rate > 0:
+            raise ValueError(f"a token bucket's rate must be positive, got {rate!r}")
+        self.rate = float(rate)
+        self.burst = float(burst) if burst is not None else max(float(PIECE), self.rate / 100)  # ~10 ms
+        self.clock = clock
+        self.taken = 0  # bytes counted, all time
+        self._tokens = self.burst  # what may pass now; negative: owed, paid back as time goes on
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> float:
+        with self._lock:
+            now = self.clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate) - n
+            self._last = now
+            self.taken += n
+            return max(0.0, -self._tokens / self.rate)
+
+
 SLOWDOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
             b"Content-Length: %d\r\n\r\n%s")
 SLOWDOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -121,11 +154,13 @@ class FaultProxy:
     the request, then RST), ``"stall"`` (read part of the request, hold the connection ``stall_s``
     seconds or until :meth:`close`, then close: a server that accepts and never answers).
     ``upstream_bytes`` counts request bytes forwarded; ``on_bytes(n, event)`` sets ``event`` once
-    that many have gone through (to act mid-upload without sleeping)."""
+    that many have gone through (to act mid-upload without sleeping). ``rate``: bytes per second
+    forwarded each way (``limits["up"]``, ``limits["down"]``), shared by every connection."""
 
-    def __init__(self, upstream_port: int, stall_s: float = 3.0):
+    def __init__(self, upstream_port: int, stall_s: float = 3.0, rate: float | None = None):
         self.upstream_port = upstream_port
         self.stall_s = stall_s
+        self.limits = {} if rate is None else {"up": TokenBucket(rate), "down": TokenBucket(rate)}
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -225,11 +260,16 @@ class FaultProxy:
             pass
 
     def _pipe(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        limit = self.limits.get("up" if upstream else "down")
         try:
             while True:
-                data = src.recv(1 << 16)
+                data = src.recv(PIECE)
                 if not data:
                     break
+                if limit is not None:
+                    wait = limit.take(len(data))
+                    if wait > 0 and self._closed.wait(wait):  # a rate limit, not a synchronisation
+                        break
                 dst.sendall(data)
                 if upstream:
                     with self._lock:
