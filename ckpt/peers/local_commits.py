@@ -77,7 +77,7 @@ class LocalCommits:
             try:
                 self.peers.protect(-1, None)
             except CheckpointError as e:
-                log.error("ckpt: %s", e)
+                log.error("%s", e)
 
     def committed(self, job: SaveJob, manifest: str) -> None:
         """Step ``job.step`` is committed (the coordinator's tier has it already): into this rank's tier."""
@@ -95,7 +95,7 @@ class LocalCommits:
         except FileExistsError:
             pass  # another rank sharing this node's tier committed it first
         except CheckpointError as e:  # committed on the other tiers; this one only lacks the manifest
-            log.warning("ckpt: step %d is committed, but not in this rank's local tier: %s", step, e)
+            log.warning("step %d is committed, but not in this rank's local tier: %s", step, e)
 
     # -- the load side -------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -119,7 +119,7 @@ def open_local_commits(storage: Any, comm: Comm, options: Options, process_group
     peers = Peers(comm, options.redundancy, options.failure_domain, local, process_group, options.timeout,
                   lease_id=lease.writer_id)
     if options.redundancy is not None:
-        log.info("ckpt: local tier %s protected by %s", local.root, peers.describe())
+        log.info("local tier %s protected by %s", local.root, peers.describe())
     lease.own |= peers.tier_leases  # the ranks sharing this tier write beside us, not in our way
     # the lowest rank sharing a tier applies its retention
     return LocalCommits(storage, comm, peers, lease, retention.apply_after if peers.tier_leader else None)

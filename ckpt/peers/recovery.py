@@ -250,6 +250,6 @@ def _keep_rebuilt(peers: Peers, s: Survey, g: int, pos: int, segs: list[tuple[in
                                              f"verify ({e}); the parity blocks are damaged", chunk=h) from e
             n += 1
         off += size
-    log.info("ckpt: rebuilt %d chunk(s) (%.1f MiB) of rank %d's tier from parity group %d", n, mem.size / 2**20,
+    log.info("rebuilt %d chunk(s) (%.1f MiB) of rank %d's tier from parity group %d", n, mem.size / 2**20,
              mem.rank, g)
     return n

@@ -54,7 +54,7 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
         if not isinstance(err, CorruptCheckpointError) or not fallback:
             raise advise(err, "load('latest', state, fallback=True) loads the newest step that verifies."
                           if step == "latest" else "Load another step (ckptr.steps() lists them).")
-        log.warning("ckpt: %s; falling back to an older step", err)
+        log.warning("%s; falling back to an older step", err)
         first_error = first_error or err
 
     for s in candidates:
@@ -65,7 +65,7 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
         ok, why = recovery.recoverable(peers, survey, m)
         if ok:
             lost = len(survey.lost(m.chunks))
-            log.info("ckpt: loading step %d from the local tiers (%s%s)", s,
+            log.info("loading step %d from the local tiers (%s%s)", s,
                      "the newest step" if s == max(holder) else "the newest recoverable step",
                      "" if not lost else f"; {lost} chunk(s) lost with their tier are read from {remote.describe()}"
                      if why else f"; {lost} chunk(s) lost with their tier come from peers or parity")
@@ -77,7 +77,7 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
             continue
         if step != "latest":
             raise CorruptCheckpointError(f"step {s} cannot be recovered from the local tiers: {why}")
-        log.warning("ckpt: step %d is committed in the local tiers but cannot be recovered from them: %s", s, why)
+        log.warning("step %d is committed in the local tiers but cannot be recovered from them: %s", s, why)
     targets = sorted(remote_steps, reverse=True) if step == "latest" else [step] if step in remote_steps else []
     if not targets:
         if first_error is not None:
@@ -92,7 +92,7 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
         events.emit("fresh", peers.rank)
         return None
     if step == "latest":
-        log.info("ckpt: loading step %d from %s (%s)", targets[0], remote.describe(),
+        log.info("loading step %d from %s (%s)", targets[0], remote.describe(),
                  "no step of the local tiers is newer and loads" if holder else "the local tiers are empty")
     for s in targets:
         done, err = attempt(s)
@@ -172,11 +172,11 @@ def _heal(tiers: LocalCommits, step: int, data: bytes, held: list[str], wanted: 
         if not local.exists(paths.manifest_key(step)):  # a tier that lost the step has it back
             tiers.commit(step, data.decode())
         if wrote or from_remote:
-            log.info("ckpt: healed this rank's local tier %s with %d chunk(s) from peers and %d from %s (%.2fs)",
+            log.info("healed this rank's local tier %s with %d chunk(s) from peers and %d from %s (%.2fs)",
                      local.root, wrote, from_remote, storage.remote.describe(), time.perf_counter() - t0)
         return True
     except Exception as e:
-        log.warning("ckpt: this rank's local tier %s was not healed after loading step %d (%s: %s); the next "
+        log.warning("this rank's local tier %s was not healed after loading step %d (%s: %s); the next "
                     "saves write their chunks anew", local.root, step, type(e).__name__, e)
         return False
     finally:
