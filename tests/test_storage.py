@@ -160,6 +160,80 @@ def test_multipart_object(backend):
         assert s3.multipart_uploads() == []
 
 
+def _resident_pages(path: str) -> int:
+    """How many of the file's pages are in the page cache (mincore(2) over a private mapping)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable, so ctypes can take its address
+    try:
+        base = ctypes.c_char.from_buffer(m)
+        vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+        ok = libc.mincore(ctypes.c_void_p(ctypes.addressof(base)), ctypes.c_size_t(size), vec)
+        del base
+        assert ok == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec)
+    finally:
+        m.close()
+
+
+def _direct_io_works(d: str) -> bool:
+    try:
+        os.close(os.open(os.path.join(d, "probe"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_direct_io_writes_exact_objects_around_the_page_cache(tmp_path):
+    """A local tier writes objects of 1 MiB or more with O_DIRECT, in aligned pieces of 4 MiB, the
+    last padded and cut back: the bytes come back exact whatever the sizes and buffer boundaries, and
+    the written pages are not left in the page cache (copying them there cost the staged upload more
+    CPU than the upload itself: issue 23 item 5)."""
+    if not _direct_io_works(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT")
+    st = LocalStorage(str(tmp_path / "root"), direct_io=True)
+    for i, size in enumerate([1 * MiB, 1 * MiB + 1, 4 * MiB, 4 * MiB + 4095, 8 * MiB, 9 * MiB + 123]):
+        key, data = f"chunks/ab/obj{i}", os.urandom(size)
+        cut = [0, 64, 64 + 4093, size // 2, size]  # a header-sized piece, then odd boundaries
+        parts = [memoryview(data)[a:b] for a, b in zip(cut, cut[1:])]
+        assert (st.create if i % 2 else st.write)(key, parts) == size
+        path = os.path.join(st.root, key)
+        assert st.direct_io and _resident_pages(path) <= 1  # at most the last page, zeroed past the end by the cut
+        assert os.path.getsize(path) == size and st.read(key) == data
+    st.write("steps/000000000001/rank-00000.json", [b"{}"])  # small: through the page cache
+    st.commit("steps/000000000001/MANIFEST.json", b"{}")
+    assert st.read("steps/000000000001/MANIFEST.json") == b"{}"
+    assert not [f for _, _, fs in os.walk(st.root) for f in fs if ".tmp-" in f]
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog):
+    """A file system that refuses O_DIRECT (EINVAL, as some do) gets the same objects through the page
+    cache, from the first refusal on, with no temp file left behind."""
+    import errno
+
+    real_open = os.open
+
+    def refusing(path, flags, *a, **kw):  # the file system's answer, not ckpt's code
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", refusing)
+    st = LocalStorage(str(tmp_path / "root"), direct_io=True)
+    data = os.urandom(3 * MiB + 5)
+    with caplog.at_level("INFO", logger="ckpt"):
+        assert st.create("chunks/ab/x", [data[:64], data[64:]]) == len(data)
+    assert st.read("chunks/ab/x") == data and not st.direct_io
+    assert "refuses O_DIRECT" in caplog.text
+    assert os.listdir(os.path.join(st.root, "chunks", "ab")) == ["x"]
+
+
 def test_tiered_serves_only_verified_local_copies(tmp_path):
     """A local copy that fails its check is rejected, counted, and read from the remote instead."""
     st = open_tiered(f"memory://conf-{uuid.uuid4().hex}", str(tmp_path / "nvme"), verify=verify_object)

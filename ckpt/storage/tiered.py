@@ -39,6 +39,7 @@ behind it; ``release(keys)`` drops them once they are written.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,6 +66,9 @@ class TieredStorage(Storage):
     def __init__(self, local: LocalStorage, remote: Storage, *, verify: Verify, upload_threads: int = 8,
                  local_commits: bool = False):
         self.local = local
+        # Staged chunks are read back once, by their upload: written around the page cache, which
+        # cost more CPU than the upload itself (issue 23 item 5; see LocalStorage).
+        local.direct_io = hasattr(os, "O_DIRECT")
         self.local_commits = local_commits
         self.remote = remote
         self.url = remote.url
