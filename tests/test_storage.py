@@ -234,6 +234,33 @@ def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch, c
     assert os.listdir(os.path.join(st.root, "chunks", "ab")) == ["x"]
 
 
+def test_tiered_uploads_the_staged_bytes_from_memory_up_to_a_bound(tmp_path):
+    """An upload sends the copy of the chunk held in memory since it was staged, not the local copy
+    read back from the disk (issue 23 item 5), while less than HOLD_BYTES wait; beyond that it
+    reads the local copy back. Shown with the local copies removed before the uploads start (the
+    one upload thread is held by a first chunk): the held chunk still goes up, the other fails."""
+    from ckpt.errors import StorageError
+    from ckpt.testing import FaultyStorage
+
+    remote = FaultyStorage(open_storage(f"memory://conf-{uuid.uuid4().hex}"))
+    st = TieredStorage(LocalStorage(str(tmp_path / "nvme")), remote, verify=verify_object, upload_threads=1)
+    (k0, d0), (k1, d1), (k2, d2) = chunk(300_000), chunk(300_000), chunk(300_000)
+    st.HOLD_BYTES = len(d0) + len(d1)  # room for the first two only
+    gate = remote.gate("create", key=k0)
+    st.create(k0, [d0])
+    assert gate.entered.wait(60)  # the one upload thread is busy: the next uploads wait
+    st.create(k1, [d1])
+    st.create(k2, [d2])
+    for k in (k1, k2):
+        os.unlink(os.path.join(st.local.root, k))
+    gate.open()
+    with pytest.raises(StorageError, match="uploading"):
+        st.finish_creates([k0, k1, k2])
+    assert remote.inner.read(k0) == d0 and remote.inner.read(k1) == d1 and not remote.inner.exists(k2)
+    assert st._held_bytes == 0  # every held copy given back, the failed upload's too
+    st.close()
+
+
 def test_tiered_serves_only_verified_local_copies(tmp_path):
     """A local copy that fails its check is rejected, counted, and read from the remote instead."""
     st = open_tiered(f"memory://conf-{uuid.uuid4().hex}", str(tmp_path / "nvme"), verify=verify_object)
