@@ -12,7 +12,9 @@ temporary directory, then, on the same tensors, taking turns within each repeat:
 * ``ckpt → local_dir → S3``: ``Checkpointer("s3://…", local_dir=…)``: time until durable locally,
   and until committed on S3;
 * ``DCP FsspecWriter``: ``torch.distributed.checkpoint.save`` with its fsspec writer (8 threads);
-* restores into preallocated tensors: ckpt from the local tier, ckpt from S3, DCP FsspecReader.
+* restores into preallocated tensors: ckpt from the local tier, ckpt from S3, DCP FsspecReader, all
+  cold: the server's files and the local tier's are dropped from the page cache first (untimed), as
+  after a restart (the local tier writes around the page cache, the server through it).
 
 The data changes in place between repeats (untimed), so dedup cannot skip uploads. Prints a
 table, writes benchmarks/results/s3.{json,md,png}.
@@ -54,6 +56,19 @@ def make_state(size_gib: float, seed: int = 0) -> dict[str, torch.Tensor]:
         total += rows * d * 4 + d * 4
         i += 1
     return out
+
+
+def evict(*roots: str) -> None:
+    """Drop every file under ``roots`` from the page cache (fsynced first, so its pages are clean)."""
+    for root in roots:
+        for d, _, files in os.walk(root):
+            for f in files:
+                fd = os.open(os.path.join(d, f), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
 
 
 def nbytes(state) -> int:
@@ -120,7 +135,8 @@ def main() -> None:
                                                     sync_files=False, **so))
         t_dcp = time.perf_counter() - t0
 
-        # restores
+        # restores, cold
+        evict(os.path.join(tmp, "server"), local_dir)
         t0 = time.perf_counter()
         tiered.load(step, target)
         t_rl = time.perf_counter() - t0
@@ -155,7 +171,8 @@ def main() -> None:
     plain = med["s3fs put, one object per tensor"]
     dcp = med["DCP FsspecWriter (8 threads)"]
     lines = [f"{gib:.2f} GiB of float32 tensors ({len(state)} tensors), {args.server} serve s3 on 127.0.0.1, "
-             f"{os.cpu_count()} CPUs, median of {args.repeats}; 1-minute load average {load_before:.1f} before and "
+             f"{os.cpu_count()} CPUs, median of {args.repeats}; restores read cold files (dropped from the page "
+             f"cache first); 1-minute load average {load_before:.1f} before and "
              f"{load_after:.1f} after (other work on the machine shows up here: compare ratios within one run).", "",
              "| method | time (s) | GiB/s | throughput ÷ plain s3fs | throughput ÷ DCP |", "|---|---:|---:|---:|---:|"]
     for n, t in med.items():
