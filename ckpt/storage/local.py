@@ -2,9 +2,9 @@
 
 With ``direct_io`` (a local tier staged in front of object storage turns it on), objects of 1 MiB or
 more are written with ``O_DIRECT``, around the page cache, from a page-aligned scratch buffer per
-thread: a staged chunk is read back once, by its upload, and copying it into the page cache cost more
-CPU than its upload (issue 23 item 5), besides evicting the training job's cached files. Where the
-file system refuses ``O_DIRECT`` (``EINVAL``), the storage writes through the page cache from then on.
+thread: a staged chunk is read back at most once (by its upload, when too many wait to be held in
+memory), and copying it into the page cache cost more CPU than its upload (issue 23 item 5). Where
+the file system refuses ``O_DIRECT`` (``EINVAL``), the storage writes through the page cache from then on.
 """
 
 from __future__ import annotations
