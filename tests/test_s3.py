@@ -96,6 +96,28 @@ def test_commit_waits_for_uploads_and_stage_order(rclone_server, tmp_path):
         direct.close()
 
 
+def test_a_staged_chunk_takes_three_requests(rclone_server, tmp_path):
+    """Issue 23 item 5: per new chunk a staged save asks whether it is stored (the writer's probe, a
+    ranged GET), whether it appeared since (a HEAD: rclone ignores If-None-Match) and PUTs it. A chunk
+    of less than two parts' worth went up as a multipart upload of one part: two round trips more, and
+    the server put the object together again."""
+    with ckpt.Checkpointer(s3_url(), local_dir=str(tmp_path / "nvme"), storage_options=fast(rclone_server.endpoint),
+                           chunk_size=12 * MiB, codec="raw") as c:
+        c.save(1, {"w": torch.ones(1000)}).wait()  # the lease and the create-only probe are behind us
+        remote = c.storage.remote
+        call, calls = remote.fs.call_s3, []
+
+        def counted(method, *a, **kw):  # instrumentation: the requests on chunk objects
+            if "/chunks/" in kw.get("Key", ""):
+                calls.append(method)
+            return call(method, *a, **kw)
+
+        remote.fs.call_s3 = counted
+        c.save(2, {"w": torch.randn(6 * MiB)}).wait()  # 24 MiB: two chunks of 12 MiB
+        assert sorted(calls) == ["get_object"] * 2 + ["head_object"] * 2 + ["put_object"] * 2
+        assert remote.counters["multipart"] == 0
+
+
 # -- faults -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fault", ["503", "reset", "stall"])
 def test_saves_succeed_through_faults(server, tmp_path, fault):
@@ -103,8 +125,8 @@ def test_saves_succeed_through_faults(server, tmp_path, fault):
     try:
         url = s3_url()
         so = fast(proxy.endpoint, read_timeout=1, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
-        s1 = state_of(4_000_000, seed=3)  # 16 MB: chunks of 8 MiB go up as multipart
-        with ckpt.Checkpointer(url, storage_options=so, chunk_size=8 * MiB) as c:
+        s1 = state_of(4_000_000, seed=3)  # 16 MB: a chunk of 12 MiB goes up in two parts, the rest as a PUT
+        with ckpt.Checkpointer(url, storage_options=so, chunk_size=12 * MiB, codec="raw") as c:
             proxy.arm(fault, 6)
             c.save(1, s1).wait()
             retries = c.storage.counters["retries"]

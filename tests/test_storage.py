@@ -113,10 +113,10 @@ def test_create_is_create_only_and_the_first_copy_stays(backend):
         with pytest.raises(FileExistsError):
             backend.create(key, [other])
     assert backend.read(key) == whole
-    big = os.urandom(11 * MiB)  # a multipart upload on S3: its completion is the create
+    big = os.urandom(17 * MiB)  # a multipart upload on S3 (two parts): its completion is the create
     backend.create("big", [big])
     with pytest.raises(FileExistsError):
-        backend.create("big", [os.urandom(11 * MiB)])
+        backend.create("big", [os.urandom(17 * MiB)])
     assert backend.read("big") == big
     s3 = backend.remote if isinstance(backend, TieredStorage) else backend
     if isinstance(s3, S3Storage):
@@ -147,13 +147,118 @@ def test_root_state_and_remove_root(backend):
 
 
 def test_multipart_object(backend):
-    data = os.urandom(11 * MiB)
-    backend.write("big", [data])
-    assert backend.read("big") == data
+    """On S3, an object of two parts or more (8 MiB parts by default) goes up as a multipart upload;
+    one of a single part's worth is one PUT: a multipart upload of one part was two more round trips
+    for the same bytes (issue 23 item 5)."""
+    data, one_part = os.urandom(17 * MiB), os.urandom(11 * MiB)
+    backend.write("big", [data[:100], memoryview(data)[100:]])
+    backend.write("one-part", [one_part])
+    assert backend.read("big") == data and backend.read("one-part") == one_part
     s3 = backend.remote if isinstance(backend, TieredStorage) else backend
     if isinstance(s3, S3Storage):
         assert s3.counters["multipart"] == 1
         assert s3.multipart_uploads() == []
+
+
+def _resident_pages(path: str) -> int:
+    """How many of the file's pages are in the page cache (mincore(2) over a private mapping)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable, so ctypes can take its address
+    try:
+        base = ctypes.c_char.from_buffer(m)
+        vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+        ok = libc.mincore(ctypes.c_void_p(ctypes.addressof(base)), ctypes.c_size_t(size), vec)
+        del base
+        assert ok == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec)
+    finally:
+        m.close()
+
+
+def _direct_io_works(d: str) -> bool:
+    try:
+        os.close(os.open(os.path.join(d, "probe"), os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_direct_io_writes_exact_objects_around_the_page_cache(tmp_path):
+    """A local tier writes objects of 1 MiB or more with O_DIRECT, in aligned pieces of 4 MiB, the
+    last padded and cut back: the bytes come back exact whatever the sizes and buffer boundaries, and
+    the written pages are not left in the page cache (copying them there cost the staged upload more
+    CPU than the upload itself: issue 23 item 5)."""
+    if not _direct_io_works(str(tmp_path)):
+        pytest.skip("this file system refuses O_DIRECT")
+    st = LocalStorage(str(tmp_path / "root"), direct_io=True)
+    for i, size in enumerate([1 * MiB, 1 * MiB + 1, 4 * MiB, 4 * MiB + 4095, 8 * MiB, 9 * MiB + 123]):
+        key, data = f"chunks/ab/obj{i}", os.urandom(size)
+        cut = [0, 64, 64 + 4093, size // 2, size]  # a header-sized piece, then odd boundaries
+        parts = [memoryview(data)[a:b] for a, b in zip(cut, cut[1:])]
+        assert (st.create if i % 2 else st.write)(key, parts) == size
+        path = os.path.join(st.root, key)
+        assert st.direct_io and _resident_pages(path) <= 1  # at most the last page, zeroed past the end by the cut
+        assert os.path.getsize(path) == size and st.read(key) == data
+    st.write("steps/000000000001/rank-00000.json", [b"{}"])  # small: through the page cache
+    st.commit("steps/000000000001/MANIFEST.json", b"{}")
+    assert st.read("steps/000000000001/MANIFEST.json") == b"{}"
+    assert not [f for _, _, fs in os.walk(st.root) for f in fs if ".tmp-" in f]
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog):
+    """A file system that refuses O_DIRECT (EINVAL, as some do) gets the same objects through the page
+    cache, from the first refusal on, with no temp file left behind."""
+    import errno
+
+    real_open = os.open
+
+    def refusing(path, flags, *a, **kw):  # the file system's answer, not ckpt's code
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", refusing)
+    st = LocalStorage(str(tmp_path / "root"), direct_io=True)
+    data = os.urandom(3 * MiB + 5)
+    with caplog.at_level("INFO", logger="ckpt"):
+        assert st.create("chunks/ab/x", [data[:64], data[64:]]) == len(data)
+    assert st.read("chunks/ab/x") == data and not st.direct_io
+    assert "refuses O_DIRECT" in caplog.text
+    assert os.listdir(os.path.join(st.root, "chunks", "ab")) == ["x"]
+
+
+def test_tiered_uploads_the_staged_bytes_from_memory_up_to_a_bound(tmp_path):
+    """An upload sends the copy of the chunk held in memory since it was staged, not the local copy
+    read back from the disk (issue 23 item 5), while less than HOLD_BYTES wait; beyond that it
+    reads the local copy back. Shown with the local copies removed before the uploads start (the
+    one upload thread is held by a first chunk): the held chunk still goes up, the other fails."""
+    from ckpt.errors import StorageError
+    from ckpt.testing import FaultyStorage
+
+    remote = FaultyStorage(open_storage(f"memory://conf-{uuid.uuid4().hex}"))
+    st = TieredStorage(LocalStorage(str(tmp_path / "nvme")), remote, verify=verify_object, upload_threads=1)
+    (k0, d0), (k1, d1), (k2, d2) = chunk(300_000), chunk(300_000), chunk(300_000)
+    st.HOLD_BYTES = len(d0) + len(d1)  # room for the first two only
+    gate = remote.gate("create", key=k0)
+    st.create(k0, [d0])
+    assert gate.entered.wait(60)  # the one upload thread is busy: the next uploads wait
+    st.create(k1, [d1])
+    st.create(k2, [d2])
+    for k in (k1, k2):
+        os.unlink(os.path.join(st.local.root, k))
+    gate.open()
+    with pytest.raises(StorageError, match="uploading"):
+        st.finish_creates([k0, k1, k2])
+    assert remote.inner.read(k0) == d0 and remote.inner.read(k1) == d1 and not remote.inner.exists(k2)
+    assert st._held_bytes == 0  # every held copy given back, the failed upload's too
+    st.close()
 
 
 def test_tiered_serves_only_verified_local_copies(tmp_path):

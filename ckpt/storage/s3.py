@@ -8,8 +8,9 @@ On top of the generic fsspec backend this adds:
   holds: a server that went away turns into :class:`~ckpt.errors.StorageError` in bounded time.
   Every try ends: bodies go out without ``Expect: 100-continue`` (whose wait no timeout covered),
   and a try still under way when the deadline runs out is cancelled.
-* **Parallel multipart uploads** for objects of at least ``multipart_threshold`` bytes, parts sent
-  by ``upload_concurrency`` threads; a failed upload is aborted, so no orphan parts stay billed.
+* **Parallel multipart uploads** for objects of at least ``multipart_threshold`` bytes that make
+  two parts or more, parts sent by ``upload_concurrency`` threads; a failed upload is aborted, so no
+  orphan parts stay billed. Smaller objects are one PUT.
 * **Create-only commit and chunks.** One PUT of the whole manifest with ``If-None-Match: *`` after a
   HEAD: on a server that honours the header (AWS S3, moto) two committers cannot both win; on one that
   ignores it (rclone's ``serve s3`` at the time of writing) it degrades to check-then-put. New chunk
@@ -226,19 +227,20 @@ class S3Storage(FsspecStorage):
         views = [memoryview(b).cast("B") for b in buffers]
         total = sum(len(v) for v in views)
         try:
-            if total >= self.multipart_threshold and total > self.part_size:
+            # A multipart upload of one part is a PUT with two more round trips (and, on some servers,
+            # the object assembled again from its part): multipart only where parts go in parallel.
+            if total >= self.multipart_threshold and total >= 2 * self.part_size:
                 self._multipart(key, views, total, cond)
             else:
-                body = b"".join(views)
-                self._call("writing", key, "put_object", Bucket=self.bucket, Key=self._s3key(key), Body=body, **cond)
+                self._call("writing", key, "put_object", Bucket=self.bucket, Key=self._s3key(key),
+                           Body=_body(views, 0, total), **cond)
         except Exception as e:
             err = self._wrap("writing", key, e)
             raise err from e
         return total
 
     def _multipart(self, key: str, views: list[memoryview], total: int, cond: dict) -> None:
-        data = views[0] if len(views) == 1 else memoryview(b"".join(views))
-        n = max(1, total // self.part_size)
+        n = total // self.part_size
         size = -(-total // n)  # even parts of part_size to 2 × part_size: every one above S3's 5 MiB minimum
         s3key = self._s3key(key)
         up = self._call("starting multipart upload of", key, "create_multipart_upload", Bucket=self.bucket, Key=s3key)
@@ -247,7 +249,7 @@ class S3Storage(FsspecStorage):
             self.counters["multipart"] += 1
 
         def part(i: int) -> dict:
-            body = bytes(data[i * size:(i + 1) * size])
+            body = _body(views, i * size, min(total, (i + 1) * size))
             r = self._call(f"uploading part {i + 1}/{n} of", key, "upload_part", Bucket=self.bucket, Key=s3key,
                            UploadId=upload_id, PartNumber=i + 1, Body=body)
             return {"PartNumber": i + 1, "ETag": r["ETag"]}
@@ -395,6 +397,22 @@ class S3Storage(FsspecStorage):
 
     def close(self) -> None:
         self._parts.shutdown(wait=False)
+
+
+def _body(views: list[memoryview], start: int, end: int) -> bytes | bytearray:
+    """Bytes ``start:end`` of the buffers laid end to end, copied once (botocore takes bytes, not
+    views); a whole ``bytes`` or ``bytearray`` (a chunk read back from a local tier) is sent as it is."""
+    pieces, pos = [], 0
+    for v in views:
+        a, b = max(start - pos, 0), min(end - pos, len(v))
+        if a < b:
+            pieces.append(v[a:b])
+        pos += len(v)
+        if pos >= end:
+            break
+    if len(pieces) == 1 and isinstance(pieces[0].obj, (bytes, bytearray)) and len(pieces[0]) == len(pieces[0].obj):
+        return pieces[0].obj
+    return b"".join(pieces)
 
 
 def _drop_expect(params: dict, **_: Any) -> None:

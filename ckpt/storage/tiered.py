@@ -1,8 +1,9 @@
 """A fast local tier (NVMe) staged in front of a durable remote tier (object storage).
 
-Writes land in the local tier first (temp file, fsync, rename) and return; an upload pool with
-bounded parallelism copies each object to the remote tier behind them. The remote tier is the
-truth: a step exists when its MANIFEST.json exists there.
+Writes land in the local tier first (temp file written around the page cache, fsync, rename) and
+return; an upload pool with bounded parallelism copies each object to the remote tier behind them,
+from a copy held in memory while less than ``HOLD_BYTES`` wait (else read back from the local tier).
+The remote tier is the truth: a step exists when its MANIFEST.json exists there.
 
 * ``flush()`` makes the local tier durable (a stage the SaveHandle reports); it does not wait for
   uploads.
@@ -39,6 +40,7 @@ behind it; ``release(keys)`` drops them once they are written.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,9 +64,12 @@ Verify = Callable[[str, list[memoryview]], None]
 
 
 class TieredStorage(Storage):
+    HOLD_BYTES = 256 << 20  # staged chunks held in memory for their uploads: two 16 MiB chunks per thread of 8
+
     def __init__(self, local: LocalStorage, remote: Storage, *, verify: Verify, upload_threads: int = 8,
                  local_commits: bool = False):
         self.local = local
+        local.direct_io = hasattr(os, "O_DIRECT")  # a staged chunk is read once at most: no page cache
         self.local_commits = local_commits
         self.remote = remote
         self.url = remote.url
@@ -77,6 +82,7 @@ class TieredStorage(Storage):
         self._failed: str | None = None  # the first upload failure since the last drain
         self._held: dict[str, memoryview] = {}  # verified chunks in memory, read before either tier
         self._lost: set[str] = set()  # chunks created where another writer's object stood (see finish_creates)
+        self._held_bytes = 0  # staged chunks held in memory until uploaded (see _stage)
 
     def view(self, persist: bool) -> Storage:
         """One save's storage (local commits): ``persist`` is whether it is uploaded."""
@@ -112,13 +118,13 @@ class TieredStorage(Storage):
             self._counters = TierCounters()
 
     # -- writing --------------------------------------------------------------------------------
-    def _upload(self, key: str, create: bool = False) -> None:
+    def _upload(self, key: str, create: bool = False, blob: bytes | None = None) -> None:
         failed = self._failed
         if failed is not None:  # an upload already failed: the rest would only wait out their own retries
             raise _NotUploaded(f"not uploading {key}: an earlier upload to {self.remote.describe()} failed "
                                f"({failed})")
         try:
-            data = self.local.read(key)
+            data = blob if blob is not None else self.local.read(key)
             if create:
                 try:
                     self.remote.create(key, [data])
@@ -135,6 +141,31 @@ class TieredStorage(Storage):
             raise
         with self._lock:
             self._counters.uploaded += 1
+
+    def _stage(self, key: str, buffers: Sequence, create: bool) -> int:
+        """Write chunk ``key`` to the local tier and queue its upload. While less than ``HOLD_BYTES``
+        wait for their uploads, the upload is given a copy in memory (made once; the local copy is
+        written from it) rather than reading the local copy back from the disk."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        size = sum(len(v) for v in views)
+        with self._lock:
+            held = size if self._held_bytes + size <= self.HOLD_BYTES else 0
+            self._held_bytes += held
+        blob = b"".join(views) if held else None
+        try:
+            n = self.local.write(key, [blob] if blob is not None else views)
+            upload = self._uploads.submit(self._upload, key, create, blob)
+        except BaseException:
+            self._unhold(held)
+            raise
+        upload.add_done_callback(lambda _: self._unhold(held))
+        with self._lock:
+            self._pending.append(upload)
+        return n
+
+    def _unhold(self, size: int) -> None:
+        with self._lock:
+            self._held_bytes -= size
 
     def _take_remote(self, key: str) -> bool:
         """Another writer's copy of chunk ``key`` is in the remote, and it stands: put the same bytes
@@ -161,10 +192,7 @@ class TieredStorage(Storage):
             self.local.flush()
             self.remote.write(key, [self.local.read(key)])
             return n
-        n = self.local.write(key, buffers)
-        with self._lock:
-            self._pending.append(self._uploads.submit(self._upload, key))
-        return n
+        return self._stage(key, buffers, create=False)
 
     def create(self, key: str, buffers: Sequence) -> int:
         """A chunk is staged (the local tier holds what the remote does, or nothing good) and created
@@ -172,10 +200,7 @@ class TieredStorage(Storage):
         local tier too, and :meth:`finish_creates` names the key."""
         if not is_chunk_key(key):
             return super().create(key, buffers)
-        n = self.local.write(key, buffers)
-        with self._lock:
-            self._pending.append(self._uploads.submit(self._upload, key, True))
-        return n
+        return self._stage(key, buffers, create=True)
 
     def finish_creates(self, keys: Collection[str]) -> set[str]:
         self.drain()
@@ -245,18 +270,17 @@ class TieredStorage(Storage):
                 if not self.local_commits:
                     raise
                 return local()
-        if is_chunk_key(key):
-            try:
-                got = local()
-                if got is not _MISS:
-                    return got
-            except FileNotFoundError:
-                pass
-            except CheckpointError as e:
-                self._reject(key, e)
-            if count:
-                with self._lock:
-                    self._counters.remote_reads += 1
+        try:
+            got = local()
+            if got is not _MISS:
+                return got
+        except FileNotFoundError:
+            pass
+        except CheckpointError as e:
+            self._reject(key, e)
+        if count:
+            with self._lock:
+                self._counters.remote_reads += 1
         return remote()
 
     def _hit(self, value):
