@@ -108,7 +108,7 @@ class LocalStorage(Storage):
                 return self._write_file(path, views, size, direct=True)
             except _NoDirect as e:
                 self.direct_io = False
-                log.info("ckpt: %s refuses O_DIRECT (%s); writing through the page cache", self.root, e)
+                log.info("%s refuses O_DIRECT (%s); writing through the page cache", self.root, e)
         return self._write_file(path, views, size, direct=False)
 
     def _write_file(self, path: str, views: list[memoryview], size: int, direct: bool) -> tuple[str, int]:

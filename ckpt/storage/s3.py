@@ -194,7 +194,7 @@ class S3Storage(FsspecStorage):
                 delay = min(delay, max(0.0, self.retry_deadline - elapsed))
                 with self._lock:
                     self.counters["retries"] += 1
-                log.debug("ckpt: %s %s: retry %d in %.2fs after %s", what, key, attempt, delay, e)
+                log.debug("%s %s: retry %d in %.2fs after %s", what, key, attempt, delay, e)
                 time.sleep(delay)
 
     def _wrap(self, what: str, key: str, e: Exception) -> Exception:
@@ -214,8 +214,13 @@ class S3Storage(FsspecStorage):
         that honours it the first writer's object stays and the others get ``FileExistsError``. On
         one that ignores it (:meth:`conditional_writes`, asked once) a HEAD comes first, and two
         writers between the HEAD and the PUT both write, the last one's object staying."""
-        if not self.conditional_writes() and self.exists(key):
+        views = [memoryview(b).cast("B") for b in buffers]
+        multipart = self._multipart_for(sum(len(v) for v in views))
+        # The probe is a single PUT: whether a server honours the condition on completing a
+        # multipart upload is not known, so those ask first as well (the HEAD costs little beside parts).
+        if (multipart or not self.conditional_writes()) and self.exists(key):
             raise FileExistsError(f"{self.url}/{key}")
+        buffers = views
         try:
             return self._put(key, buffers, {"IfNoneMatch": "*"})
         except StorageError as e:
@@ -229,7 +234,7 @@ class S3Storage(FsspecStorage):
         try:
             # A multipart upload of one part is a PUT with two more round trips (and, on some servers,
             # the object assembled again from its part): multipart only where parts go in parallel.
-            if total >= self.multipart_threshold and total >= 2 * self.part_size:
+            if self._multipart_for(total):
                 self._multipart(key, views, total, cond)
             else:
                 self._call("writing", key, "put_object", Bucket=self.bucket, Key=self._s3key(key),
@@ -238,6 +243,9 @@ class S3Storage(FsspecStorage):
             err = self._wrap("writing", key, e)
             raise err from e
         return total
+
+    def _multipart_for(self, total: int) -> bool:
+        return total >= self.multipart_threshold and total >= 2 * self.part_size
 
     def _multipart(self, key: str, views: list[memoryview], total: int, cond: dict) -> None:
         n = total // self.part_size
@@ -277,7 +285,7 @@ class S3Storage(FsspecStorage):
             with self._lock:
                 self.counters["aborted"] += 1
         except Exception as e:  # the upload error matters more; say what is left
-            log.error("ckpt: could not abort multipart upload %s of %s/%s (%s); its parts stay on the server "
+            log.error("could not abort multipart upload %s of %s/%s (%s); its parts stay on the server "
                       "until aborted (e.g. by a bucket lifecycle rule for incomplete uploads)", upload_id,
                       self.url, key, e)
 
@@ -380,7 +388,10 @@ class S3Storage(FsspecStorage):
                     raise self._wrap("probing", key, e) from e
             return False  # the second PUT replaced the first
         finally:
-            self.delete(key)
+            try:
+                self.delete(key)
+            except StorageError as e:  # a bucket that lets us write but not delete: the answer stands
+                log.warning("could not delete the probe object %s/%s (%s); delete it by hand", self.url, key, e)
 
     def root_state(self) -> RootState:
         """As for any fsspec URL, but a bucket that does not exist is an error, not a new run."""

@@ -178,7 +178,7 @@ class TieredStorage(Storage):
         try:
             self._verify(key, [memoryview(blob)])
         except CheckpointError as e:
-            log.warning("ckpt: the copy of %s in %s is damaged (%s); writing this one over it", key,
+            log.warning("the copy of %s in %s is damaged (%s); writing this one over it", key,
                         self.remote.describe(), e)
             return False
         self.local.write(key, [blob])
@@ -240,7 +240,7 @@ class TieredStorage(Storage):
         except FileExistsError:
             pass  # a stale local copy from a deleted step of the same number; the remote is the truth
         except CheckpointError as e:  # the step is committed; the local tier only loses a copy
-            log.warning("ckpt: committed %s remotely but not in the local tier: %s", key, e)
+            log.warning("committed %s remotely but not in the local tier: %s", key, e)
 
     # -- reading --------------------------------------------------------------------------------
     def _local_ok(self, key: str, blob: Blob) -> bool:
@@ -255,7 +255,7 @@ class TieredStorage(Storage):
         with self._lock:
             self._counters.local_rejected.append(key)
             self._bad.add(key)
-        log.warning("ckpt: local copy of %s is damaged (%s); reading it from %s instead", key, why,
+        log.warning("local copy of %s is damaged (%s); reading it from %s instead", key, why,
                     self.remote.describe())
 
     def _local_first(self, key: str, local, remote, *, count: bool = True):
