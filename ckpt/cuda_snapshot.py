@@ -200,13 +200,36 @@ def launch_native(core: Any, batch: list[tuple[int, int, int]], stream: torch.cu
     return len(small), len(large)
 
 
+def native_core(core: Any, device: torch.device) -> Any:
+    """``core`` (the compiled CUDA copy) if it can run on ``device``, else None (torch's copies);
+    asked with ``device`` current, once per device (a no gives one warning, :meth:`_ext.CudaCore.usable`)."""
+    if core is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return core if core.usable(index) else None
+
+
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The snapshot's side stream on ``device``: made once and kept for the process.
+
+    ``torch.cuda.Stream()`` hands out streams round-robin from a small per-device pool that every
+    caller shares (FSDP2's all-gather and reduce-scatter streams, DDP, other libraries): the copy
+    could land on the stream of a collective and wait behind it, or hold it up. So the stream comes
+    from ckpt's CUDA core (non-blocking, lowest priority, ckpt's alone); only without a usable core
+    does it fall back to torch's pool."""
     s = _streams.get(device)
     if s is None:
-        s = _streams[device] = torch.cuda.Stream(device=device)
+        with torch.cuda.device(device):
+            core = native_core(_ext.cuda(), device)
+            if core is not None:
+                index = torch.cuda.current_device()
+                s = torch.cuda.ExternalStream(core.stream(index), device=device)
+            else:
+                s = torch.cuda.Stream(device=device)
+        _streams[device] = s
     return s
 
 
@@ -263,3 +286,4 @@ def fence(stream: torch.cuda.Stream | None = None) -> None:
 def _wait_before_step(optimizer, args, kwargs) -> None:
     if _pending:
         fence()
+

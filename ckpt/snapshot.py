@@ -38,7 +38,7 @@ import torch
 
 from . import _ext
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
-from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native
+from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native, native_core
 from .flatten import Flat, Leaf
 from .flatten import _component as key_component  # the names flatten gives keys
 from .planning import Inventory
@@ -413,7 +413,7 @@ class HostBuffer:
     def _launch(self, slots: list, stream: torch.cuda.Stream, keep: list) -> None:
         """Enqueue the copies of ``slots`` on ``stream``: the compiled core for plain contiguous
         sources, torch's copy for the rest (strided, lazily conjugated or negated views)."""
-        core = self.cuda_core
+        core = native_core(self.cuda_core, stream.device)  # None where this build cannot run (one warning)
         batch: list[tuple[int, int, int]] = []  # (source address, destination address, bytes)
         for slot, src in slots:
             src.record_stream(stream)  # the caching allocator must not reuse it before the copy ran

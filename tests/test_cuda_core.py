@@ -1,0 +1,96 @@
+"""The parts of the GPU snapshot that run without a GPU: the CUDA library's load-time checks (ABI,
+probe, the fallback decision).
+tests/test_gpu.py holds what needs a device."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from ckpt import _ext, cuda_snapshot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+P = _ext.CudaProbe
+built = _ext._find("_cuda_copy")
+needs_build = pytest.mark.skipif(built is None, reason="CUDA core not built (no nvcc, or CKPT_NO_CUDA)")
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU gets")
+
+
+# -- the verdict: can this build run on a device? (a pure function of what the probe reports) --------
+def test_a_build_whose_driver_and_kernel_fit_is_used():
+    assert _ext.cuda_verdict(P(driver=13000, runtime=13000, capability=(9, 0), kernel_error=0)) is None
+    # a 13.x runtime runs on any 13.x driver (minor version compatibility)
+    assert _ext.cuda_verdict(P(driver=13000, runtime=13010, capability=(8, 0), kernel_error=0)) is None
+
+
+def test_an_older_driver_is_named_with_both_versions_and_the_fix():
+    why = _ext.cuda_verdict(P(driver=12040, runtime=13000, capability=(9, 0), kernel_error=0))
+    assert why is not None and "CUDA 12.4" in why and "CUDA 13.0" in why and "error 35" in why
+    assert "Update the driver" in why and "12.x toolkit" in why
+    # the probe's own error 35 says the same, whatever the version numbers claim
+    assert "error 35" in _ext.cuda_verdict(P(driver=13000, runtime=13000, capability=(9, 0), kernel_error=35))
+
+
+@pytest.mark.parametrize("code", [_ext.ERR_NO_KERNEL_IMAGE, _ext.ERR_INVALID_DEVICE_FUNCTION])
+def test_a_gpu_without_a_kernel_image_is_named_with_the_arch_to_build(code):
+    why = _ext.cuda_verdict(P(driver=13000, runtime=13000, capability=(7, 5), kernel_error=code))
+    assert why is not None and "compute capability 7.5" in why and 'CKPT_CUDA_ARCHS="75"' in why
+    assert f"error {code}" in why
+
+
+def test_no_driver_ptx_too_new_and_other_errors_are_refused():
+    assert "no NVIDIA driver" in _ext.cuda_verdict(P(driver=0, runtime=13000, capability=(0, 0), kernel_error=35))
+    ptx = _ext.cuda_verdict(P(driver=13000, runtime=13000, capability=(12, 0), kernel_error=_ext.ERR_UNSUPPORTED_PTX))
+    assert ptx is not None and "PTX" in ptx and "error 222" in ptx
+    other = _ext.cuda_verdict(P(driver=13000, runtime=13000, capability=(9, 0), kernel_error=2), "out of memory")
+    assert other is not None and "error 2, out of memory" in other
+
+
+# -- the built library -------------------------------------------------------------------------------
+@needs_build
+def test_the_built_library_reports_this_ckpts_abi():
+    core = _ext.CudaCore(ctypes.CDLL(built), built)
+    assert core.lib.ckpt_cuda_abi_version() == _ext.CUDA_ABI_VERSION
+
+
+@needs_build
+def test_a_library_built_for_another_abi_is_refused_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(_ext, "CUDA_ABI_VERSION", _ext.CUDA_ABI_VERSION + 1)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert _ext._load("_cuda_copy", _ext.CudaCore) is None
+    [rec] = [r for r in caplog.records if "could not load" in r.getMessage()]
+    assert f"built for CUDA ABI {_ext.CUDA_ABI_VERSION - 1}" in rec.getMessage() and "reinstall" in rec.getMessage()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_a_library_from_before_the_abi_version_is_refused(tmp_path, caplog):
+    """A ckpt/_cuda_copy*.so left by an older ckpt exports the copies but no ckpt_cuda_abi_version."""
+    src = tmp_path / "old.c"
+    src.write_text("int ckpt_cuda_copy_kernel(void) { return 0; }\nint ckpt_cuda_copy_memcpy(void) { return 0; }\n")
+    so = tmp_path / "_cuda_copy.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert _ext._load(str(tmp_path / "_cuda_copy"), _ext.CudaCore) is None
+    assert any("could not load" in r.getMessage() for r in caplog.records)
+
+
+@needs_build
+@no_gpu
+def test_the_probe_of_the_real_library_here_finds_no_driver_and_the_snapshot_falls_back_once(caplog):
+    """Not a stand-in: the statically linked runtime really asks for a driver, finds none on this
+    machine, and the decision made from it sends the copies to torch with one warning per device."""
+    core = _ext.CudaCore(ctypes.CDLL(built), built)
+    p = core.probe(0)
+    assert p.driver == 0 and p.runtime >= 12000 and p.kernel_error != 0
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert cuda_snapshot.native_core(core, torch.device("cuda", 0)) is None
+        assert cuda_snapshot.native_core(core, torch.device("cuda", 0)) is None
+    [rec] = [r for r in caplog.records if "cannot run on GPU 0" in r.getMessage()]
+    assert "no NVIDIA driver" in rec.getMessage() and "torch's copies" in rec.getMessage()
+    assert cuda_snapshot.native_core(None, torch.device("cuda", 0)) is None  # no library: torch's copies, silently
