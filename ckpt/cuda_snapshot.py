@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -287,3 +288,64 @@ def _wait_before_step(optimizer, args, kwargs) -> None:
     if _pending:
         fence()
 
+
+# -- optimizers the caller hands over ----------------------------------------------------------------
+# A state made of state_dict()s (Lightning's checkpoint dict, FSDP2's get_state_dict) holds no
+# optimizer object, so nothing in it says which tensors only optimizer.step() changes: every one
+# would be copied before the compute stream may go on. Whoever knows the optimizers hands them over.
+_handed = threading.local()
+
+
+@contextmanager
+def guarding(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[None]:
+    """Saves made in this block on this thread treat ``optimizers`` as if they were in the state: the
+    saved CUDA tensors that are their parameters or state (matched by storage address, as for
+    optimizers in the state) are copied behind the optimizer pre-step fence, overlapping the next
+    forward and backward. Nothing else changes (they are not saved, nor NaN-checked, through this).
+
+    Example (a state of ``state_dict()`` results)::
+
+        with ckpt.cuda_snapshot.guarding([opt]):
+            c.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+
+    The fence's rule then covers them: change them in place outside ``optimizer.step()`` only after
+    :func:`fence`."""
+    optimizers = tuple(optimizers)
+    wrong = [type(o).__name__ for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
+    if wrong:
+        raise ConfigError(f"guarding() takes torch.optim.Optimizer objects, got {', '.join(wrong)}: pass the "
+                          "optimizers themselves (Lightning: trainer.optimizers), not wrappers or state_dict()s")
+    before = handed_over()
+    _handed.optimizers = before + optimizers
+    try:
+        yield
+    finally:
+        _handed.optimizers = before
+
+
+def handed_over() -> tuple[torch.optim.Optimizer, ...]:
+    """The optimizers :func:`guarding` hands to saves on this thread (empty outside it)."""
+    return getattr(_handed, "optimizers", ())
+
+
+_stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_track_handle = None
+
+
+def track_stepping_optimizers() -> None:
+    """From now on, note every optimizer that takes a step in this process (once per process; one
+    set insertion per step). For callers that are never shown the optimizers, such as a Lightning
+    ``CheckpointIO``: :func:`stepping_optimizers` then names them."""
+    global _track_handle
+    with _pending_lock:
+        if _track_handle is None:
+            _track_handle = register_optimizer_step_pre_hook(_note_step)
+
+
+def stepping_optimizers() -> list[torch.optim.Optimizer]:
+    """The live optimizers that took a step since :func:`track_stepping_optimizers` was called."""
+    return list(_stepped)
+
+
+def _note_step(optimizer, args, kwargs) -> None:
+    _stepped.add(optimizer)

@@ -38,7 +38,7 @@ import torch
 
 from . import _ext
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
-from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native, native_core
+from .cuda_snapshot import CudaSnapshot, copy_to_host, handed_over, launch_native, native_core
 from .flatten import Flat, Leaf
 from .flatten import _component as key_component  # the names flatten gives keys
 from .planning import Inventory
@@ -263,10 +263,11 @@ _local = local_tensor
 
 
 def optimizer_guarded(state: dict[str, Any]) -> set[int]:
-    """Data pointers of the CUDA tensors that an optimizer in ``state`` updates (its parameters and its
-    state): the optimizer pre-step hook protects those, so their snapshot copy may overlap compute."""
+    """Data pointers of the CUDA tensors that an optimizer in ``state``, or handed over with
+    :func:`ckpt.cuda_snapshot.guarding`, updates (its parameters and its state): the optimizer
+    pre-step hook protects those, so their snapshot copy may overlap compute."""
     out: set[int] = set()
-    values = list(state.values())
+    values = list(state.values()) + list(handed_over())
     while values:
         v = values.pop()
         if isinstance(v, (list, tuple)):

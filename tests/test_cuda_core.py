@@ -1,19 +1,23 @@
 """The parts of the GPU snapshot that run without a GPU: the CUDA library's load-time checks (ABI,
-probe, the fallback decision).
+probe, the fallback decision), handing optimizers to a save, and the GPU readiness script.
 tests/test_gpu.py holds what needs a device."""
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import shutil
 import subprocess
+import threading
+import weakref
 
 import pytest
 import torch
 
 from ckpt import _ext, cuda_snapshot
+from ckpt.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = _ext.CudaProbe
@@ -94,3 +98,43 @@ def test_the_probe_of_the_real_library_here_finds_no_driver_and_the_snapshot_fal
     [rec] = [r for r in caplog.records if "cannot run on GPU 0" in r.getMessage()]
     assert "no NVIDIA driver" in rec.getMessage() and "torch's copies" in rec.getMessage()
     assert cuda_snapshot.native_core(None, torch.device("cuda", 0)) is None  # no library: torch's copies, silently
+
+
+# -- handing optimizers to a save ----------------------------------------------------------------------
+def _sgd() -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.ones(4))], lr=0.1)
+
+
+def test_guarding_hands_optimizers_over_on_this_thread_only_and_nests():
+    a, b = _sgd(), _sgd()
+    other: list[tuple] = []
+    with cuda_snapshot.guarding([a]):
+        with cuda_snapshot.guarding([b]):
+            assert cuda_snapshot.handed_over() == (a, b)
+            t = threading.Thread(target=lambda: other.append(cuda_snapshot.handed_over()))
+            t.start()
+            t.join()
+        assert cuda_snapshot.handed_over() == (a,)
+    assert cuda_snapshot.handed_over() == () and other == [()]
+
+
+def test_guarding_refuses_what_is_not_an_optimizer_before_handing_anything_over():
+    opt = _sgd()
+    with pytest.raises(ConfigError, match="takes torch.optim.Optimizer objects, got dict"):
+        with cuda_snapshot.guarding([opt, opt.state_dict()]):
+            pass
+    assert cuda_snapshot.handed_over() == ()
+
+
+def test_stepping_optimizers_are_noted_and_forgotten_when_they_go():
+    cuda_snapshot.track_stepping_optimizers()
+    cuda_snapshot.track_stepping_optimizers()  # once per process
+    opt, idle = _sgd(), _sgd()
+    opt.param_groups[0]["params"][0].grad = torch.ones(4)
+    opt.step()
+    noted = cuda_snapshot.stepping_optimizers()
+    assert any(o is opt for o in noted) and not any(o is idle for o in noted)
+    gone = weakref.ref(opt)
+    del noted, opt
+    gc.collect()
+    assert gone() is None  # noting an optimizer does not keep it alive
