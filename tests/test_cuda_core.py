@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import weakref
 
@@ -138,3 +139,19 @@ def test_stepping_optimizers_are_noted_and_forgotten_when_they_go():
     del noted, opt
     gc.collect()
     assert gone() is None  # noting an optimizer does not keep it alive
+
+
+# -- ready for the first GPU ----------------------------------------------------------------------------
+def test_the_gpu_readiness_script_parses_and_names_its_phases():
+    script = os.path.join(ROOT, "benchmarks", "gpu_ready.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    out = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, check=True).stdout
+    for phase in ("build", "test", "sanitize", "bench"):
+        assert phase in out
+
+
+def test_the_gpu_benchmark_explains_itself_without_a_gpu():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_snapshot.py"), "--help"],
+                         capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    assert "async_save" in out and "--quick" in out
