@@ -10,13 +10,17 @@ several GPUs is copied and fenced device by device. Per device:
 * tensors no saved optimizer updates (buffers, loose tensors) are copied first, their NaN/Inf
   verdict is reduced, then an event is recorded that the current stream waits for at once (on
   the device): nothing queued later can change them mid-copy or mid-check;
-* tensors an optimizer in the state updates (its parameters and state) are copied next; the
-  optimizer pre-step hook makes the stepping stream wait for the copy's event on the device, so
-  the host never blocks and the copy overlaps the forward and backward passes.
+* tensors an optimizer in the state (or one handed over with :func:`guarding`, for a state of
+  ``state_dict()`` results) updates, its parameters and state, are copied next; the optimizer
+  pre-step hook makes the stepping stream wait for the copy's event on the device, so the host
+  never blocks and the copy overlaps the forward and backward passes.
 
 What is *not* fenced: in-place writes to optimizer-owned tensors outside ``optimizer.step()``
 (call :func:`fence` first), and optimizer steps captured in a CUDA graph (the hook does not run
 inside a replay): a save while a capture is under way is refused (:class:`ConfigError`).
+
+The compiled core copies only on a device it can run on (:func:`native_core`: asked once per
+device, torch's copies and one warning otherwise).
 
 The host buffer is handed back only after every copy into it is done (:meth:`CudaSnapshot.synchronize`),
 on every path, failures included: the GPU never writes into a buffer a later save owns.
