@@ -11,7 +11,8 @@ its pure-Python paths. Environment:
 
 * ``CKPT_NO_EXT=1``: compile nothing.      * ``CKPT_NO_CUDA=1``: skip the CUDA part only.
 * ``CKPT_BUILD_STRICT=1``: a compile error fails the install (CI sets it).
-* ``CKPT_CUDA_ARCHS="80;90"``: GPU architectures (default 80, 90, plus PTX for newer GPUs).
+* ``CKPT_CUDA_ARCHS="80;90"``: GPU architectures (default 75, 80, 90, plus PTX for newer GPUs). 75 (Turing:
+  T4, RTX 20xx) is the oldest CUDA 13 builds for; a GPU with no image here gets torch's copies, with a warning.
 """
 
 import os
@@ -28,6 +29,7 @@ def _flag(name: str) -> bool:
 
 
 STRICT = _flag("CKPT_BUILD_STRICT")
+DEFAULT_ARCHS = "75;80;90"  # oldest first: the last also goes in as PTX, which newer GPUs compile at load
 
 
 def _nvcc() -> str | None:
@@ -56,7 +58,7 @@ class BuildCore(build_ext):
         nvcc = _nvcc()
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        archs = [a for a in os.environ.get("CKPT_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()]
+        archs = [a for a in os.environ.get("CKPT_CUDA_ARCHS", DEFAULT_ARCHS).replace(",", ";").split(";") if a.strip()]
         gencode = []
         for a in archs:
             gencode += ["-gencode", f"arch=compute_{a.strip()},code=sm_{a.strip()}"]

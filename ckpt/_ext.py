@@ -11,6 +11,7 @@ import ctypes
 import glob
 import logging
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -22,6 +23,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # numpy layouts of the C structs (csrc/copyhash.cpp Seg, csrc/cuda/batched_copy.cu CopyDesc)
 SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<u8")])
 ABI_VERSION = 4  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
 DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("nbytes", "<u8")])
@@ -98,17 +100,61 @@ class CpuCore:
 
 class CudaCore:
     """Batched device-to-host copies on a given stream: one kernel for many pieces, or a C loop of
-    ``cudaMemcpyAsync``."""
+    ``cudaMemcpyAsync``; and the side streams they run on.
+
+    The library links the CUDA runtime statically, so loading it proves nothing about the GPU:
+    :meth:`usable` asks it, per device and before the first copy there, whether the driver is new
+    enough and the kernel has an image for that GPU (see :func:`cuda_verdict`)."""
 
     def __init__(self, lib: ctypes.CDLL, path: str):
         self.path = path
         self.lib = lib
+        lib.ckpt_cuda_abi_version.restype = ctypes.c_int
+        if lib.ckpt_cuda_abi_version() != CUDA_ABI_VERSION:
+            raise OSError(f"built for CUDA ABI {lib.ckpt_cuda_abi_version()}, this ckpt needs {CUDA_ABI_VERSION} "
+                          "(a library left from another ckpt: reinstall ckpt to rebuild it)")
         for name in ("ckpt_cuda_copy_kernel", "ckpt_cuda_copy_memcpy"):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         lib.ckpt_cuda_error_string.restype = ctypes.c_char_p
         lib.ckpt_cuda_error_string.argtypes = [ctypes.c_int]
+        lib.ckpt_cuda_probe.restype = ctypes.c_int
+        lib.ckpt_cuda_probe.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        lib.ckpt_cuda_stream_create.restype = ctypes.c_int
+        lib.ckpt_cuda_stream_create.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        self._verdicts: dict[int, str | None] = {}
+
+    def error_string(self, code: int) -> str:
+        return self.lib.ckpt_cuda_error_string(code).decode()
+
+    def probe(self, device: int) -> CudaProbe:
+        """What the library finds on ``device`` (call with that device current)."""
+        out = (ctypes.c_int * 5)()
+        self.lib.ckpt_cuda_probe(device, out)
+        return CudaProbe(driver=out[0], runtime=out[1], capability=(out[2], out[3]), kernel_error=out[4])
+
+    def usable(self, device: int) -> bool:
+        """Can this build copy on ``device``? Asked once per device (with it current); on no, one
+        warning says why and what to do, and that device's snapshots use torch's copies."""
+        if device not in self._verdicts:
+            p = self.probe(device)
+            why = self._verdicts[device] = cuda_verdict(p, self.error_string(p.kernel_error))
+            if why is not None:
+                log.warning("the compiled CUDA copy (%s) cannot run on GPU %d: %s. Snapshots from that GPU use "
+                            "torch's copies instead (the same bytes; slower for many small tensors).",
+                            self.path, device, why)
+        return self._verdicts[device] is None
+
+    def stream(self, device: int) -> int:
+        """A new non-blocking, lowest-priority stream of ckpt's own on ``device`` (its cudaStream_t as an
+        int; call with that device current). It is never destroyed: make one per device."""
+        out = ctypes.c_void_p()
+        code = self.lib.ckpt_cuda_stream_create(device, ctypes.byref(out))
+        if code != 0 or not out.value:
+            raise OSError(f"cudaStreamCreateWithPriority failed on GPU {device}: {self.error_string(code)} "
+                          f"(error {code})")
+        return out.value
 
     def copy(self, descs: np.ndarray, stream: int, device: int, kernel: bool) -> bool:
         """Enqueue DESC records on ``stream`` of GPU ``device``. With ``kernel``, ``descs`` must live in
@@ -122,9 +168,56 @@ class CudaCore:
             return False
         if code != 0:
             from .errors import CheckpointError
-            raise CheckpointError(f"CUDA snapshot copy failed: {self.lib.ckpt_cuda_error_string(code).decode()} "
+            raise CheckpointError(f"CUDA snapshot copy failed: {self.error_string(code)} "
                                   f"(error {code}); set CKPT_NO_EXT=1 to use torch's copies instead")
         return True
+
+
+@dataclass(frozen=True)
+class CudaProbe:
+    """What ``ckpt_cuda_probe`` reports for one device."""
+
+    driver: int  # the CUDA version the driver supports, as 1000 * major + 10 * minor (0: no driver)
+    runtime: int  # the CUDA runtime the library was built with (linked in), same encoding
+    capability: tuple[int, int]  # the GPU's compute capability ((0, 0): could not be read)
+    kernel_error: int  # cudaFuncGetAttributes on the copy kernel there (0: it can run)
+
+
+# cudaError_t values the verdict names (driver_types.h)
+ERR_INSUFFICIENT_DRIVER = 35
+ERR_INVALID_DEVICE_FUNCTION = 98
+ERR_NO_KERNEL_IMAGE = 209
+ERR_UNSUPPORTED_PTX = 222
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def cuda_verdict(p: CudaProbe, error_name: str = "") -> str | None:
+    """Why the compiled CUDA copy cannot run on a device, with what to do about it; None if it can.
+
+    The runtime is linked in, so the driver must support its major version (a 13.x runtime runs on
+    any 13.x driver, not on a 12.x one: CUDA error 35), and the library must hold an image for the
+    GPU: machine code for its architecture, or PTX the driver can compile (else error 209)."""
+    rebuild = "rebuild ckpt's core (`pip install -e .` in ckpt's checkout, or `python setup.py build_ext --inplace`)"
+    if p.driver == 0:
+        return "no NVIDIA driver was found"
+    if p.driver // 1000 < p.runtime // 1000 or p.kernel_error == ERR_INSUFFICIENT_DRIVER:
+        return (f"the NVIDIA driver supports CUDA {_cuda_version(p.driver)}, older than the CUDA "
+                f"{_cuda_version(p.runtime)} runtime it was built with (CUDA error 35). Update the driver, or "
+                f"{rebuild} with a CUDA {p.driver // 1000}.x toolkit (CUDA_HOME)")
+    if p.kernel_error in (ERR_NO_KERNEL_IMAGE, ERR_INVALID_DEVICE_FUNCTION):
+        cc = "".join(map(str, p.capability))
+        return (f"it holds no kernel for this GPU (compute capability {p.capability[0]}.{p.capability[1]}; CUDA "
+                f"error {p.kernel_error}). Set CKPT_CUDA_ARCHS=\"{cc}\" and {rebuild}")
+    if p.kernel_error == ERR_UNSUPPORTED_PTX:
+        return (f"its kernel's PTX is newer than the driver (CUDA {_cuda_version(p.driver)}) can compile (CUDA error "
+                f"222). Update the driver, or set CKPT_CUDA_ARCHS to this GPU's architecture and {rebuild}")
+    if p.kernel_error:
+        named = f", {error_name}" if error_name else ""
+        return f"asking for its kernel failed (CUDA error {p.kernel_error}{named})"
+    return None
 
 
 def _load(stem: str, cls):

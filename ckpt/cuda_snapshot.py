@@ -10,13 +10,17 @@ several GPUs is copied and fenced device by device. Per device:
 * tensors no saved optimizer updates (buffers, loose tensors) are copied first, their NaN/Inf
   verdict is reduced, then an event is recorded that the current stream waits for at once (on
   the device): nothing queued later can change them mid-copy or mid-check;
-* tensors an optimizer in the state updates (its parameters and state) are copied next; the
-  optimizer pre-step hook makes the stepping stream wait for the copy's event on the device, so
-  the host never blocks and the copy overlaps the forward and backward passes.
+* tensors an optimizer in the state (or one handed over with :func:`guarding`, for a state of
+  ``state_dict()`` results) updates, its parameters and state, are copied next; the optimizer
+  pre-step hook makes the stepping stream wait for the copy's event on the device, so the host
+  never blocks and the copy overlaps the forward and backward passes.
 
 What is *not* fenced: in-place writes to optimizer-owned tensors outside ``optimizer.step()``
 (call :func:`fence` first), and optimizer steps captured in a CUDA graph (the hook does not run
 inside a replay): a save while a capture is under way is refused (:class:`ConfigError`).
+
+The compiled core copies only on a device it can run on (:func:`native_core`: asked once per
+device, torch's copies and one warning otherwise).
 
 The host buffer is handed back only after every copy into it is done (:meth:`CudaSnapshot.synchronize`),
 on every path, failures included: the GPU never writes into a buffer a later save owns.
@@ -27,7 +31,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -200,13 +205,36 @@ def launch_native(core: Any, batch: list[tuple[int, int, int]], stream: torch.cu
     return len(small), len(large)
 
 
+def native_core(core: Any, device: torch.device) -> Any:
+    """``core`` (the compiled CUDA copy) if it can run on ``device``, else None (torch's copies);
+    asked with ``device`` current, once per device (a no gives one warning, :meth:`_ext.CudaCore.usable`)."""
+    if core is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return core if core.usable(index) else None
+
+
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The snapshot's side stream on ``device``: made once and kept for the process.
+
+    ``torch.cuda.Stream()`` hands out streams round-robin from a small per-device pool that every
+    caller shares (FSDP2's all-gather and reduce-scatter streams, DDP, other libraries): the copy
+    could land on the stream of a collective and wait behind it, or hold it up. So the stream comes
+    from ckpt's CUDA core (non-blocking, lowest priority, ckpt's alone); only without a usable core
+    does it fall back to torch's pool."""
     s = _streams.get(device)
     if s is None:
-        s = _streams[device] = torch.cuda.Stream(device=device)
+        with torch.cuda.device(device):
+            core = native_core(_ext.cuda(), device)
+            if core is not None:
+                index = torch.cuda.current_device()
+                s = torch.cuda.ExternalStream(core.stream(index), device=device)
+            else:
+                s = torch.cuda.Stream(device=device)
+        _streams[device] = s
     return s
 
 
@@ -263,3 +291,65 @@ def fence(stream: torch.cuda.Stream | None = None) -> None:
 def _wait_before_step(optimizer, args, kwargs) -> None:
     if _pending:
         fence()
+
+
+# -- optimizers the caller hands over ----------------------------------------------------------------
+# A state made of state_dict()s (Lightning's checkpoint dict, FSDP2's get_state_dict) holds no
+# optimizer object, so nothing in it says which tensors only optimizer.step() changes: every one
+# would be copied before the compute stream may go on. Whoever knows the optimizers hands them over.
+_handed = threading.local()
+
+
+@contextmanager
+def guarding(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[None]:
+    """Saves made in this block on this thread treat ``optimizers`` as if they were in the state: the
+    saved CUDA tensors that are their parameters or state (matched by storage address, as for
+    optimizers in the state) are copied behind the optimizer pre-step fence, overlapping the next
+    forward and backward. Nothing else changes (they are not saved, nor NaN-checked, through this).
+
+    Example (a state of ``state_dict()`` results)::
+
+        with ckpt.cuda_snapshot.guarding([opt]):
+            c.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+
+    The fence's rule then covers them: change them in place outside ``optimizer.step()`` only after
+    :func:`fence`."""
+    optimizers = tuple(optimizers)
+    wrong = [type(o).__name__ for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
+    if wrong:
+        raise ConfigError(f"guarding() takes torch.optim.Optimizer objects, got {', '.join(wrong)}: pass the "
+                          "optimizers themselves (Lightning: trainer.optimizers), not wrappers or state_dict()s")
+    before = handed_over()
+    _handed.optimizers = before + optimizers
+    try:
+        yield
+    finally:
+        _handed.optimizers = before
+
+
+def handed_over() -> tuple[torch.optim.Optimizer, ...]:
+    """The optimizers :func:`guarding` hands to saves on this thread (empty outside it)."""
+    return getattr(_handed, "optimizers", ())
+
+
+_stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_track_handle = None
+
+
+def track_stepping_optimizers() -> None:
+    """From now on, note every optimizer that takes a step in this process (once per process; one
+    set insertion per step). For callers that are never shown the optimizers, such as a Lightning
+    ``CheckpointIO``: :func:`stepping_optimizers` then names them."""
+    global _track_handle
+    with _pending_lock:
+        if _track_handle is None:
+            _track_handle = register_optimizer_step_pre_hook(_note_step)
+
+
+def stepping_optimizers() -> list[torch.optim.Optimizer]:
+    """The live optimizers that took a step since :func:`track_stepping_optimizers` was called."""
+    return list(_stepped)
+
+
+def _note_step(optimizer, args, kwargs) -> None:
+    _stepped.add(optimizer)

@@ -38,12 +38,8 @@ import torch
 
 from . import _ext
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
-from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native
-from .flatten import (
-    Flat,
-    Leaf,
-    key_component,  # the names flatten gives keys
-)
+from .cuda_snapshot import CudaSnapshot, copy_to_host, handed_over, launch_native, native_core
+from .flatten import Flat, Leaf, key_component
 from .planning import Inventory
 from .ranks import Comm
 from .tree import dtype_name
@@ -264,10 +260,11 @@ _local = local_tensor
 
 
 def optimizer_guarded(state: dict[str, Any]) -> set[int]:
-    """Data pointers of the CUDA tensors that an optimizer in ``state`` updates (its parameters and its
-    state): the optimizer pre-step hook protects those, so their snapshot copy may overlap compute."""
+    """Data pointers of the CUDA tensors that an optimizer in ``state``, or handed over with
+    :func:`ckpt.cuda_snapshot.guarding`, updates (its parameters and its state): the optimizer
+    pre-step hook protects those, so their snapshot copy may overlap compute."""
     out: set[int] = set()
-    values = list(state.values())
+    values = list(state.values()) + list(handed_over())
     while values:
         v = values.pop()
         if isinstance(v, (list, tuple)):
@@ -414,7 +411,7 @@ class HostBuffer:
     def _launch(self, slots: list, stream: torch.cuda.Stream, keep: list) -> None:
         """Enqueue the copies of ``slots`` on ``stream``: the compiled core for plain contiguous
         sources, torch's copy for the rest (strided, lazily conjugated or negated views)."""
-        core = self.cuda_core
+        core = native_core(self.cuda_core, stream.device)  # None where this build cannot run (one warning)
         batch: list[tuple[int, int, int]] = []  # (source address, destination address, bytes)
         for slot, src in slots:
             src.record_stream(stream)  # the caching allocator must not reuse it before the copy ran

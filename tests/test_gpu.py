@@ -246,3 +246,90 @@ def test_a_model_split_over_two_gpus_is_copied_and_fenced_per_device(ckdir):
     ckpt.Checkpointer(ckdir).load(1, {"a": fa, "b": fb}, strict=False)
     got = _host_state(a=fa, b=fb)
     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+# -- a state of state_dict()s: the optimizers handed over (issue 25 item 5) -----------------------------
+@pytest.mark.parametrize("handed", [True, False])
+def test_a_state_of_state_dicts_overlaps_only_when_its_optimizer_is_handed_over(ckdir, monkeypatch, handed):
+    """Without the handover nothing in the state says which tensors only opt.step() changes, so all
+    are copied before the compute stream may go on (correct, no overlap: the negative control); with
+    it the fence arms, and a step queued at once still leaves the snapshot alone."""
+    _slow_copies(monkeypatch)
+    model, opt = _trained()
+    model(torch.randn(32, 256, device="cuda")).square().mean().backward()
+    want_model, want_opt = _cpu_copy(model, opt)
+    torch.cuda.synchronize()
+    ckpt.fence()  # forget earlier tests' finished copies
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    c = ckpt.Checkpointer(ckdir)
+    if handed:
+        with cuda_snapshot.guarding([opt]):
+            h = c.save(1, state)
+    else:
+        h = c.save(1, state)
+    assert bool(cuda_snapshot.pending_copies()) is handed
+    opt.step()
+    h.wait()
+    c.close()
+    fresh, fopt = _trained(seed=1)
+    ckpt.Checkpointer(ckdir).load(1, {"model": fresh, "optim": fopt})
+    got_model, got_opt = _cpu_copy(fresh, fopt)
+    assert all(torch.equal(got_model[k], v) for k, v in want_model.items())
+    assert all(torch.equal(got_opt[i][k], v) for i, s in want_opt.items() for k, v in s.items())
+
+
+def test_a_lightning_fit_on_the_gpu_arms_the_fence_for_every_save(ckdir, monkeypatch):
+    L = pytest.importorskip("lightning")
+    from lightning_child import Batches, Tiny
+
+    from ckpt import snapshot
+    from ckpt.lightning import AsyncCheckpoint
+    guarded: list[int] = []
+    launch = snapshot.copy_to_host
+
+    def observed(pieces, guard, check, fn):
+        guarded.append(len(guard))
+        return launch(pieces, guard, check, fn)
+
+    monkeypatch.setattr(snapshot, "copy_to_host", observed)
+    t = L.Trainer(accelerator="gpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0,
+                  callbacks=[AsyncCheckpoint(ckdir, every_n_train_steps=2)])
+    t.fit(Tiny(), Batches())
+    n_params = sum(1 for g in t.optimizers[0].param_groups for _ in g["params"])
+    assert len(guarded) == 2 and all(g >= 3 * n_params for g in guarded)  # parameters, exp_avg, exp_avg_sq
+
+
+# -- the CUDA library on a real device (issue 25 items 6, 10) -----------------------------------------
+def test_the_library_runs_here_and_the_side_stream_is_ckpts_own():
+    core = _ext.cuda()
+    if core is None:
+        pytest.skip("CUDA core not built")
+    p = core.probe(torch.cuda.current_device())
+    assert p.capability == torch.cuda.get_device_capability() and p.driver // 1000 >= p.runtime // 1000
+    assert _ext.cuda_verdict(p) is None and core.usable(torch.cuda.current_device())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = cuda_snapshot._side_stream(dev)
+    assert side is cuda_snapshot._side_stream(dev)  # made once
+    pool = {torch.cuda.Stream(priority=pr).cuda_stream for pr in (0, -1) for _ in range(80)}
+    assert side.cuda_stream not in pool and side.cuda_stream != torch.cuda.current_stream().cuda_stream
+
+
+def test_the_kernel_copies_every_length_around_its_unrolled_stride(monkeypatch):
+    """One block of 512 threads moves 4 x 512 16-byte words per unrolled round: lengths on either
+    side of one and two rounds, of one word, and odd tails, all in one launch."""
+    if _ext.cuda() is None:
+        pytest.skip("CUDA core not built")
+    monkeypatch.setattr(cuda_snapshot, "KERNEL_MAX_BYTES", 1 << 40)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rounds = 16 * 4 * 512
+    lengths = [1, 15, 16, 17, 31, 33, 16 * 512 - 1, 16 * 512, 16 * 512 + 16, rounds - 16, rounds - 1, rounds,
+               rounds + 1, rounds + 16, 2 * rounds - 16, 2 * rounds, 2 * rounds + 48 + 7, 3 * rounds + 16 * 3 * 512]
+    state = {f"n{n}": torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda", generator=g) for n in lengths}
+    pool = HostBuffer(make_layout(state, 1 << 20), native=True)
+    pool.buffer.fill_(0x5A)
+    snap, _, _ = pool.copy_in(state)
+    snap.synchronize()
+    assert pool.last_used["cuda"] == f"native (kernel {len(lengths)}, memcpy 0)"
+    for slot in pool.layout.slots:
+        assert torch.equal(pool.buffer[slot.offset:slot.offset + slot.nbytes], state[slot.key].cpu()), slot.key

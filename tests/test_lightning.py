@@ -19,7 +19,9 @@ from conftest import GatedDisk  # noqa: E402
 from lightning_child import Batches, Tiny  # noqa: E402
 
 import ckpt  # noqa: E402
+from ckpt import cuda_snapshot  # noqa: E402
 from ckpt.lightning import AsyncCheckpoint, CkptCheckpointIO, load_checkpoint  # noqa: E402
+from ckpt.snapshot import Snapshotter  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -330,3 +332,52 @@ def test_no_modelcheckpoint_by_default_and_the_documented_line_for_enable_checkp
         t.fit(Tiny(), Batches())
     assert made[0].resumed_step == 4 and t.global_step == 6
     assert ckpt.open(url).steps() == [2, 4, 6]  # keep_last=3, as the documented line says
+
+
+# -- the optimizers handed to each save (issue 25 item 5) ---------------------------------------------
+def _record_handovers(monkeypatch) -> list[tuple[set[int], tuple]]:
+    """Per save: the storage addresses of the tensors it snapshots, and the optimizers handed over
+    to it (ckpt.cuda_snapshot.guarding) while it snapshots them."""
+    seen: list[tuple[set[int], tuple]] = []
+    take = Snapshotter.take
+
+    def observed(self, seq, flat, state, **kw):
+        seen.append(({t.data_ptr() for t in flat.tensors.values()}, cuda_snapshot.handed_over()))
+        return take(self, seq, flat, state, **kw)
+
+    monkeypatch.setattr(Snapshotter, "take", observed)
+    return seen
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> set[int]:
+    return ({p.data_ptr() for g in opt.param_groups for p in g["params"]}
+            | {t.data_ptr() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)})
+
+
+def _assert_handed_over(seen, opt) -> None:
+    """Lightning's checkpoint dict holds state_dict()s, not optimizers: without the handover a save
+    cannot tell which CUDA tensors only optimizer.step() changes, and the fence never arms. The
+    guard keeps, of the handed-over optimizers' parameters and state, the CUDA ones (none here, on
+    CPU): what it is made from must include every tensor of the trainer's optimizer, and those must
+    be the very tensors the save snapshots (matched by address)."""
+    assert seen
+    for saved, handed in seen:
+        assert any(o is opt for o in handed)
+        assert _optimizer_tensors(opt) <= saved
+    assert cuda_snapshot.handed_over() == ()  # only while saving
+
+
+def test_async_checkpoint_hands_the_trainers_optimizers_to_each_save(tmp_path, monkeypatch):
+    seen = _record_handovers(monkeypatch)
+    t = trainer(4, [AsyncCheckpoint(str(tmp_path / "ck"), every_n_train_steps=2)])
+    t.fit(Tiny(), Batches())
+    assert len(seen) == 2
+    _assert_handed_over(seen, t.optimizers[0])
+
+
+def test_checkpoint_io_hands_the_stepping_optimizers_to_each_save(tmp_path, monkeypatch):
+    seen = _record_handovers(monkeypatch)
+    t = trainer(4, [ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=2)],
+                plugins=[CkptCheckpointIO()])
+    t.fit(Tiny(), Batches())
+    _assert_handed_over(seen, t.optimizers[0])

@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..checkpointer import Checkpointer
+from ..cuda_snapshot import guarding
 from ..errors import CheckpointError, ConfigError, StepExistsError, UnsupportedValueError
 from ..flatten import RNGState
 from ..handle import SaveHandle
@@ -254,7 +255,11 @@ class AsyncCheckpoint(CheckpointBase):
         if self.save_rng:
             state["rng"] = RNGState()
         try:
-            h = self.checkpointer.save(step, state, persist=persist)
+            # The dict holds state_dict()s, not the optimizers: hand them over, so the saved CUDA
+            # parameters and optimizer state are copied behind the pre-step fence (overlapping the
+            # next forward and backward) instead of before the compute stream may go on.
+            with guarding(trainer.optimizers):
+                h = self.checkpointer.save(step, state, persist=persist)
         except UnsupportedValueError as e:
             raise UnsupportedValueError(str(e) + PICKLE_HINT.format(who="AsyncCheckpoint")) from e
         except StepExistsError:

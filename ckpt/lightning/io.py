@@ -8,6 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..checkpointer import Checkpointer
+from ..cuda_snapshot import guarding, stepping_optimizers, track_stepping_optimizers
 from ..errors import CheckpointError, ConfigError, UnsupportedValueError
 from ..handle import SaveHandle
 from ..options import Options
@@ -63,6 +64,7 @@ class CkptCheckpointIO(CheckpointIOBase):
         self._remover: ThreadPoolExecutor | None = None
         self.resumed_from: tuple[str, int] | None = None  # (path, step) loaded by load_checkpoint
         self._last: Checkpointer | None = None  # the last writer: its host buffer is handed to the next
+        track_stepping_optimizers()  # the optimizers whose tensors a save may copy behind the fence
 
     @property
     def pending(self) -> int:
@@ -101,7 +103,11 @@ class CkptCheckpointIO(CheckpointIOBase):
             known = 0 if latest is None else latest + 1
         step = max(int(checkpoint.get("global_step", 0) or 0), known)
         try:
-            h = c.save(step, {KEY: checkpoint})
+            # A CheckpointIO is never shown the trainer: the optimizers that have been stepping (the
+            # trainer's) are handed over instead, so the saved CUDA parameters and optimizer state
+            # are copied behind the pre-step fence, overlapping the next forward and backward.
+            with guarding(stepping_optimizers()):
+                h = c.save(step, {KEY: checkpoint})
         except UnsupportedValueError as e:
             raise UnsupportedValueError(str(e) + PICKLE_HINT.format(who="CkptCheckpointIO")) from e
         self._next_step[key] = step + 1
