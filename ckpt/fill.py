@@ -429,8 +429,8 @@ def _other_kind(saved: Any, live: torch.optim.Optimizer) -> str | None:
     keys one has and the other lacks), or None when the same kind saved it."""
     mine = f"{type(live).__module__}.{type(live).__qualname__}"
     kind = str(saved.get("type"))
-    if any(_names_class(kind, c) for c in type(live).__mro__):  # its class, or one it derives from
-        return None
+    if kind == _IMPORTED or any(_names_class(kind, c) for c in type(live).__mro__):  # its class, or a base
+        return None  # (an imported torch.save file names no kind: it is not refused for that)
     sd = dict(zip(saved["v"]["k"], saved["v"]["v"]))
     have = {k for g in sd["param_groups"] for k in g["k"] if isinstance(k, str)} - {"params", "param_names"}
     want = {k for g in live.param_groups for k in g} - {"params", "param_names"}
@@ -441,6 +441,9 @@ def _other_kind(saved: Any, live: torch.optim.Optimizer) -> str | None:
         keys.append(f"have {sorted(have - want)[:6]} the optimizer does not use")
     return (f"the checkpoint holds the state of a {kind} optimizer, this is a {mine}" +
             (f" ({', '.join(keys)})" if keys else ""))
+
+
+_IMPORTED = "ckpt.importer.ImportedState"  # what ckpt.import_checkpoint saves a state_dict as
 
 
 def _names_class(kind: str, c: type) -> bool:
