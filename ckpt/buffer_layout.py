@@ -80,6 +80,14 @@ class BufferLayout:
         return range(left, end)
 
 
+def aligned(pos: int, nbytes: int, itemsize: int) -> int:
+    """Where a tensor of ``nbytes`` goes at or after ``pos``: on a cache line, but a tensor smaller
+    than a line only on its element (an optimizer's per-parameter step counters would otherwise pad
+    the buffer by 60 bytes each). Staged loads place their stand-ins by the same rule."""
+    align = ALIGN if nbytes >= ALIGN else itemsize
+    return -(-pos // align) * align
+
+
 def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int) -> BufferLayout:
     """Lay out ``tensors`` (in order) in one buffer and cut it into chunks."""
     slots: list[TensorSlot] = []
@@ -100,10 +108,7 @@ def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int) -> BufferLayo
         if nbytes == 0:
             slots.append(TensorSlot(key, t.dtype, tuple(t.shape), pos, 0, t.device.type))
             continue
-        # Cache-line aligned, but a tensor smaller than a line only to its element (an optimizer's
-        # per-parameter step counters would otherwise pad the buffer by 60 bytes each)
-        align = ALIGN if nbytes >= ALIGN else t.element_size()
-        start = -(-pos // align) * align
+        start = aligned(pos, nbytes, t.element_size())
         if nbytes >= large:
             close_pack(start)
             for off in range(start, start + nbytes, chunk_size):
