@@ -148,11 +148,11 @@ class Snapshotter:
             buf, self.spare = self.spare, buf
             self.buffer = buf
         share = self._share
-        check = finite_checked(state, flat, self.check_finite)
+        check = finite_checked(flat, self.check_finite)
         bad_settings = nonfinite_settings(flat) if self.check_finite is not False else []
         buf.acquire()
         try:
-            cuda, hashes, bad = buf.copy_in(flat.tensors, optimizer_guarded(state) if buf.has_cuda else frozenset(),
+            cuda, hashes, bad = buf.copy_in(flat.tensors, optimizer_guarded(flat) if buf.has_cuda else frozenset(),
                                             check)
         except BaseException:
             buf.release()
@@ -190,10 +190,10 @@ def signature(flat: Flat) -> tuple:
 CHECKABLE = frozenset(_ext.CHECK_KINDS)  # dtypes whose NaN/Inf are checked (IEEE half, bfloat16, single, double)
 
 
-def finite_checked(state: dict[str, Any], flat: Flat, mode: bool | str) -> frozenset[str]:
+def finite_checked(flat: Flat, mode: bool | str) -> frozenset[str]:
     """The keys of ``flat``'s tensors a save checks for NaN and Inf: with ``mode=True`` the floating
     tensors that are model parameters or optimizer state (found by storage address among the
-    modules' parameters and the optimizers' parameters and state in ``state``); with ``"all"``
+    modules' parameters and the optimizers' parameters and state flatten found); with ``"all"``
     every floating tensor (buffers and loose tensors too: masks holding -inf are common there);
     none with ``False``."""
     if mode is False:
@@ -202,14 +202,8 @@ def finite_checked(state: dict[str, Any], flat: Flat, mode: bool | str) -> froze
     if mode == "all":
         return frozenset(floating)
     ptrs: set[int] = set()
-    values = list(state.values())
-    while values:
-        v = values.pop()
-        if isinstance(v, (list, tuple)):
-            values.extend(v)
-        elif isinstance(v, dict):
-            values.extend(v.values())
-        elif isinstance(v, torch.nn.Module):
+    for v in flat.statefuls.values():  # the modules and optimizers flatten found: no second walk of the state
+        if isinstance(v, torch.nn.Module):
             ptrs.update(_local(p).data_ptr() for p in v.parameters())
         elif isinstance(v, torch.optim.Optimizer):
             ptrs.update(_local(p).data_ptr() for g in v.param_groups for p in g["params"])
@@ -259,19 +253,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 _local = local_tensor
 
 
-def optimizer_guarded(state: dict[str, Any]) -> set[int]:
-    """Data pointers of the CUDA tensors that an optimizer in ``state``, or handed over with
+def optimizer_guarded(flat: Flat) -> set[int]:
+    """Data pointers of the CUDA tensors that an optimizer in the state (``flat.statefuls``), or handed over with
     :func:`ckpt.cuda_snapshot.guarding`, updates (its parameters and its state): the optimizer
     pre-step hook protects those, so their snapshot copy may overlap compute."""
     out: set[int] = set()
-    values = list(state.values()) + list(handed_over())
-    while values:
-        v = values.pop()
-        if isinstance(v, (list, tuple)):
-            values.extend(v)
-        elif isinstance(v, dict):
-            values.extend(v.values())
-        elif isinstance(v, torch.optim.Optimizer):
+    for v in [*flat.statefuls.values(), *handed_over()]:  # as flatten found them, and those handed over
+        if isinstance(v, torch.optim.Optimizer):
             for group in v.param_groups:
                 for p in group["params"]:
                     if p.is_cuda:
