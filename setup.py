@@ -1,6 +1,6 @@
 """Build the optional compiled core (csrc/). Everything else about the package is in pyproject.toml.
 
-* ``ckpt/_copyhash*.so`` (C++, fused copy + xxh3-128; byte planes and XOR for the delta codecs):
+* ``ckpt/_copyhash*.so`` (C++, fused copy + xxh3-128; byte planes, XOR and rANS for the codecs):
   built whenever a C++ compiler is there.
 * ``ckpt/_cuda_copy*.so`` (CUDA, batched device-to-host copy): built when ``nvcc`` is found
   (``$CUDA_HOME/bin/nvcc`` or on PATH), whether or not this machine has a GPU.
@@ -72,7 +72,7 @@ class BuildCore(build_ext):
 def _extensions() -> list:
     if _flag("CKPT_NO_EXT"):
         return []
-    exts = [Extension("ckpt._copyhash", ["csrc/copyhash.cpp", "csrc/planes.cpp"], language="c++",
+    exts = [Extension("ckpt._copyhash", ["csrc/copyhash.cpp", "csrc/planes.cpp", "csrc/rans.cpp"], language="c++",
                       extra_compile_args=["-O3", "-std=c++17", "-pthread"], extra_link_args=["-pthread"],
                       optional=not STRICT)]
     if not _flag("CKPT_NO_CUDA") and _nvcc():

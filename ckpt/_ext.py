@@ -59,6 +59,12 @@ class CpuCore:
         lib.ckpt_group.argtypes = [ptr, ptr, u64, ctypes.c_int, ctypes.c_int, ptr]
         lib.ckpt_ungroup_planes.restype = ctypes.c_int
         lib.ckpt_ungroup_planes.argtypes = [ptr, ptr, ptr, u64, ctypes.c_int, ctypes.c_int, ptr]
+        lib.ckpt_rans_bound.restype = u64
+        lib.ckpt_rans_bound.argtypes = [u64]
+        lib.ckpt_rans_encode.restype = ctypes.c_int64
+        lib.ckpt_rans_encode.argtypes = [ptr, u64, ptr, u64]
+        lib.ckpt_rans_decode.restype = ctypes.c_int
+        lib.ckpt_rans_decode.argtypes = [ptr, u64, ptr, u64]
 
     def group(self, src: np.ndarray, base: np.ndarray | None, width: int, out: np.ndarray, rot: bool = False) -> None:
         """``src`` (XOR ``base``; each element rotated left one bit with ``rot``) split into ``width``
@@ -75,6 +81,19 @@ class CpuCore:
         if self.lib.ckpt_ungroup_planes(ptrs, tail.ctypes.data, None if base is None else base.ctypes.data, n,
                                         len(planes), int(rot), out.ctypes.data):
             raise ValueError(f"byte planes of width {len(planes)} (rotated: {rot}) are not supported")
+
+    def rans_encode(self, src: np.ndarray) -> bytes:
+        """The rANS section of the uint8 array ``src`` (csrc/rans.cpp; format in ckpt/format/rans.py)."""
+        out = np.empty(self.lib.ckpt_rans_bound(src.size), np.uint8)
+        n = self.lib.ckpt_rans_encode(src.ctypes.data, src.size, out.ctypes.data, out.size)
+        if n < 0:
+            raise ValueError("rans: output bound too small")
+        return out[:n].tobytes()
+
+    def rans_decode(self, section, out: np.ndarray) -> int:
+        """Decode ``section`` into exactly the uint8 array ``out``: 0, or the core's error code."""
+        sec = np.frombuffer(section, np.uint8)
+        return int(self.lib.ckpt_rans_decode(sec.ctypes.data, sec.size, out.ctypes.data, out.size))
 
     def xxh3_128(self, ptr: int, length: int) -> str | None:
         """Hex xxh3-128 of ``length`` bytes at ``ptr``; None for inputs of 240 bytes or fewer."""

@@ -120,7 +120,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out.write(f"\nstep {step}: tensors")
         rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["kind"], fmt_dtype(t["dtype"]),
                  fmt_shape(t["shape"]), out.size(t["bytes"]), len(t["shards"]), t["new_chunks"], t["reused_chunks"],
-                 ",".join(c.removesuffix("/1") for c in t["codecs"]) or "-",
+                 ",".join(sorted({c.split("/")[0] for c in t["codecs"]})) or "-",
                  fmt_ratio(t["ratio"]), fmt_base_steps(t["base_steps"]), t["chain"]]
                 for t in tensors]
         out.table(["key", "kind", "dtype", "shape", "size", "shards", "new", "reused", "codec", "ratio", "base",

@@ -4,15 +4,16 @@ The chunk object they produce (header, codec ids, decoding and checks) is the fo
 :mod:`ckpt.format.chunk`.
 
 ``auto`` chooses per chunk from a 256 KiB sample taken from the chunk's middle: it encodes the sample
-the ways that can win (planes, or zstd for byte-wide data; xor when a base is there) and keeps the
-smallest, or raw when none saves 8%; a plane is compressed only where the sample's plane shrank.
-Where saves stored raw are measured to go faster than encoded ones (storage faster than compression),
-it stores raw (:class:`Pace`): ``auto`` never makes saves slower than ``raw`` to get fewer bytes.
+the ways that can win (byte planes, or zstd for byte-wide data; a delta when a base is there) and
+keeps the smallest, or raw when none saves 8%. Each plane is kept the way that shrank it most on the
+sample: rANS (the compiled core's entropy coder, best on exponent planes), zstd (best where bytes
+repeat in runs), or as it is. The choice depends on the chunk's bytes alone (no timing, no machine
+load), so the same state and options store the same bytes on every machine (without the compiled
+core too: its numpy fallback writes the same bytes, slower).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,8 @@ import numpy as np
 import zstandard
 
 from .errors import ConfigError
+from .format import rans
 from .format.chunk import (
-    CHUNK_VERSION,
     CODEC_IDS,
     HEADER,
     MAGIC,
@@ -33,7 +34,7 @@ from .format.chunk import (
     Base,
     xor_check,
 )
-from .format.planes import ROTATES, ZSTD_FLAG, group, scratch, sections
+from .format.planes import RANS, ROTATES, SECTION_FLAGS, STORED, ZSTD, group, scratch, sections
 
 _local = threading.local()
 
@@ -49,9 +50,9 @@ _MIN_COMPRESS_SIZE = 4096
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """What the writer should try: ``raw``; ``zstd`` or ``grouped`` (byte planes + zstd) always;
-    ``smallest`` (per chunk the smallest of raw, zstd, planes and xor); ``auto`` (the same, but
-    saves go raw where that is measured to be faster: :class:`Pace`)."""
+    """What the writer should try: ``raw``; ``zstd`` or ``grouped`` (byte planes, each entropy-coded
+    or zstd-compressed, whichever is smaller) always; ``auto`` (per chunk the smallest of raw, zstd,
+    planes and a delta; the default) and ``smallest`` (its older name: the same)."""
 
     name: str = "auto"
     level: int = 1
@@ -88,96 +89,43 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cctx
 
 
-def _encode_planes(g: np.ndarray, width: int, level: int, try_planes: list[bool] | None
-                   ) -> tuple[list, int, list[bool]]:
-    """Sections of grouped bytes ``g``: each plane compressed where ``try_planes`` says (all when
-    None) and it shrinks. Returns (payload buffers, payload length, which planes shrank)."""
+def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | None
+                   ) -> tuple[list, int, list[int]]:
+    """Sections of grouped bytes ``g``: each plane kept the way ``methods`` says (STORED, ZSTD, RANS;
+    None: the smallest of them), and as it is where that does not shrink it. Returns (payload
+    buffers, payload length, how each plane was kept)."""
     cctx = _compressor(level)
     table = np.zeros(width + 1, "<u8")
     parts: list = [table.view(np.uint8).data]
-    shrank = []
+    kept = []
     pos = 0
     for i, n in enumerate(sections(g.size, width)):
         sec = g[pos:pos + n]
         pos += n
         stored: bytes | memoryview = sec.data
-        if i < width and n >= 64 and (try_planes is None or try_planes[i]):
-            packed = cctx.compress(sec.data)
-            if len(packed) < n * (1 - _PLANE_MIN_SAVING):
-                stored = packed
-                table[i] = ZSTD_FLAG
+        how = STORED
+        if i < width and n >= 64:
+            tries = (ZSTD, RANS) if methods is None else (methods[i],)
+            for t in tries:
+                packed = cctx.compress(sec.data) if t == ZSTD else rans.encode(sec) if t == RANS else None
+                if packed is not None and len(packed) < min(n * (1 - _PLANE_MIN_SAVING), _nbytes(stored)):
+                    stored, how = packed, t
         if i < width:
-            shrank.append(bool(table[i]))
-        table[i] |= len(stored)
+            kept.append(how)
+        table[i] = SECTION_FLAGS[how] | len(stored)
         parts.append(stored)
-    return parts, sum(_nbytes(p) for p in parts), shrank
+    return parts, sum(_nbytes(p) for p in parts), kept
 
 
 def _nbytes(b) -> int:
     return b.nbytes if isinstance(b, (np.ndarray, memoryview)) else len(b)
 
 
-class Pace:
-    """Whether ``auto`` encodes a save or stores it raw, from what saves measured.
-
-    A save goes at the pace of its slower part, encoding (CPU) or writing (the first tier), both
-    running at once on the I/O threads. Raw can only win where encoding held a save up: each save
-    reports its chunk phase (raw bytes of the chunks it wrote, seconds) and the CPU time its
-    encoding took. An encoded save that kept the cores at least a quarter busy encoding
-    (``CPU_BOUND``) for at least ``MIN_SECONDS`` is followed by a probe: one save stored raw
-    (the third save at the earliest, then at most one in ``PROBE_EVERY``). While raw saves go more
-    than ``MARGIN`` faster than encoded ones, saves are stored raw, with an encoded probe one in
-    ``PROBE_EVERY``. Saves that encode quickly or wait on the disk (sparse updates, frozen layers,
-    slow storage) never pay for a probe; near a tie the bytes saved win."""
-
-    PROBE_EVERY = 16
-    MARGIN = 1.1
-    CPU_BOUND = 0.25
-    MIN_SECONDS = 0.1
-
-    def __init__(self, cores: int | None = None) -> None:
-        if cores is None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.cores = cores
-        self.rates: dict[str, float] = {}  # "encode" / "raw": smoothed raw bytes per second of a save's chunk phase
-        self.saves = 0
-        self.last_probe = -self.PROBE_EVERY
-        self.cpu_bound = False  # did the last encoded save keep the cores busy encoding?
-        self._lock = threading.Lock()
-
-    def mode(self) -> str:
-        """How the next save stores its chunks: ``"encode"`` (auto's choice per chunk) or ``"raw"``."""
-        with self._lock:
-            n = self.saves
-            self.saves += 1
-            enc, raw = self.rates.get("encode"), self.rates.get("raw")
-            best = "raw" if enc is not None and raw is not None and raw > enc * self.MARGIN else "encode"
-            due = n >= 2 and n - self.last_probe >= self.PROBE_EVERY
-            if due and (best == "raw" or self.cpu_bound):
-                self.last_probe = n
-                return "raw" if best == "encode" else "encode"  # a probe of the other way
-            return best
-
-    def record(self, mode: str, nbytes: int, seconds: float, encode_cpu_s: float = 0.0) -> None:
-        """A save's chunk phase wrote ``nbytes`` (raw bytes of the chunks it wrote) in ``seconds``,
-        spending ``encode_cpu_s`` of CPU time (all threads) encoding."""
-        if seconds <= 0:
-            return
-        with self._lock:
-            if mode == "encode":
-                self.cpu_bound = seconds >= self.MIN_SECONDS and encode_cpu_s >= self.CPU_BOUND * self.cores * seconds
-            if nbytes < (1 << 20):
-                return  # too little to time
-            rate = nbytes / seconds
-            old = self.rates.get(mode)
-            self.rates[mode] = rate if old is None else 0.5 * old + 0.5 * rate
-
-
 @dataclass
 class _Trial:
     codec: str
     size: int  # payload bytes for the sample
-    planes: list[bool] | None = None
+    planes: list[int] | None = None  # how each plane was kept (planes, xor)
     parts: list | None = None  # the encoded sample (the whole chunk when the sample is the chunk)
 
 
@@ -186,8 +134,8 @@ def _try(codec: str, sample, base_sample, width: int, rot: bool, level: int) -> 
         packed = _compressor(level).compress(sample)
         return _Trial(codec, len(packed), None, [packed])
     g = group(sample, base_sample if codec == "xor" else None, width, scratch(f"trial-{codec}", len(sample)), rot)
-    parts, size, shrank = _encode_planes(g, width, level, None)
-    return _Trial(codec, size, shrank, parts)
+    parts, size, kept = _encode_planes(g, width, level, None)
+    return _Trial(codec, size, kept, parts)
 
 
 def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1, base: Base | None = None,
@@ -218,14 +166,20 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1,
     elif spec.name in CodecSpec.CHOOSING and n >= _MIN_COMPRESS_SIZE:
         codec, parts = _auto(raw, base, width, rot, spec.level, reuse)
     payload_len = sum(_nbytes(p) for p in parts)
+    version = 2 if codec in PLANED and _has_rans(parts[0], width) else 1
     base_digest = bytes.fromhex(base.digest) if codec == "xor" and base else NO_BASE
     flags = (width | (ROTATED if rot else 0)) if codec in PLANED else 0
-    fields = (MAGIC, CHUNK_VERSION, CODEC_IDS[codec], flags, 0, n,
+    fields = (MAGIC, version, CODEC_IDS[codec], flags, 0, n,
               bytes.fromhex(digest_hex), base_digest, payload_len)
     header = HEADER.pack(*fields)
     if codec == "xor":
         header = HEADER.pack(*fields[:4], xor_check(header, parts), *fields[5:])
     return codec, [header, *parts]
+
+
+def _has_rans(table, width: int) -> bool:
+    entries = np.frombuffer(table, "<u8", count=width + 1)
+    return bool((entries & np.uint64(SECTION_FLAGS[RANS])).any())
 
 
 def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int, reuse: bool) -> tuple[str, list]:

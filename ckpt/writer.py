@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 from . import _ext
 from ._tasks import run_all
 from .buffer_layout import ChunkSlot
-from .encode import CodecSpec, Pace, encode
+from .encode import CodecSpec, encode
 from .errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from .format import manifest as mf
 from .format import paths
@@ -47,8 +46,6 @@ class SaveJob:
     on_local: Callable[[], None] | None = None  # every chunk durable in the first tier (SaveHandle stage)
     created: list[str] = field(default_factory=list)  # chunks this save wrote where none was stored
     hashes: list[str] = field(default_factory=list)  # per chunk of the buffer, once written
-    mode: str = "encode"  # codec="auto": "raw" stores this save's chunks raw (see codec.Pace)
-    encode_cpu_s: float = 0.0  # CPU time (all threads) this save spent encoding
     persist: bool = True  # uploaded to the checkpoint path (else committed to the local tiers only)
     committed: bool = False  # set once the step is committed (on every rank)
     storage: Storage | None = None  # the storage this save runs over (``Storage.view(persist)``); None: the writer's
@@ -79,7 +76,6 @@ class Writer:
         # committed save (still in the other host buffer), in chains of at most delta_chain chunks.
         self.delta_chain = delta_chain if codec.name in CodecSpec.CHOOSING else 1
         self.delta_budget = delta_budget  # a load of a chunk reads at most this times its raw size
-        self.pace = Pace()  # auto: whether saves encode or go raw, from what saves measured
         self._base: tuple[HostBuffer, int, list[str]] | None = None  # (buffer, its generation, chunk hashes)
         # Chunks known to be durable in storage, with what the manifest needs to say about them.
         self.known: dict[str, mf.ChunkInfo] = {}
@@ -145,15 +141,11 @@ class Writer:
                create: bool) -> _Put:
         """Encode chunk ``h`` and create it (FileExistsError if a copy is there), or write it over one."""
         b = base.resolve(self) if base is not None and base.digest != h else None
-        spec = self.codec if job.mode == "encode" else _RAW
-        cpu = time.thread_time()
-        codec, buffers = encode(data, h, spec, width=width, base=b, rotate=rotate, reuse=True)
-        cpu = time.thread_time() - cpu
-        with self._lock:
-            job.encode_cpu_s += cpu
+        codec, buffers = encode(data, h, self.codec, width=width, base=b, rotate=rotate, reuse=True)
         storage, key = self.over(job), paths.chunk_key(h)
         stored = storage.create(key, buffers) if create else storage.write(key, buffers)
-        info = mf.ChunkInfo(len(data), stored, f"{codec}/1", b.digest if codec == "xor" and b is not None else None)
+        label = parse_header(buffers[0], name=key).label
+        info = mf.ChunkInfo(len(data), stored, label, b.digest if codec == "xor" and b is not None else None)
         with self._lock:
             self.known[h] = info
             if create:
@@ -183,7 +175,7 @@ class Writer:
                     return None, True
                 with self._lock:
                     self.known[hdr.base] = found
-        return mf.ChunkInfo(size, stored, f"{hdr.codec}/1", hdr.base), False
+        return mf.ChunkInfo(size, stored, hdr.label, hdr.base), False
 
     def _table(self, puts: list[_Put]) -> tuple[dict[str, mf.ChunkInfo], set[str]]:
         """The chunk table of a rank report: the chunks written or reused and every base their chains
@@ -281,8 +273,6 @@ class Writer:
                 snap_hashes = snap.hashes or [None] * len(layout.chunks)
                 job.created = []
                 bases = self._bases(snap)
-                job.mode = self.pace.mode() if self.codec.name == "auto" else "encode"
-                started = time.perf_counter()
                 puts = run_all(self.io, lambda ch: self._put_chunk(job, buf.view(ch[0].offset, ch[0].length), ch[1],
                                                                    buf.address(ch[0].offset), buf.cpu_core, ch[2],
                                                                    ch[0]),
@@ -292,8 +282,6 @@ class Writer:
                     raise CheckpointError(f"step {job.step}: the previous save's buffer changed while this save "
                                           "encoded deltas against it (a bug: please report it); nothing was committed")
                 job.hashes = [p.hash for p in puts]
-                self.pace.record(job.mode, sum(p.info.size for p in puts if p.how in ("written", "created")),
-                                 time.perf_counter() - started, job.encode_cpu_s)
             finally:
                 snap.release()
             self.over(job).flush()
@@ -413,7 +401,7 @@ class Writer:
             hdr = parse_header(storage.head(key, HEADER_SIZE), name=key)
             stored = storage.size(key)
             check_header(hdr, name=key, expect_hash=h, object_len=stored)
-            truth = mf.ChunkInfo(hdr.raw_len, stored, f"{hdr.codec}/1", hdr.base)
+            truth = mf.ChunkInfo(hdr.raw_len, stored, hdr.label, hdr.base)
             log.info("chunk %s was stored differently by two ranks; the step lists the copy that stayed (%s)",
                      h, truth.codec)
             for part in parts:
@@ -452,7 +440,6 @@ class Writer:
             self.known = {**self._loaded, **self._committed}
 
 
-_RAW = CodecSpec("raw")
 
 
 @dataclass(frozen=True)

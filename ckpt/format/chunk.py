@@ -4,7 +4,7 @@ The header makes every chunk checkable on its own, without the manifest:
 
     offset size  field
     0      8     magic b"CKPTCHNK"
-    8      2     chunk format version (1)
+    8      2     chunk format version (1; 2 where a planes/xor section is rANS-coded)
     10     1     codec id (0 raw, 1 zstd, 2 planes, 3 xor)
     11     1     planes, xor: element width of the byte planes (bits 0-4), elements rotated (bit 7)
     12     4     xor: low 32 bits of the payload's xxh3-64 (a check that needs no base); 0 otherwise
@@ -25,8 +25,10 @@ clearly what it cannot decode instead of guessing):
   planes. Unchanged bits become zero bits; partly frozen or sparsely updated state nearly vanishes.
 
 ``planes`` and ``xor`` payloads start with a table of w + 1 little-endian u64 (bit 63: the section is
-a zstd frame; the rest: its stored length), for the w planes and the n mod w tail bytes (stored as
-they are), then the sections in that order.
+a zstd frame; bit 62, format v2: a rANS section, :mod:`ckpt.format.rans`; the rest: its stored
+length), for the w planes and the n mod w tail bytes (stored as they are), then the sections in that
+order. A chunk with a rANS section is written as format v2 and named ``planes/2`` / ``xor/2`` in
+manifests, so an older ckpt refuses it by name instead of misreading it; the rest stay v1.
 
 Encoding (choosing a codec per chunk) is the writer's business: :mod:`ckpt.encode`.
 """
@@ -43,14 +45,15 @@ import xxhash
 import zstandard
 
 from ..errors import CorruptCheckpointError, IncompatibleFormatError
-from .planes import ROTATES, ZSTD_FLAG, scratch, sections, u8, ungroup_parts
+from . import rans
+from .planes import LENGTH_MASK, RANS, RANS_FLAG, ROTATES, STORED, ZSTD, ZSTD_FLAG, scratch, sections, u8, ungroup_parts
 
 _local = threading.local()
 
 
 MAGIC = b"CKPTCHNK"
 
-CHUNK_VERSION = 1
+CHUNK_VERSION = 2  # the newest this ckpt reads and writes (1: no rANS sections)
 
 HEADER = struct.Struct("<8sHBBIQ16s16sQ")
 
@@ -62,7 +65,7 @@ CODEC_IDS = {"raw": 0, "zstd": 1, "planes": 2, "xor": 3}
 
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 
-CODEC_VERSIONS = {"raw": 1, "zstd": 1, "planes": 1, "xor": 1}
+CODEC_VERSIONS = {"raw": 1, "zstd": 1, "planes": 2, "xor": 2}
 
 PLANED = ("planes", "xor")
 
@@ -110,6 +113,12 @@ class ChunkHeader:
     base: str | None = None  # hex digest of the base chunk (xor)
     check: int = 0
     rot: bool = False  # planes, xor: elements rotated left one bit before grouping
+    version: int = 1  # chunk format version
+
+    @property
+    def label(self) -> str:
+        """The codec as manifests name it: ``planes/2`` where a section is rANS-coded."""
+        return f"{self.codec}/{2 if self.version >= 2 and self.codec in PLANED else 1}"
 
 
 def parse_header(blob, *, name: str) -> ChunkHeader:
@@ -140,7 +149,7 @@ def parse_header(blob, *, name: str) -> ChunkHeader:
                                      f"{'without' if codec == 'xor' else 'with'} a base chunk; it is damaged",
                                      object=name)
     return ChunkHeader(codec, raw_len, digest.hex(), payload_len, width if codec in PLANED else 0,
-                       base.hex() if codec == "xor" else None, check, rot and codec in PLANED)
+                       base.hex() if codec == "xor" else None, check, rot and codec in PLANED, version)
 
 
 def _decompress_into(payload, out: memoryview, *, name: str, expect_hash: str) -> None:
@@ -175,9 +184,9 @@ def _decompress_bounded(payload: memoryview, raw_len: int, *, name: str, expect_
 
 
 def _section_table(hdr: ChunkHeader, payload: memoryview, *, name: str, expect_hash: str
-                   ) -> list[tuple[bool, memoryview, int]]:
-    """The sections of a planes/xor payload: (compressed, stored bytes, decoded length), checked to
-    fit the payload and the raw length."""
+                   ) -> list[tuple[int, memoryview, int]]:
+    """The sections of a planes/xor payload: (how it is kept: STORED, ZSTD or RANS; stored bytes;
+    decoded length), checked to fit the payload and the raw length."""
     w = hdr.width
     bad = CorruptCheckpointError(f"chunk object {name} has a damaged section table", object=name, chunk=expect_hash)
     if len(payload) < 8 * (w + 1):
@@ -186,14 +195,28 @@ def _section_table(hdr: ChunkHeader, payload: memoryview, *, name: str, expect_h
     pos = 8 * (w + 1)
     out = []
     for entry, want in zip(table, sections(hdr.raw_len, w)):
-        packed, length = bool(entry & ZSTD_FLAG), entry & ~ZSTD_FLAG
-        if pos + length > len(payload) or (not packed and length != want):
+        zstd, coded, length = bool(entry & ZSTD_FLAG), bool(entry & RANS_FLAG), entry & LENGTH_MASK
+        how = ZSTD if zstd else RANS if coded else STORED
+        if (zstd and coded) or (coded and hdr.version < 2) or pos + length > len(payload) \
+                or (how == STORED and length != want):
             raise bad
-        out.append((packed, payload[pos:pos + length], want))
+        out.append((how, payload[pos:pos + length], want))
         pos += length
     if pos != len(payload):
         raise bad
     return out
+
+
+def _unpack_section(how: int, stored: memoryview, dst: np.ndarray, *, name: str, expect_hash: str) -> None:
+    """Decode a zstd or rANS section into exactly ``dst``."""
+    if how == ZSTD:
+        _decompress_into(stored, dst.data, name=name, expect_hash=expect_hash)
+        return
+    try:
+        rans.decode_into(stored, dst)
+    except rans.RansError as e:
+        raise CorruptCheckpointError(f"chunk object {name} has a rANS section that does not decode: {e}",
+                                     object=name, chunk=expect_hash) from None
 
 
 def xor_check(header, parts) -> int:
@@ -214,10 +237,10 @@ def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray 
     element order in ``out`` (fresh memory when None), XOR ``base`` for a delta."""
     n, w = hdr.raw_len, hdr.width
     planes: list[np.ndarray] = []
-    for i, (packed, stored, length) in enumerate(_section_table(hdr, payload, name=name, expect_hash=expect_hash)):
-        if packed:
+    for i, (how, stored, length) in enumerate(_section_table(hdr, payload, name=name, expect_hash=expect_hash)):
+        if how != STORED:
             dst = scratch(f"plane{i}", length)
-            _decompress_into(stored, dst.data, name=name, expect_hash=expect_hash)
+            _unpack_section(how, stored, dst, name=name, expect_hash=expect_hash)
             planes.append(dst)
         else:
             planes.append(u8(stored) if length else np.empty(0, np.uint8))
@@ -322,9 +345,11 @@ def verify_object(key: str, parts: list[memoryview]) -> None:
     if xor_check(header, [payload]) != hdr.check:
         raise CorruptCheckpointError(f"chunk object {key} failed its payload check; the stored bytes are damaged",
                                      object=key, chunk=expect)
-    for packed, stored, length in _section_table(hdr, payload, name=key, expect_hash=expect):
-        if packed:
+    for how, stored, length in _section_table(hdr, payload, name=key, expect_hash=expect):
+        if how == ZSTD:
             _check_frames(stored, length, name=key, expect_hash=expect)
+        elif how == RANS:  # bounded: a section decodes to its plane's length, at most the chunk's
+            _unpack_section(how, stored, scratch("frames", length), name=key, expect_hash=expect)
 
 
 def _check_frames(payload, length: int, *, name: str, expect_hash: str) -> None:

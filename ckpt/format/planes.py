@@ -4,7 +4,7 @@ The bytes of each w-byte element are split into w planes (plane 0 holds the leas
 of every element), followed by the n mod w tail bytes; with rotation every element is first rotated
 left one bit, so a float's sign leaves the exponent's plane. ``xor`` groups the chunk XOR its base.
 A planes payload starts with a table of w + 1 little-endian u64 (bit 63: the section is a zstd
-frame; the rest: its stored length), then the sections in order. The compiled core does the
+frame; bit 62: a rANS section; the rest: its stored length), then the sections in order. The compiled core does the
 shuffling when built; numpy writes the same bytes.
 """
 
@@ -17,6 +17,10 @@ import numpy as np
 from .. import _ext
 
 ZSTD_FLAG = 1 << 63  # in a section table entry: the section is a zstd frame
+RANS_FLAG = 1 << 62  # ... a rANS section (ckpt/format/rans.py; chunk format v2)
+LENGTH_MASK = RANS_FLAG - 1  # ... the rest: its stored length
+STORED, ZSTD, RANS = 0, 1, 2  # how a section is kept (the flag it gets: SECTION_FLAGS)
+SECTION_FLAGS = {STORED: 0, ZSTD: ZSTD_FLAG, RANS: RANS_FLAG}
 _local = threading.local()
 
 

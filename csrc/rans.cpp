@@ -1,0 +1,274 @@
+// Entropy coding of byte planes (ckpt/format/rans.py has the format and a numpy decoder that reads
+// the same bytes): order-0 rANS in blocks of 2^BLOCK_LOG symbols, each block with its own frequency
+// table, so a chunk that spans several tensors (weights, then Adam's second moments) adapts to each.
+//
+// Section:  u8 format (1), u8 log2 of the block length, then every block in order:
+//   u32 length of the rest of the block, u8 (symbols present - 1), per present symbol in increasing
+//   order: u8 symbol and, when more than one is present, u16 frequency (12-bit scale, sum 4096);
+//   then, when more than one is present: eight u32 final states, eight u16 word counts and the eight
+//   streams of 16-bit words, each in the order the decoder reads it. A block with one symbol present is that symbol repeated (no states, no words).
+// Symbol i of a block is coded by state i % 8, which reads its own stream: eight dependency chains
+// that never wait on each other (a lookup, multiply and add take ~10 cycles; eight in flight keep the
+// core busy); all little-endian. The decoder checks every read against the section's end and
+// refuses a block whose states do not return to their start or whose words are not all used, so a
+// damaged section fails here instead of producing wrong bytes (the chunk hash would catch them too).
+//
+// Called through ctypes, which releases the GIL. Everything is integer arithmetic: the same input gives
+// the same bytes on every machine.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int SCALE_BITS = 12;
+constexpr uint32_t SCALE = 1u << SCALE_BITS;
+constexpr uint32_t LOW = 1u << 16;  // states live in [LOW, LOW << 16)
+constexpr uint8_t FORMAT = 1;
+constexpr int STATES = 8;
+constexpr int BLOCK_LOG = 14;  // at most 16: a state's word count is a u16  // 16384 symbols: small enough to follow tensors, large enough for its table
+
+inline void put16(uint8_t* p, uint32_t v) { p[0] = uint8_t(v); p[1] = uint8_t(v >> 8); }
+inline void put32(uint8_t* p, uint32_t v) { put16(p, v); put16(p + 2, v >> 16); }
+inline uint32_t get16(const uint8_t* p) {  // little-endian hosts (x86-64, aarch64): one load
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  uint16_t v;
+  memcpy(&v, p, 2);
+  return v;
+#else
+  return uint32_t(p[0]) | uint32_t(p[1]) << 8;
+#endif
+}
+inline uint32_t get32(const uint8_t* p) { return get16(p) | get16(p + 2) << 16; }
+
+// Counts of a block's symbols scaled to frequencies summing to SCALE, every present symbol at least 1.
+void normalize(const uint32_t* count, uint32_t n, uint32_t* f) {
+  int32_t sum = 0;
+  int top = -1;
+  for (int s = 0; s < 256; ++s) {
+    f[s] = 0;
+    if (!count[s]) continue;
+    uint32_t v = uint32_t(uint64_t(count[s]) * SCALE / n);
+    f[s] = v ? v : 1;
+    sum += int32_t(f[s]);
+    if (top < 0 || count[s] > count[top]) top = s;
+  }
+  int32_t diff = int32_t(SCALE) - sum;
+  if (diff >= 0) {
+    f[top] += uint32_t(diff);
+    return;
+  }
+  while (diff < 0) {  // rare symbols raised to 1 took more than the rounding left: take from the largest
+    int big = top;
+    for (int s = 0; s < 256; ++s)
+      if (f[s] > f[big]) big = s;
+    f[big] -= 1;
+    ++diff;
+  }
+}
+
+// One block of n symbols at `out`; returns the bytes written.
+size_t encode_block(const uint8_t* src, uint32_t n, uint8_t* out, std::vector<uint16_t>& words) {
+  uint32_t count[256] = {0}, f[256], cum[256];
+  for (uint32_t i = 0; i < n; ++i) count[src[i]]++;
+  normalize(count, n, f);
+  uint8_t* p = out + 4;
+  int present = 0;
+  for (int s = 0; s < 256; ++s) present += f[s] != 0;
+  *p++ = uint8_t(present - 1);
+  uint32_t c = 0;
+  for (int s = 0; s < 256; ++s) {
+    cum[s] = c;
+    c += f[s];
+    if (!f[s]) continue;
+    *p++ = uint8_t(s);
+    if (present > 1) {
+      put16(p, f[s]);
+      p += 2;
+    }
+  }
+  if (present > 1) {
+    // each state writes its own stream (backwards: the decoder reads it forwards), so the decoder's
+    // states never wait on one another's reads
+    const uint32_t room = n / STATES + 2;
+    words.resize(size_t(room) * STATES);
+    uint16_t* w[STATES];
+    uint32_t x[STATES];
+    for (int j = 0; j < STATES; ++j) {
+      w[j] = words.data() + size_t(room) * (j + 1);
+      x[j] = LOW;
+    }
+    for (uint32_t i = n; i-- > 0;) {
+      const uint32_t s = src[i], fs = f[s], j = i % STATES;
+      uint32_t v = x[j];
+      // branch-free renormalisation (whether a word goes out is data-dependent, unpredictable):
+      // the word is always stored, and kept only when the state is too large for this symbol
+      const uint32_t emit = v >= ((LOW >> SCALE_BITS) << 16) * fs;
+      w[j][-1] = uint16_t(v);
+      w[j] -= emit;
+      v >>= emit << 4;
+      x[j] = ((v / fs) << SCALE_BITS) + (v % fs) + cum[s];
+    }
+    for (int j = 0; j < STATES; ++j, p += 4) put32(p, x[j]);
+    for (int j = 0; j < STATES; ++j, p += 2) put16(p, uint32_t(words.data() + size_t(room) * (j + 1) - w[j]));
+    for (int j = 0; j < STATES; ++j)
+      for (const uint16_t *e = words.data() + size_t(room) * (j + 1), *c = w[j]; c < e; ++c, p += 2) put16(p, *c);
+  }
+  put32(out, uint32_t(p - out - 4));
+  return size_t(p - out);
+}
+
+// A block's decoding table: per 12-bit slot, the symbol (bits 0-7), its frequency (8-19) and the
+// slot's offset within the symbol's range (20-31).
+int read_table(const uint8_t*& p, const uint8_t* end, uint32_t* table, int* single) {
+  if (p >= end) return 1;
+  const int present = int(*p++) + 1;
+  if (present == 1) {
+    if (p >= end) return 1;
+    *single = *p++;
+    return 0;
+  }
+  *single = -1;
+  if (end - p < 3 * present) return 1;
+  uint32_t c = 0;
+  int last = -1;
+  for (int k = 0; k < present; ++k, p += 3) {
+    const int s = p[0];
+    const uint32_t fs = get16(p + 1);
+    if (s <= last || fs == 0 || c + fs > SCALE) return 2;
+    last = s;
+    for (uint32_t j = 0; j < fs; ++j) table[c + j] = uint32_t(s) | fs << 8 | j << 20;
+    c += fs;
+  }
+  return c == SCALE ? 0 : 2;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bytes a section of n symbols may take at most (the caller's buffer for ckpt_rans_encode).
+uint64_t ckpt_rans_bound(uint64_t n) {
+  const uint64_t blocks = (n + (1u << BLOCK_LOG) - 1) >> BLOCK_LOG;
+  return 2 + blocks * (4 + 1 + 3 * 256 + 6 * STATES) + 2 * n;
+}
+
+// Encode n bytes; returns the section's length, or -1 when `cap` is below ckpt_rans_bound(n).
+int64_t ckpt_rans_encode(const uint8_t* src, uint64_t n, uint8_t* out, uint64_t cap) {
+  if (cap < ckpt_rans_bound(n)) return -1;
+  out[0] = FORMAT;
+  out[1] = BLOCK_LOG;
+  size_t pos = 2;
+  std::vector<uint16_t> words;
+  for (uint64_t i = 0; i < n; i += 1u << BLOCK_LOG) {
+    const uint32_t len = uint32_t(n - i < (1u << BLOCK_LOG) ? n - i : (1u << BLOCK_LOG));
+    pos += encode_block(src + i, len, out + pos, words);
+  }
+  return int64_t(pos);
+}
+
+// Decode a section of `len` bytes into exactly n bytes at `out`. Returns 0, or 1 (truncated), 2 (a
+// damaged table or header), 3 (states or words that do not add up: damaged).
+int ckpt_rans_decode(const uint8_t* in, uint64_t len, uint8_t* out, uint64_t n) {
+  if (len < 2 || in[0] != FORMAT || in[1] < 8 || in[1] > 16) return 2;
+  const uint64_t block = 1ull << in[1];
+  const uint8_t* p = in + 2;
+  const uint8_t* const end = in + len;
+  std::vector<uint32_t> table(SCALE);
+  for (uint64_t i = 0; i < n; i += block) {
+    const uint64_t m = n - i < block ? n - i : block;
+    if (end - p < 4) return 1;
+    const uint64_t size = get32(p);
+    p += 4;
+    if (uint64_t(end - p) < size) return 1;
+    const uint8_t* const stop = p + size;
+    int single = -1;
+    if (int err = read_table(p, stop, table.data(), &single)) return err;
+    uint8_t* o = out + i;
+    if (single >= 0) {
+      if (p != stop) return 3;
+      memset(o, single, m);
+      continue;
+    }
+    if (stop - p < 6 * STATES) return 1;
+    uint32_t xs[STATES];
+    const uint8_t* qs[STATES];
+    const uint8_t* ends[STATES];
+    const uint8_t* streams = p + 6 * STATES;
+    for (int j = 0; j < STATES; ++j) {
+      xs[j] = get32(p + 4 * j);
+      if (xs[j] < LOW) return 3;
+      const uint64_t words = get16(p + 4 * STATES + 2 * j);
+      if (uint64_t(stop - streams) < 2 * words) return 1;
+      qs[j] = streams;
+      ends[j] = streams += 2 * words;
+    }
+    if (streams != stop) return 3;
+    const uint32_t* __restrict__ t = table.data();
+    uint8_t* __restrict__ ob = o;  // stores through a byte pointer may alias anything: promise they do not
+    // One symbol: look up its slot, step the state back, and take a word from its own stream when the
+    // state fell below LOW; branch-free by arithmetic (the take is unpredictable, and compilers turn a
+    // conditional expression into a jump). The word is read before it is
+    // known to be needed, so a run of rounds goes unchecked only where every stream has room for it
+    // within the block; a damaged stream that reads into its neighbour is caught at the end.
+#define CKPT_RANS_STEP(j, k)                                         \
+  do {                                                               \
+    uint32_t x = x##j;                                               \
+    const uint32_t e = t[x & (SCALE - 1)];                           \
+    ob[k] = uint8_t(e);                                              \
+    x = ((e >> 8) & 0xFFF) * (x >> SCALE_BITS) + (e >> 20);          \
+    const uint32_t take = x < LOW;                                   \
+    const uint32_t word = get16(q##j);                               \
+    x##j = (x << (take << 4)) | (word & (0u - take));                \
+    q##j += take << 1;                                               \
+  } while (0)
+    uint64_t k = 0;
+    {
+      uint32_t x0 = xs[0], x1 = xs[1], x2 = xs[2], x3 = xs[3], x4 = xs[4], x5 = xs[5], x6 = xs[6], x7 = xs[7];
+      const uint8_t *q0 = qs[0], *q1 = qs[1], *q2 = qs[2], *q3 = qs[3], *q4 = qs[4], *q5 = qs[5], *q6 = qs[6],
+                    *q7 = qs[7];
+      for (;;) {
+        const uint64_t rounds = (m - k) / STATES;
+        const uint8_t* hi = q0;
+        for (const uint8_t* c : {q1, q2, q3, q4, q5, q6, q7}) hi = c > hi ? c : hi;
+        const uint64_t safe = hi < stop ? uint64_t(stop - hi) / 2 : 0;  // rounds every stream can take a word in
+        uint64_t r = rounds < safe ? rounds : safe;
+        if (!r) break;
+        for (; r; --r, k += STATES) {
+          CKPT_RANS_STEP(0, k);
+          CKPT_RANS_STEP(1, k + 1);
+          CKPT_RANS_STEP(2, k + 2);
+          CKPT_RANS_STEP(3, k + 3);
+          CKPT_RANS_STEP(4, k + 4);
+          CKPT_RANS_STEP(5, k + 5);
+          CKPT_RANS_STEP(6, k + 6);
+          CKPT_RANS_STEP(7, k + 7);
+        }
+      }
+      xs[0] = x0, xs[1] = x1, xs[2] = x2, xs[3] = x3, xs[4] = x4, xs[5] = x5, xs[6] = x6, xs[7] = x7;
+      qs[0] = q0, qs[1] = q1, qs[2] = q2, qs[3] = q3, qs[4] = q4, qs[5] = q5, qs[6] = q6, qs[7] = q7;
+    }
+#undef CKPT_RANS_STEP
+    for (; k < m; ++k) {  // the rest, every read checked
+      const int j = int(k % STATES);
+      uint32_t x = xs[j];
+      const uint32_t e = t[x & (SCALE - 1)];
+      ob[k] = uint8_t(e);
+      x = ((e >> 8) & 0xFFF) * (x >> SCALE_BITS) + (e >> 20);
+      if (x < LOW) {
+        if (ends[j] - qs[j] < 2) return 3;
+        x = x << 16 | get16(qs[j]);
+        qs[j] += 2;
+      }
+      xs[j] = x;
+    }
+    for (int j = 0; j < STATES; ++j)
+      if (qs[j] != ends[j] || xs[j] != LOW) return 3;
+    p = stop;
+  }
+  return p == end ? 0 : 3;
+}
+
+}  // extern "C"
