@@ -5,8 +5,8 @@
 
 Four trainings run on the CPU, in one run, each saved every ``--every`` steps to three Checkpointers
 on the same disk: ``codec="smallest"`` (per chunk the smallest encoding, deltas included),
-``codec="auto"`` (the default: the same, but a save goes raw where raw saves are measured faster;
-it probes raw on its third save and every 16th) and ``codec="raw"``:
+``codec="auto"`` (the default; now the same choice as ``smallest``: it depends on the bytes alone)
+and ``codec="raw"``:
 
 * **gpt-fp32**: a byte-level GPT (4 layers, d = 256, 3.3 M parameters) trained with AdamW on the
   Python standard library's own sources (found locally), weights and optimizer state in float32;
@@ -23,7 +23,8 @@ tensor, one thread, zstd level 3 as it comes); the encode speed of one thread (c
 choice with the previous save as base, against ZipNN's compression); the time from ``save()`` to
 committed against ``codec="raw"``; and the load of the last step (its chains resolved, every link
 verified) against the load of the same state stored raw. Then the same save timing on ``/dev/shm``,
-a "disk" faster than compression, where ``auto`` must not be slower than ``raw``.
+a "disk" faster than compression, where encoding is what a save waits for (the price of choosing
+codecs by content alone: reported, not hidden).
 """
 
 from __future__ import annotations
@@ -342,9 +343,9 @@ def summarize(w: dict) -> dict:
 
 
 def fast_disk(args, data: torch.Tensor) -> dict | None:
-    """auto against raw where the "disk" is memory (/dev/shm): auto must not make the save slower.
-    A 4-layer MLP (``--fast-width``; 2048: 192 MiB with Adam) trained with Adam, so saves take long
-    enough to be judged."""
+    """auto against raw where the "disk" is memory (/dev/shm): what encoding costs a save where
+    nothing else is slow. A 4-layer MLP (``--fast-width``; 2048: 192 MiB with Adam) trained with
+    Adam, so saves take long enough to be judged."""
     if not os.path.isdir("/dev/shm"):
         return None
     root = tempfile.mkdtemp(prefix="ckpt-bench-delta-", dir="/dev/shm")
@@ -379,7 +380,7 @@ def fast_disk(args, data: torch.Tensor) -> dict | None:
             for ck in cks.values():
                 ck.close()
         return {"auto_s": median(times["auto"][3:]), "raw_s": median(times["raw"][3:]),
-                "codecs_last_save": codecs, "mode_rates": cks["auto"]._writer.pace.rates,
+                "codecs_last_save": codecs,
                 "state_mib": sum(t.numel() * t.element_size() for t in tensors_of({"m": model, "o": opt}).values())
                 / 2**20}
     finally:
@@ -446,7 +447,7 @@ def table(doc: dict) -> str:
     fd = doc.get("fast_disk")
     lines += ["", "ckpt ÷ X: bytes ckpt stored (`codec=\"smallest\"`: deltas against the previous save, byte planes, "
                   "dedup of unchanged chunks) ÷ the bytes X needs for the same tensors. auto ÷ raw: the same for the "
-                  "default `codec=\"auto\"`, which probes raw after saves whose encoding kept the cores busy. "
+                  "default `codec=\"auto\"` (the same choice, by content alone). "
                   "encode: raw bytes per second of one thread (ckpt's choice per 4 MiB piece; ZipNN's compress). "
                   "durable: median time from "
                   "`save()` to committed, auto ÷ raw codec, on this machine's disk. load: the last save, chains "
@@ -457,8 +458,7 @@ def table(doc: dict) -> str:
         lines += ["", "On /dev/shm (memory: faster than any compression; a 4-layer MLP with Adam, "
                       f"{fd['state_mib']:.0f} MiB), auto's median save from the fourth on took {fd['auto_s']:.3f} s "
                       f"against {fd['raw_s']:.3f} s raw ({fd['auto_s'] / fd['raw_s']:.2f}×); codecs of the last "
-                      f"save: {fd['codecs_last_save']}; measured throughput: "
-                      + ", ".join(f"{k} {v / 2**30:.2f} GiB/s" for k, v in fd["mode_rates"].items()) + "."]
+                      f"save: {fd['codecs_last_save']}."]
     return "\n".join(lines)
 
 
