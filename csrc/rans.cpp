@@ -72,7 +72,18 @@ void normalize(const uint32_t* count, uint32_t n, uint32_t* f) {
 // One block of n symbols at `out`; returns the bytes written.
 size_t encode_block(const uint8_t* src, uint32_t n, uint8_t* out, std::vector<uint16_t>& words) {
   uint32_t count[256] = {0}, f[256], cum[256];
-  for (uint32_t i = 0; i < n; ++i) count[src[i]]++;
+  {  // four histograms: runs of one symbol would otherwise wait on their own increments
+    uint32_t part[4][256] = {{0}};
+    uint32_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      part[0][src[i]]++;
+      part[1][src[i + 1]]++;
+      part[2][src[i + 2]]++;
+      part[3][src[i + 3]]++;
+    }
+    for (; i < n; ++i) part[0][src[i]]++;
+    for (int s = 0; s < 256; ++s) count[s] = part[0][s] + part[1][s] + part[2][s] + part[3][s];
+  }
   normalize(count, n, f);
   uint8_t* p = out + 4;
   int present = 0;
@@ -96,20 +107,47 @@ size_t encode_block(const uint8_t* src, uint32_t n, uint8_t* out, std::vector<ui
     words.resize(size_t(room) * STATES);
     uint16_t* w[STATES];
     uint32_t x[STATES];
+    // Division by a frequency as a multiply (a 32-bit divide per symbol was the encoder's bottleneck).
+    // With m = ceil(2^44 / f): floor(v * m / 2^44) = floor(v / f) because the error v * (m - 2^44/f)
+    // is below v < 2^20 * f, and v * f < 2^44 for f < 4096. The product fits in 64 bits:
+    // v * m < 2^20 * f * (2^44 / f + 1) = 2^64 + 2^20 * f - ..., below 2^64 as f^2 < 2^24.
+    uint64_t rcp[256];
+    for (int k = 0; k < 256; ++k) rcp[k] = f[k] ? ((uint64_t(1) << 44) + f[k] - 1) / f[k] : 0;
     for (int j = 0; j < STATES; ++j) {
       w[j] = words.data() + size_t(room) * (j + 1);
       x[j] = LOW;
     }
-    for (uint32_t i = n; i-- > 0;) {
-      const uint32_t s = src[i], fs = f[s], j = i % STATES;
-      uint32_t v = x[j];
-      // branch-free renormalisation (whether a word goes out is data-dependent, unpredictable):
-      // the word is always stored, and kept only when the state is too large for this symbol
+    // One symbol into state x, its word (if any) onto stream w. Renormalisation is branch-free (whether
+    // a word goes out is data-dependent, unpredictable): the word is always stored, and kept only when
+    // the state is too large for this symbol.
+    auto put = [&](uint32_t& x, uint16_t*& w, uint32_t sym) {
+      const uint32_t fs = f[sym];
+      uint32_t v = x;
       const uint32_t emit = v >= ((LOW >> SCALE_BITS) << 16) * fs;
-      w[j][-1] = uint16_t(v);
-      w[j] -= emit;
+      w[-1] = uint16_t(v);
+      w -= emit;
       v >>= emit << 4;
-      x[j] = ((v / fs) << SCALE_BITS) + (v % fs) + cum[s];
+      const uint32_t q = uint32_t((uint64_t(v) * rcp[sym]) >> 44);  // v / fs, exactly (above)
+      x = (q << SCALE_BITS) + (v - q * fs) + cum[sym];
+    };
+    uint32_t i = n;
+    for (; i % STATES; --i) put(x[(i - 1) % STATES], w[(i - 1) % STATES], src[i - 1]);  // the tail, backwards
+    {
+      uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
+      uint16_t *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5], *w6 = w[6], *w7 = w[7];
+      for (; i; i -= STATES) {  // eight states in registers, each its own dependency chain
+        const uint8_t* g = src + i - STATES;
+        put(x7, w7, g[7]);
+        put(x6, w6, g[6]);
+        put(x5, w5, g[5]);
+        put(x4, w4, g[4]);
+        put(x3, w3, g[3]);
+        put(x2, w2, g[2]);
+        put(x1, w1, g[1]);
+        put(x0, w0, g[0]);
+      }
+      x[0] = x0, x[1] = x1, x[2] = x2, x[3] = x3, x[4] = x4, x[5] = x5, x[6] = x6, x[7] = x7;
+      w[0] = w0, w[1] = w1, w[2] = w2, w[3] = w3, w[4] = w4, w[5] = w5, w[6] = w6, w[7] = w7;
     }
     for (int j = 0; j < STATES; ++j, p += 4) put32(p, x[j]);
     for (int j = 0; j < STATES; ++j, p += 2) put16(p, uint32_t(words.data() + size_t(room) * (j + 1) - w[j]));
