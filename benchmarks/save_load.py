@@ -348,7 +348,7 @@ def report(med: dict, nbytes: int, args, first_stall: float | None) -> None:
         if dcp_load:
             checks.append(("load ≤ DCP load", c["load"] <= dcp_load, c["load"] / dcp_load))
         for name in ("ckpt", "ckpt (codec=raw)"):  # issue 23 item 1: hashes checked, staged
-            r, which = med.get(name), name.removeprefix("ckpt").strip() + " load"
+            r, which = med.get(name), (name.removeprefix("ckpt").strip() + " load").strip()
             if r and dcp_load:
                 checks.append((f"{which} ≤ 0.3 × DCP load", r["load"] <= 0.3 * dcp_load, r["load"] / dcp_load))
             if r and st_load:
