@@ -400,7 +400,7 @@ def phase_load(rank: int, world: int, shapes, root: str, sources: dict, methods:
     return {"times": times, "checked": True}
 
 
-def phase_seed(rank: int, world: int, shapes, root: str, methods: list[str], codec: str | None) -> dict:
+def phase_seed(rank: int, world: int, shapes, root: str, methods: list[str]) -> dict:
     """One untimed save on a world size whose saves are not timed (3, for the 3→2 load): the
     checkpoints that loads onto other world sizes read."""
     import torch.distributed as dist
@@ -413,7 +413,7 @@ def phase_seed(rank: int, world: int, shapes, root: str, methods: list[str], cod
     sources = {}
     if "ckpt" in methods:
         import ckpt
-        c = ckpt.Checkpointer(os.path.join(base, "ckpt"), **_ckpt_options(codec))
+        c = ckpt.Checkpointer(os.path.join(base, "ckpt"), **_ckpt_options(CODEC[0]))
         c.save(v, {"model": st.model}).wait()
         c.close()
         sources["ckpt"] = (os.path.join(base, "ckpt"), v, v)

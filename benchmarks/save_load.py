@@ -325,7 +325,8 @@ def report(med: dict, nbytes: int, args, first_stall: float | None) -> None:
         f"{nbytes / 2**30:.2f} GiB of float32 tensors, {os.cpu_count()} CPUs, median of {args.repeats}; "
         "load is from the page cache.",
         "",
-        "| method | blocked (s) | durable (s) | load (s) | blocked ÷ memcpy | durable ÷ DCP async | load ÷ DCP load | load ÷ safetensors |",
+        "| method | blocked (s) | durable (s) | load (s) | blocked ÷ memcpy | durable ÷ DCP async | load ÷ DCP load "
+        "| load ÷ safetensors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in med.items():

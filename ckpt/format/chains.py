@@ -53,6 +53,7 @@ def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step:
     info = chunks[h]
     key = chunk_key(h)
     limit = read_limit(info)
+    blob: bytes | bytearray | memoryview | None
     try:
         blob = storage.read_object_into(key, limit) if reuse else None
         if blob is None:

@@ -291,7 +291,7 @@ class LocalStorage(Storage):
         fd = self._open(key)
         try:
             n = min(os.fstat(fd).st_size, limit + 1)  # one byte more than limit tells the caller it is too large
-            view = memoryview(scratch("object", n)).cast("B")
+            view = scratch("object", n).data.cast("B")
             got = 0
             while got < n:
                 k = os.preadv(fd, [view[got:]], got)
