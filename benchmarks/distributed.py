@@ -57,6 +57,7 @@ SAVE_WORLDS = (2, 4)
 N_TENSORS_FACTORS = (1.0, 0.75, 1.25, 1.0, 0.5, 1.5, 1.0, 1.0)  # relative sizes; they sum to 8
 SEED = 1234
 MASK32 = 0xFFFFFFFF
+CODEC: list[str | None] = [None]  # --codec, set in every rank's process by _phase
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ class SaveCkpt:
     def __init__(self, st: State, root: str):
         import ckpt
         self.dir = os.path.join(root, "ckpt")
-        self.c = ckpt.Checkpointer(self.dir, keep_last=1)
+        self.c = ckpt.Checkpointer(self.dir, keep_last=1, **_ckpt_options(CODEC[0]))
         self.last: tuple[str, int, int] | None = None  # (dir, step, version)
         self.first_stall: float | None = None
 
@@ -366,7 +367,7 @@ def phase_load(rank: int, world: int, shapes, root: str, sources: dict, methods:
         sources[world] = {}
         if "ckpt" in methods:
             import ckpt
-            c = ckpt.Checkpointer(os.path.join(base, "ckpt"))
+            c = ckpt.Checkpointer(os.path.join(base, "ckpt"), **_ckpt_options(CODEC[0]))
             c.save(v, {"model": st.model}).wait()
             c.close()
             sources[world]["ckpt"] = (os.path.join(base, "ckpt"), v, v)
@@ -399,27 +400,58 @@ def phase_load(rank: int, world: int, shapes, root: str, sources: dict, methods:
     return {"times": times, "checked": True}
 
 
-PHASES = {"save": phase_save, "load": phase_load}
+def phase_seed(rank: int, world: int, shapes, root: str, methods: list[str]) -> dict:
+    """One untimed save on a world size whose saves are not timed (3, for the 3→2 load): the
+    checkpoints that loads onto other world sizes read."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    st = State(shapes, init_device_mesh("cpu", (world,)))
+    v = 10_000 + world
+    st.set_version(v)
+    base = os.path.join(root, f"save-{world}")
+    sources = {}
+    if "ckpt" in methods:
+        import ckpt
+        c = ckpt.Checkpointer(os.path.join(base, "ckpt"), **_ckpt_options(CODEC[0]))
+        c.save(v, {"model": st.model}).wait()
+        c.close()
+        sources["ckpt"] = (os.path.join(base, "ckpt"), v, v)
+    if "dcp" in methods:
+        import torch.distributed.checkpoint as dcp
+        path = _dcp_dir(base, "dcp_save", v)
+        dcp.save({"model": st.model}, checkpoint_id=path)
+        sources["dcp"] = (path, 0, v)
+    dist.barrier()
+    return {"sources": sources}
+
+
+def _ckpt_options(codec: str | None) -> dict:
+    return {"codec": codec} if codec else {}
+
+
+PHASES = {"save": phase_save, "load": phase_load, "seed": phase_seed}
 
 
 # ---------------------------------------------------------------------------------------------
 # a pool of worker processes; each phase makes a fresh gloo group of the first M workers
 
-def _phase(rank: int, world: int, phase: str, kwargs: dict):
+def _phase(rank: int, world: int, phase: str, kwargs: dict, codec: str | None = None):
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     import torch.distributed.checkpoint  # noqa: F401  (imported before any timing)
     import torch.distributed.tensor  # noqa: F401
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    CODEC[0] = codec
     return PHASES[phase](rank, world, **kwargs)
 
 
-def run_phase(phase: str, world: int, timeout: float = 900.0, **kwargs) -> dict:
+def run_phase(phase: str, world: int, timeout: float = 900.0, codec: str | None = None, **kwargs) -> dict:
     """Run a phase on a fresh gloo group of `world` new processes; rank 0's result (phases reduce
     over ranks themselves). Fresh processes per world size: nothing carries over between groups."""
     t0 = time.perf_counter()
-    got = run_ranks(world, _phase, phase, kwargs, timeout=timeout, pg_timeout=300.0)[0]
+    got = run_ranks(world, _phase, phase, kwargs, codec, timeout=timeout, pg_timeout=300.0)[0]
     print(f"  ({phase} on {world} ranks: {time.perf_counter() - t0:.1f}s with process start-up)", flush=True)
     return got
 
@@ -434,8 +466,10 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir, removed after)")
     p.add_argument("--only", default=",".join(SAVE_METHODS),
                    help=f"comma-separated save methods from {SAVE_METHODS}; loads compare ckpt and DCP when saved")
-    p.add_argument("--loads", default="2:2,2:4,4:2,4:4,2:3,4:3,4:1,2:1",
-                   help="N:M pairs: load a checkpoint saved on N ranks onto M ranks (N in 2, 4)")
+    p.add_argument("--loads", default="2:2,2:4,4:2,4:4,2:3,4:3,3:2,4:1,2:1",
+                   help="N:M pairs: load a checkpoint saved on N ranks onto M ranks (saves on N other than 2 and "
+                   "4 are made once, untimed)")
+    p.add_argument("--codec", default=None, help="ckpt's codec option for every ckpt save (default: ckpt's default)")
     p.add_argument("--out", default=None, help="where the .md/.json/.png go (default: benchmarks/results; with "
                    "--quick: a temp dir, so a smoke run never overwrites the recorded results)")
     p.add_argument("--name", default="distributed", help="results file name (without extension)")
@@ -457,8 +491,8 @@ def main() -> None:
     for pair in args.loads.split(","):
         if pair.strip():
             n, m = (int(x) for x in pair.split(":"))
-            if n not in SAVE_WORLDS or m < 1:
-                p.error(f"--loads: {pair}: N must be one of {SAVE_WORLDS}, M at least 1")
+            if n < 1 or m < 1:
+                p.error(f"--loads: {pair}: N and M must be at least 1")
             pairs.append((n, m))
 
     shapes = global_shapes(args.size_gib)
@@ -478,13 +512,18 @@ def main() -> None:
     saves, loads = {}, {}
     try:
         for n in SAVE_WORLDS:
-            saves[n] = run_phase("save", n, shapes=shapes, root=root, methods=methods, repeats=args.repeats,
-                                 warmup=args.warmup)
+            saves[n] = run_phase("save", n, codec=args.codec, shapes=shapes, root=root, methods=methods,
+                                 repeats=args.repeats, warmup=args.warmup)
+        seeded = {}
         if load_methods:
+            for n in sorted({n for n, _ in pairs if n not in SAVE_WORLDS}):
+                seeded[n] = run_phase("seed", n, codec=args.codec, shapes=shapes, root=root, methods=load_methods)
             for m in targets:
-                srcs = {n: saves[n]["sources"] for n, mm in pairs if mm == m}
-                loads[m] = run_phase("load", m, shapes=shapes, root=root, sources=srcs, methods=load_methods,
-                                     repeats=args.repeats)
+                srcs = {n: (saves[n] if n in saves else seeded[n])["sources"] for n, mm in pairs if mm == m}
+                if m in seeded:  # the same-size baseline M→M reads the seeded save
+                    srcs.setdefault(m, seeded[m]["sources"])
+                loads[m] = run_phase("load", m, codec=args.codec, shapes=shapes, root=root, sources=srcs,
+                                     methods=load_methods, repeats=args.repeats)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -22,11 +22,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # numpy layouts of the C structs (csrc/copyhash.cpp Seg, csrc/cuda/batched_copy.cu CopyDesc)
 SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<u8")])
-ABI_VERSION = 4  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+ABI_VERSION = 6  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
 DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("nbytes", "<u8")])
+COPY = np.dtype([("dst", "<u8"), ("src", "<u8"), ("len", "<u8")])  # csrc/copyhash.cpp CopyItem
 
 
 def _find(stem: str) -> str | None:
@@ -65,6 +66,26 @@ class CpuCore:
         lib.ckpt_rans_encode.argtypes = [ptr, u64, ptr, u64]
         lib.ckpt_rans_decode.restype = ctypes.c_int
         lib.ckpt_rans_decode.argtypes = [ptr, u64, ptr, u64]
+        lib.ckpt_pread_hash.restype = ctypes.c_int64
+        lib.ckpt_pread_hash.argtypes = [ctypes.c_int, u64, ptr, u64, ptr]
+        lib.ckpt_copy_many.restype = ctypes.c_int
+        lib.ckpt_copy_many.argtypes = [ptr, u64, ctypes.c_int]
+
+    def pread_hash(self, fd: int, offset: int, ptr: int, length: int) -> tuple[int, str | None]:
+        """Read ``length`` bytes at ``offset`` of file ``fd`` into memory at ``ptr``, hashing each
+        piece while it is in cache. Returns the bytes read and their xxh3-128 (None when fewer were
+        read or the input is 240 bytes or shorter); OSError on a failed read."""
+        out = np.zeros(3, np.uint64)
+        n = self.lib.ckpt_pread_hash(fd, offset, ptr, length, out.ctypes.data)
+        if n < 0:
+            raise OSError(-n, os.strerror(-n))
+        lo, hi, hashed = out.tolist()
+        return n, (f"{hi:016x}{lo:016x}" if hashed else None)
+
+    def copy_many(self, items: np.ndarray, threads: int) -> None:
+        """Copy COPY records (non-overlapping) with ``threads`` threads, the GIL released."""
+        if len(items):
+            self.lib.ckpt_copy_many(items.ctypes.data, len(items), threads)
 
     def group(self, src: np.ndarray, base: np.ndarray | None, width: int, out: np.ndarray, rot: bool = False) -> None:
         """``src`` (XOR ``base``; each element rotated left one bit with ``rot``) split into ``width``

@@ -36,36 +36,39 @@ class _Run(Generic[T, R]):
         self.error: BaseException | None = None
 
     def task(self) -> None:
-        """One pool task: take the next item unless the run was stopped, and do it."""
-        with self.cond:
-            if self.stop or self.next >= len(self.items):
-                return
-            i, self.next, self.active = self.next, self.next + 1, self.active + 1
-        try:
-            self.results[i] = self.fn(self.items[i])
-        except BaseException as e:
+        """One pool task: take the next item unless the run was stopped, and do it; again, until
+        none is left (with fewer tasks than items, each does several in turn)."""
+        while True:
             with self.cond:
-                self.error = self.error or e
-                self.stop = True
-        finally:
-            with self.cond:
-                self.active -= 1
-                self.finished += 1
-                self.cond.notify_all()
+                if self.stop or self.next >= len(self.items):
+                    return
+                i, self.next, self.active = self.next, self.next + 1, self.active + 1
+            try:
+                self.results[i] = self.fn(self.items[i])
+            except BaseException as e:
+                with self.cond:
+                    self.error = self.error or e
+                    self.stop = True
+            finally:
+                with self.cond:
+                    self.active -= 1
+                    self.finished += 1
+                    self.cond.notify_all()
 
     def settled(self) -> bool:
         return self.active == 0 and (self.stop or self.finished == len(self.items))
 
 
-def run_all(pool: Executor, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """``[fn(x) for x in items]`` on ``pool``; the first failure is raised once no item is in
-    progress any more (and none will start)."""
+def run_all(pool: Executor, fn: Callable[[T], R], items: Iterable[T], width: int | None = None) -> list[R]:
+    """``[fn(x) for x in items]`` on ``pool``, at most ``width`` at a time (default: as many as
+    the pool runs); the first failure is raised once no item is in progress any more (and none
+    will start)."""
     run: _Run[T, R] = _Run(fn, list(items))
     if not run.items:
         return []
     interrupted: BaseException | None = None
     try:
-        for _ in run.items:
+        for _ in range(min(len(run.items), width or len(run.items))):
             pool.submit(run.task)
         with run.cond:
             while not run.settled():

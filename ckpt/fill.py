@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _ext
 from . import tree as st
 from ._tasks import run_all
 from .buffer_layout import aligned
@@ -41,7 +43,8 @@ from .flatten import apply, flatten
 from .format import chains, paths
 from .format import manifest as mf
 from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
-from .format.chunk import HEADER_SIZE, check_header, parse_header, verify
+from .format.chunk import HEADER_SIZE, check_header, chunk_hash, parse_header
+from .format.planes import scratch
 from .load_checks import check_fit, check_writable
 from .sharding import is_dtensor
 from .storage import Storage
@@ -123,7 +126,8 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
             before_read(set(feeds))
         if not staged:
             _changing(ready, on_change)
-        reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()))
+        reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()),
+                        width=storage.read_width)
         stats.bytes_read = sum(reads)
         if staged:
             _changing(ready, on_change)  # every chunk checked out: from here on the state changes
@@ -131,8 +135,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
             for local, in_d, stage, rows_shape, in_stage in strided:
                 src = torch.from_numpy(stage).view(local.dtype).view(rows_shape)
                 local[_slices(in_d)].copy_(src[_slices(in_stage)])
-            for t, src in dests.copy_back:
-                t.copy_(src)
+            _copy_back(dests.copy_back)
     apply(state, decoded)
     return stats
 
@@ -391,27 +394,69 @@ def _init_optimizers(state: dict[str, Any], m: mf.Manifest) -> bool:
 
 
 def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
+    """Read chunk ``h``, verify it, and copy it to what it ``feeds``; returns the bytes read."""
     info = m.chunks[h]
-    key = paths.chunk_key(h)
-    try:
-        if info.codec.startswith("raw/") and len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size:
-            # The whole chunk feeds one contiguous run: its payload is read straight into the tensor,
-            # but only after its header was read and checked (a wrong object never reaches the tensor).
-            _, length, flat, pos = feeds[0]
-            header = storage.read(key, 0, HEADER_SIZE)
-            hdr = parse_header(header, name=key)
-            check_header(hdr, name=key, expect_hash=h, expect_len=info.size)
-            if hdr.codec == "raw" and hdr.payload_len == info.size:
-                target = memoryview(flat)[pos : pos + length]
-                n = storage.readv(key, [target], offset=HEADER_SIZE)
-                verify(key, h, header, target[:n], expect_len=info.size, raw_only=True)
-                return HEADER_SIZE + n
-            # stored another way than the entry says (another writer's copy of the same bytes): decoded below
-    except FileNotFoundError as e:
-        raise chains.missing(storage, h, m.step, e) from None
-    blob = chains.read_object(storage, m.chunks, h, m.step)
+    if info.codec.startswith("raw/"):
+        try:
+            n = _read_raw(storage, paths.chunk_key(h), h, info.size, feeds)
+        except FileNotFoundError as e:
+            raise chains.missing(storage, h, m.step, e) from None
+        if n is not None:
+            return n
+        # stored another way than the entry says (another writer's copy of the same bytes): decoded below
+    blob = chains.read_object(storage, m.chunks, h, m.step, reuse=True)
     raw, more = chains.resolve(storage, m.chunks, h, m.step, blob)  # a delta: its chain, every link verified
     src = np.frombuffer(raw, dtype=np.uint8)
     for off, length, flat, pos in feeds:
         flat[pos : pos + length] = src[off : off + length]
     return len(blob) + more
+
+
+def _read_raw(storage: Storage, key: str, h: str, size: int, feeds: list) -> int | None:
+    """Read a chunk stored raw, hashing each piece as it lands (``Storage.read_hashed``): straight
+    into its destination when the whole chunk feeds one contiguous run, else into this thread's
+    reused memory, whose verified bytes are then copied where they go. Its header is read and
+    checked first, so a wrong object never reaches a tensor. None when the header says the object
+    is stored another way (the caller decodes it)."""
+    header = storage.read(key, 0, HEADER_SIZE)
+    hdr = parse_header(header, name=key)
+    check_header(hdr, name=key, expect_hash=h, expect_len=size)
+    if hdr.codec != "raw" or hdr.payload_len != size:
+        return None
+    whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == size
+    if whole:
+        _, _, flat, pos = feeds[0]
+        target = flat[pos : pos + size]
+    else:
+        target = scratch("raw", size)
+    n, digest = storage.read_hashed(key, target, HEADER_SIZE)
+    if n != size:
+        raise CorruptCheckpointError(f"chunk object {key} is truncated or padded: payload is {n} bytes, header says "
+                                     f"{size}", object=key, chunk=h)
+    if (digest if digest is not None else chunk_hash(target)) != h:
+        raise CorruptCheckpointError(f"chunk object {key} failed its hash check (content does not match {h}); the "
+                                     "stored bytes are damaged", object=key, chunk=h)
+    if not whole:
+        for off, length, flat, pos in feeds:
+            flat[pos : pos + length] = target[off : off + length]
+    return HEADER_SIZE + n
+
+
+def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy every verified stand-in into its tensor. CPU tensors that overlap nothing are copied by
+    the compiled core, on as many threads as there are cores, the GIL released; the rest (tensors
+    on a device, strided, or sharing memory with another) one by one by torch."""
+    core = _ext.cpu()
+    plain = [(t, s) for t, s in pairs if t.device.type == "cpu" and t.is_contiguous() and s.is_contiguous()
+             and t.dtype == s.dtype and t.nbytes == s.nbytes] if core is not None else []
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t, _ in plain)
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        plain = []  # tensors sharing memory: copied in order, as torch would
+    done = {id(t) for t, _ in plain}
+    if plain:
+        assert core is not None
+        items = np.array([(t.data_ptr(), s.data_ptr(), t.nbytes) for t, s in plain], dtype=_ext.COPY)
+        core.copy_many(items, min(8, os.cpu_count() or 1))
+    for t, s in pairs:
+        if id(t) not in done:
+            t.copy_(s)

@@ -10,8 +10,11 @@
 // The same pass checks floating-point sources for NaN and Inf (ckpt refuses to save a poisoned
 // state): each element is tested once, right after the copy read it, while it is still in cache.
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -347,7 +350,7 @@ const uint8_t* copy_piece(uint8_t* dst, const Seg* segs, size_t nsegs, uint64_t 
 extern "C" {
 
 // The layout of this library's calls; Python refuses a library built for another (a stale build).
-int ckpt_abi_version() { return 4; }  // 4: ckpt_group, ckpt_ungroup_planes with rotation (planes.cpp)
+int ckpt_abi_version() { return 6; }  // 5: ckpt_pread_hash, ckpt_copy_many (the load path); 6: ckpt_rans_* (rans.cpp)
 
 // 2 = AVX2, 1 = SSE2, 0 = portable C: which accumulator loop this machine runs.
 int ckpt_simd_level() { return g_level; }
@@ -395,6 +398,78 @@ int ckpt_copy_hash(uint8_t* dst, const Seg* segs, uint64_t nsegs, const uint64_t
     }
   };
   int t = static_cast<int>(std::min<uint64_t>(std::max(threads, 1), std::max<uint64_t>(nchunks, 1)));
+  std::vector<std::thread> pool;
+  try {
+    for (int i = 1; i < t; ++i) pool.emplace_back(work);
+  } catch (...) {  // could not start a thread: the ones we have (at least this one) do all the work
+  }
+  work();
+  for (auto& th : pool) th.join();
+  return 0;
+}
+
+// Read [offset, offset + len) of file `fd` into `dst` and hash those bytes with XXH3-128, each
+// READ_PIECE-sized piece hashed right after pread put it there, while it is still in cache (one
+// pass over memory instead of a read and a second one to hash). Returns the bytes read (fewer at
+// the end of the file), or -errno. out = {low64, high64, hashed}: hashed is 1 when all `len` bytes
+// were read and len > 240 (shorter inputs: hash them in Python).
+constexpr size_t READ_PIECE = 256 * BLOCK;
+
+int64_t ckpt_pread_hash(int fd, uint64_t offset, uint8_t* dst, uint64_t len, uint64_t* out) {
+  out[2] = 0;
+  bool hashing = len > SHORT_MAX;
+  Long128 h(hashing ? len : SHORT_MAX + 1);
+  uint64_t got = 0, hashed_to = 0;
+  while (got < len) {
+    size_t want = static_cast<size_t>(std::min<uint64_t>(READ_PIECE, len - got));
+    ssize_t k = pread(fd, dst + got, want, static_cast<off_t>(offset + got));
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return -static_cast<int64_t>(errno);
+    }
+    if (k == 0) break;
+    got += static_cast<uint64_t>(k);
+    if (hashing) {  // the whole blocks that landed, from where the last piece stopped
+      uint64_t upto = got / BLOCK * BLOCK;
+      if (upto > hashed_to) {
+        h.blocks(dst + hashed_to, (upto - hashed_to) / BLOCK);
+        hashed_to = upto;
+      }
+    }
+  }
+  if (hashing && got == len) {
+    h.finish(dst, out);
+    out[2] = 1;
+  }
+  return static_cast<int64_t>(got);
+}
+
+struct CopyItem {  // [src, src + len) copied to dst
+  uint8_t* dst;
+  const uint8_t* src;
+  uint64_t len;
+};
+
+// Copy every item with `threads` threads, in 1 MiB pieces handed out in order, with streaming
+// stores (the destination is not read back during the load: pulling it into cache first would be a
+// third pass over memory). Items must not overlap.
+int ckpt_copy_many(const CopyItem* items, uint64_t n, int threads) {
+  constexpr uint64_t STEP = 1 << 20;
+  std::vector<uint64_t> first(n + 1, 0);  // the first piece of each item
+  for (uint64_t i = 0; i < n; ++i) first[i + 1] = first[i] + (items[i].len + STEP - 1) / STEP;
+  std::atomic<uint64_t> next{0};
+  auto work = [&]() {
+    uint64_t item = 0;
+    for (uint64_t p; (p = next.fetch_add(1)) < first[n];) {
+      while (first[item + 1] <= p) ++item;  // pieces are taken in increasing order by each thread
+      uint64_t lo = (p - first[item]) * STEP, k = std::min(STEP, items[item].len - lo);
+      copy_stream(items[item].dst + lo, items[item].src + lo, k);
+    }
+#ifdef CKPT_X86
+    _mm_sfence();  // streaming stores are weakly ordered: visible before the caller reads the tensors
+#endif
+  };
+  int t = static_cast<int>(std::min<uint64_t>(std::max(threads, 1), std::max<uint64_t>(first[n], 1)));
   std::vector<std::thread> pool;
   try {
     for (int i = 1; i < t; ++i) pool.emplace_back(work);

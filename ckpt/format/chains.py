@@ -45,13 +45,19 @@ def missing(storage: Storage, h: str, step: int | None, e: Exception) -> Missing
                              "damaged", object=key, chunk=h)
 
 
-def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None) -> bytes | bytearray:
-    """Chunk ``h``'s stored object, never more than :func:`read_limit`. A missing object is damage."""
+def read_object(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None,
+                reuse: bool = False) -> bytes | bytearray | memoryview:
+    """Chunk ``h``'s stored object, never more than :func:`read_limit`. A missing object is damage.
+    ``reuse``: into this thread's reused memory where the storage can (valid until this thread
+    reads the next object that way; never for reads on a shared pool, like a chain's prefetch)."""
     info = chunks[h]
     key = chunk_key(h)
     limit = read_limit(info)
+    blob: bytes | bytearray | memoryview | None
     try:
-        blob = storage.read_object(key, limit)
+        blob = storage.read_object_into(key, limit) if reuse else None
+        if blob is None:
+            blob = storage.read_object(key, limit)
     except FileNotFoundError as e:
         raise missing(storage, h, step, e) from None
     if len(blob) > limit:
@@ -106,7 +112,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None = None,
-            blob: bytes | bytearray | None = None) -> tuple[memoryview, int]:
+            blob: bytes | bytearray | memoryview | None = None) -> tuple[memoryview, int]:
     """The raw bytes of chunk ``h`` (its chain read and every link verified) and the bytes read.
     ``blob`` is ``h``'s object when the caller has read it already. Once its header says it is a
     delta, the rest of the chain the table names is read at once (two round trips of latency, not

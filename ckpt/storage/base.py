@@ -118,6 +118,21 @@ class Storage(abc.ABC):
             pos += n
         return pos
 
+    # How many reads of this storage a load runs at once (None: as many as its I/O pool has threads).
+    read_width: int | None = None
+
+    def read_hashed(self, key: str, buffer, offset: int = 0) -> tuple[int, str | None]:
+        """:meth:`readv` into one buffer, and the xxh3-128 of the bytes read where the backend hashed
+        them as they arrived (None: the caller hashes them). A backend that can fuse the two
+        overrides this: hashing each piece while it is still in cache saves a pass over memory."""
+        return self.readv(key, [buffer], offset), None
+
+    def read_object_into(self, key: str, limit: int) -> memoryview | None:
+        """:meth:`read_object` into memory this thread reuses (a view valid until the thread's next
+        read of this kind), or None where the backend has no such read: a fresh buffer per object
+        costs a page fault every 4 KiB, more than reading it from the page cache."""
+        return None
+
     def read_object(self, key: str, limit: int) -> Blob:
         """The whole object, read only up to ``limit + 1`` bytes: a result longer than ``limit``
         means the object is larger than its describer said (memory stays bounded by ``limit``).
