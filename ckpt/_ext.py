@@ -105,6 +105,7 @@ class CpuCore:
 
     def rans_encode(self, src: np.ndarray) -> bytes:
         """The rANS section of the uint8 array ``src`` (csrc/rans.cpp; format in ckpt/format/rans.py)."""
+        src = np.ascontiguousarray(src, np.uint8)
         out = np.empty(self.lib.ckpt_rans_bound(src.size), np.uint8)
         n = self.lib.ckpt_rans_encode(src.ctypes.data, src.size, out.ctypes.data, out.size)
         if n < 0:
@@ -114,6 +115,8 @@ class CpuCore:
     def rans_decode(self, section, out: np.ndarray) -> int:
         """Decode ``section`` into exactly the uint8 array ``out``: 0, or the core's error code."""
         sec = np.frombuffer(section, np.uint8)
+        if out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError("rans_decode writes into a contiguous uint8 array")
         return int(self.lib.ckpt_rans_decode(sec.ctypes.data, sec.size, out.ctypes.data, out.size))
 
     def xxh3_128(self, ptr: int, length: int) -> str | None:

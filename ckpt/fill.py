@@ -405,10 +405,15 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
             return n
         # stored another way than the entry says (another writer's copy of the same bytes): decoded below
     blob = chains.read_object(storage, m.chunks, h, m.step, reuse=True)
-    raw, more = chains.resolve(storage, m.chunks, h, m.step, blob)  # a delta: its chain, every link verified
-    src = np.frombuffer(raw, dtype=np.uint8)
-    for off, length, flat, pos in feeds:
-        flat[pos : pos + length] = src[off : off + length]
+    # decoded straight into the destination where the whole chunk feeds one contiguous run (staged
+    # loads: staging memory, checked before any tensor is written), else into scratch and copied
+    whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size
+    out = feeds[0][2][feeds[0][3] : feeds[0][3] + info.size] if whole else None
+    raw, more = chains.resolve(storage, m.chunks, h, m.step, blob, out)  # a delta: its chain, every link verified
+    if not whole:
+        src = np.frombuffer(raw, dtype=np.uint8)
+        for off, length, flat, pos in feeds:
+            flat[pos : pos + length] = src[off : off + length]
     return len(blob) + more
 
 

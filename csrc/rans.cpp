@@ -9,9 +9,10 @@
 //   streams of 16-bit words, each in the order the decoder reads it. A block with one symbol present is that symbol repeated (no states, no words).
 // Symbol i of a block is coded by state i % 8, which reads its own stream: eight dependency chains
 // that never wait on each other (a lookup, multiply and add take ~10 cycles; eight in flight keep the
-// core busy); all little-endian. The decoder checks every read against the section's end and
-// refuses a block whose states do not return to their start or whose words are not all used, so a
-// damaged section fails here instead of producing wrong bytes (the chunk hash would catch them too).
+// core busy); all little-endian. The decoder never reads or writes outside the section and the
+// output, and refuses a block whose states do not return to their start or whose words are not all
+// used. That catches most damage, not all (a flipped word can still decode to other bytes of the
+// right length): the chunk's hash, checked after decoding, is what guarantees the bytes.
 //
 // Called through ctypes, which releases the GIL. Everything is integer arithmetic: the same input gives
 // the same bytes on every machine.

@@ -541,3 +541,21 @@ def test_ranks_that_stored_the_same_chunk_differently_commit_what_stayed(tmp_pat
         m = Writer(storage, CodecSpec("auto"), io).commit(1, parts, frozenset())
     assert m.chunks[h] == mf.ChunkInfo(len(raw), stored, "planes/1")
     assert mf.read_step(storage, 1).chunks[h].stored == stored
+
+
+def test_the_numpy_rans_decoder_keeps_its_memory_bounded_by_the_input(monkeypatch):
+    """Many small blocks (the format allows 256 symbols a block) each bring a 4096-slot table: the
+    fallback decoder builds them a batch at a time instead of all at once."""
+    import tracemalloc
+    monkeypatch.setattr(rans, "BLOCK_LOG", 8)
+    a = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
+    sec = rans._encode_numpy(a)  # 4096 blocks
+    out = np.empty_like(a)
+    tracemalloc.start()
+    try:
+        rans._decode_numpy(np.frombuffer(sec, np.uint8), out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(out, a)
+    assert peak < 64 << 20, peak  # all 4096 tables at once took ~800 MiB

@@ -78,6 +78,10 @@ class ReadWatch(LocalStorage):
         self.watch(key)
         return super().read_object(key, limit)
 
+    def read_hashed(self, key, out, offset=0):  # the raw path's one-pass read and hash
+        self.watch(key)
+        return super().read_hashed(key, out, offset)
+
 
 def test_a_failed_load_finishes_or_cancels_every_read_before_it_returns(ckdir):
     with ckpt.Checkpointer(ckdir, chunk_size=CHUNK, codec="raw") as c:

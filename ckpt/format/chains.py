@@ -112,13 +112,15 @@ if hasattr(os, "register_at_fork"):
 
 
 def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None = None,
-            blob: bytes | bytearray | memoryview | None = None) -> tuple[memoryview, int]:
+            blob: bytes | bytearray | memoryview | None = None, out: np.ndarray | None = None
+            ) -> tuple[memoryview, int]:
     """The raw bytes of chunk ``h`` (its chain read and every link verified) and the bytes read.
     ``blob`` is ``h``'s object when the caller has read it already. Once its header says it is a
     delta, the rest of the chain the table names is read at once (two round trips of latency, not
     one per link); each header must then name the next, or say the chunk is whole (the chain ends
     there). At most MAX_CHAIN links and MAX_READ_FACTOR times the chunk's size are read. The bytes
-    may lie in this thread's scratch memory: use them before this thread resolves another chunk."""
+    may lie in this thread's scratch memory: use them before this thread resolves another chunk.
+    ``out`` (uint8, the chunk's size): decode there instead (a load's destination: no copy after)."""
     size = chunks[h].size
     budget = MAX_READ_FACTOR * size + (1 << 20)
     first = blob if blob is not None else read_object(storage, chunks, h, step)
@@ -141,10 +143,10 @@ def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int
     # The whole chunk is decoded into scratch memory, then each delta XORs into those same bytes in
     # place (where a delta is zero, its base's bytes are left as they are); each link's hash is checked.
     # Its size is what the table, the parsed manifest's tensors and every link's header agree on.
-    work = scratch("chain", size)
+    work = scratch("chain", size) if out is None else out
     (x, data), rest = blobs[-1], blobs[-2::-1]
     raw = decode_link(data, chunks, x, None, work)
-    if rest and not np.shares_memory(np.frombuffer(raw, np.uint8), work):
+    if (rest or out is not None) and not np.shares_memory(np.frombuffer(raw, np.uint8), work):
         work[:] = np.frombuffer(raw, np.uint8)  # stored raw: the payload itself came back
         raw = work.data
     prev = x

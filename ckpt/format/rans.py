@@ -102,21 +102,19 @@ def _tables(b: np.ndarray, n: int) -> tuple[list, int]:
         if (np.diff(syms) <= 0).any() or (freqs == 0).any() or int(freqs.sum()) != 1 << SCALE_BITS:
             raise RansError("a frequency table is damaged")
         pos += 3 * present
-        cum = np.concatenate([[0], np.cumsum(freqs)[:-1]])
-        slot_sym = np.repeat(syms, freqs)
-        slot_f = np.repeat(freqs, freqs)
-        slot_bias = np.arange(1 << SCALE_BITS) - np.repeat(cum, freqs)
         states = b[pos:pos + 4 * STATES].view("<u4").astype(np.int64)
         counts = b[pos + 4 * STATES:pos + 6 * STATES].view("<u2").astype(np.int64)
         pos += 6 * STATES
         if (states < LOW).any() or stop - pos != 2 * int(counts.sum()):
             raise RansError("its coded words are damaged")
-        words = b[pos:stop].view("<u2").astype(np.int64)
-        blocks.append((start, m, None, (slot_sym, slot_f, slot_bias), states, (words, counts)))
+        blocks.append((start, m, None, (syms, freqs), states, (b[pos:stop].view("<u2"), counts)))
         pos = stop
     if pos != b.size:
         raise RansError("its coded words are damaged")
     return blocks, block
+
+
+_BATCH = 256  # blocks decoded in step: their slot tables take 5 bytes x 4096 each (5 MiB), whatever the input
 
 
 def _decode_numpy(b: np.ndarray, out: np.ndarray) -> None:
@@ -127,16 +125,24 @@ def _decode_numpy(b: np.ndarray, out: np.ndarray) -> None:
             out[start:start + m] = single
         else:
             coded.append((start, m, table, states, words))
-    if not coded:
-        return
+    for i in range(0, len(coded), _BATCH):
+        _decode_batch(coded[i:i + _BATCH], out)
+
+
+def _decode_batch(coded: list, out: np.ndarray) -> None:
     k = len(coded)
-    mask = (1 << SCALE_BITS) - 1
-    sym = np.stack([c[2][0] for c in coded])
-    freq = np.stack([c[2][1] for c in coded])
-    bias = np.stack([c[2][2] for c in coded])
+    scale, mask = 1 << SCALE_BITS, (1 << SCALE_BITS) - 1
+    sym = np.empty((k, scale), np.uint8)
+    freq = np.empty((k, scale), np.uint16)
+    bias = np.empty((k, scale), np.uint16)
+    for row, (_, _, (syms, freqs), _, _) in enumerate(coded):  # per 12-bit slot: symbol, frequency, offset
+        cum = np.cumsum(freqs) - freqs
+        sym[row] = np.repeat(syms, freqs)
+        freq[row] = np.repeat(freqs, freqs)
+        bias[row] = np.arange(scale) - np.repeat(cum, freqs)
     x = np.stack([c[3] for c in coded])  # (k, STATES)
     counts = np.stack([c[4][1] for c in coded])  # (k, STATES): every block's streams, one per state
-    words = np.concatenate([c[4][0] for c in coded] + [np.zeros(1, np.int64)])
+    words = np.concatenate([c[4][0] for c in coded] + [np.zeros(1, "<u2")]).astype(np.int64)
     ptr = (np.cumsum(counts.reshape(-1)) - counts.reshape(-1)).reshape(k, STATES)
     end = ptr + counts
     starts = np.array([c[0] for c in coded])
@@ -149,7 +155,7 @@ def _decode_numpy(b: np.ndarray, out: np.ndarray) -> None:
         xs = x[r, j]
         slot = xs & mask
         out[starts[r] + t] = sym[r, slot]
-        xs = freq[r, slot] * (xs >> SCALE_BITS) + bias[r, slot]
+        xs = freq[r, slot].astype(np.int64) * (xs >> SCALE_BITS) + bias[r, slot]
         need = xs < LOW
         if need.any():
             nr = r[need]
