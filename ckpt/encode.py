@@ -3,13 +3,14 @@
 The chunk object they produce (header, codec ids, decoding and checks) is the format's:
 :mod:`ckpt.format.chunk`.
 
-``auto`` chooses per chunk from a 256 KiB sample taken from the chunk's middle: it encodes the sample
-the ways that can win (byte planes, or zstd for byte-wide data; a delta when a base is there) and
-keeps the smallest, or raw when none saves 8%. Each plane is kept the way that shrank it most on the
-sample: rANS (the compiled core's entropy coder, best on exponent planes), zstd (best where bytes
-repeat in runs), or as it is. The choice depends on the chunk's bytes alone (no timing, no machine
-load), so the same state and options store the same bytes on every machine (without the compiled
-core too: its numpy fallback writes the same bytes, slower).
+``auto`` chooses per chunk from a 256 KiB sample (eight pieces spread over the chunk): it encodes the
+sample the ways that can win (byte planes, floats rotated and not; zstd for byte-wide data; a delta
+when a base is there) and keeps the smallest, or raw when none saves 8%. The whole chunk is then
+encoded that way, each plane the smaller of rANS (the entropy coder, best on exponent planes) and
+zstd (best where bytes repeat in runs), zstd alone where the sample found the plane incompressible,
+or as it is where neither saves 3%. The choice depends on the chunk's bytes alone (no timing, no
+machine load), so the same state and options store the same bytes on every machine (without the
+compiled core too: its numpy fallback writes the same bytes, slower).
 """
 
 from __future__ import annotations
