@@ -49,6 +49,8 @@ _PLANE_MIN_SAVING = 0.03  # a plane of a chunk that shrinks less than this is st
 
 _MIN_COMPRESS_SIZE = 4096
 
+_SPARSE_DELTA = 0.5  # a delta under half the whole chunk's size in the sample is tried in full against the budget
+
 @dataclass(frozen=True)
 class CodecSpec:
     """What the writer should try: ``raw``; ``zstd`` or ``grouped`` (byte planes, each entropy-coded
@@ -222,8 +224,14 @@ def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int,
     trials = [_try(c, sample, base_sample, width, r, level)
               for c in candidates for r in ((True, False) if rot and c != "zstd" else (False,))]
     k = len(sample)
-    if base is not None and base.room is not None:  # a delta that would make its chain read more than the
-        trials = [t for t in trials if t.codec != "xor" or t.size * (n / k) <= base.room]  # budget: whole
+    if base is not None and base.room is not None:
+        # a delta that would make its chain read more than the budget allows is not stored: the chunk is
+        # stored whole. The sample's estimate decides, except where the delta is far smaller than the
+        # whole chunk (sparse changes, which a sample of a few pieces over- or underestimates): then the
+        # full delta is made and measured (below), and dropped only if it does not fit
+        whole_size = min((t.size for t in trials if t.codec != "xor"), default=k)
+        trials = [t for t in trials if t.codec != "xor" or t.size * (n / k) <= base.room
+                  or t.size < _SPARSE_DELTA * whole_size]
     best = min(trials, key=lambda t: t.size)
     if best.size > k * (1 - _AUTO_MIN_SAVING):
         return "raw", [raw], False
