@@ -216,7 +216,7 @@ class Peers:
         import torch.distributed as dist
 
         failure: CheckpointError | None = None
-        works, inbox = [], []
+        sends, inbox = [], []
         for (src, dst), cut in sorted(waves.items()):
             if w >= len(cut):
                 continue
@@ -234,22 +234,26 @@ class Peers:
                                               CorruptCheckpointError(f"reading {t.item} for a peer failed: {e}"))
                         data = bytes(t.size)  # the peer still gets its bytes (and will not use them)
                     buf = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
-                    works.append(dist.isend(buf, dst=self._global[dst], group=self.group, tag=tag))
+                    sends.append(dist.isend(buf, dst=self._global[dst], group=self.group, tag=tag))
                     stats.sent_bytes += t.size
                 else:
                     buf = torch.empty(max(t.size, t.room), dtype=torch.uint8)
                     buf[t.size:].zero_()
-                    works.append(dist.irecv(buf[: t.size], src=self._global[src], group=self.group, tag=tag))
-                    inbox.append((t, buf))
-        for work in works:
+                    inbox.append((t, buf, dist.irecv(buf[: t.size], src=self._global[src], group=self.group,
+                                                     tag=tag)))
+        # Each transfer is used as soon as it is in, while later ones still arrive: a load reads a
+        # peer's chunk the moment it is checked, not after the whole wave.
+        for t, buf, work in inbox:
             if work is not None:
                 work.wait()
-        for t, buf in inbox:
             try:
                 received(t.src, t.item, buf.numpy().data)
             except CheckpointError as e:
                 failure = failure or e
             stats.received_bytes += t.size
+        for work in sends:
+            if work is not None:
+                work.wait()
         return failure
 
     # -- this rank's tier ----------------------------------------------------------------------------

@@ -134,10 +134,12 @@ def recoverable(peers: Peers, s: Survey, m: mf.Manifest) -> tuple[bool, str]:
 
 
 def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
-          keep: Callable[[str, memoryview], None]) -> PeerStats:
+          keep: Callable[[str, memoryview], None], coming: Callable[[set[str]], None] | None = None
+          ) -> PeerStats:
     """Collective: every rank gets the chunks it ``needed`` (None: it failed before it could say,
     and every rank raises) from peers or rebuilt from parity, each verified, then handed to
-    ``keep(storage key, bytes)``."""
+    ``keep(storage key, bytes)``. ``coming(hashes)``: once planned, before any bytes move, the
+    chunks this rank will be given (the others it lacks are read from the checkpoint path)."""
     mine = None if needed is None else sorted(h for h in set(needed) if peers.rank not in s.holders.get(h, []))
     every = peers.gather({"ok": needed is not None, "needs": mine or []})
     bad = [r for r, d in enumerate(every) if not d["ok"]]
@@ -176,6 +178,9 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
                     decodes.append((g, p, t, blocks))
                 n += 1
         rounds = max(rounds, n)
+    if coming is not None:
+        coming({t.item[1] for t in plan if t.dst == peers.rank and t.item[0] == "chunk"} |
+               {h for hashes in members.values() for h in hashes})
     stats = PeerStats()
     got: dict[Item, bytes | memoryview] = {}
     segs: dict[tuple[int, int], list[tuple[int, int, memoryview]]] = defaultdict(list)
