@@ -148,15 +148,14 @@ def _load_local(tiers: LocalCommits, attempt: Attempt, step: int, m: mf.Manifest
                 pass
         got, fetch_err = fetch.result()
     except BaseException:
+        fetch.abandoned = True  # a fetch still running drops what it brings when it ends
         memory.release(held + lacking)
         raise
-    if done is None or fetch_err is not None:
+    if done is None:
         memory.release(held + lacking)
-        if fetch_err is not None and done is not None:  # every chunk came, then the exchange broke
-            log.warning("the exchange with peers failed after this rank had every chunk it needed: %s", fetch_err)
-            fetch_err = None
-        if done is None:
-            return None, fetch_err if isinstance(fetch_err, CheckpointError) else err
+        return None, fetch_err if isinstance(fetch_err, CheckpointError) else err
+    if fetch_err is not None:  # every chunk this rank needed came and checked out, then the exchange broke
+        log.warning("the exchange with peers failed after this rank had every chunk it needed: %s", fetch_err)
     done.heal = lambda: _heal(tiers, step, data, held, wanted, lacking)
     stats = done.stats
     stats.source = "local tiers"
@@ -176,6 +175,7 @@ class _Fetch:
         self.thread: threading.Thread | None = None
         self.stats: PeerStats | None = None
         self.error: BaseException | None = None
+        self.abandoned = False  # the load is gone (interrupted): nobody will release what the fetch holds
 
     def start(self, run: Callable[[], PeerStats], memory: HeldChunks, keys: list[str]) -> None:
         """Run ``run`` on the thread; ``keys``: those it may bring."""
@@ -187,6 +187,8 @@ class _Fetch:
                 self.error = e
                 memory.settle(keys, e if isinstance(e, CheckpointError) else
                               CheckpointError(f"{type(e).__name__}: {e}"))
+            if self.abandoned:
+                memory.release(keys)
 
         self.thread = threading.Thread(target=body, name="ckpt-peer-fetch", daemon=True)
         self.thread.start()
