@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import threading
 from datetime import timedelta
 
@@ -66,12 +67,12 @@ def _gated_load_body(rank: int, world: int, root: str, store_port: int) -> dict:
         plain_exchange = Peers.exchange
 
         def exchange(self, plan, read, received, stats, **rounds):
-            def gated(item):
+            def gated(item, out):
                 try:
                     store.wait(["node2-read-its-own"], timedelta(seconds=15))
                 except Exception as e:  # the store's timeout: this rank's read fails, every rank is told
                     raise CorruptCheckpointError(f"node 2 read nothing of its own while waiting: {e}") from e
-                return read(item)
+                return read(item, out)
 
             return plain_exchange(self, plan, gated, received, stats, **rounds)
 
@@ -187,3 +188,32 @@ def test_captured_remote_reads_make_the_object_only_when_they_cover_it():
     assert held.captured("chunks/ab/x") == b"0123456789"
     held.release(["chunks/ab/x"])
     assert held.captured("chunks/ab/x") is None
+
+
+def _load_or_error(rank: int, world: int, root: str) -> dict:
+    with _ckptr(root, rank) as c:
+        try:
+            return {"step": c.load("latest", _state(rank, world, 0, zero=True))}
+        except CheckpointError as e:
+            return {"error": type(e).__name__, "message": str(e)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_replica_longer_than_its_chunk_fails_the_load_naming_its_length(tmp_path):
+    """The holder reads what it sends into a buffer of the manifest's size: a copy with bytes
+    appended would fit it and check out, so one byte past is read to tell."""
+    root = str(tmp_path)
+    run_ranks(4, _save_body, root)
+    mine = {os.path.basename(p) for p in glob.glob(os.path.join(root, "node2", "chunks", "*", "*"))}
+    shutil.rmtree(os.path.join(root, "node2"))
+    grown = 0
+    for p in glob.glob(os.path.join(root, "node3", "chunks", "*", "*")):
+        if os.path.basename(p) in mine:
+            with open(p, "ab") as f:
+                f.write(b"\0" * 16)
+            grown += 1
+    assert grown
+    got = run_ranks(4, _load_or_error, root, timeout=120)
+    assert all(g.get("error") == "CorruptCheckpointError" for g in got), got
+    assert any("more than" in g["message"] for g in got), got

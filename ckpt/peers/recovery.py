@@ -185,14 +185,8 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
     got: dict[Item, bytes | memoryview] = {}
     segs: dict[tuple[int, int], list[tuple[int, int, memoryview]]] = defaultdict(list)
 
-    def read(item: Item) -> bytes | bytearray:
-        if item[0] == "chunk":
-            return peers.local.read(paths.chunk_key(item[1]))
-        if item[0] == "par":
-            return peers.local.read(f"{paths.step_dir(s.step)}/{item[2]}")
-        _, g, p, q = item
-        mem = s.layouts[g].members[p]
-        return peers.read_range(mem, *mem.segment(q, s.layouts[g].k))
+    def read(item: Item, out: memoryview) -> int:
+        return _read_item(peers, s, item, out)
 
     def received(src: int, item: Item, data: memoryview) -> None:
         if item[0] == "chunk":
@@ -206,8 +200,9 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
         if n < len(decodes):
             g, p, t, blocks = decodes[n]
             try:
-                segs[(g, p)].append(_decode(s, g, p, t, {b: got[item] if item in got else read(item)
-                                                         for b, _, item, _ in blocks}))
+                have: dict[int, bytes | bytearray | memoryview] = {
+                    b: got[item] if item in got else _read_own(peers, s, item, size) for b, _, item, size in blocks}
+                segs[(g, p)].append(_decode(s, g, p, t, have))
             finally:
                 got.clear()
 
@@ -215,6 +210,28 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
     for (g, p), hashes in members.items():
         stats.rebuilt_chunks += _keep_rebuilt(peers, s, g, p, segs[(g, p)], hashes, keep)
     return stats
+
+
+def _read_item(peers: Peers, s: Survey, item: Item, out: memoryview) -> int:
+    """Item ``item`` of this rank's tier into ``out``; its length."""
+    if item[0] == "chunk":
+        return peers.read_whole(paths.chunk_key(item[1]), out)
+    if item[0] == "par":
+        return peers.read_whole(f"{paths.step_dir(s.step)}/{item[2]}", out)
+    _, g, p, q = item
+    mem = s.layouts[g].members[p]
+    a, e = mem.segment(q, s.layouts[g].k)
+    return peers.read_range(mem, a, e, out)
+
+
+def _read_own(peers: Peers, s: Survey, item: Item, size: int) -> memoryview:
+    """A block of this rank's own rebuild that its tier holds."""
+    out = memoryview(bytearray(size))
+    if _read_item(peers, s, item, out) != size:
+        raise CorruptCheckpointError(f"{item[0]} {item[1:]} in this rank's local tier {peers.local.root} is not "
+                                     f"{size} bytes: the tier is damaged (delete that step there, or the whole "
+                                     "tier: peers rebuild it on the next load)")
+    return out
 
 
 def _decode(s: Survey, g: int, pos: int, t: int, have: dict[int, bytes | bytearray | memoryview]
