@@ -140,7 +140,9 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
     and every rank raises) from peers or rebuilt from parity, each verified, then handed to
     ``keep(storage key, bytes)``. ``coming(hashes)``: once planned, before any bytes move, the
     chunks this rank will be given (the others it lacks are read from the checkpoint path)."""
-    mine = None if needed is None else sorted(h for h in set(needed) if peers.rank not in s.holders.get(h, []))
+    order = _read_order(m)
+    mine = None if needed is None else sorted((h for h in set(needed) if peers.rank not in s.holders.get(h, [])),
+                                              key=lambda h: (order.get(h, len(order)), h))
     every = peers.gather({"ok": needed is not None, "needs": mine or []})
     bad = [r for r, d in enumerate(every) if not d["ok"]]
     if bad:
@@ -210,6 +212,19 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
     for (g, p), hashes in members.items():
         stats.rebuilt_chunks += _keep_rebuilt(peers, s, g, p, segs[(g, p)], hashes, keep)
     return stats
+
+
+def _read_order(m: mf.Manifest) -> dict[str, int]:
+    """Each chunk's place in the manifest's tensors, shards and segments: the order a loader's feeds
+    take them in. A rank's chunks travel in that order, so the loader's threads (fewer than the
+    chunks) wait for the ones that come first instead of holding out for the last ones while the
+    first sit in memory."""
+    out: dict[str, int] = {}
+    for t in m.tensors:
+        for shard in t.shards:
+            for g in shard.segments:
+                out.setdefault(g.chunk, len(out))
+    return out
 
 
 def _read_item(peers: Peers, s: Survey, item: Item, out: memoryview) -> int:
