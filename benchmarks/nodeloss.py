@@ -533,7 +533,8 @@ def report(args, cmd: str, res: dict, chunk: int, elapsed: float, loadavg: tuple
               "load; `wait()` returns then). The other nodes read nothing from S3 but in the \"every node "
               "fresh\" rows (checked), and every load was bit-exact. Through node 2's limited link, all runs: "
               f"{limit['through_node_links_mib'][WIPED]['down']:.0f} MiB from S3 "
-              f"({limit['through_node_links_mib'][WIPED]['up']:.1f} MiB of requests).",
+              f"({limit['through_node_links_mib'][WIPED]['up']:.1f} MiB of requests; the heal writes back what "
+              "the load downloaded, so that is its state once per limited row and restore).",
               "", "### Targets", "", "| target | measured | goal | met |", "|---|---:|---:|---|"]
     for t in s["targets"].values():
         lines.append(f"| {t['what']} | {fmt(t['value'], 3)} | {t['target']} | {'yes' if t['met'] else 'no'} |")

@@ -72,6 +72,44 @@ class PeerStats:
 
 
 Waves = dict[tuple[int, int], list[list[tuple[int, Transfer]]]]  # (src, dst) -> waves of (tag, transfer)
+# Reads a transfer's item from this rank's tier into the buffer given (its size long); returns the
+# item's length (a different one: the tier is damaged).
+Read = Callable[[Item, memoryview], int]
+SEND_BUFFERS = 4  # reused buffers a rank reads what it sends into
+
+
+class _SendBuffers:
+    """The buffers a rank reads what it sends into, reused once their send is done: reading each
+    object into new memory cost more (zeroing it, faulting it in, unmapping it) than the read."""
+
+    def __init__(self) -> None:
+        self._slots: list[list[Any]] = []  # [tensor, its send's work or None]
+        self._next = 0
+
+    def take(self, n: int) -> Any:
+        import torch
+
+        if len(self._slots) < SEND_BUFFERS:
+            self._slots.append([torch.empty(n, dtype=torch.uint8), None])
+            self._next = len(self._slots) - 1
+        else:
+            self._next = (self._next + 1) % SEND_BUFFERS
+        slot = self._slots[self._next]
+        if slot[1] is not None:
+            slot[1].wait()
+            slot[1] = None
+        if slot[0].numel() < n:
+            slot[0] = torch.empty(n, dtype=torch.uint8)
+        return slot[0][:n]
+
+    def sent(self, work: Any) -> None:
+        self._slots[self._next][1] = work
+
+    def drain(self) -> None:
+        for slot in self._slots:
+            if slot[1] is not None:
+                slot[1].wait()
+                slot[1] = None
 
 
 def _waves(mine: list[Transfer]) -> list[Waves]:
@@ -172,9 +210,8 @@ class Peers:
             f"({type(e).__name__}: {e}); a peer may have died. Committed steps are untouched; restart the job "
             "(it resumes from the newest step the tiers or the checkpoint path can give back)", ranks=ranks)
 
-    def exchange(self, plan: list[Transfer], read: Callable[[Item], bytes | bytearray],
-                 received: Callable[[int, Item, memoryview], None], stats: PeerStats, rounds: int = 1,
-                 after_round: Callable[[int], None] | None = None) -> None:
+    def exchange(self, plan: list[Transfer], read: Read, received: Callable[[int, Item, memoryview], None],
+                 stats: PeerStats, rounds: int = 1, after_round: Callable[[int], None] | None = None) -> None:
         """Collective: move every transfer of ``plan`` (the same list on every rank) from its source to
         its destination, round by round (``Transfer.round``, 0..``rounds``-1), each round in waves of at
         most WAVE_BYTES per pair of ranks; after round r, ``after_round(r)``, so a receiver can use
@@ -184,11 +221,12 @@ class Peers:
         mine = [t for t in plan if (t.src == self.rank) != (t.dst == self.rank) and t.size > 0]
         waves = _waves(mine)
         failure: CheckpointError | None = None
+        pool = _SendBuffers()
         try:
             for r in range(max(rounds, len(waves))):
                 cut = waves[r] if r < len(waves) else {}
                 for w in range(max((len(v) for v in cut.values()), default=0)):
-                    failure = self._wave(w, cut, read, received, stats) or failure
+                    failure = self._wave(w, cut, read, received, stats, pool) or failure
                 if after_round is not None:
                     try:
                         after_round(r)
@@ -208,48 +246,51 @@ class Peers:
                 raise CorruptCheckpointError(why)
             raise DistributedSaveError(why, ranks=[r for r, _ in bad])
 
-    def _wave(self, w: int, waves: Waves, read: Callable[[Item], bytes | bytearray],
-              received: Callable[[int, Item, memoryview], None], stats: PeerStats) -> CheckpointError | None:
-        """Wave ``w`` of :meth:`exchange`: every send and receive posted, then waited for; the first
-        failure of this rank's own reads or checks."""
+    def _wave(self, w: int, waves: Waves, read: Read, received: Callable[[int, Item, memoryview], None],
+              stats: PeerStats, pool: _SendBuffers) -> CheckpointError | None:
+        """Wave ``w`` of :meth:`exchange`: every receive posted, then the sends (each read into one of
+        a few reused buffers), then each receive handed over as it completes; the first failure of
+        this rank's own reads or checks. Receives go first so a send waiting for its buffer never
+        waits for a peer still posting sends of its own."""
         import torch
         import torch.distributed as dist
 
         failure: CheckpointError | None = None
-        works, inbox = [], []
-        for (src, dst), cut in sorted(waves.items()):
-            if w >= len(cut):
+        mine = [(src, dst, tag, t) for (src, dst), cut in sorted(waves.items()) if w < len(cut) for tag, t in cut[w]]
+        inbox = []
+        for src, _, tag, t in mine:
+            if src != self.rank:
+                buf = torch.empty(max(t.size, t.room), dtype=torch.uint8)
+                buf[t.size:].zero_()
+                inbox.append((t, buf, dist.irecv(buf[: t.size], src=self._global[src], group=self.group, tag=tag)))
+        for src, dst, tag, t in mine:
+            if src != self.rank:
                 continue
-            for tag, t in cut[w]:
-                if src == self.rank:
-                    try:
-                        data = read(t.item)
-                        if len(data) != t.size:
-                            raise CorruptCheckpointError(
-                                f"{t.item[0]} {t.item[1:]} in this rank's local tier {self.local.root} is "
-                                f"{len(data)} bytes, {t.size} expected: the tier is damaged (delete that step "
-                                "there, or the whole tier: peers rebuild it on the next load)")
-                    except (CheckpointError, OSError) as e:
-                        failure = failure or (e if isinstance(e, CheckpointError) else
-                                              CorruptCheckpointError(f"reading {t.item} for a peer failed: {e}"))
-                        data = bytes(t.size)  # the peer still gets its bytes (and will not use them)
-                    buf = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
-                    works.append(dist.isend(buf, dst=self._global[dst], group=self.group, tag=tag))
-                    stats.sent_bytes += t.size
-                else:
-                    buf = torch.empty(max(t.size, t.room), dtype=torch.uint8)
-                    buf[t.size:].zero_()
-                    works.append(dist.irecv(buf[: t.size], src=self._global[src], group=self.group, tag=tag))
-                    inbox.append((t, buf))
-        for work in works:
+            buf = pool.take(t.size)
+            try:
+                n = read(t.item, buf.numpy().data)
+                if n != t.size:
+                    raise CorruptCheckpointError(
+                        f"{t.item[0]} {t.item[1:]} in this rank's local tier {self.local.root} is "
+                        f"{'more than ' if n > t.size else ''}{n} bytes, {t.size} expected: the tier is damaged "
+                        "(delete that step there, or the whole tier: peers rebuild it on the next load)")
+            except (CheckpointError, OSError) as e:
+                failure = failure or (e if isinstance(e, CheckpointError) else
+                                      CorruptCheckpointError(f"reading {t.item} for a peer failed: {e}"))
+                buf.zero_()  # the peer still gets its bytes (and will not use them)
+            pool.sent(dist.isend(buf, dst=self._global[dst], group=self.group, tag=tag))
+            stats.sent_bytes += t.size
+        # Each transfer is used as soon as it is in, while later ones still arrive: a load reads a
+        # peer's chunk the moment it is checked, not after the whole wave.
+        for t, buf, work in inbox:
             if work is not None:
                 work.wait()
-        for t, buf in inbox:
             try:
                 received(t.src, t.item, buf.numpy().data)
             except CheckpointError as e:
                 failure = failure or e
             stats.received_bytes += t.size
+        pool.drain()
         return failure
 
     # -- this rank's tier ----------------------------------------------------------------------------
@@ -263,9 +304,9 @@ class Peers:
         else:
             keep(key, data)
 
-    def read_range(self, member: erasure.Member, start: int, end: int) -> bytearray:
-        out = bytearray(end - start)
-        view, pos = memoryview(out), 0
+    def read_range(self, member: erasure.Member, start: int, end: int, out: memoryview) -> int:
+        """Bytes [start, end) of ``member``'s data (its chunks end to end) into ``out``; how many."""
+        view, pos = memoryview(out).cast("B"), 0
         for h, off, n in member.pieces(start, end):
             got = self.local.readv(paths.chunk_key(h), [view[pos: pos + n]], off)
             if got != n:
@@ -273,7 +314,12 @@ class Peers:
                                              "its manifest says: the tier is damaged (delete the step there, or the "
                                              "whole tier: peers rebuild it on the next load)", chunk=h)
             pos += n
-        return out
+        return pos
+
+    def read_whole(self, key: str, out: memoryview) -> int:
+        """Object ``key`` of this rank's tier into ``out``: its length (more than ``len(out)`` when it
+        is longer: one byte past is read to tell)."""
+        return self.local.readv(key, [out, bytearray(1)])
 
     # -- saving --------------------------------------------------------------------------------------
     def protect(self, step: int, part: mf.Manifest | None) -> PeerStats | None:
@@ -307,7 +353,7 @@ class Peers:
             self.store_chunk(item[1], data)
             stats.stored_bytes += len(data)
 
-        self.exchange(plan, lambda item: self.local.read(paths.chunk_key(item[1])), received, stats)
+        self.exchange(plan, lambda item, out: self.read_whole(paths.chunk_key(item[1]), out), received, stats)
 
     def _parity(self, step: int, docs: list[dict], stats: PeerStats) -> None:
         assert isinstance(self.redundancy, Parity)
@@ -328,10 +374,11 @@ class Peers:
         got: dict[tuple[int, int], memoryview] = {}
         d = paths.step_dir(step)
 
-        def read(item: Item) -> bytearray:
+        def read(item: Item, out: memoryview) -> int:
             _, _, pos, q, _ = item
             mem = mine.members[pos]
-            return self.read_range(mem, *mem.segment(q, mine.k))
+            a, b = mem.segment(q, mine.k)
+            return self.read_range(mem, a, b, out)
 
         def received(src: int, item: Item, data: memoryview) -> None:
             got[(item[2], item[3])] = data  # the received buffer, padded to the stripe's length

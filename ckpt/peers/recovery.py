@@ -134,11 +134,15 @@ def recoverable(peers: Peers, s: Survey, m: mf.Manifest) -> tuple[bool, str]:
 
 
 def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
-          keep: Callable[[str, memoryview], None]) -> PeerStats:
+          keep: Callable[[str, memoryview], None], coming: Callable[[set[str]], None] | None = None
+          ) -> PeerStats:
     """Collective: every rank gets the chunks it ``needed`` (None: it failed before it could say,
     and every rank raises) from peers or rebuilt from parity, each verified, then handed to
-    ``keep(storage key, bytes)``."""
-    mine = None if needed is None else sorted(h for h in set(needed) if peers.rank not in s.holders.get(h, []))
+    ``keep(storage key, bytes)``. ``coming(hashes)``: once planned, before any bytes move, the
+    chunks this rank will be given (the others it lacks are read from the checkpoint path)."""
+    order = _read_order(m)
+    mine = None if needed is None else sorted((h for h in set(needed) if peers.rank not in s.holders.get(h, [])),
+                                              key=lambda h: (order.get(h, len(order)), h))
     every = peers.gather({"ok": needed is not None, "needs": mine or []})
     bad = [r for r, d in enumerate(every) if not d["ok"]]
     if bad:
@@ -176,18 +180,15 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
                     decodes.append((g, p, t, blocks))
                 n += 1
         rounds = max(rounds, n)
+    if coming is not None:
+        coming({t.item[1] for t in plan if t.dst == peers.rank and t.item[0] == "chunk"} |
+               {h for hashes in members.values() for h in hashes})
     stats = PeerStats()
     got: dict[Item, bytes | memoryview] = {}
     segs: dict[tuple[int, int], list[tuple[int, int, memoryview]]] = defaultdict(list)
 
-    def read(item: Item) -> bytes | bytearray:
-        if item[0] == "chunk":
-            return peers.local.read(paths.chunk_key(item[1]))
-        if item[0] == "par":
-            return peers.local.read(f"{paths.step_dir(s.step)}/{item[2]}")
-        _, g, p, q = item
-        mem = s.layouts[g].members[p]
-        return peers.read_range(mem, *mem.segment(q, s.layouts[g].k))
+    def read(item: Item, out: memoryview) -> int:
+        return _read_item(peers, s, item, out)
 
     def received(src: int, item: Item, data: memoryview) -> None:
         if item[0] == "chunk":
@@ -201,8 +202,9 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
         if n < len(decodes):
             g, p, t, blocks = decodes[n]
             try:
-                segs[(g, p)].append(_decode(s, g, p, t, {b: got[item] if item in got else read(item)
-                                                         for b, _, item, _ in blocks}))
+                have: dict[int, bytes | bytearray | memoryview] = {
+                    b: got[item] if item in got else _read_own(peers, s, item, size) for b, _, item, size in blocks}
+                segs[(g, p)].append(_decode(s, g, p, t, have))
             finally:
                 got.clear()
 
@@ -210,6 +212,41 @@ def fetch(peers: Peers, s: Survey, m: mf.Manifest, needed: Iterable[str] | None,
     for (g, p), hashes in members.items():
         stats.rebuilt_chunks += _keep_rebuilt(peers, s, g, p, segs[(g, p)], hashes, keep)
     return stats
+
+
+def _read_order(m: mf.Manifest) -> dict[str, int]:
+    """Each chunk's place in the manifest's tensors, shards and segments: the order a loader's feeds
+    take them in. A rank's chunks travel in that order, so the loader's threads (fewer than the
+    chunks) wait for the ones that come first instead of holding out for the last ones while the
+    first sit in memory."""
+    out: dict[str, int] = {}
+    for t in m.tensors:
+        for shard in t.shards:
+            for g in shard.segments:
+                out.setdefault(g.chunk, len(out))
+    return out
+
+
+def _read_item(peers: Peers, s: Survey, item: Item, out: memoryview) -> int:
+    """Item ``item`` of this rank's tier into ``out``; its length."""
+    if item[0] == "chunk":
+        return peers.read_whole(paths.chunk_key(item[1]), out)
+    if item[0] == "par":
+        return peers.read_whole(f"{paths.step_dir(s.step)}/{item[2]}", out)
+    _, g, p, q = item
+    mem = s.layouts[g].members[p]
+    a, e = mem.segment(q, s.layouts[g].k)
+    return peers.read_range(mem, a, e, out)
+
+
+def _read_own(peers: Peers, s: Survey, item: Item, size: int) -> memoryview:
+    """A block of this rank's own rebuild that its tier holds."""
+    out = memoryview(bytearray(size))
+    if _read_item(peers, s, item, out) != size:
+        raise CorruptCheckpointError(f"{item[0]} {item[1:]} in this rank's local tier {peers.local.root} is not "
+                                     f"{size} bytes: the tier is damaged (delete that step there, or the whole "
+                                     "tier: peers rebuild it on the next load)")
+    return out
 
 
 def _decode(s: Survey, g: int, pos: int, t: int, have: dict[int, bytes | bytearray | memoryview]

@@ -7,8 +7,10 @@ is healed afterwards: the result's ``heal``, run by the Checkpointer on its comm
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 from .. import events
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -17,9 +19,12 @@ from ..format import paths
 from ..format.chunk import verify_object
 from ..loader import Attempt, LoadResult, advise, short_list
 from . import recovery
+from .exchange import PeerStats
 from .recovery import Survey
 
 if TYPE_CHECKING:
+    from ..storage.base import Blob
+    from ..storage.held import HeldChunks
     from .local_commits import LocalCommits
 
 log = logging.getLogger("ckpt")
@@ -108,76 +113,140 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
 def _load_local(tiers: LocalCommits, attempt: Attempt, step: int, m: mf.Manifest, data: bytes, survey: Survey
                 ) -> tuple[LoadResult | None, CheckpointError | None]:
     """Load ``step`` from the local tiers. Chunks this rank's tier lacks come from peers (or are
-    rebuilt) into memory and are read from there; the tier itself is healed afterwards, in the
-    background (the result's ``heal``, run by the Checkpointer on its commit thread), so the load
-    waits only for the exchange."""
+    rebuilt) into memory, on a thread of their own while the loader reads: a read of such a chunk
+    waits for it, every other read goes ahead, so the load takes about as long as the longer of the
+    two instead of their sum. The tier itself is healed afterwards, in the background (the result's
+    ``heal``, run by the Checkpointer on its commit thread)."""
     peers, storage = tiers.peers, tiers.storage
-    fetched: list[Any] = []
+    memory = storage.memory
+    fetch = _Fetch()
     held: list[str] = []
     wanted: set[str] = set()
+    lacking: list[str] = []  # storage keys of the chunks this rank's tier lacks
 
     def keep(key: str, blob: memoryview) -> None:
-        storage.hold(key, blob)
         held.append(key)
+        memory.hold(key, blob)
+
+    def coming(hashes: set[str]) -> None:
+        memory.settle(set(lacking) - {paths.chunk_key(h) for h in hashes})  # read from the checkpoint path
 
     def before_read(needed: set[str]) -> None:
         want = mf.closure(m.chunks, needed).keys()
         wanted.update(want)
-        fetched.append(recovery.fetch(peers, survey, m, want, keep))
+        lacking.extend(paths.chunk_key(h) for h in want if peers.rank not in survey.holders.get(h, []))
+        memory.capture(lacking)  # what is read remotely is kept for the heal
+        memory.expect(lacking)
+        fetch.start(lambda: recovery.fetch(peers, survey, m, want, keep, coming), memory, lacking)
 
     try:
         done, err = attempt(step, manifest=m, before_read=before_read)
-        if not fetched:  # this rank failed before it could say what it needs: the others wait for that
+        if fetch.thread is None:  # this rank failed before it could say what it needs: the others wait for that
             try:
                 recovery.fetch(peers, survey, m, None, keep)
             except CheckpointError:
                 pass
+        got, fetch_err = fetch.result()
     except BaseException:
-        storage.release(held)
+        fetch.abandoned = True  # a fetch still running drops what it brings when it ends
+        memory.release(held + lacking)
         raise
     if done is None:
-        storage.release(held)
-        return None, err
-    done.heal = lambda: _heal(tiers, step, data, held, wanted)
+        memory.release(held + lacking)
+        return None, fetch_err if isinstance(fetch_err, CheckpointError) else err
+    if fetch_err is not None:  # every chunk this rank needed came and checked out, then the exchange broke
+        log.warning("the exchange with peers failed after this rank had every chunk it needed: %s", fetch_err)
+    done.heal = lambda: _heal(tiers, step, data, held, wanted, lacking)
     stats = done.stats
     stats.source = "local tiers"
-    if fetched:
-        got = fetched[0]
+    if got is not None:
         stats.peer_chunks, stats.rebuilt_chunks = got.peer_chunks, got.rebuilt_chunks
         if stats.local_chunks is not None:
             stats.local_chunks = max(0, stats.local_chunks - got.peer_chunks - got.rebuilt_chunks)
     return done, None
 
-def _heal(tiers: LocalCommits, step: int, data: bytes, held: list[str], wanted: set[str]) -> bool:
+
+class _Fetch:
+    """:func:`recovery.fetch` on a thread of its own (it talks only on the peers' group, which nothing
+    else uses during a load); whatever it did not bring when it ends is settled in ``memory``, so no
+    read waits for it any longer."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.stats: PeerStats | None = None
+        self.error: BaseException | None = None
+        self.abandoned = False  # the load is gone (interrupted): nobody will release what the fetch holds
+
+    def start(self, run: Callable[[], PeerStats], memory: HeldChunks, keys: list[str]) -> None:
+        """Run ``run`` on the thread; ``keys``: those it may bring."""
+        def body() -> None:
+            try:
+                self.stats = run()
+                memory.settle(keys)
+            except BaseException as e:
+                self.error = e
+                memory.settle(keys, e if isinstance(e, CheckpointError) else
+                              CheckpointError(f"{type(e).__name__}: {e}"))
+            if self.abandoned:
+                memory.release(keys)
+
+        self.thread = threading.Thread(target=body, name="ckpt-peer-fetch", daemon=True)
+        self.thread.start()
+
+    def result(self) -> tuple[PeerStats | None, BaseException | None]:
+        if self.thread is not None:
+            self.thread.join()
+        return self.stats, self.error
+
+
+def _heal(tiers: LocalCommits, step: int, data: bytes, held: list[str], wanted: set[str], lacking: list[str]
+          ) -> bool:
     """After a load from the local tiers: write what came from peers (held in memory) and what
-    came from the checkpoint path (read again) into this rank's tier, then commit the step there
-    if the tier had lost it. A failure costs only the copy: it is logged, nothing else changes."""
+    came from the checkpoint path (the bytes the load read, kept, checked again here; read anew only
+    where the load did not read a chunk whole) into this rank's tier, then commit the step there if
+    the tier had lost it. A failure costs only the copy: it is logged, nothing else changes."""
     local, storage = tiers.local, tiers.storage
+    memory = storage.memory
     t0 = time.perf_counter()
-    wrote = from_remote = 0
+    wrote = from_remote = fetched = 0
     try:
         for key in held:
-            blob = storage.held(key)
+            blob = memory.get(key)
             if blob is not None and not local.exists(key):
                 local.write(key, [blob])
                 wrote += 1
         for h in sorted(wanted):
             key = paths.chunk_key(h)
-            if storage.held(key) is None and not local.exists(key):  # read from the checkpoint path
-                remote = storage.remote.read(key)
-                verify_object(key, [memoryview(remote)])
-                local.write(key, [remote])
+            if memory.get(key) is None and not local.exists(key):  # read from the checkpoint path
+                obj = _checked(key, memory.captured(key))
+                if obj is None:
+                    obj = storage.remote.read(key)
+                    verify_object(key, [memoryview(obj)])
+                    fetched += 1
+                local.write(key, [obj])
                 from_remote += 1
         local.flush()
         if not local.exists(paths.manifest_key(step)):  # a tier that lost the step has it back
             tiers.commit(step, data.decode())
         if wrote or from_remote:
-            log.info("healed this rank's local tier %s with %d chunk(s) from peers and %d from %s (%.2fs)",
-                     local.root, wrote, from_remote, storage.remote.describe(), time.perf_counter() - t0)
+            log.info("healed this rank's local tier %s with %d chunk(s) from peers and %d from %s (%d of them "
+                     "downloaded again) (%.2fs)", local.root, wrote, from_remote, storage.remote.describe(), fetched,
+                     time.perf_counter() - t0)
         return True
     except Exception as e:
         log.warning("this rank's local tier %s was not healed after loading step %d (%s: %s); the next "
                     "saves write their chunks anew", local.root, step, type(e).__name__, e)
         return False
     finally:
-        storage.release(held)
+        memory.release(held + lacking)
+
+
+def _checked(key: str, blob: bytes | None) -> Blob | None:
+    """``blob`` if it is chunk ``key`` whole and sound, else None."""
+    if blob is None:
+        return None
+    try:
+        verify_object(key, [memoryview(blob)])
+    except CheckpointError:
+        return None
+    return blob

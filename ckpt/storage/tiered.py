@@ -32,9 +32,9 @@ every step a tier commits names chunks that tier holds, and an uploaded one chun
 Outside a save both tiers are read (the local first for chunks); a step file the remote lacks is read
 from the local tier (a step committed only there).
 
-``hold(key, data)`` puts a verified chunk in front of both tiers, in memory: a load whose chunks came
-from peers (or were rebuilt from parity) reads them from there, while the local tier is healed
-behind it; ``release(keys)`` drops them once they are written.
+``memory`` (:class:`ckpt.storage.held.HeldChunks`) is read before both tiers: the chunks a load from
+the local tiers got from peers (or rebuilt from parity), and those still coming, while the local
+tier is healed behind it; it also keeps what such a load read from the remote for the heal.
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import CheckpointError, StorageError
 from ..format.paths import is_chunk_key
 from .base import Blob, RootState, Storage, TierCounters
+from .held import HeldChunks
 from .local import LocalStorage
+from .save_view import SaveView
 
 log = logging.getLogger("ckpt")
 
@@ -80,27 +82,13 @@ class TieredStorage(Storage):
         self._lock = threading.Lock()
         self._counters = TierCounters()
         self._failed: str | None = None  # the first upload failure since the last drain
-        self._held: dict[str, memoryview] = {}  # verified chunks in memory, read before either tier
+        self.memory = HeldChunks()  # chunks in memory, read before either tier (a load from the local tiers)
         self._lost: set[str] = set()  # chunks created where another writer's object stood (see finish_creates)
         self._held_bytes = 0  # staged chunks held in memory until uploaded (see _stage)
 
     def view(self, persist: bool) -> Storage:
         """One save's storage (local commits): ``persist`` is whether it is uploaded."""
         return SaveView(self, persist) if self.local_commits else self
-
-    def hold(self, key: str, data: memoryview) -> None:
-        """Serve ``key`` from ``data`` (already verified) until :meth:`release`."""
-        with self._lock:
-            self._held[key] = memoryview(data).cast("B")
-
-    def held(self, key: str) -> memoryview | None:
-        with self._lock:
-            return self._held.get(key)
-
-    def release(self, keys: Iterable[str]) -> None:
-        with self._lock:
-            for k in keys:
-                self._held.pop(k, None)
 
     def describe(self) -> str:
         return f"{self.remote.describe()} (staged in {self.local.root})"
@@ -289,7 +277,7 @@ class TieredStorage(Storage):
         return value
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> Blob:
-        mem = self.held(key)
+        mem = self.memory.get(key)
         if mem is not None:
             return self._hit(bytes(mem[start:end])) if start is None and end is None else bytes(mem[start:end])
 
@@ -299,11 +287,15 @@ class TieredStorage(Storage):
             blob = self.local.read(key)
             return self._hit(blob) if self._local_ok(key, blob) else _MISS
 
-        return self._local_first(key, local, lambda: self.remote.read(key, start, end),
-                                 count=start is None and end is None)
+        def remote() -> Blob:
+            blob = self.remote.read(key, start, end)
+            self.memory.read_remotely(key, start or 0, [blob], len(blob))
+            return blob
+
+        return self._local_first(key, local, remote, count=start is None and end is None)
 
     def read_object(self, key: str, limit: int) -> Blob:
-        mem = self.held(key)
+        mem = self.memory.get(key)
         if mem is not None:
             return self._hit(bytes(mem[: limit + 1]))
 
@@ -313,10 +305,15 @@ class TieredStorage(Storage):
                 return blob
             return self._hit(blob) if self._local_ok(key, blob) else _MISS
 
-        return self._local_first(key, local, lambda: self.remote.read_object(key, limit))
+        def remote() -> Blob:
+            blob = self.remote.read_object(key, limit)
+            self.memory.read_remotely(key, 0, [blob], len(blob))
+            return blob
+
+        return self._local_first(key, local, remote)
 
     def readv(self, key: str, buffers: Sequence, offset: int = 0) -> int:
-        mem = self.held(key)
+        mem = self.memory.get(key)
         if mem is not None:
             pos = offset
             for b in buffers:
@@ -344,10 +341,15 @@ class TieredStorage(Storage):
                 return _MISS
             return self._hit(max(0, n - offset))
 
-        return self._local_first(key, local, lambda: self.remote.readv(key, buffers, offset))
+        def remote() -> int:
+            n = self.remote.readv(key, buffers, offset)
+            self.memory.read_remotely(key, offset, buffers, n)
+            return n
+
+        return self._local_first(key, local, remote)
 
     def size(self, key: str) -> int:
-        mem = self.held(key)
+        mem = self.memory.get(key)
         if mem is not None:
             return len(mem)
         if is_chunk_key(key) and key not in self._bad:
@@ -409,90 +411,3 @@ class TieredStorage(Storage):
     def close(self) -> None:
         self._uploads.shutdown(wait=True)
         self.remote.close()
-
-
-class SaveView(Storage):
-    """One save's view of a :class:`TieredStorage` with local commits (see the module docstring):
-    ``persist`` is whether the save is uploaded. Writes, ``exists``, ``head`` and ``commit`` answer
-    in this save's sense; everything else is the tiered storage's."""
-
-    def __init__(self, tiers: TieredStorage, persist: bool):
-        self.tiers = tiers
-        self.persist = persist
-        self.url = tiers.url
-
-    def write(self, key: str, buffers: Sequence) -> int:
-        if not self.persist:
-            return self.tiers.local.write(key, buffers)
-        return self.tiers.write(key, buffers)
-
-    def create(self, key: str, buffers: Sequence) -> int:
-        if not self.persist:
-            return self.tiers.local.create(key, buffers)
-        return self.tiers.create(key, buffers)
-
-    def finish_creates(self, keys: Collection[str]) -> set[str]:
-        return self.tiers.finish_creates(keys) if self.persist else set()
-
-    def commit(self, key: str, data: bytes) -> None:
-        if not self.persist:
-            self.tiers.local.commit(key, data)
-            return
-        self.tiers.commit(key, data)
-
-    def exists(self, key: str) -> bool:
-        if not self.persist:
-            return self.tiers.local.exists(key)
-        return self.tiers.stored(key)
-
-    def head(self, key: str, n: int) -> Blob:
-        if is_chunk_key(key):
-            if not self.exists(key):
-                raise FileNotFoundError(key)
-            return self.tiers.local.read(key, 0, n)
-        return self.tiers.read(key, 0, n)
-
-    def read(self, key: str, start: int | None = None, end: int | None = None) -> Blob:
-        return self.tiers.read(key, start, end)
-
-    def read_object(self, key: str, limit: int) -> Blob:
-        return self.tiers.read_object(key, limit)
-
-    def readv(self, key: str, buffers: Sequence, offset: int = 0) -> int:
-        return self.tiers.readv(key, buffers, offset)
-
-    def size(self, key: str) -> int:
-        return self.tiers.size(key)
-
-    def mtime(self, key: str) -> float | None:
-        return self.tiers.mtime(key)
-
-    def list(self, prefix: str) -> list[str]:
-        return self.tiers.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.tiers.delete(key)
-
-    def root_state(self) -> RootState:
-        return self.tiers.root_state()
-
-    def remove_root(self) -> None:
-        self.tiers.remove_root()
-
-    def flush(self) -> None:
-        self.tiers.flush()
-
-    def describe(self) -> str:
-        return self.tiers.describe()
-
-    def durable_tier(self) -> Storage:
-        return self.tiers.durable_tier()
-
-    def tier_counters(self) -> TierCounters | None:
-        return self.tiers.tier_counters()
-
-    def reset_tier_counters(self) -> None:
-        self.tiers.reset_tier_counters()
-
-    def close(self) -> None:
-        pass  # the tiered storage outlives its saves
