@@ -130,7 +130,7 @@ def _runs(sec: np.ndarray) -> bool:
     """Does a plane the sample found incompressible hold zero runs worth a zstd pass (3% of its
     8-byte words zero; noise has one in 2^64)?"""
     words = sec[: sec.size // 8 * 8].view(np.uint64)
-    return words.size > 0 and np.count_nonzero(words == 0) >= _PLANE_MIN_SAVING * words.size
+    return bool(words.size > 0 and np.count_nonzero(words == 0) >= _PLANE_MIN_SAVING * words.size)
 
 
 def _nbytes(b) -> int:
