@@ -27,6 +27,7 @@ from .format import rans
 from .format.chunk import (
     CODEC_IDS,
     HEADER,
+    HEADER_SIZE,
     MAGIC,
     MAX_WIDTH,
     NO_BASE,
@@ -237,11 +238,14 @@ def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int,
         # whole chunk (sparse changes, which a sample of a few pieces over- or underestimates): then the
         # full delta is made and measured (below), and dropped only if it does not fit
         whole_size = min((t.size for t in trials if t.codec != "xor"), default=k)
-        trials = [t for t in trials if t.codec != "xor" or t.size * (n / k) <= base.room
+        trials = [t for t in trials if t.codec != "xor" or t.size * (n / k) + HEADER_SIZE <= base.room
                   or t.size < _SPARSE_DELTA * whole_size]
     best = min(trials, key=lambda t: t.size)
     if best.size > k * (1 - _AUTO_MIN_SAVING):
         return "raw", [raw], False
+    if whole and best.codec == "xor" and base is not None and base.room is not None \
+            and best.size + HEADER_SIZE > base.room:
+        return _auto(raw, None, width, rot, level, reuse)  # kept to be measured, and it does not fit: whole
     if whole:
         assert best.parts is not None  # views of the trial's scratch memory unless compressed
         parts = best.parts if reuse else [bytes(p) if isinstance(p, memoryview) else p for p in best.parts]
@@ -252,7 +256,7 @@ def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int,
     g = group(raw, base.raw if best.codec == "xor" and base else None, width, scratch("group", n) if reuse else None,
               best.rot)
     parts, size, _ = _encode_planes(g, width, level, best.planes, _PLANE_MIN_SAVING)
-    if best.codec == "xor" and base is not None and base.room is not None and size > base.room:
+    if best.codec == "xor" and base is not None and base.room is not None and size + HEADER_SIZE > base.room:
         return _auto(raw, None, width, rot, level, reuse)  # the sample promised less: whole after all
     if size >= n:
         return "raw", [raw], False

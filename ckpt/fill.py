@@ -436,7 +436,7 @@ def _read_raw(storage: Storage, key: str, h: str, size: int, feeds: list) -> int
         target = scratch("raw", size)
     n, digest = storage.read_hashed(key, target, HEADER_SIZE)
     if n != size:
-        raise CorruptCheckpointError(f"chunk object {key} is truncated or padded: payload is {n} bytes, header says "
+        raise CorruptCheckpointError(f"chunk object {key} is truncated: payload is {n} bytes, header says "
                                      f"{size}", object=key, chunk=h)
     if (digest if digest is not None else chunk_hash(target)) != h:
         raise CorruptCheckpointError(f"chunk object {key} failed its hash check (content does not match {h}); the "

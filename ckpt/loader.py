@@ -203,12 +203,14 @@ class Loader:
                    ready: Callable[[], None] | None = None) -> LoadResult:
         m = manifest if manifest is not None else mf.read_step(self.storage, step)
         self.storage.reset_tier_counters()
-        stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
-                          rank=self.comm.rank, world=self.comm.world, rank_map=rank_map,
-                          on_change=lambda: changed.__setitem__(0, True), before_read=before_read,
-                          staged=self.staged, lend=self.lend, ready=ready)
+        try:
+            stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
+                              rank=self.comm.rank, world=self.comm.world, rank_map=rank_map,
+                              on_change=lambda: changed.__setitem__(0, True), before_read=before_read,
+                              staged=self.staged, lend=self.lend, ready=ready)
+        finally:
+            trim_scratch()  # reads and chains kept chunk-sized buffers per thread: loads are rare
         self.manifests.put(m)
-        trim_scratch()  # decoding chains kept chunk-sized buffers per thread: loads are rare
         tiers = self.storage.tier_counters()
         if tiers is not None:  # which tier each chunk came from; damaged local copies are named
             stats.local_chunks, stats.remote_chunks = tiers.local_hits, tiers.remote_reads

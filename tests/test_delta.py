@@ -559,3 +559,19 @@ def test_the_numpy_rans_decoder_keeps_its_memory_bounded_by_the_input(monkeypatc
         tracemalloc.stop()
     assert np.array_equal(out, a)
     assert peak < 64 << 20, peak  # all 4096 tables at once took ~800 MiB
+
+
+def test_small_chunks_keep_every_chain_within_the_read_budget(tmp_path):
+    """Chunks of 512 KiB or less are their own sample: a sparse delta kept to be measured against
+    the chain's budget must still be refused when it does not fit (headers counted)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(256 * 1024 // 4 * 3, generator=g)
+    root = str(tmp_path / "ck")
+    with ckpt.Checkpointer(root, chunk_size=256 * 1024, delta_budget=1.0, delta_chain=8) as c:
+        for s in range(8):
+            idx = torch.randint(0, w.numel(), (w.numel() // 50,), generator=g)
+            w[idx] += 0.01
+            c.save(s, {"w": w.clone()}).wait()
+            m = c.manifest(s)
+            for h, info in m.chunks.items():
+                assert sum(m.chunks[x].stored for x in mf.chain(m.chunks, h)) <= 1.0 * info.size + 64, (s, h)
