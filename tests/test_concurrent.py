@@ -151,7 +151,7 @@ def describes_what_is_stored(root: str, step: int) -> None:
     storage = LocalStorage(root)
     for h, info in ckpt.open(root).manifest(step).chunks.items():
         hdr = parse_header(storage.read(paths.chunk_key(h), 0, HEADER_SIZE), name=h)
-        assert (info.codec, info.base, info.stored) == (f"{hdr.codec}/1", hdr.base, storage.size(paths.chunk_key(h)))
+        assert (info.codec, info.base, info.stored) == (hdr.label, hdr.base, storage.size(paths.chunk_key(h)))
 
 
 @pytest.mark.parametrize("held", ["delta", "whole"])
