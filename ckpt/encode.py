@@ -115,7 +115,10 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
             # zstd and rANS differently than the chunk does, and misses what is local (the zero rows of
             # an embedding's moments make runs in every plane). Planes the sample found incompressible get
             # zstd where such runs are there (a count of zero words: far cheaper than compressing noise).
-            tries = (ZSTD, RANS) if methods is None or methods[i] != STORED else (ZSTD,) if _runs(sec) else ()
+            # Where the sample found rANS best, the plane has no runs worth zstd's pass (zstd wins only on
+            # repeats, which a sample shows): rANS alone.
+            tries = ((ZSTD, RANS) if methods is None or methods[i] == ZSTD else (RANS,) if methods[i] == RANS
+                     else (ZSTD,) if _runs(sec) else ())
             for t in tries:
                 packed = cctx.compress(sec.data) if t == ZSTD else rans.encode(sec) if t == RANS else None
                 if packed is not None and len(packed) < min(n * (1 - min_saving), _nbytes(stored)):
