@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -345,6 +346,19 @@ const uint8_t* copy_piece(uint8_t* dst, const Seg* segs, size_t nsegs, uint64_t 
   return dst + lo;
 }
 
+// Run `work` on `t` threads (this one included); each picks its own share. A thread that cannot be
+// started leaves its share to the others (at least this one).
+template <typename F>
+void run_on(int t, F& work) {
+  std::vector<std::thread> pool;
+  try {
+    for (int i = 1; i < t; ++i) pool.emplace_back(std::ref(work));
+  } catch (...) {
+  }
+  work();
+  for (auto& th : pool) th.join();
+}
+
 }  // namespace
 
 extern "C" {
@@ -398,13 +412,7 @@ int ckpt_copy_hash(uint8_t* dst, const Seg* segs, uint64_t nsegs, const uint64_t
     }
   };
   int t = static_cast<int>(std::min<uint64_t>(std::max(threads, 1), std::max<uint64_t>(nchunks, 1)));
-  std::vector<std::thread> pool;
-  try {
-    for (int i = 1; i < t; ++i) pool.emplace_back(work);
-  } catch (...) {  // could not start a thread: the ones we have (at least this one) do all the work
-  }
-  work();
-  for (auto& th : pool) th.join();
+  run_on(t, work);
   return 0;
 }
 
@@ -470,13 +478,7 @@ int ckpt_copy_many(const CopyItem* items, uint64_t n, int threads) {
 #endif
   };
   int t = static_cast<int>(std::min<uint64_t>(std::max(threads, 1), std::max<uint64_t>(first[n], 1)));
-  std::vector<std::thread> pool;
-  try {
-    for (int i = 1; i < t; ++i) pool.emplace_back(work);
-  } catch (...) {  // could not start a thread: the ones we have (at least this one) do all the work
-  }
-  work();
-  for (auto& th : pool) th.join();
+  run_on(t, work);
   return 0;
 }
 

@@ -14,21 +14,12 @@ from datetime import timedelta
 import pytest
 import torch
 from conftest import BUCKET, fast
+from test_nodeloss_bounds import CHUNK, _state  # the same 4-rank sharded state
 
 import ckpt
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.storage.held import HeldChunks
 from ckpt.testing import FaultProxy, run_ranks
-
-ROWS, COLS = 1024, 512  # a 2 MiB float32 tensor sharded by rows: 8 chunks of 64 KiB per rank of 4
-CHUNK = 64 * 1024
-
-
-def _state(rank: int, world: int, step: int, zero: bool = False) -> dict:
-    rows = ROWS // world
-    t = torch.zeros(rows, COLS) if zero else torch.randn(rows, COLS, generator=torch.Generator().manual_seed(
-        step * 100 + rank))
-    return {"w": ckpt.LocalShard(t, (rank * rows, 0), (ROWS, COLS)), "step": step}
 
 
 def _ckptr(root: str, rank: int) -> ckpt.Checkpointer:
