@@ -22,6 +22,17 @@ def _trained(seed=0):
     return model, opt
 
 
+def _step_then_reload(c, h, opt, ckdir):
+    """The optimizer steps while save ``h`` may still be copying; then the step is loaded into a
+    fresh model and optimizer and returned as CPU copies (model, optimizer state)."""
+    opt.step()
+    h.wait()
+    c.close()
+    fresh, fopt = _trained(seed=1)
+    ckpt.Checkpointer(ckdir).load(1, {"model": fresh, "optim": fopt})
+    return _cpu_copy(fresh, fopt)
+
+
 def _cpu_copy(model, opt):
     return ({k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
             {i: {k: v.cpu().clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())})
@@ -141,12 +152,7 @@ def test_a_step_right_after_save_waits_for_the_guarded_copy(ckdir, monkeypatch, 
     want_model, want_opt = _cpu_copy(model, opt)
     c = ckpt.Checkpointer(ckdir)
     h = c.save(1, {"model": model, "optim": opt})
-    opt.step()
-    h.wait()
-    c.close()
-    fresh, fopt = _trained(seed=1)
-    ckpt.Checkpointer(ckdir).load(1, {"model": fresh, "optim": fopt})
-    got_model, _ = _cpu_copy(fresh, fopt)
+    got_model, _ = _step_then_reload(c, h, opt, ckdir)
     same = all(torch.equal(got_model[k], v) for k, v in want_model.items())
     assert same is fenced
 
@@ -268,12 +274,7 @@ def test_a_state_of_state_dicts_overlaps_only_when_its_optimizer_is_handed_over(
     else:
         h = c.save(1, state)
     assert bool(cuda_snapshot.pending_copies()) is handed
-    opt.step()
-    h.wait()
-    c.close()
-    fresh, fopt = _trained(seed=1)
-    ckpt.Checkpointer(ckdir).load(1, {"model": fresh, "optim": fopt})
-    got_model, got_opt = _cpu_copy(fresh, fopt)
+    got_model, got_opt = _step_then_reload(c, h, opt, ckdir)
     assert all(torch.equal(got_model[k], v) for k, v in want_model.items())
     assert all(torch.equal(got_opt[i][k], v) for i, s in want_opt.items() for k, v in s.items())
 
