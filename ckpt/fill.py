@@ -14,6 +14,7 @@ read, copy back, apply.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
@@ -40,7 +41,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .flatten import apply, flatten
-from .format import chains, paths
+from .format import chains, paths, spans
 from .format import manifest as mf
 from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
 from .format.chunk import HEADER_SIZE, check_header, chunk_hash, parse_header
@@ -398,7 +399,7 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
     info = m.chunks[h]
     if info.codec.startswith("raw/"):
         try:
-            n = _read_raw(storage, paths.chunk_key(h), h, info.size, feeds)
+            n = _read_raw(storage, paths.chunk_key(h), h, info, feeds)
         except FileNotFoundError as e:
             raise chains.missing(storage, h, m.step, e) from None
         if n is not None:
@@ -417,18 +418,28 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
     return len(blob) + more
 
 
-def _read_raw(storage: Storage, key: str, h: str, size: int, feeds: list) -> int | None:
+def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:
     """Read a chunk stored raw, hashing each piece as it lands (``Storage.read_hashed``): straight
     into its destination when the whole chunk feeds one contiguous run, else into this thread's
-    reused memory, whose verified bytes are then copied where they go. Its header is read and
-    checked first, so a wrong object never reaches a tensor. None when the header says the object
-    is stored another way (the caller decodes it)."""
+    reused memory, whose verified bytes are then copied where they go; where only part of it is
+    needed and the manifest has its span digests, only the spans that part touches. Its header is
+    read and checked first, so a wrong object never reaches a tensor. None when the header says the
+    object is stored another way (the caller decodes it)."""
+    size = info.size
     header = storage.read(key, 0, HEADER_SIZE)
     hdr = parse_header(header, name=key)
     check_header(hdr, name=key, expect_hash=h, expect_len=size)
     if hdr.codec != "raw" or hdr.payload_len != size:
         return None
     whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == size
+    if not whole and info.spans is not None:
+        runs = spans.runs([(off, length) for off, length, _, _ in feeds], size)
+        if sum(b - a for a, b in runs) < spans.count(size, spans.SPAN):
+            got = _read_spans(storage, key, h, info, feeds, runs)
+            if got is not None:
+                return got
+            # a span differs: the whole chunk is read and checked by its name, which tells damaged
+            # bytes (refused below) from wrong digests (a writer's fault: logged, the bytes used)
     if whole:
         _, _, flat, pos = feeds[0]
         target = flat[pos : pos + size]
@@ -445,6 +456,34 @@ def _read_raw(storage: Storage, key: str, h: str, size: int, feeds: list) -> int
         for off, length, flat, pos in feeds:
             flat[pos : pos + length] = target[off : off + length]
     return HEADER_SIZE + n
+
+
+def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list,
+                runs: list[tuple[int, int]]) -> int | None:
+    """Read the spans ``runs`` of raw chunk ``h`` (one read per run), check each against the
+    manifest's digest, and copy what ``feeds`` take from them. None, nothing copied, where a span
+    does not match its digest."""
+    assert info.spans is not None
+    span, size = spans.SPAN, info.size
+    lo_hi = [(a * span, min(size, b * span)) for a, b in runs]
+    buf = scratch("raw", sum(hi - lo for lo, hi in lo_hi))
+    at, pos = [], 0
+    for lo, hi in lo_hi:
+        n = storage.readv(key, [buf[pos : pos + hi - lo]], HEADER_SIZE + lo)
+        if n != hi - lo:
+            raise CorruptCheckpointError(f"chunk object {key} is truncated: its payload ends before byte {hi}, the "
+                                         f"header says {size}", object=key, chunk=h)
+        bad = spans.mismatch(buf[pos : pos + hi - lo], lo // span, info.spans)
+        if bad is not None:
+            log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole", key, bad)
+            return None
+        at.append(pos)
+        pos += hi - lo
+    for off, length, flat, dpos in feeds:
+        i = bisect.bisect_right(lo_hi, (off, size + 1)) - 1  # the run holding [off, off + length)
+        src = at[i] + off - lo_hi[i][0]
+        flat[dpos : dpos + length] = buf[src : src + length]
+    return HEADER_SIZE + pos
 
 
 def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

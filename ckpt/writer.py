@@ -9,6 +9,7 @@ and when to commit is the commit protocol's business (:mod:`ckpt.commit`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from .buffer_layout import ChunkSlot
 from .encode import CodecSpec, encode
 from .errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from .format import manifest as mf
-from .format import paths
+from .format import paths, spans
 from .format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
 from .format.tree_check import newest_feature
 from .handle import SaveMetrics
@@ -98,6 +99,10 @@ class Writer:
             if info is None and twin is None:
                 mine = self._inflight[h] = Future()
         if info is not None:
+            if info.spans is None and _spanned(info):  # learnt from a manifest written without them
+                info = dataclasses.replace(info, spans=spans.digests(data))
+                with self._lock:
+                    self.known[h] = info
             return _Put(h, info, "known")
         if twin is not None:  # an identical chunk of this save is being written: written once, then known
             return _Put(h, twin.result().info, "known")
@@ -132,6 +137,8 @@ class Writer:
                 lost += 1
                 damaged = damaged or lost >= 3  # created and deleted again each time: replace it whole
         if found is not None:
+            if _spanned(found):
+                found.spans = spans.digests(data)
             with self._lock:
                 self.known[h] = found
             return _Put(h, found, "found")
@@ -146,6 +153,8 @@ class Writer:
         stored = storage.create(key, buffers) if create else storage.write(key, buffers)
         label = parse_header(buffers[0], name=key).label
         info = mf.ChunkInfo(len(data), stored, label, b.digest if codec == "xor" and b is not None else None)
+        if _spanned(info):
+            info.spans = spans.digests(data)
         with self._lock:
             self.known[h] = info
             if create:
@@ -464,6 +473,12 @@ class _BaseRef:
 # `ckpt gc` removes only what failed saves left, never a committed step: it cannot make room for a save.
 STEP_EXISTS_ADVICE = ("Save under a new step number, or delete that step's directory (or prefix) by hand first; "
                        "retention (keep_last) drops old steps as new ones commit.")
+
+
+def _spanned(info: mf.ChunkInfo) -> bool:
+    """Whether a chunk gets span digests: stored raw and longer than a span (a reader needing part of
+    it then reads and checks only the spans it needs)."""
+    return info.codec.startswith("raw/") and spans.worth(info.size)
 
 
 def _refuse_poison(step: int, rank: int, bad: list[str], committed: Callable[[], list[int]]) -> None:

@@ -6,6 +6,7 @@
 * :mod:`.planes`: the byte-plane layout the ``planes`` and ``xor`` codecs store bytes in;
 * :mod:`.manifest`: the typed manifest, its JSON, the validating parser of untrusted manifests,
   merging rank reports, and reading committed steps;
+* :mod:`.spans`: digests of each 1 MiB span of a raw chunk, so part of it can be read and checked;
 * :mod:`.chains`: reading chunks stored as deltas, link by link, every link verified;
 * :mod:`.boxes`: the box arithmetic of shards.
 

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from ..storage.base import Storage
 from . import manifest as mf
+from . import spans
 from .chunk import HEADER_SIZE, MAX_WIDTH, Base, check_header, decode, parse_header
 from .paths import chunk_key
 from .planes import scratch
@@ -201,6 +202,20 @@ def walk(storage: Storage, chunks: dict[str, mf.ChunkInfo], root: str, children:
                 err = None
             except Exception as e:  # reported per chunk; the walk goes on
                 raw, err = None, e
-            visit(h, n, err, named)
+            visit(h, n, err if raw is None else _span_error(chunks, h, raw), named)
         for c in children.get(h, ()):
             stack.append((c, Base(raw, h) if raw is not None else None, err))
+
+
+def _span_error(chunks: dict[str, mf.ChunkInfo], h: str, raw) -> CorruptCheckpointError | None:
+    """A chunk whose bytes check out against its name but not against the manifest's span digests:
+    a load needing part of it would find a span wrong and read it whole; the manifest is at fault."""
+    info = chunks.get(h)
+    if info is None or info.spans is None:
+        return None
+    bad = spans.mismatch(raw, 0, info.spans)
+    if bad is None:
+        return None
+    return CorruptCheckpointError(f"chunk {h} matches its name, but span {bad} does not match the digest the manifest "
+                                  "lists for it (the manifest's span digests are wrong; loads still read the chunk "
+                                  "whole and use it)", object=chunk_key(h), chunk=h)

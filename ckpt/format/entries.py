@@ -10,7 +10,7 @@ padding (:func:`check_chunk_sizes`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._version import __version__
@@ -32,12 +32,15 @@ ALIGN = 64
 @dataclass
 class ChunkInfo:
     """One stored chunk: raw size, stored size (header included), codec descriptor (``zstd/1``) and,
-    for a delta (``xor/1``), the chunk it is a delta of, which is then in the same table."""
+    for a delta (``xor/1``), the chunk it is a delta of, which is then in the same table. ``spans``:
+    the digests of its 1 MiB spans where it is stored raw (:mod:`.spans`; the manifest keeps them in a
+    field of their own, and two descriptions of one chunk are the same with or without them)."""
 
     size: int
     stored: int
     codec: str
     base: str | None = None
+    spans: str | None = field(default=None, compare=False)
 
     def to_json(self) -> list:
         return [self.size, self.stored, self.codec] + ([self.base] if self.base is not None else [])

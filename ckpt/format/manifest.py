@@ -26,6 +26,7 @@ from ..errors import (
     NotACheckpointError,
     StateMismatchError,
 )
+from . import spans
 from .entries import MAX_CHAIN as MAX_CHAIN
 from .entries import MAX_CHUNK_BYTES as MAX_CHUNK_BYTES
 from .entries import (
@@ -92,6 +93,8 @@ class Manifest:
         }
         if self.rank is not None:
             doc["rank"] = self.rank
+        if (span_doc := spans.to_json(self.chunks)) is not None:
+            doc["spans"] = span_doc
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @property
@@ -187,6 +190,7 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
             _check(kind == "step" and isinstance(v.get("v"), list) and len(v["v"]) == world,
                    name, f"per-rank key {k!r} must hold one value per rank ({world})")
     chunks = parse_chunks(doc.get("chunks"), name)
+    spans.parse(doc.get("spans"), chunks, name)
     tensors: list[TensorEntry] = []
     seen: set[tuple[str, int | None]] = set()  # (key, owning rank)
     raw_tensors: Any = doc.get("tensors")

@@ -1,0 +1,165 @@
+"""Span digests: a rank that needs part of a raw chunk reads and verifies only the 1 MiB spans that
+part touches (uneven reshards), checked against digests in the manifest."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+import ckpt
+from ckpt.format import manifest as mf
+from ckpt.format import paths, spans
+from ckpt.format.chunk import HEADER_SIZE
+
+MiB = 1 << 20
+ROWS, COLS = 1024, 2048  # 8 KiB rows: one 8 MiB chunk of 8 spans
+ROW = COLS * 4
+
+
+def full_value() -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)  # random bits: stored raw whatever the codec
+    return (torch.randint(0, 1 << 23, (ROWS, COLS), generator=g, dtype=torch.int32) | (120 << 23)).view(torch.float32)
+
+
+def manifest_path(root) -> str:
+    return os.path.join(root, paths.manifest_key(1))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    with ckpt.Checkpointer(tmp_path, codec="raw") as c:
+        c.save(1, {"w": full_value(), "small": torch.arange(10.0)}).wait()
+    return tmp_path
+
+
+def load_rows(root, r0: int, n: int) -> tuple[torch.Tensor, int]:
+    """Load rows [r0, r0 + n) of "w" alone; the rows and the bytes the load read."""
+    local = torch.zeros(n, COLS)
+    with ckpt.Checkpointer(root) as c:
+        c.load(1, {"w": ckpt.LocalShard(local, (r0, 0), (ROWS, COLS))}, strict=False)
+        return local, c.last_load.bytes_read
+
+
+def spans_read(r0: int, n: int) -> int:
+    return (r0 + n - 1) * ROW // MiB - r0 * ROW // MiB + 1
+
+
+def test_the_manifest_lists_span_digests_of_raw_chunks_only(saved):
+    m = ckpt.Checkpointer(saved).manifest(1)
+    (h,) = {g.chunk for t in m.tensors if t.key == "w" for s in t.shards for g in s.segments}
+    data = open(os.path.join(saved, paths.chunk_key(h)), "rb").read()[HEADER_SIZE:]
+    want = "".join(xxhash.xxh3_128_hexdigest(data[i : i + MiB])[:16] for i in range(0, len(data), MiB))
+    assert m.chunks[h].spans == want and len(want) == 16 * 8
+    assert all(info.spans is None for k, info in m.chunks.items() if k != h)  # one span or less: none
+    # a chunk stored encoded has none: only raw bytes can be read in part
+    with ckpt.Checkpointer(saved / "z", codec="zstd") as c:
+        c.save(1, {"w": torch.zeros(ROWS, COLS)}).wait()
+        assert all(info.spans is None for info in c.manifest(1).chunks.values())
+        assert "spans" not in json.load(open(manifest_path(saved / "z")))
+
+
+@pytest.mark.parametrize("r0,n", [(100, 50), (0, 1), (127, 2), (500, 300), (1023, 1)])
+def test_a_part_of_a_chunk_reads_only_the_spans_it_touches(saved, r0, n):
+    rows, read = load_rows(saved, r0, n)
+    assert torch.equal(rows.view(torch.int32), full_value()[r0 : r0 + n].view(torch.int32))
+    assert read == HEADER_SIZE + spans_read(r0, n) * MiB
+
+
+def test_the_whole_chunk_is_read_once_when_every_span_is_needed(saved):
+    rows, read = load_rows(saved, 0, ROWS)
+    assert torch.equal(rows, full_value()) and read == HEADER_SIZE + ROWS * ROW
+
+
+def damage(root, offset: int) -> None:
+    m = ckpt.Checkpointer(root).manifest(1)
+    (h,) = {g.chunk for t in m.tensors if t.key == "w" for s in t.shards for g in s.segments}
+    with open(os.path.join(root, paths.chunk_key(h)), "r+b") as f:
+        f.seek(HEADER_SIZE + offset)
+        b = f.read(1)
+        f.seek(HEADER_SIZE + offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_a_damaged_span_a_rank_reads_is_refused_and_one_it_does_not_read_is_no_concern_of_its(saved):
+    damage(saved, 3 * MiB + 5)  # in span 3: rows 384..511
+    with pytest.raises(ckpt.CorruptCheckpointError, match="hash check"):
+        load_rows(saved, 400, 10)
+    rows, _ = load_rows(saved, 0, 100)  # spans 0 and 1 only
+    assert torch.equal(rows, full_value()[:100])
+    with ckpt.Checkpointer(saved) as c:  # a whole load, and verify, still find it
+        with pytest.raises(ckpt.CorruptCheckpointError):
+            c.load(1, {"w": torch.zeros(ROWS, COLS), "small": torch.zeros(10)})
+    assert not ckpt.open(saved).verify().ok
+
+
+def rewrite(root, change) -> None:
+    doc = json.load(open(manifest_path(root)))
+    change(doc)
+    with open(manifest_path(root), "w") as f:
+        json.dump(doc, f)
+
+
+def test_a_wrong_digest_in_the_manifest_costs_a_whole_read_not_the_load(saved, caplog):
+    def wrong(doc):
+        (h, d), = doc["spans"]["digests"].items()
+        doc["spans"]["digests"][h] = d[:16] + ("0" if d[16] != "0" else "1") + d[17:]  # span 1's digest
+
+    rewrite(saved, wrong)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        rows, read = load_rows(saved, 130, 10)  # span 1
+    assert torch.equal(rows, full_value()[130:140])
+    assert read == HEADER_SIZE + ROWS * ROW and "span 1 does not match" in caplog.text
+    problems = ckpt.open(saved).verify().problems
+    assert len(problems) == 1 and "span 1 does not match the digest the manifest lists" in problems[0].message
+
+
+def test_a_manifest_without_spans_or_with_another_span_size_reads_whole_chunks(saved):
+    rewrite(saved, lambda doc: doc["spans"].update(size=2 * MiB, digests={h: d[: len(d) // 2] for h, d in
+                                                                            doc["spans"]["digests"].items()}))
+    rows, read = load_rows(saved, 100, 10)
+    assert torch.equal(rows, full_value()[100:110]) and read == HEADER_SIZE + ROWS * ROW
+    rewrite(saved, lambda doc: doc.pop("spans"))  # as an older ckpt wrote it
+    rows, read = load_rows(saved, 100, 10)
+    assert torch.equal(rows, full_value()[100:110]) and read == HEADER_SIZE + ROWS * ROW
+    # the next save lists the chunks it reuses with their digests again
+    with ckpt.Checkpointer(saved) as c:
+        c.load(1, {"w": torch.zeros(ROWS, COLS), "small": torch.zeros(10)})
+        assert c.save(2, {"w": full_value(), "small": torch.arange(10.0)}).wait().chunks_written == 0
+        assert sum(info.spans is not None for info in c.manifest(2).chunks.values()) == 1
+
+
+@pytest.mark.parametrize("change,what", [
+    (lambda h, d: [], "spans must be an object"),
+    (lambda h, d: {"size": 3 * MiB, "digests": {h: d}}, "power of two"),
+    (lambda h, d: {"size": MiB, "digests": {"0" * 32: d}}, "not in the chunk table"),
+    (lambda h, d: {"size": MiB, "digests": {h: d[:-16]}}, "lowercase hex"),
+    (lambda h, d: {"size": MiB, "digests": {h: d.upper()}}, "lowercase hex"),
+    (lambda h, d: {"size": MiB, "digests": {h: 7}}, "lowercase hex"),
+])
+def test_a_malformed_spans_field_is_refused_before_anything_is_read(saved, change, what):
+    doc = json.load(open(manifest_path(saved)))
+    ((h, d),) = doc["spans"]["digests"].items()
+    doc["spans"] = change(h, d)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=what):
+        mf.parse(json.dumps(doc).encode(), name="m")
+
+
+def test_runs_merge_neighbouring_spans_and_stop_at_the_last():
+    assert spans.runs([(0, 1)], 8 * MiB) == [(0, 1)]
+    assert spans.runs([(MiB - 1, 2), (3 * MiB, MiB)], 8 * MiB) == [(0, 2), (3, 4)]
+    assert spans.runs([(2 * MiB, 10), (0, 5), (MiB, 1)], 8 * MiB) == [(0, 3)]
+    assert spans.runs([(7 * MiB + 5, 99)], 7 * MiB + 200) == [(7, 8)]
+    assert spans.runs([(0, 0)], MiB) == []
+
+
+def test_span_digests_are_the_same_with_and_without_the_compiled_core():
+    data = np.random.default_rng(1).integers(0, 256, 3 * MiB + 17, dtype=np.uint8)
+    want = "".join(xxhash.xxh3_128_hexdigest(data[i : i + MiB].tobytes())[:16] for i in range(0, data.size, MiB))
+    assert spans.digests(data) == want
+    assert spans.digests(bytes(data[:100])) == xxhash.xxh3_128_hexdigest(bytes(data[:100]))[:16]
