@@ -433,13 +433,12 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
         return None
     whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == size
     if not whole and info.spans is not None:
-        runs = spans.runs([(off, length) for off, length, _, _ in feeds], size)
-        if sum(b - a for a, b in runs) < spans.count(size, spans.SPAN):
-            got = _read_spans(storage, key, h, info, feeds, runs)
-            if got is not None:
-                return got
-            # a span differs: the whole chunk is read and checked by its name, which tells damaged
-            # bytes (refused below) from wrong digests (a writer's fault: logged, the bytes used)
+        got = _read_spans(storage, key, h, info, feeds)
+        if got is not None:
+            return got
+        # a span differs: the whole chunk is read and checked by its name, which tells damaged bytes
+        # (refused below) from wrong digests (a writer's fault: logged, the bytes used); or nothing
+        # was gained over reading it whole
     if whole:
         _, _, flat, pos = feeds[0]
         target = flat[pos : pos + size]
@@ -458,32 +457,85 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
     return HEADER_SIZE + n
 
 
-def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list,
-                runs: list[tuple[int, int]]) -> int | None:
-    """Read the spans ``runs`` of raw chunk ``h`` (one read per run), check each against the
-    manifest's digest, and copy what ``feeds`` take from them. None, nothing copied, where a span
-    does not match its digest."""
+def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:
+    """Read the spans of raw chunk ``h`` that ``feeds`` touch, check each against the manifest's
+    digest, and put what the feeds take where it goes. Where reads are hashed as they land
+    (``Storage.hashes_reads``) each span is its own read, straight into the destination when one
+    feed takes all of it; elsewhere one read per run of neighbouring spans, into scratch memory.
+    None, nothing written, where a span does not match its digest or where the spans needed are the
+    whole chunk and reading it whole is as good."""
     assert info.spans is not None
     span, size = spans.SPAN, info.size
-    lo_hi = [(a * span, min(size, b * span)) for a, b in runs]
-    buf = scratch("raw", sum(hi - lo for lo, hi in lo_hi))
-    at, pos = [], 0
-    for lo, hi in lo_hi:
+    runs = spans.runs([(off, length) for off, length, _, _ in feeds], size)
+    if not storage.hashes_reads:
+        if sum(b - a for a, b in runs) == spans.count(size, span):
+            return None
+        return _read_runs(storage, key, h, info, feeds, [(a * span, min(size, b * span)) for a, b in runs])
+    staged: list[tuple[int, int, int]] = []  # (span start, span end, position in scratch) of spans not read in place
+    todo: list[tuple[int, int, np.ndarray | None]] = []
+    for s in (s for a, b in runs for s in range(a, b)):
+        lo, hi = s * span, min(size, (s + 1) * span)
+        takers = [f for f in feeds if f[0] < hi and lo < f[0] + f[1]]
+        off, length, flat, dpos = takers[0]
+        alone = len(takers) == 1 and off <= lo and hi <= off + length  # in place only where one feed takes it all
+        todo.append((lo, hi, flat[dpos + lo - off : dpos + hi - off] if alone else None))
+    need = sum(hi - lo for lo, hi, target in todo if target is None)
+    buf = scratch("raw", need) if need else None
+    pos = 0
+    for lo, hi, target in todo:
+        if target is None:
+            assert buf is not None
+            target = buf[pos : pos + hi - lo]
+            staged.append((lo, hi, pos))
+            pos += hi - lo
+        n, got = storage.read_hashed(key, target, HEADER_SIZE + lo)
+        _check_span_length(n, hi - lo, key, h, size)
+        if (got[: spans.DIGEST_HEX] if got is not None else spans.digest(target)) != info.spans[
+                spans.DIGEST_HEX * (lo // span) : spans.DIGEST_HEX * (lo // span + 1)]:
+            log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole",
+                        key, lo // span)
+            return None
+    if buf is not None:
+        _copy_out(feeds, staged, buf)
+    return HEADER_SIZE + sum(hi - lo for lo, hi, _ in todo)
+
+
+def _read_runs(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list,
+               runs: list[tuple[int, int]]) -> int | None:
+    """:func:`_read_spans` for storage that does not hash as it reads: one read per run of spans."""
+    assert info.spans is not None
+    buf = scratch("raw", sum(hi - lo for lo, hi in runs))
+    staged, pos = [], 0
+    for lo, hi in runs:
         n = storage.readv(key, [buf[pos : pos + hi - lo]], HEADER_SIZE + lo)
-        if n != hi - lo:
-            raise CorruptCheckpointError(f"chunk object {key} is truncated: its payload ends before byte {hi}, the "
-                                         f"header says {size}", object=key, chunk=h)
-        bad = spans.mismatch(buf[pos : pos + hi - lo], lo // span, info.spans)
+        _check_span_length(n, hi - lo, key, h, info.size)
+        bad = spans.mismatch(buf[pos : pos + hi - lo], lo // spans.SPAN, info.spans)
         if bad is not None:
             log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole", key, bad)
             return None
-        at.append(pos)
+        staged.append((lo, hi, pos))
         pos += hi - lo
-    for off, length, flat, dpos in feeds:
-        i = bisect.bisect_right(lo_hi, (off, size + 1)) - 1  # the run holding [off, off + length)
-        src = at[i] + off - lo_hi[i][0]
-        flat[dpos : dpos + length] = buf[src : src + length]
+    _copy_out(feeds, staged, buf)
     return HEADER_SIZE + pos
+
+
+def _check_span_length(n: int, want: int, key: str, h: str, size: int) -> None:
+    if n != want:
+        raise CorruptCheckpointError(f"chunk object {key} is truncated: its payload is shorter than the {size} bytes "
+                                     "its header says", object=key, chunk=h)
+
+
+def _copy_out(feeds: list, staged: list[tuple[int, int, int]], buf: np.ndarray) -> None:
+    """Copy what each feed takes from the byte ranges ``staged`` ((start, end, position in ``buf``),
+    sorted) of the chunk; the rest of each feed was read in place."""
+    ends = [hi for _, hi, _ in staged]
+    for off, length, flat, dpos in feeds:
+        k = bisect.bisect_right(ends, off)
+        while k < len(staged) and staged[k][0] < off + length:
+            lo, hi, at = staged[k]
+            a, b = max(lo, off), min(hi, off + length)
+            flat[dpos + a - off : dpos + b - off] = buf[at + a - lo : at + b - lo]
+            k += 1
 
 
 def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -78,7 +78,7 @@ def test_the_whole_chunk_is_read_once_when_every_span_is_needed(saved):
 
 def damage(root, offset: int) -> None:
     m = ckpt.Checkpointer(root).manifest(1)
-    (h,) = {g.chunk for t in m.tensors if t.key == "w" for s in t.shards for g in s.segments}
+    (h,) = {h for h, info in m.chunks.items() if info.spans is not None}
     with open(os.path.join(root, paths.chunk_key(h)), "r+b") as f:
         f.seek(HEADER_SIZE + offset)
         b = f.read(1)
@@ -163,3 +163,36 @@ def test_span_digests_are_the_same_with_and_without_the_compiled_core():
     want = "".join(xxhash.xxh3_128_hexdigest(data[i : i + MiB].tobytes())[:16] for i in range(0, data.size, MiB))
     assert spans.digests(data) == want
     assert spans.digests(bytes(data[:100])) == xxhash.xxh3_128_hexdigest(bytes(data[:100]))[:16]
+
+
+def test_a_chunk_feeding_several_tensors_is_read_span_by_span_in_place_where_one_takes_a_span(tmp_path):
+    a = full_value()[:300]  # 2.3 MiB, then 3.1 MiB, packed in one chunk (each < a quarter chunk): span 2
+    b = full_value()[300:700].clone()  # holds the end of one and the start of the other
+    with ckpt.Checkpointer(tmp_path, codec="raw") as c:
+        c.save(1, {"a": a, "b": b}).wait()
+        assert len(c.manifest(1).chunks) == 1
+        state = {"a": torch.zeros_like(a), "b": torch.zeros_like(b)}
+        c.load(1, state)
+        assert torch.equal(state["a"], a) and torch.equal(state["b"], b)
+        assert c.last_load.bytes_read == HEADER_SIZE + a.nbytes + b.nbytes
+    for at in (2 * MiB + 100, a.nbytes + 7, 4 * MiB):  # a span shared by both, then one of b's own
+        damage(tmp_path, at)
+        with ckpt.Checkpointer(tmp_path) as c:
+            state = {"a": torch.zeros_like(a), "b": torch.zeros_like(b)}
+            with pytest.raises(ckpt.CorruptCheckpointError, match="hash check"):
+                c.load(1, state)
+            assert not state["a"].any() and not state["b"].any()  # staged: nothing was written
+        damage(tmp_path, at)  # flipped back
+
+
+def test_storage_that_does_not_hash_as_it_reads_reads_runs_of_spans(tmp_path):
+    url = f"memory://spans-{os.getpid()}-{tmp_path.name}"
+    with ckpt.Checkpointer(url, codec="raw") as c:
+        c.save(1, {"w": full_value()}).wait()
+        assert not c.storage.hashes_reads
+    for r0, n in [(100, 50), (127, 2), (500, 300)]:
+        local = torch.zeros(n, COLS)
+        with ckpt.Checkpointer(url) as c:
+            c.load(1, {"w": ckpt.LocalShard(local, (r0, 0), (ROWS, COLS))})
+            assert torch.equal(local, full_value()[r0 : r0 + n])
+            assert c.last_load.bytes_read == HEADER_SIZE + spans_read(r0, n) * MiB

@@ -121,6 +121,8 @@ class Storage(abc.ABC):
     # How many reads of this storage a load runs at once (None: as many as its I/O pool has threads).
     read_width: int | None = None
 
+    hashes_reads = False  # read_hashed hashes as it reads (so many small reads cost no extra pass)
+
     def read_hashed(self, key: str, buffer, offset: int = 0) -> tuple[int, str | None]:
         """:meth:`readv` into one buffer, and the xxh3-128 of the bytes read where the backend hashed
         them as they arrived (None: the caller hashes them). A backend that can fuse the two

@@ -78,6 +78,7 @@ class LocalStorage(Storage):
     # Reads from the page cache are memory-bound: threads beyond the cores only evict each other's
     # pieces from cache before they are hashed.
     read_width = os.cpu_count() or 1
+    hashes_reads = True
 
     def __init__(self, root: str | os.PathLike, *, direct_io: bool = False):
         self.root = os.path.abspath(os.fspath(root))
