@@ -41,7 +41,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .flatten import apply, flatten
-from .format import chains, paths, spans
+from .format import chains, partial, paths, spans
 from .format import manifest as mf
 from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
 from .format.chunk import HEADER_SIZE, check_header, chunk_hash, parse_header
@@ -406,6 +406,10 @@ def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
             return n
         # stored another way than the entry says (another writer's copy of the same bytes): decoded below
     blob = chains.read_object(storage, m.chunks, h, m.step, reuse=True)
+    if info.spans is not None and info.codec.startswith("planes/"):
+        done = _decode_spans(blob, h, info, feeds)
+        if done:
+            return len(blob)
     # decoded straight into the destination where the whole chunk feeds one contiguous run (staged
     # loads: staging memory, checked before any tensor is written), else into scratch and copied
     whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size
@@ -536,6 +540,32 @@ def _copy_out(feeds: list, staged: list[tuple[int, int, int]], buf: np.ndarray) 
             a, b = max(lo, off), min(hi, off + length)
             flat[dpos + a - off : dpos + b - off] = buf[at + a - lo : at + b - lo]
             k += 1
+
+
+def _decode_spans(blob, h: str, info: mf.ChunkInfo, feeds: list) -> bool:
+    """Decode only the spans of planes chunk ``h`` that ``feeds`` touch, check them against the
+    manifest's digests and put what the feeds take where it goes: whether it did (False, nothing
+    written: the chunk is decoded whole and checked by its name)."""
+    assert info.spans is not None
+    runs = spans.runs([(off, length) for off, length, _, _ in feeds], info.size)
+    if sum(b - a for a, b in runs) == spans.count(info.size, spans.SPAN):
+        return False
+    key = paths.chunk_key(h)
+    hdr = parse_header(blob, name=key)
+    check_header(hdr, name=key, expect_hash=h, expect_len=info.size, object_len=len(blob))
+    lo_hi = [(a * spans.SPAN, min(info.size, b * spans.SPAN)) for a, b in runs]
+    buf = scratch("raw", sum(hi - lo for lo, hi in lo_hi))
+    try:
+        placed = partial.decode_spans(hdr, blob, lo_hi, buf, name=key, expect_hash=h)
+    except partial.NotPartial:
+        return False
+    for lo, hi, at in placed:
+        bad = spans.mismatch(buf[at : at + hi - lo], lo // spans.SPAN, info.spans)
+        if bad is not None:
+            log.warning("chunk object %s: span %d does not match the manifest's digest; decoding it whole", key, bad)
+            return False
+    _copy_out(feeds, placed, buf)
+    return True
 
 
 def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -196,3 +196,101 @@ def test_storage_that_does_not_hash_as_it_reads_reads_runs_of_spans(tmp_path):
             c.load(1, {"w": ckpt.LocalShard(local, (r0, 0), (ROWS, COLS))})
             assert torch.equal(local, full_value()[r0 : r0 + n])
             assert c.last_load.bytes_read == HEADER_SIZE + spans_read(r0, n) * MiB
+
+
+# -- chunks stored as byte planes: only the needed spans are decoded ------------------------------------
+
+def planes_object(data: np.ndarray, width: int, rotate: bool, codec: str = "auto") -> tuple[bytes, str]:
+    from ckpt.encode import CodecSpec, encode
+    from ckpt.format.chunk import chunk_hash
+
+    h = chunk_hash(data)
+    name, parts = encode(memoryview(data), h, CodecSpec.parse(codec), width=width, rotate=rotate)
+    return b"".join(bytes(p) for p in parts), name
+
+
+def float_bytes(dtype: torch.dtype, n: int, seed: int) -> np.ndarray:
+    g = torch.Generator().manual_seed(seed)
+    if not dtype.is_floating_point:  # small integers: planes of zeros, stored as one symbol repeated
+        return torch.randint(0, 1000, (n,), generator=g, dtype=dtype).view(torch.uint8).numpy()
+    return (torch.randn(n, generator=g) * 0.02).to(dtype).view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("dtype,width,rotate", [(torch.float32, 4, True), (torch.float32, 4, False),
+                                               (torch.bfloat16, 2, True), (torch.int64, 8, False)])
+@pytest.mark.parametrize("extra", [0, 3])  # bytes past the last whole element: the tail section
+def test_decoding_spans_of_a_planes_object_gives_the_bytes_of_those_spans(dtype, width, rotate, extra):
+    from ckpt.format import partial
+    from ckpt.format.chunk import decode, parse_header
+
+    data = np.concatenate([float_bytes(dtype, (5 * MiB + 3000) // width, 1), np.arange(extra, dtype=np.uint8)])
+    blob, name = planes_object(data, width, rotate)
+    hdr = parse_header(blob, name="x")
+    assert name == "planes" and (rotate or not hdr.rot)  # auto rotates where that is smaller
+    assert decode(blob, name="x", expect_hash=hdr.digest).tobytes() == data.tobytes()
+    size = data.size
+    for runs in ([(0, MiB)], [(MiB, 3 * MiB)], [(0, MiB), (4 * MiB, size)], [(5 * MiB, size)]):
+        out = np.zeros(sum(b - a for a, b in runs), np.uint8)
+        placed = partial.decode_spans(hdr, blob, runs, out, name="x", expect_hash=hdr.digest)
+        assert [(a, b) for a, b, _ in placed] == runs
+        for a, b, at in placed:
+            assert np.array_equal(out[at : at + b - a], data[a:b]), (runs, a, b)
+
+
+def test_objects_that_cannot_be_decoded_in_part_say_so():
+    from ckpt.format import partial
+    from ckpt.format.chunk import parse_header
+
+    data = float_bytes(torch.float32, MiB, 2)
+    for codec in ("zstd", "raw"):
+        blob, _ = planes_object(data, 4, True, codec)
+        with pytest.raises(partial.NotPartial):
+            partial.decode_spans(parse_header(blob, name="x"), blob, [(0, MiB)], np.zeros(MiB, np.uint8), name="x",
+                                 expect_hash="0" * 32)
+    sparse = np.zeros(4 * MiB, np.uint8)  # runs of zeros: zstd sections, one frame each
+    sparse[::4096] = 7
+    blob, name = planes_object(sparse, 4, False)
+    hdr = parse_header(blob, name="x")
+    assert name == "planes"
+    with pytest.raises(partial.NotPartial):
+        partial.decode_spans(hdr, blob, [(0, MiB)], np.zeros(MiB, np.uint8), name="x", expect_hash=hdr.digest)
+
+
+@pytest.fixture
+def saved_planes(tmp_path):
+    w = (torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3)) * 0.02)
+    with ckpt.Checkpointer(tmp_path) as c:  # the default codec: trained-like floats as byte planes
+        c.save(1, {"w": w}).wait()
+        (info,) = c.manifest(1).chunks.values()
+        assert info.codec.startswith("planes/") and info.spans is not None
+    return tmp_path, w
+
+
+def test_a_rank_needing_part_of_a_planes_chunk_decodes_only_its_spans(saved_planes):
+    root, w = saved_planes
+    for r0, n in [(100, 50), (127, 2), (500, 300), (0, ROWS)]:
+        rows, _ = load_rows(root, r0, n)
+        assert torch.equal(rows, w[r0 : r0 + n])
+    # damage in a block of the exponent plane that rows 0-99 do not need: their load does not decode
+    # it (a whole decode would fail the chunk's hash), a load of the rows it holds is refused
+    from ckpt.format.chunk import _section_table, parse_header
+
+    m = ckpt.Checkpointer(root).manifest(1)
+    (h,) = m.chunks
+    path = os.path.join(root, paths.chunk_key(h))
+    blob = open(path, "rb").read()
+    hdr = parse_header(blob, name="x")
+    table = _section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash=h)
+    coded = [i for i, (how, _, _) in enumerate(table) if how == 2]
+    assert coded, "the exponent plane is rANS-coded"
+    start = HEADER_SIZE + 8 * len(table) + sum(len(stored) for _, stored, _ in table[: coded[0]])
+    at = start + len(table[coded[0]][1]) - 100  # in the last block: the last rows' exponents
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x55]))
+    rows, _ = load_rows(root, 0, 100)
+    assert torch.equal(rows, w[:100])
+    with pytest.raises(ckpt.CorruptCheckpointError):
+        load_rows(root, ROWS - 10, 10)
