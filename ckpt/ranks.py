@@ -33,6 +33,7 @@ import itertools
 import json
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,7 +42,12 @@ from typing import Any
 from .errors import DistributedSaveError
 from .planning import Inventory, WriteAssignment, assign
 
-_instances: dict[int, tuple[Any, itertools.count]] = {}
+# Per group, how many Checkpointers were made on it. Weak: holding the group would keep it alive after
+# destroy_process_group(), and with it the backend's worker threads (gloo's), which then meet the
+# interpreter's finalization still running; one that drops a finished collective's tensors there
+# needs the GIL, cannot have it, and aborts the process ("terminate called without an active exception").
+_instances: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_instances_lock = threading.Lock()
 KEEP_SEQS = 16  # store keys of the last few saves are kept (slow ranks may still read them)
 
 
@@ -302,13 +308,14 @@ class StoreComm(Comm):
             base = c10d._get_default_store()
         # Every member of a group creates its Checkpointers for that group in the same order, so a
         # per-group counter names the same instance on every rank.
-        # Keyed by the group object (kept alive here, so its id is never reused): a group made after
-        # destroy_process_group() starts counting again, as it does on a freshly started rank.
+        # Keyed by the group object itself: a group made after destroy_process_group() starts
+        # counting again, as it does on a freshly started rank.
         pg = group if group is not None else c10d._get_default_group()
-        entry = _instances.setdefault(id(pg), (pg, itertools.count()))
+        with _instances_lock:
+            n = next(_instances.setdefault(pg, itertools.count()))
         name = getattr(pg, "group_name", None) or "default"
         self._base = base
-        self._prefix = f"ckpt/{name}/{next(entry[1])}/"
+        self._prefix = f"ckpt/{name}/{n}/"
         self._local = threading.local()
 
     def describe(self) -> str:

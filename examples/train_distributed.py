@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import os
 import random
+import sys
 import time
 from datetime import timedelta
 
@@ -185,7 +186,6 @@ def main() -> None:
         digest = weights_digest(model)
         log(f"already trained to step {start}; weights {digest}. Nothing to do.")
         ckptr.close()
-        shutdown()
         return
     if loader.position != start:  # the loader's position is saved with the step; they move together
         raise SystemExit(f"rank {rank}: loader position {loader.position} does not match step {start}")
@@ -211,12 +211,10 @@ def main() -> None:
         if ckptr.preempted:  # the emergency save is committed on every rank
             ckptr.close()
             log(f"preempted: step {step} is committed; run again to resume", flush=True)
-            shutdown()
             return
         if args.stop_after is not None and step >= args.stop_after:
             ckptr.close()  # waits until the saves are committed on every rank
             log(f"stopping after step {step} (--stop-after); run again to resume")
-            shutdown()
             return
     ckptr.close()
     digest = weights_digest(model)
@@ -229,14 +227,29 @@ def main() -> None:
         f"committed steps {ckptr.steps()}, weights {digest}")
     if stalls:
         log(f"save() blocked the loop {sum(stalls) * 1e3:.1f} ms in total over {len(stalls)} saves (rank 0)")
-    shutdown()
 
 
 def shutdown() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    """Leave the process group together, then end the process without finalizing the interpreter.
+
+    Finalizing it with gloo's worker threads still running can abort the process after it printed
+    "done" (SIGABRT, "terminate called without an active exception"): a worker may drop its last
+    reference to a finished collective (a DTensor gather) only then, those tensors need the GIL to
+    go, and the finalizing interpreter ends the thread instead, through C++ code that may not unwind.
+    Freeing the group would join the workers first, but destroy_process_group() only unregisters it:
+    with torch 2.13 the DeviceMesh keeps it, and DTensor's caches of sharding decisions keep the mesh
+    (so does torch.distributed.nn.functional, whose default arguments took the group when
+    torch._dynamo imported it). Nothing is left to finalize: the Checkpointer is closed (its saves
+    committed) and the ranks have met here, so the process ends as it is, its output flushed.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():
+        shutdown()
