@@ -511,14 +511,15 @@ def _read_runs(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: li
     buf = scratch("raw", sum(hi - lo for lo, hi in runs))
     staged, pos = [], 0
     for lo, hi in runs:
-        n = storage.readv(key, [buf[pos : pos + hi - lo]], HEADER_SIZE + lo)
+        staged.append((lo, hi, pos))
+        pos += hi - lo
+    got = storage.read_parts(key, [(HEADER_SIZE + lo, buf[at : at + hi - lo]) for lo, hi, at in staged])
+    for (lo, hi, at), n in zip(staged, got):
         _check_span_length(n, hi - lo, key, h, info.size)
-        bad = spans.mismatch(buf[pos : pos + hi - lo], lo // spans.SPAN, info.spans)
+        bad = spans.mismatch(buf[at : at + hi - lo], lo // spans.SPAN, info.spans)
         if bad is not None:
             log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole", key, bad)
             return None
-        staged.append((lo, hi, pos))
-        pos += hi - lo
     _copy_out(feeds, staged, buf)
     return HEADER_SIZE + pos
 

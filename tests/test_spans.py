@@ -294,3 +294,25 @@ def test_a_rank_needing_part_of_a_planes_chunk_decodes_only_its_spans(saved_plan
     assert torch.equal(rows, w[:100])
     with pytest.raises(ckpt.CorruptCheckpointError):
         load_rows(root, ROWS - 10, 10)
+
+
+def test_a_local_tier_serves_spans_without_rejecting_its_copy(tmp_path, caplog):
+    remote = f"memory://spans-tier-{os.getpid()}-{tmp_path.name}"
+    with ckpt.Checkpointer(remote, local_dir=str(tmp_path / "nvme"), codec="raw") as c:
+        c.save(1, {"w": full_value()}).wait()
+    for r0, n in [(100, 50), (1000, 24)]:  # the second ends with the chunk's last span
+        local = torch.zeros(n, COLS)
+        with ckpt.Checkpointer(remote, local_dir=str(tmp_path / "nvme")) as c, \
+                caplog.at_level(logging.WARNING, logger="ckpt"):
+            c.load(1, {"w": ckpt.LocalShard(local, (r0, 0), (ROWS, COLS))})
+            assert torch.equal(local, full_value()[r0 : r0 + n])
+            assert c.last_load.local_rejected == [] and "damaged" not in caplog.text
+            assert c.last_load.remote_chunks == 0 and c.last_load.bytes_read == HEADER_SIZE + spans_read(r0, n) * MiB
+    # a local copy cut short is read from the remote, the copy reported
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "nvme" / "chunks") for f in fs]
+    os.truncate(path, HEADER_SIZE + 3 * MiB)
+    local = torch.zeros(10, COLS)
+    with ckpt.Checkpointer(remote, local_dir=str(tmp_path / "nvme")) as c:
+        c.load(1, {"w": ckpt.LocalShard(local, (700, 0), (ROWS, COLS))})
+        assert torch.equal(local, full_value()[700:710])
+        assert len(c.last_load.local_rejected) == 1 and c.last_load.remote_chunks == 1

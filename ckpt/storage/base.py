@@ -129,6 +129,13 @@ class Storage(abc.ABC):
         overrides this: hashing each piece while it is still in cache saves a pass over memory."""
         return self.readv(key, [buffer], offset), None
 
+    def read_parts(self, key: str, parts: Sequence[tuple[int, object]]) -> list[int]:
+        """Fill each ``(offset, buffer)`` of ``parts`` from ``key``; the bytes filled, per part. For a
+        reader that checks each part itself (a chunk's span digests): a storage that checks a copy
+        before serving it (a local tier) cannot check a copy whole from parts of it, and serves parts
+        unchecked; a reader finding a part wrong reads the object whole, which it does check."""
+        return [self.readv(key, [buf], offset) for offset, buf in parts]
+
     def read_object_into(self, key: str, limit: int) -> memoryview | None:
         """:meth:`read_object` into memory this thread reuses (a view valid until the thread's next
         read of this kind), or None where the backend has no such read: a fresh buffer per object

@@ -348,6 +348,30 @@ class TieredStorage(Storage):
 
         return self._local_first(key, local, remote)
 
+    def read_parts(self, key: str, parts: Sequence[tuple[int, object]]) -> list[int]:
+        # readv would check the local copy whole from the parts, and reject every good copy; a copy
+        # shorter than a part is a miss (the remote has it whole), one with wrong bytes the reader
+        # finds by its span digests (then its whole read, checked here, rejects the copy)
+        if self.memory.get(key) is not None:
+            return super().read_parts(key, parts)
+
+        def local() -> object:
+            got = [self.local.readv(key, [buf], offset) for offset, buf in parts]
+            if any(n < memoryview(buf).nbytes for n, (_, buf) in zip(got, parts)):
+                self._reject(key, "it is shorter than the parts read of it")
+                return _MISS
+            return self._hit(got)
+
+        def remote() -> list[int]:
+            got = []
+            for offset, buf in parts:
+                n = self.remote.readv(key, [buf], offset)
+                self.memory.read_remotely(key, offset, [buf], n)
+                got.append(n)
+            return got
+
+        return self._local_first(key, local, remote)
+
     def size(self, key: str) -> int:
         mem = self.memory.get(key)
         if mem is not None:
