@@ -44,6 +44,7 @@ import os
 import threading
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from ..errors import CheckpointError, StorageError
 from ..format.paths import is_chunk_key
@@ -348,7 +349,7 @@ class TieredStorage(Storage):
 
         return self._local_first(key, local, remote)
 
-    def read_parts(self, key: str, parts: Sequence[tuple[int, object]]) -> list[int]:
+    def read_parts(self, key: str, parts: Sequence[tuple[int, Any]]) -> Sequence[int]:
         # readv would check the local copy whole from the parts, and reject every good copy; a copy
         # shorter than a part is a miss (the remote has it whole), one with wrong bytes the reader
         # finds by its span digests (then its whole read, checked here, rejects the copy)
