@@ -425,6 +425,9 @@ class Writer:
 
     def learn(self, chunks: dict[str, mf.ChunkInfo]) -> None:
         """The chunks of a step this process loaded: stored, and kept (retention protects that step)."""
+        # without their span digests: the next save that reuses one computes them from its bytes, so a
+        # manifest's wrong digests are not carried into every later step
+        chunks = {h: dataclasses.replace(c, spans=None) if c.spans is not None else c for h, c in chunks.items()}
         with self._lock:
             self._loaded = dict(chunks)
             self.known.update(chunks)
