@@ -328,3 +328,18 @@ def test_a_save_after_loading_a_step_with_wrong_digests_lists_the_right_ones(sav
         c.load(1, {"w": torch.zeros(ROWS, COLS), "small": torch.zeros(10)})
         assert c.save(2, {"w": full_value(), "small": torch.arange(10.0)}).wait().chunks_written == 0
     assert ckpt.open(saved).verify(2).ok
+
+
+def test_parts_of_a_chunk_held_in_memory_count_as_one_local_read(tmp_path):
+    from ckpt.format.chunk import verify_object
+    from ckpt.storage import open_tiered
+
+    st = open_tiered(f"memory://spans-held-{os.getpid()}-{tmp_path.name}", str(tmp_path / "nvme"),
+                     verify=verify_object)
+    key, data = paths.chunk_key("0" * 32), bytes(range(256)) * 64
+    st.memory.hold(key, memoryview(data))
+    a, b = bytearray(100), bytearray(50)
+    assert list(st.read_parts(key, [(10, a), (1000, b)])) == [100, 50]
+    assert bytes(a) == data[10:110] and bytes(b) == data[1000:1050]
+    assert st.tier_counters().local_hits == 1
+    st.close()

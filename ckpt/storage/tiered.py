@@ -353,8 +353,15 @@ class TieredStorage(Storage):
         # readv would check the local copy whole from the parts, and reject every good copy; a copy
         # shorter than a part is a miss (the remote has it whole), one with wrong bytes the reader
         # finds by its span digests (then its whole read, checked here, rejects the copy)
-        if self.memory.get(key) is not None:
-            return super().read_parts(key, parts)
+        mem = self.memory.get(key)
+        if mem is not None:  # one hit per chunk, as a whole read counts
+            got = []
+            for offset, buf in parts:
+                v = memoryview(buf).cast("B")
+                n = max(0, min(len(v), len(mem) - offset))
+                v[:n] = mem[offset : offset + n]
+                got.append(n)
+            return self._hit(got)
 
         def local() -> object:
             got = [self.local.readv(key, [buf], offset) for offset, buf in parts]
