@@ -466,7 +466,8 @@ def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: l
     digest, and put what the feeds take where it goes. Where reads are hashed as they land
     (``Storage.hashes_reads``) each span is its own read, straight into the destination when one
     feed takes all of it; elsewhere one read per run of neighbouring spans, into scratch memory.
-    None, nothing written, where a span does not match its digest or where the spans needed are the
+    None where a span does not match its digest (spans read in place may have landed already; the
+    whole read that follows writes over them, or fails the load) or where the spans needed are the
     whole chunk and reading it whole is as good."""
     assert info.spans is not None
     span, size = spans.SPAN, info.size
