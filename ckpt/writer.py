@@ -424,13 +424,11 @@ class Writer:
             return set(self.known)
 
     def learn(self, chunks: dict[str, mf.ChunkInfo]) -> None:
-        """The chunks of a step this process loaded: stored, and kept (retention protects that step)."""
-        # without their span digests: the next save that reuses one computes them from its bytes, so a
-        # manifest's wrong digests are not carried into every later step
-        chunks = {h: dataclasses.replace(c, spans=None) if c.spans is not None else c for h, c in chunks.items()}
+        """The chunks of a step this process loaded: stored, and kept (retention protects that step); known
+        without span digests, which a save reusing one computes from its bytes (wrong ones are not copied on)."""
         with self._lock:
-            self._loaded = dict(chunks)
-            self.known.update(chunks)
+            self._loaded = {h: dataclasses.replace(c, spans=None) if c.spans else c for h, c in chunks.items()}
+            self.known.update(self._loaded)
 
     def forget_loaded(self) -> None:
         """The loaded step's chunks are not all where the next save writes (a local tier that could

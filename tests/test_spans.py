@@ -343,3 +343,15 @@ def test_parts_of_a_chunk_held_in_memory_count_as_one_local_read(tmp_path):
     assert bytes(a) == data[10:110] and bytes(b) == data[1000:1050]
     assert st.tier_counters().local_hits == 1
     st.close()
+
+
+def test_merging_rank_reports_keeps_a_chunks_digests_where_any_report_has_them(saved):
+    import dataclasses
+
+    m = ckpt.Checkpointer(saved).manifest(1)
+    (h,) = {h for h, info in m.chunks.items() if info.spans is not None}
+    # rank 1 lists the chunk without digests (e.g. as the base of one of its deltas, known only by its header)
+    bare = {k: dataclasses.replace(info, spans=None) for k, info in m.chunks.items()}
+    parts = [dataclasses.replace(m, kind="rank", rank=0, tensors=m.tensors),
+             dataclasses.replace(m, kind="rank", rank=1, tensors=[], chunks=bare)]
+    assert mf.merge(1, parts).chunks[h].spans == m.chunks[h].spans
