@@ -413,9 +413,9 @@ class Writer:
             truth = mf.ChunkInfo(hdr.raw_len, stored, hdr.label, hdr.base)
             log.info("chunk %s was stored differently by two ranks; the step lists the copy that stayed (%s)",
                      h, truth.codec)
-            for part in parts:
+            for part in parts:  # its span digests, of its raw bytes, hold whatever copy stayed
                 if h in part.chunks:
-                    part.chunks[h] = truth
+                    part.chunks[h] = dataclasses.replace(truth, spans=part.chunks[h].spans)
 
     # -- what the writer trusts to be stored --------------------------------------------------------
     def in_use(self) -> set[str]:

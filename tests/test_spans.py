@@ -355,3 +355,23 @@ def test_merging_rank_reports_keeps_a_chunks_digests_where_any_report_has_them(s
     parts = [dataclasses.replace(m, kind="rank", rank=0, tensors=m.tensors),
              dataclasses.replace(m, kind="rank", rank=1, tensors=[], chunks=bare)]
     assert mf.merge(1, parts).chunks[h].spans == m.chunks[h].spans
+
+
+def test_a_chunk_two_ranks_stored_differently_keeps_its_digests_in_the_step(saved):
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt.encode import CodecSpec
+    from ckpt.storage import LocalStorage
+    from ckpt.writer import Writer
+
+    m = ckpt.Checkpointer(saved).manifest(1)
+    (h,) = {h for h, info in m.chunks.items() if info.spans is not None}
+    theirs = dict(m.chunks)  # rank 1 describes its own copy, which lost the race to rank 0's
+    theirs[h] = dataclasses.replace(m.chunks[h], stored=m.chunks[h].stored - 1000, codec="planes/2")
+    parts = [dataclasses.replace(m, kind="rank", rank=0, chunks=dict(m.chunks)),
+             dataclasses.replace(m, kind="rank", rank=1, tensors=[], chunks=theirs)]
+    with ThreadPoolExecutor(1) as io:
+        Writer(LocalStorage(saved), CodecSpec.parse("raw"), io)._settle_conflicts(parts, LocalStorage(saved))
+    assert parts[1].chunks[h] == m.chunks[h]  # the copy that stayed
+    assert mf.merge(1, parts).chunks[h].spans == m.chunks[h].spans
