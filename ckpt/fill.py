@@ -15,6 +15,7 @@ read, copy back, apply.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 import os
@@ -462,12 +463,12 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
 
 
 def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:
-    """Read the spans of raw chunk ``h`` that ``feeds`` touch, check each against the manifest's
-    digest, and put what the feeds take where it goes. Where reads are hashed as they land
-    (``Storage.hashes_reads``) each span is its own read, straight into the destination when one
-    feed takes all of it; elsewhere one read per run of neighbouring spans, into scratch memory.
-    None, nothing written, where a span does not match its digest or where the spans needed are the
-    whole chunk and reading it whole is as good."""
+    """Read the spans of raw chunk ``h`` that ``feeds`` touch, check each against the manifest's digest, and
+    put what the feeds take where it goes. Where reads are hashed as they land (``Storage.hashes_reads``)
+    each span is its own read, straight into the destination when one feed takes all of it; elsewhere
+    one read per run of neighbouring spans, into scratch memory. None where a span does not match its
+    digest (spans read in place may have landed: the whole read that follows writes over them or fails
+    the load) or where the spans needed are the whole chunk and reading it whole is as good."""
     assert info.spans is not None
     span, size = spans.SPAN, info.size
     runs = spans.runs([(off, length) for off, length, _, _ in feeds], size)
@@ -509,18 +510,17 @@ def _read_runs(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: li
     """:func:`_read_spans` for storage that does not hash as it reads: one read per run of spans."""
     assert info.spans is not None
     buf = scratch("raw", sum(hi - lo for lo, hi in runs))
-    staged, pos = [], 0
-    for lo, hi in runs:
-        n = storage.readv(key, [buf[pos : pos + hi - lo]], HEADER_SIZE + lo)
+    pos = [0, *itertools.accumulate(hi - lo for lo, hi in runs)]
+    staged = [(lo, hi, at) for (lo, hi), at in zip(runs, pos)]
+    got = storage.read_parts(key, [(HEADER_SIZE + lo, buf[at : at + hi - lo]) for lo, hi, at in staged])
+    for (lo, hi, at), n in zip(staged, got):
         _check_span_length(n, hi - lo, key, h, info.size)
-        bad = spans.mismatch(buf[pos : pos + hi - lo], lo // spans.SPAN, info.spans)
+        bad = spans.mismatch(buf[at : at + hi - lo], lo // spans.SPAN, info.spans)
         if bad is not None:
             log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole", key, bad)
             return None
-        staged.append((lo, hi, pos))
-        pos += hi - lo
     _copy_out(feeds, staged, buf)
-    return HEADER_SIZE + pos
+    return HEADER_SIZE + pos[-1]
 
 
 def _check_span_length(n: int, want: int, key: str, h: str, size: int) -> None:

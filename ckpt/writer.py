@@ -413,9 +413,9 @@ class Writer:
             truth = mf.ChunkInfo(hdr.raw_len, stored, hdr.label, hdr.base)
             log.info("chunk %s was stored differently by two ranks; the step lists the copy that stayed (%s)",
                      h, truth.codec)
-            for part in parts:
+            for part in parts:  # its span digests, of its raw bytes, hold whatever copy stayed
                 if h in part.chunks:
-                    part.chunks[h] = truth
+                    part.chunks[h] = dataclasses.replace(truth, spans=part.chunks[h].spans)
 
     # -- what the writer trusts to be stored --------------------------------------------------------
     def in_use(self) -> set[str]:
@@ -424,10 +424,11 @@ class Writer:
             return set(self.known)
 
     def learn(self, chunks: dict[str, mf.ChunkInfo]) -> None:
-        """The chunks of a step this process loaded: stored, and kept (retention protects that step)."""
+        """The chunks of a step this process loaded: stored, and kept (retention protects that step); known
+        without span digests, which a save reusing one computes from its bytes (wrong ones are not copied on)."""
         with self._lock:
-            self._loaded = dict(chunks)
-            self.known.update(chunks)
+            self._loaded = {h: dataclasses.replace(c, spans=None) if c.spans else c for h, c in chunks.items()}
+            self.known.update(self._loaded)
 
     def forget_loaded(self) -> None:
         """The loaded step's chunks are not all where the next save writes (a local tier that could

@@ -294,3 +294,84 @@ def test_a_rank_needing_part_of_a_planes_chunk_decodes_only_its_spans(saved_plan
     assert torch.equal(rows, w[:100])
     with pytest.raises(ckpt.CorruptCheckpointError):
         load_rows(root, ROWS - 10, 10)
+
+
+def test_a_local_tier_serves_spans_without_rejecting_its_copy(tmp_path, caplog):
+    remote = f"memory://spans-tier-{os.getpid()}-{tmp_path.name}"
+    with ckpt.Checkpointer(remote, local_dir=str(tmp_path / "nvme"), codec="raw") as c:
+        c.save(1, {"w": full_value()}).wait()
+    for r0, n in [(100, 50), (1000, 24)]:  # the second ends with the chunk's last span
+        local = torch.zeros(n, COLS)
+        with ckpt.Checkpointer(remote, local_dir=str(tmp_path / "nvme")) as c, \
+                caplog.at_level(logging.WARNING, logger="ckpt"):
+            c.load(1, {"w": ckpt.LocalShard(local, (r0, 0), (ROWS, COLS))})
+            assert torch.equal(local, full_value()[r0 : r0 + n])
+            assert c.last_load.local_rejected == [] and "damaged" not in caplog.text
+            assert c.last_load.remote_chunks == 0 and c.last_load.bytes_read == HEADER_SIZE + spans_read(r0, n) * MiB
+    # a local copy cut short is read from the remote, the copy reported
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "nvme" / "chunks") for f in fs]
+    os.truncate(path, HEADER_SIZE + 3 * MiB)
+    local = torch.zeros(10, COLS)
+    with ckpt.Checkpointer(remote, local_dir=str(tmp_path / "nvme")) as c:
+        c.load(1, {"w": ckpt.LocalShard(local, (700, 0), (ROWS, COLS))})
+        assert torch.equal(local, full_value()[700:710])
+        assert len(c.last_load.local_rejected) == 1 and c.last_load.remote_chunks == 1
+
+
+def test_a_save_after_loading_a_step_with_wrong_digests_lists_the_right_ones(saved):
+    def wrong(doc):
+        (h, d), = doc["spans"]["digests"].items()
+        doc["spans"]["digests"][h] = d[:16] + ("0" if d[16] != "0" else "1") + d[17:]
+
+    rewrite(saved, wrong)
+    with ckpt.Checkpointer(saved) as c:  # the digests came from the manifest, not from the bytes
+        c.load(1, {"w": torch.zeros(ROWS, COLS), "small": torch.zeros(10)})
+        assert c.save(2, {"w": full_value(), "small": torch.arange(10.0)}).wait().chunks_written == 0
+    assert ckpt.open(saved).verify(2).ok
+
+
+def test_parts_of_a_chunk_held_in_memory_count_as_one_local_read(tmp_path):
+    from ckpt.format.chunk import verify_object
+    from ckpt.storage import open_tiered
+
+    st = open_tiered(f"memory://spans-held-{os.getpid()}-{tmp_path.name}", str(tmp_path / "nvme"),
+                     verify=verify_object)
+    key, data = paths.chunk_key("0" * 32), bytes(range(256)) * 64
+    st.memory.hold(key, memoryview(data))
+    a, b = bytearray(100), bytearray(50)
+    assert list(st.read_parts(key, [(10, a), (1000, b)])) == [100, 50]
+    assert bytes(a) == data[10:110] and bytes(b) == data[1000:1050]
+    assert st.tier_counters().local_hits == 1
+    st.close()
+
+
+def test_merging_rank_reports_keeps_a_chunks_digests_where_any_report_has_them(saved):
+    import dataclasses
+
+    m = ckpt.Checkpointer(saved).manifest(1)
+    (h,) = {h for h, info in m.chunks.items() if info.spans is not None}
+    # rank 1 lists the chunk without digests (e.g. as the base of one of its deltas, known only by its header)
+    bare = {k: dataclasses.replace(info, spans=None) for k, info in m.chunks.items()}
+    parts = [dataclasses.replace(m, kind="rank", rank=0, tensors=m.tensors),
+             dataclasses.replace(m, kind="rank", rank=1, tensors=[], chunks=bare)]
+    assert mf.merge(1, parts).chunks[h].spans == m.chunks[h].spans
+
+
+def test_a_chunk_two_ranks_stored_differently_keeps_its_digests_in_the_step(saved):
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt.encode import CodecSpec
+    from ckpt.storage import LocalStorage
+    from ckpt.writer import Writer
+
+    m = ckpt.Checkpointer(saved).manifest(1)
+    (h,) = {h for h, info in m.chunks.items() if info.spans is not None}
+    theirs = dict(m.chunks)  # rank 1 describes its own copy, which lost the race to rank 0's
+    theirs[h] = dataclasses.replace(m.chunks[h], stored=m.chunks[h].stored - 1000, codec="planes/2")
+    parts = [dataclasses.replace(m, kind="rank", rank=0, chunks=dict(m.chunks)),
+             dataclasses.replace(m, kind="rank", rank=1, tensors=[], chunks=theirs)]
+    with ThreadPoolExecutor(1) as io:
+        Writer(LocalStorage(saved), CodecSpec.parse("raw"), io)._settle_conflicts(parts, LocalStorage(saved))
+    assert parts[1].chunks[h] == m.chunks[h]  # the copy that stayed
+    assert mf.merge(1, parts).chunks[h].spans == m.chunks[h].spans

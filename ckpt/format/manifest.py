@@ -12,7 +12,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .. import tree as st
@@ -229,7 +229,10 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
     chunks: dict[str, ChunkInfo] = {}
     stats: dict[str, int | float] = {}
     for part in parts:
-        chunks.update(part.chunks)
+        for h, info in part.chunks.items():
+            have = chunks.get(h)  # a report may lack the span digests another has (of the same raw bytes)
+            keep = have is not None and have.spans is not None and info.spans is None
+            chunks[h] = replace(info, spans=have.spans) if keep and have is not None else info
         for k, v in part.stats.items():
             if isinstance(v, (int, float)):
                 stats[k] = stats.get(k, 0) + v

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 RootState = Literal["missing", "file", "empty", "nonempty"]
 Blob = bytes | bytearray  # what reads return: a local read fills a bytearray and hands it over, no copy
@@ -128,6 +128,13 @@ class Storage(abc.ABC):
         them as they arrived (None: the caller hashes them). A backend that can fuse the two
         overrides this: hashing each piece while it is still in cache saves a pass over memory."""
         return self.readv(key, [buffer], offset), None
+
+    def read_parts(self, key: str, parts: Sequence[tuple[int, Any]]) -> Sequence[int]:
+        """Fill each ``(offset, buffer)`` of ``parts`` from ``key``; the bytes filled, per part. For a
+        reader that checks each part itself (a chunk's span digests): a storage that checks a copy
+        before serving it (a local tier) cannot check a copy whole from parts of it, and serves parts
+        unchecked; a reader finding a part wrong reads the object whole, which it does check."""
+        return [self.readv(key, [buf], offset) for offset, buf in parts]
 
     def read_object_into(self, key: str, limit: int) -> memoryview | None:
         """:meth:`read_object` into memory this thread reuses (a view valid until the thread's next

@@ -44,6 +44,7 @@ import os
 import threading
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from ..errors import CheckpointError, StorageError
 from ..format.paths import is_chunk_key
@@ -345,6 +346,37 @@ class TieredStorage(Storage):
             n = self.remote.readv(key, buffers, offset)
             self.memory.read_remotely(key, offset, buffers, n)
             return n
+
+        return self._local_first(key, local, remote)
+
+    def read_parts(self, key: str, parts: Sequence[tuple[int, Any]]) -> Sequence[int]:
+        # readv would check the local copy whole from the parts, and reject every good copy; a copy
+        # shorter than a part is a miss (the remote has it whole), one with wrong bytes the reader
+        # finds by its span digests (then its whole read, checked here, rejects the copy)
+        mem = self.memory.get(key)
+        if mem is not None:  # one hit per chunk, as a whole read counts
+            got = []
+            for offset, buf in parts:
+                v = memoryview(buf).cast("B")
+                n = max(0, min(len(v), len(mem) - offset))
+                v[:n] = mem[offset : offset + n]
+                got.append(n)
+            return self._hit(got)
+
+        def local() -> object:
+            got = [self.local.readv(key, [buf], offset) for offset, buf in parts]
+            if any(n < memoryview(buf).nbytes for n, (_, buf) in zip(got, parts)):
+                self._reject(key, "it is shorter than the parts read of it")
+                return _MISS
+            return self._hit(got)
+
+        def remote() -> list[int]:
+            got = []
+            for offset, buf in parts:
+                n = self.remote.readv(key, [buf], offset)
+                self.memory.read_remotely(key, offset, [buf], n)
+                got.append(n)
+            return got
 
         return self._local_first(key, local, remote)
 
