@@ -14,8 +14,6 @@ read, copy back, apply.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
 import math
 import os
@@ -33,6 +31,7 @@ from . import _ext
 from . import tree as st
 from ._tasks import run_all
 from .buffer_layout import aligned
+from .chunk_reads import read_chunk
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -42,11 +41,9 @@ from .errors import (
     UnsupportedValueError,
 )
 from .flatten import apply, flatten
-from .format import chains, partial, paths, spans
 from .format import manifest as mf
+from .format import paths
 from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
-from .format.chunk import HEADER_SIZE, check_header, chunk_hash, parse_header
-from .format.planes import scratch
 from .load_checks import check_fit, check_writable
 from .sharding import is_dtensor
 from .storage import Storage
@@ -128,7 +125,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
             before_read(set(feeds))
         if not staged:
             _changing(ready, on_change)
-        reads = run_all(io, lambda item: _read_chunk(storage, m, item[0], item[1]), list(feeds.items()),
+        reads = run_all(io, lambda item: read_chunk(storage, m, item[0], item[1]), list(feeds.items()),
                         width=storage.read_width)
         stats.bytes_read = sum(reads)
         if staged:
@@ -393,179 +390,6 @@ def _init_optimizers(state: dict[str, Any], m: mf.Manifest) -> bool:
             for p in set_grads:
                 p.grad = None
     return changed
-
-
-def _read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
-    """Read chunk ``h``, verify it, and copy it to what it ``feeds``; returns the bytes read."""
-    info = m.chunks[h]
-    if info.codec.startswith("raw/"):
-        try:
-            n = _read_raw(storage, paths.chunk_key(h), h, info, feeds)
-        except FileNotFoundError as e:
-            raise chains.missing(storage, h, m.step, e) from None
-        if n is not None:
-            return n
-        # stored another way than the entry says (another writer's copy of the same bytes): decoded below
-    blob = chains.read_object(storage, m.chunks, h, m.step, reuse=True)
-    if info.spans is not None and info.codec.startswith("planes/"):
-        done = _decode_spans(blob, h, info, feeds)
-        if done:
-            return len(blob)
-    # decoded straight into the destination where the whole chunk feeds one contiguous run (staged
-    # loads: staging memory, checked before any tensor is written), else into scratch and copied
-    whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size
-    out = feeds[0][2][feeds[0][3] : feeds[0][3] + info.size] if whole else None
-    raw, more = chains.resolve(storage, m.chunks, h, m.step, blob, out)  # a delta: its chain, every link verified
-    if not whole:
-        src = np.frombuffer(raw, dtype=np.uint8)
-        for off, length, flat, pos in feeds:
-            flat[pos : pos + length] = src[off : off + length]
-    return len(blob) + more
-
-
-def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:
-    """Read a chunk stored raw, hashing each piece as it lands (``Storage.read_hashed``): straight
-    into its destination when the whole chunk feeds one contiguous run, else into this thread's
-    reused memory, whose verified bytes are then copied where they go; where only part of it is
-    needed and the manifest has its span digests, only the spans that part touches. Its header is
-    read and checked first, so a wrong object never reaches a tensor. None when the header says the
-    object is stored another way (the caller decodes it)."""
-    size = info.size
-    header = storage.read(key, 0, HEADER_SIZE)
-    hdr = parse_header(header, name=key)
-    check_header(hdr, name=key, expect_hash=h, expect_len=size)
-    if hdr.codec != "raw" or hdr.payload_len != size:
-        return None
-    whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == size
-    if not whole and info.spans is not None:
-        got = _read_spans(storage, key, h, info, feeds)
-        if got is not None:
-            return got
-        # a span differs: the whole chunk is read and checked by its name, which tells damaged bytes
-        # (refused below) from wrong digests (a writer's fault: logged, the bytes used); or nothing
-        # was gained over reading it whole
-    if whole:
-        _, _, flat, pos = feeds[0]
-        target = flat[pos : pos + size]
-    else:
-        target = scratch("raw", size)
-    n, digest = storage.read_hashed(key, target, HEADER_SIZE)
-    if n != size:
-        raise CorruptCheckpointError(f"chunk object {key} is truncated: payload is {n} bytes, header says "
-                                     f"{size}", object=key, chunk=h)
-    if (digest if digest is not None else chunk_hash(target)) != h:
-        raise CorruptCheckpointError(f"chunk object {key} failed its hash check (content does not match {h}); the "
-                                     "stored bytes are damaged", object=key, chunk=h)
-    if not whole:
-        for off, length, flat, pos in feeds:
-            flat[pos : pos + length] = target[off : off + length]
-    return HEADER_SIZE + n
-
-
-def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:
-    """Read the spans of raw chunk ``h`` that ``feeds`` touch, check each against the manifest's digest, and
-    put what the feeds take where it goes. Where reads are hashed as they land (``Storage.hashes_reads``)
-    each span is its own read, straight into the destination when one feed takes all of it; elsewhere
-    one read per run of neighbouring spans, into scratch memory. None where a span does not match its
-    digest (spans read in place may have landed: the whole read that follows writes over them or fails
-    the load) or where the spans needed are the whole chunk and reading it whole is as good."""
-    assert info.spans is not None
-    span, size = spans.SPAN, info.size
-    runs = spans.runs([(off, length) for off, length, _, _ in feeds], size)
-    if not storage.hashes_reads:
-        if sum(b - a for a, b in runs) == spans.count(size, span):
-            return None
-        return _read_runs(storage, key, h, info, feeds, [(a * span, min(size, b * span)) for a, b in runs])
-    staged: list[tuple[int, int, int]] = []  # (span start, span end, position in scratch) of spans not read in place
-    todo: list[tuple[int, int, np.ndarray | None]] = []
-    for s in (s for a, b in runs for s in range(a, b)):
-        lo, hi = s * span, min(size, (s + 1) * span)
-        takers = [f for f in feeds if f[0] < hi and lo < f[0] + f[1]]
-        off, length, flat, dpos = takers[0]
-        alone = len(takers) == 1 and off <= lo and hi <= off + length  # in place only where one feed takes it all
-        todo.append((lo, hi, flat[dpos + lo - off : dpos + hi - off] if alone else None))
-    need = sum(hi - lo for lo, hi, target in todo if target is None)
-    buf = scratch("raw", need) if need else None
-    pos = 0
-    for lo, hi, target in todo:
-        if target is None:
-            assert buf is not None
-            target = buf[pos : pos + hi - lo]
-            staged.append((lo, hi, pos))
-            pos += hi - lo
-        n, got = storage.read_hashed(key, target, HEADER_SIZE + lo)
-        _check_span_length(n, hi - lo, key, h, size)
-        if (got[: spans.DIGEST_HEX] if got is not None else spans.digest(target)) != info.spans[
-                spans.DIGEST_HEX * (lo // span) : spans.DIGEST_HEX * (lo // span + 1)]:
-            log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole",
-                        key, lo // span)
-            return None
-    if buf is not None:
-        _copy_out(feeds, staged, buf)
-    return HEADER_SIZE + sum(hi - lo for lo, hi, _ in todo)
-
-
-def _read_runs(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list,
-               runs: list[tuple[int, int]]) -> int | None:
-    """:func:`_read_spans` for storage that does not hash as it reads: one read per run of spans."""
-    assert info.spans is not None
-    buf = scratch("raw", sum(hi - lo for lo, hi in runs))
-    pos = [0, *itertools.accumulate(hi - lo for lo, hi in runs)]
-    staged = [(lo, hi, at) for (lo, hi), at in zip(runs, pos)]
-    got = storage.read_parts(key, [(HEADER_SIZE + lo, buf[at : at + hi - lo]) for lo, hi, at in staged])
-    for (lo, hi, at), n in zip(staged, got):
-        _check_span_length(n, hi - lo, key, h, info.size)
-        bad = spans.mismatch(buf[at : at + hi - lo], lo // spans.SPAN, info.spans)
-        if bad is not None:
-            log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole", key, bad)
-            return None
-    _copy_out(feeds, staged, buf)
-    return HEADER_SIZE + pos[-1]
-
-
-def _check_span_length(n: int, want: int, key: str, h: str, size: int) -> None:
-    if n != want:
-        raise CorruptCheckpointError(f"chunk object {key} is truncated: its payload is shorter than the {size} bytes "
-                                     "its header says", object=key, chunk=h)
-
-
-def _copy_out(feeds: list, staged: list[tuple[int, int, int]], buf: np.ndarray) -> None:
-    """Copy what each feed takes from the byte ranges ``staged`` ((start, end, position in ``buf``),
-    sorted) of the chunk; the rest of each feed was read in place."""
-    ends = [hi for _, hi, _ in staged]
-    for off, length, flat, dpos in feeds:
-        k = bisect.bisect_right(ends, off)
-        while k < len(staged) and staged[k][0] < off + length:
-            lo, hi, at = staged[k]
-            a, b = max(lo, off), min(hi, off + length)
-            flat[dpos + a - off : dpos + b - off] = buf[at + a - lo : at + b - lo]
-            k += 1
-
-
-def _decode_spans(blob, h: str, info: mf.ChunkInfo, feeds: list) -> bool:
-    """Decode only the spans of planes chunk ``h`` that ``feeds`` touch, check them against the
-    manifest's digests and put what the feeds take where it goes: whether it did (False, nothing
-    written: the chunk is decoded whole and checked by its name)."""
-    assert info.spans is not None
-    runs = spans.runs([(off, length) for off, length, _, _ in feeds], info.size)
-    if sum(b - a for a, b in runs) == spans.count(info.size, spans.SPAN):
-        return False
-    key = paths.chunk_key(h)
-    hdr = parse_header(blob, name=key)
-    check_header(hdr, name=key, expect_hash=h, expect_len=info.size, object_len=len(blob))
-    lo_hi = [(a * spans.SPAN, min(info.size, b * spans.SPAN)) for a, b in runs]
-    buf = scratch("raw", sum(hi - lo for lo, hi in lo_hi))
-    try:
-        placed = partial.decode_spans(hdr, blob, lo_hi, buf, name=key, expect_hash=h)
-    except partial.NotPartial:
-        return False
-    for lo, hi, at in placed:
-        bad = spans.mismatch(buf[at : at + hi - lo], lo // spans.SPAN, info.spans)
-        if bad is not None:
-            log.warning("chunk object %s: span %d does not match the manifest's digest; decoding it whole", key, bad)
-            return False
-    _copy_out(feeds, placed, buf)
-    return True
 
 
 def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
