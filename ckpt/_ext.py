@@ -22,7 +22,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # numpy layouts of the C structs (csrc/copyhash.cpp Seg, csrc/cuda/batched_copy.cu CopyDesc)
 SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<u8")])
-ABI_VERSION = 6  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+ABI_VERSION = 7  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -65,7 +65,7 @@ class CpuCore:
         lib.ckpt_rans_encode.restype = ctypes.c_int64
         lib.ckpt_rans_encode.argtypes = [ptr, u64, ptr, u64]
         lib.ckpt_rans_decode.restype = ctypes.c_int
-        lib.ckpt_rans_decode.argtypes = [ptr, u64, ptr, u64]
+        lib.ckpt_rans_decode.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
         lib.ckpt_pread_hash.restype = ctypes.c_int64
         lib.ckpt_pread_hash.argtypes = [ctypes.c_int, u64, ptr, u64, ptr]
         lib.ckpt_copy_many.restype = ctypes.c_int
@@ -112,12 +112,13 @@ class CpuCore:
             raise ValueError("rans: output bound too small")
         return out[:n].tobytes()
 
-    def rans_decode(self, section, out: np.ndarray) -> int:
-        """Decode ``section`` into exactly the uint8 array ``out``: 0, or the core's error code."""
+    def rans_decode(self, section, out: np.ndarray, simd: bool = True) -> int:
+        """Decode ``section`` into exactly the uint8 array ``out``: 0, or the core's error code. ``simd``
+        False keeps to the scalar decoder (the reference the vector one is tested against)."""
         sec = np.frombuffer(section, np.uint8)
         if out.dtype != np.uint8 or not out.flags.c_contiguous:
             raise ValueError("rans_decode writes into a contiguous uint8 array")
-        return int(self.lib.ckpt_rans_decode(sec.ctypes.data, sec.size, out.ctypes.data, out.size))
+        return int(self.lib.ckpt_rans_decode(sec.ctypes.data, sec.size, out.ctypes.data, out.size, int(simd)))
 
     def xxh3_128(self, ptr: int, length: int) -> str | None:
         """Hex xxh3-128 of ``length`` bytes at ``ptr``; None for inputs of 240 bytes or fewer."""

@@ -364,7 +364,8 @@ void run_on(int t, F& work) {
 extern "C" {
 
 // The layout of this library's calls; Python refuses a library built for another (a stale build).
-int ckpt_abi_version() { return 6; }  // 5: ckpt_pread_hash, ckpt_copy_many (the load path); 6: ckpt_rans_* (rans.cpp)
+int ckpt_abi_version() { return 7; }  // 5: ckpt_pread_hash, ckpt_copy_many (the load path); 6: ckpt_rans_* (rans.cpp);
+// 7: ckpt_rans_decode takes `simd`
 
 // 2 = AVX2, 1 = SSE2, 0 = portable C: which accumulator loop this machine runs.
 int ckpt_simd_level() { return g_level; }
