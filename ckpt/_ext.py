@@ -66,6 +66,8 @@ class CpuCore:
         lib.ckpt_rans_encode.argtypes = [ptr, u64, ptr, u64]
         lib.ckpt_rans_decode.restype = ctypes.c_int
         lib.ckpt_rans_decode.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
+        lib.ckpt_rans_simd.restype = ctypes.c_int
+        self.rans_simd = lib.ckpt_rans_simd()
         lib.ckpt_pread_hash.restype = ctypes.c_int64
         lib.ckpt_pread_hash.argtypes = [ctypes.c_int, u64, ptr, u64, ptr]
         lib.ckpt_copy_many.restype = ctypes.c_int
@@ -112,13 +114,14 @@ class CpuCore:
             raise ValueError("rans: output bound too small")
         return out[:n].tobytes()
 
-    def rans_decode(self, section, out: np.ndarray, simd: bool = True) -> int:
+    def rans_decode(self, section, out: np.ndarray, simd: int = 2) -> int:
         """Decode ``section`` into exactly the uint8 array ``out``: 0, or the core's error code. ``simd``
-        False keeps to the scalar decoder (the reference the vector one is tested against)."""
+        caps the vector code used (2: AVX-512, 1: AVX2, 0: the scalar decoder, the reference the
+        others are tested against); :attr:`rans_simd` is what this CPU has."""
         sec = np.frombuffer(section, np.uint8)
         if out.dtype != np.uint8 or not out.flags.c_contiguous:
             raise ValueError("rans_decode writes into a contiguous uint8 array")
-        return int(self.lib.ckpt_rans_decode(sec.ctypes.data, sec.size, out.ctypes.data, out.size, int(simd)))
+        return int(self.lib.ckpt_rans_decode(sec.ctypes.data, sec.size, out.ctypes.data, out.size, simd))
 
     def xxh3_128(self, ptr: int, length: int) -> str | None:
         """Hex xxh3-128 of ``length`` bytes at ``ptr``; None for inputs of 240 bytes or fewer."""

@@ -475,18 +475,17 @@ def _rans_encode(a: np.ndarray, block_log: int, monkeypatch) -> bytes:
 
 @pytest.mark.skipif(_ext.cpu() is None, reason="compiled core not built")
 def test_the_vector_rans_decoder_gives_the_scalar_decoders_bytes(monkeypatch):
-    """The AVX2 decoder (where the CPU has it) against the scalar one and numpy's, on random, skewed,
-    one-symbol, mixed and short inputs, blocks of every allowed size; output written to the byte."""
+    """The vector decoders (AVX-512, AVX2: those the CPU has) against the scalar one and numpy's, on
+    random, skewed, one-symbol, mixed and short inputs, blocks of every allowed size; output written
+    to the byte."""
     core = _ext.cpu()
     for name, a, block_log in _rans_cases():
         sec = _rans_encode(a, block_log, monkeypatch)
-        outs = []
-        for simd in (True, False):
+        for simd in (2, 1, 0):
             out = np.full(a.size + 64, 0xA5, np.uint8)  # room after the output: nothing may land there
             assert core.rans_decode(sec, out[:a.size], simd) == 0, (name, simd)
             assert np.array_equal(out[:a.size], a), (name, simd)
             assert (out[a.size:] == 0xA5).all(), (name, simd)
-            outs.append(out)
         ref = np.empty_like(a)
         if a.size <= 100_000:
             rans._decode_numpy(np.frombuffer(sec, np.uint8), ref)
@@ -541,7 +540,7 @@ def _rans_damage(sec: bytes, rng) -> list[bytes]:
 @pytest.mark.skipif(_ext.cpu() is None, reason="compiled core not built")
 @pytest.mark.parametrize("flush_end", [True, False])
 def test_damaged_rans_sections_fail_alike_in_both_decoders_and_stay_in_bounds(monkeypatch, flush_end):
-    """Every damaged section is refused by the vector decoder whenever the scalar one refuses it
+    """Every damaged section is refused by the vector decoders whenever the scalar one refuses it
     (or both decode it to the same bytes: a flipped word can decode to other bytes, which the
     chunk hash then refuses), and neither reads outside the section (guard pages) or writes
     outside its output."""
@@ -553,12 +552,12 @@ def test_damaged_rans_sections_fail_alike_in_both_decoders_and_stay_in_bounds(mo
         for bad in _rans_damage(_rans_encode(a, block_log, monkeypatch), rng):
             view, mapping = _guarded(bad, flush_end)
             results = []
-            for simd in (True, False):
+            for simd in (2, 1, 0):
                 out = np.full(a.size + 64, 0xA5, np.uint8)
                 rc = core.rans_decode(view, out[:a.size], simd)
                 assert (out[a.size:] == 0xA5).all(), name
                 results.append((rc != 0, None if rc else out[:a.size].tobytes()))
-            assert results[0] == results[1], name
+            assert results[0] == results[1] == results[2], name
             del view, mapping
 
 
