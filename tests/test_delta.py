@@ -492,6 +492,42 @@ def test_the_vector_rans_decoder_gives_the_scalar_decoders_bytes(monkeypatch):
             assert np.array_equal(ref, a), name
 
 
+@pytest.mark.skipif(_ext.cpu() is None, reason="compiled core not built")
+def test_planes_decoded_a_tile_at_a_time_match_the_plane_by_plane_decode(monkeypatch):
+    """ckpt_planes_decode (rANS planes decoded a tile at a time, interleaved and hashed while in
+    cache) against decoding each plane whole, then ungroup, then xxhash: widths 2, 4, 8, rotated or
+    not, with a base (also in place), tails, short chunks, several coded planes, blocks of 2^8 and
+    2^16 symbols, every vector level."""
+    core = _ext.cpu()
+    rng = np.random.default_rng(13)
+    shapes = [(5 * 65536 * 4 + 3, 4, True, False, 14), (300_001, 2, True, True, 14), (200_000, 8, True, False, 14),
+              (70_000, 4, False, True, 8), (3 * 65536 * 2 + 7, 2, False, False, 16), (250, 4, True, False, 14),
+              (100, 4, True, True, 14), (3, 4, False, False, 14), (0, 2, True, False, 14)]
+    for n, w, rot, with_base, block_log in shapes:
+        raw = (rng.normal(0, 1, (n + 3) // 4).astype(np.float32).view(np.uint8)[:n]).copy()
+        base = (raw ^ (rng.random(n) < 0.01).astype(np.uint8)) if with_base else None
+        g = group(raw, base, w, rot=rot)
+        m = n // w
+        plane = [g[k * m:(k + 1) * m] for k in range(w)]
+        coded = [k >= w - 2 for k in range(w)]  # the top two planes rANS-coded, the rest as they are
+        srcs = [np.frombuffer(_rans_encode(plane[k], block_log, monkeypatch), np.uint8) if coded[k] else plane[k]
+                for k in range(w)]
+        for simd in (2, 1, 0):
+            out = np.full(n + 64, 0xA5, np.uint8)
+            err, digest = core.planes_decode(srcs, coded, g[m * w:], base, out[:n], rot, simd)
+            assert err == 0 and np.array_equal(out[:n], raw) and (out[n:] == 0xA5).all(), (n, w, simd)
+            assert digest == (chunk_hash(raw) if n > 240 else None), (n, w)
+            if base is not None:  # a delta decoded over its base, in place
+                work = base.copy()
+                assert core.planes_decode(srcs, coded, g[m * w:], work, work, rot, simd)[0] == 0
+                assert np.array_equal(work, raw)
+        if n > 1000:
+            bad = srcs[w - 1].copy()
+            bad[len(bad) // 2] ^= 0x10
+            err, digest = core.planes_decode(srcs[:w - 1] + [bad], coded, g[m * w:], base, np.empty(n, np.uint8), rot)
+            assert err != 0 or digest != chunk_hash(raw)  # refused, or bytes that the hash refuses
+
+
 def _guarded(data: bytes, flush_end: bool):
     """``data`` in memory flush against a page no one may touch (after it, or before it): a decoder
     that reads outside the section crashes the test instead of passing unseen. Returns (the view,
