@@ -73,6 +73,7 @@ def _extensions() -> list:
     if _flag("CKPT_NO_EXT"):
         return []
     exts = [Extension("ckpt._copyhash", ["csrc/copyhash.cpp", "csrc/planes.cpp", "csrc/rans.cpp"], language="c++",
+                      depends=["csrc/core.h"],
                       extra_compile_args=["-O3", "-std=c++17", "-pthread"], extra_link_args=["-pthread"],
                       optional=not STRICT)]
     if not _flag("CKPT_NO_CUDA") and _nvcc():

@@ -22,7 +22,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # numpy layouts of the C structs (csrc/copyhash.cpp Seg, csrc/cuda/batched_copy.cu CopyDesc)
 SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<u8")])
-ABI_VERSION = 6  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+ABI_VERSION = 7  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -65,7 +65,12 @@ class CpuCore:
         lib.ckpt_rans_encode.restype = ctypes.c_int64
         lib.ckpt_rans_encode.argtypes = [ptr, u64, ptr, u64]
         lib.ckpt_rans_decode.restype = ctypes.c_int
-        lib.ckpt_rans_decode.argtypes = [ptr, u64, ptr, u64]
+        lib.ckpt_rans_decode.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
+        lib.ckpt_rans_simd.restype = ctypes.c_int
+        lib.ckpt_planes_decode.restype = ctypes.c_int
+        lib.ckpt_planes_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, u64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr,
+                                           ptr]
+        self.rans_simd = lib.ckpt_rans_simd()
         lib.ckpt_pread_hash.restype = ctypes.c_int64
         lib.ckpt_pread_hash.argtypes = [ctypes.c_int, u64, ptr, u64, ptr]
         lib.ckpt_copy_many.restype = ctypes.c_int
@@ -112,12 +117,31 @@ class CpuCore:
             raise ValueError("rans: output bound too small")
         return out[:n].tobytes()
 
-    def rans_decode(self, section, out: np.ndarray) -> int:
-        """Decode ``section`` into exactly the uint8 array ``out``: 0, or the core's error code."""
+    def rans_decode(self, section, out: np.ndarray, simd: int = 2) -> int:
+        """Decode ``section`` into exactly the uint8 array ``out``: 0, or the core's error code. ``simd``
+        caps the vector code used (2: AVX-512, 1: AVX2, 0: the scalar decoder, the reference the
+        others are tested against); :attr:`rans_simd` is what this CPU has."""
         sec = np.frombuffer(section, np.uint8)
         if out.dtype != np.uint8 or not out.flags.c_contiguous:
             raise ValueError("rans_decode writes into a contiguous uint8 array")
-        return int(self.lib.ckpt_rans_decode(sec.ctypes.data, sec.size, out.ctypes.data, out.size))
+        return int(self.lib.ckpt_rans_decode(sec.ctypes.data, sec.size, out.ctypes.data, out.size, simd))
+
+    def planes_decode(self, planes: list[np.ndarray], coded: list[bool], tail: np.ndarray, base: np.ndarray | None,
+                      out: np.ndarray, rot: bool, simd: int = 2) -> tuple[int, str | None]:
+        """The inverse of :meth:`group` into ``out`` (uint8, the chunk's length) from the planes, each
+        as it is or, where ``coded``, a rANS section, decoded a tile at a time while in cache, and
+        hashed as it goes. Returns (0 or the rANS decoder's error code, the xxh3-128 of ``out`` or None
+        where it is 240 bytes or shorter)."""
+        w = len(planes)
+        ptrs = (ctypes.c_void_p * w)(*[p.ctypes.data for p in planes])
+        lens = np.array([p.size for p in planes], np.uint64)
+        flags = np.array(coded, np.uint8)
+        h = np.zeros(3, np.uint64)
+        err = self.lib.ckpt_planes_decode(ptrs, lens.ctypes.data, flags.ctypes.data, tail.ctypes.data,
+                                          None if base is None else base.ctypes.data, out.size, w, int(rot), simd,
+                                          out.ctypes.data, h.ctypes.data)
+        lo, hi, hashed = h.tolist()
+        return int(err), (f"{hi:016x}{lo:016x}" if hashed and not err else None)
 
     def xxh3_128(self, ptr: int, length: int) -> str | None:
         """Hex xxh3-128 of ``length`` bytes at ``ptr``; None for inputs of 240 bytes or fewer."""

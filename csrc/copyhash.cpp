@@ -27,6 +27,8 @@
 #define CKPT_X86 1
 #endif
 
+#include "core.h"
+
 namespace {
 
 constexpr uint64_t P32_1 = 0x9E3779B1ULL, P32_2 = 0x85EBCA77ULL, P32_3 = 0xC2B2AE3DULL;
@@ -361,10 +363,26 @@ void run_on(int t, F& work) {
 
 }  // namespace
 
+namespace ckpt_core {
+
+static_assert(sizeof(Long128) <= sizeof(Hash128::state) && alignof(Long128) <= 8, "Hash128 holds a Long128");
+static_assert(HASH_BLOCK == BLOCK, "one block size");
+
+void hash_start(Hash128& h, uint64_t len) { new (h.state) Long128(len); }
+void hash_blocks(Hash128& h, const uint8_t* p, uint64_t count) {
+  std::launder(reinterpret_cast<Long128*>(h.state))->blocks(p, count);
+}
+void hash_finish(Hash128& h, const uint8_t* input, uint64_t out[2]) {
+  std::launder(reinterpret_cast<Long128*>(h.state))->finish(input, out);
+}
+
+}  // namespace ckpt_core
+
 extern "C" {
 
 // The layout of this library's calls; Python refuses a library built for another (a stale build).
-int ckpt_abi_version() { return 6; }  // 5: ckpt_pread_hash, ckpt_copy_many (the load path); 6: ckpt_rans_* (rans.cpp)
+int ckpt_abi_version() { return 7; }  // 5: ckpt_pread_hash, ckpt_copy_many (the load path); 6: ckpt_rans_* (rans.cpp);
+// 7: ckpt_rans_decode takes `simd`; ckpt_rans_simd, ckpt_planes_decode
 
 // 2 = AVX2, 1 = SSE2, 0 = portable C: which accumulator loop this machine runs.
 int ckpt_simd_level() { return g_level; }

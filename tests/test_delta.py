@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import CorruptCheckpointError, IncompatibleFormatError, cli
+from ckpt import CorruptCheckpointError, IncompatibleFormatError, _ext, cli
 from ckpt.encode import CodecSpec, encode
 from ckpt.format import manifest as mf
 from ckpt.format import paths, rans
@@ -447,6 +447,167 @@ def test_damaged_rans_sections_are_refused(monkeypatch, disabled):
         except rans.RansError:
             continue
         assert not np.array_equal(out, a)  # a flipped word can decode to other bytes: the chunk hash refuses those
+
+
+def _rans_cases() -> list[tuple[str, np.ndarray, int]]:
+    """(name, symbols, block log): every shape of input the decoders must agree on."""
+    rng = np.random.default_rng(11)
+    exps = (126 - np.abs(rng.normal(0, 3, 9 * 16384 + 1005)).astype(np.int64)).astype(np.uint8)
+    skewed = np.where(rng.random(70_000) < 0.0005, 200, 3).astype(np.uint8)  # one symbol at 4094/4096
+    mixed = np.concatenate([exps[:16384], np.full(16384, 9, np.uint8), exps[:3 * 16384],  # one-symbol block inside
+                            rng.integers(0, 256, 16384 + 17, dtype=np.uint8)])
+    cases = [("exponents", exps, 14), ("uniform", rng.integers(0, 256, 5 * 16384 + 3, dtype=np.uint8), 14),
+             ("skewed", skewed, 14), ("single", np.full(3 * 16384 + 5, 7, np.uint8), 14), ("mixed", mixed, 14),
+             ("small blocks", exps[:40_000], 8), ("large blocks", exps[:3 * 65536 + 77], 16)]
+    cases += [(f"{n} symbols", exps[:n], 14) for n in (0, 1, 7, 8, 31, 32, 33, 255, 16383, 16384, 16385)]
+    return cases
+
+
+def _rans_encode(a: np.ndarray, block_log: int, monkeypatch) -> bytes:
+    if block_log == rans.BLOCK_LOG:
+        return rans.encode(a)
+    monkeypatch.setattr(rans, "BLOCK_LOG", block_log)  # the format allows 2^8 to 2^16; the numpy encoder writes it
+    try:
+        return rans._encode_numpy(a)
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.skipif(_ext.cpu() is None, reason="compiled core not built")
+def test_the_vector_rans_decoder_gives_the_scalar_decoders_bytes(monkeypatch):
+    """The vector decoders (AVX-512, AVX2: those the CPU has) against the scalar one and numpy's, on
+    random, skewed, one-symbol, mixed and short inputs, blocks of every allowed size; output written
+    to the byte."""
+    core = _ext.cpu()
+    for name, a, block_log in _rans_cases():
+        sec = _rans_encode(a, block_log, monkeypatch)
+        for simd in (2, 1, 0):
+            out = np.full(a.size + 64, 0xA5, np.uint8)  # room after the output: nothing may land there
+            assert core.rans_decode(sec, out[:a.size], simd) == 0, (name, simd)
+            assert np.array_equal(out[:a.size], a), (name, simd)
+            assert (out[a.size:] == 0xA5).all(), (name, simd)
+        ref = np.empty_like(a)
+        if a.size <= 100_000:
+            rans._decode_numpy(np.frombuffer(sec, np.uint8), ref)
+            assert np.array_equal(ref, a), name
+
+
+@pytest.mark.skipif(_ext.cpu() is None, reason="compiled core not built")
+def test_planes_decoded_a_tile_at_a_time_match_the_plane_by_plane_decode(monkeypatch):
+    """ckpt_planes_decode (rANS planes decoded a tile at a time, interleaved and hashed while in
+    cache) against decoding each plane whole, then ungroup, then xxhash: widths 2, 4, 8, rotated or
+    not, with a base (also in place), tails, short chunks, several coded planes, blocks of 2^8 and
+    2^16 symbols, every vector level."""
+    core = _ext.cpu()
+    rng = np.random.default_rng(13)
+    shapes = [(5 * 65536 * 4 + 3, 4, True, False, 14), (300_001, 2, True, True, 14), (200_000, 8, True, False, 14),
+              (70_000, 4, False, True, 8), (3 * 65536 * 2 + 7, 2, False, False, 16), (250, 4, True, False, 14),
+              (100, 4, True, True, 14), (3, 4, False, False, 14), (0, 2, True, False, 14)]
+    for n, w, rot, with_base, block_log in shapes:
+        raw = (rng.normal(0, 1, (n + 3) // 4).astype(np.float32).view(np.uint8)[:n]).copy()
+        base = (raw ^ (rng.random(n) < 0.01).astype(np.uint8)) if with_base else None
+        g = group(raw, base, w, rot=rot)
+        m = n // w
+        plane = [g[k * m:(k + 1) * m] for k in range(w)]
+        coded = [k >= w - 2 for k in range(w)]  # the top two planes rANS-coded, the rest as they are
+        srcs = [np.frombuffer(_rans_encode(plane[k], block_log, monkeypatch), np.uint8) if coded[k] else plane[k]
+                for k in range(w)]
+        for simd in (2, 1, 0):
+            out = np.full(n + 64, 0xA5, np.uint8)
+            err, digest = core.planes_decode(srcs, coded, g[m * w:], base, out[:n], rot, simd)
+            assert err == 0 and np.array_equal(out[:n], raw) and (out[n:] == 0xA5).all(), (n, w, simd)
+            assert digest == (chunk_hash(raw) if n > 240 else None), (n, w)
+            if base is not None:  # a delta decoded over its base, in place
+                work = base.copy()
+                assert core.planes_decode(srcs, coded, g[m * w:], work, work, rot, simd)[0] == 0
+                assert np.array_equal(work, raw)
+        if n > 1000:
+            bad = srcs[w - 1].copy()
+            bad[len(bad) // 2] ^= 0x10
+            err, digest = core.planes_decode(srcs[:w - 1] + [bad], coded, g[m * w:], base, np.empty(n, np.uint8), rot)
+            assert err != 0 or digest != chunk_hash(raw)  # refused, or bytes that the hash refuses
+
+
+def _guarded(data: bytes, flush_end: bool):
+    """``data`` in memory flush against a page no one may touch (after it, or before it): a decoder
+    that reads outside the section crashes the test instead of passing unseen. Returns (the view,
+    the mapping that must outlive it)."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    size = (len(data) + page - 1) // page * page + 2 * page
+    m = mmap.mmap(-1, size)
+    buf = np.frombuffer(m, np.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = size - page - len(data) if flush_end else page
+    buf[start:start + len(data)] = np.frombuffer(data, np.uint8)
+    for addr in (buf.ctypes.data, buf.ctypes.data + size - page):
+        assert libc.mprotect(addr, page, 0) == 0  # PROT_NONE
+    return buf[start:start + len(data)], m
+
+
+def _rans_damage(sec: bytes, rng) -> list[bytes]:
+    """Truncations, flipped bytes (anywhere, and in each block's header), and word counts moved
+    between the streams of a block (the total kept, so only the streams' bounds are wrong)."""
+    out = [sec[:k] for k in sorted({2, 3, 7, len(sec) // 2, len(sec) - 1, *rng.integers(2, len(sec), 8)})]
+    for pos in [*rng.integers(0, len(sec), 40), 0, 1, 2, 5, 6, 7, 8]:
+        b = bytearray(sec)
+        b[pos] ^= int(rng.integers(1, 256))
+        out.append(bytes(b))
+    pos = 2
+    while pos + 4 <= len(sec):  # every block: its header bytes, and its streams' bounds
+        size = int.from_bytes(sec[pos:pos + 4], "little")
+        present = sec[pos + 4] + 1
+        if present > 1:
+            counts = pos + 5 + 3 * present + 32
+            for k in (pos, pos + 3, pos + 4, pos + 5, counts - 32, counts - 1):
+                b = bytearray(sec)
+                b[k] ^= 0x40
+                out.append(bytes(b))
+            c = np.frombuffer(sec[counts:counts + 16], "<u2").astype(np.int64)
+            for moved in (np.r_[c.sum(), [0] * 7], np.r_[[0] * 7, c.sum()], np.roll(c, 1), c + np.r_[1, -1, [0] * 6]):
+                if (moved >= 0).all() and (moved < 65536).all() and not np.array_equal(moved, c):
+                    out.append(sec[:counts] + moved.astype("<u2").tobytes() + sec[counts + 16:])
+        pos += 4 + size
+    return out
+
+
+@pytest.mark.skipif(_ext.cpu() is None, reason="compiled core not built")
+@pytest.mark.parametrize("flush_end", [True, False])
+def test_damaged_rans_sections_fail_alike_in_both_decoders_and_stay_in_bounds(monkeypatch, flush_end):
+    """Every damaged section is refused by the vector decoders whenever the scalar one refuses it
+    (or both decode it to the same bytes: a flipped word can decode to other bytes, which the
+    chunk hash then refuses), and neither reads outside the section (guard pages) or writes
+    outside its output."""
+    core = _ext.cpu()
+    rng = np.random.default_rng(12)
+    for name, a, block_log in _rans_cases():
+        if a.size < 1000:
+            continue
+        for bad in _rans_damage(_rans_encode(a, block_log, monkeypatch), rng):
+            view, mapping = _guarded(bad, flush_end)
+            results = []
+            for simd in (2, 1, 0):
+                out = np.full(a.size + 64, 0xA5, np.uint8)
+                rc = core.rans_decode(view, out[:a.size], simd)
+                assert (out[a.size:] == 0xA5).all(), name
+                results.append((rc != 0, None if rc else out[:a.size].tobytes()))
+            assert results[0] == results[1] == results[2], name
+            del view, mapping
+
+
+def test_a_damaged_rans_section_fails_the_chunk_clearly():
+    """Through the chunk decoder: a rANS section that does not decode is CorruptCheckpointError."""
+    raw = memoryview(torch.randn(1 << 18, generator=torch.Generator().manual_seed(3)).numpy()).cast("B")
+    h = chunk_hash(raw)
+    blob = bytearray(b"".join(bytes(b) for b in encode(raw, h, CodecSpec("auto"), width=4, rotate=True)[1]))
+    table = np.frombuffer(bytes(blob[64:64 + 40]), "<u8")
+    assert (table & np.uint64(1 << 62)).any()  # the exponent plane is rANS-coded
+    at = 64 + 40 + int((table[:3] & np.uint64((1 << 62) - 1)).sum())  # where the fourth section starts
+    blob[at + 2] ^= 0x01  # its first block's length
+    with pytest.raises(CorruptCheckpointError, match="rANS"):
+        decode(bytes(blob), name="x", expect_hash=h)
 
 
 def test_unknown_codecs_and_formats_are_refused_clearly(tmp_path):

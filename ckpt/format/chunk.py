@@ -44,6 +44,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from .. import _ext
 from ..errors import CorruptCheckpointError, IncompatibleFormatError
 from . import rans
 from .planes import LENGTH_MASK, RANS, RANS_FLAG, ROTATES, STORED, ZSTD, ZSTD_FLAG, scratch, sections, u8, ungroup_parts
@@ -232,21 +233,35 @@ def xor_check(header, parts) -> int:
 
 
 def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray | None, *, name: str,
-                   expect_hash: str) -> memoryview:
+                   expect_hash: str) -> tuple[memoryview, str | None]:
     """Planes (each decompressed into scratch, or read where it lies in the payload) back into
-    element order in ``out`` (fresh memory when None), XOR ``base`` for a delta."""
+    element order in ``out`` (fresh memory when None), XOR ``base`` for a delta. Returns the bytes and,
+    where the compiled core hashed them as it wrote them, their digest (else None). The core decodes
+    rANS-coded planes a tile at a time as it interleaves them, instead of into scratch first."""
     n, w = hdr.raw_len, hdr.width
+    core = _ext.cpu()
     planes: list[np.ndarray] = []
+    coded: list[bool] = []
     for i, (how, stored, length) in enumerate(_section_table(hdr, payload, name=name, expect_hash=expect_hash)):
-        if how != STORED:
+        if how == RANS and core is not None and i < w:
+            planes.append(u8(stored))
+        elif how != STORED:
             dst = scratch(f"plane{i}", length)
             _unpack_section(how, stored, dst, name=name, expect_hash=expect_hash)
             planes.append(dst)
         else:
             planes.append(u8(stored) if length else np.empty(0, np.uint8))
+        coded.append(how == RANS and core is not None and i < w)
     out = np.empty(n, np.uint8) if out is None else out[:n]
-    ungroup_parts(planes, base, w, out, hdr.rot)
-    return out.data
+    if core is None:
+        ungroup_parts(planes, base, w, out, hdr.rot)
+        return out.data, None
+    err, digest = core.planes_decode(planes[:w], coded[:w], planes[w], None if base is None else u8(base), out,
+                                     hdr.rot)
+    if err:
+        raise CorruptCheckpointError(f"chunk object {name} has a rANS section that does not decode: "
+                                     f"{rans.error_text(err)}", object=name, chunk=expect_hash)
+    return out.data, digest
 
 
 def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: int | None = None,
@@ -286,6 +301,7 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
         raise CorruptCheckpointError(
             f"chunk object {name} is truncated or padded: payload is {len(payload)} bytes, header says "
             f"{hdr.payload_len}", object=name, chunk=expect_hash)
+    digest = None  # where decoding hashed the bytes as it wrote them
     if hdr.codec == "raw":
         raw = payload
     elif raw_only:
@@ -299,7 +315,7 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
             raw = out[:hdr.raw_len].data
             _decompress_into(payload, raw, name=name, expect_hash=expect_hash)
     elif hdr.codec == "planes":
-        raw = _decode_planes(hdr, payload, None, out, name=name, expect_hash=expect_hash)
+        raw, digest = _decode_planes(hdr, payload, None, out, name=name, expect_hash=expect_hash)
     else:
         if base is None or base.digest != hdr.base or len(base.raw) != hdr.raw_len:
             raise CorruptCheckpointError(
@@ -308,8 +324,8 @@ def verify(name: str, expect_hash: str, header, payload, *, expect_len: int | No
         if xor_check(header, [payload]) != hdr.check:
             raise CorruptCheckpointError(f"chunk object {name} failed its payload check; the stored bytes are damaged",
                                          object=name, chunk=expect_hash)
-        raw = _decode_planes(hdr, payload, base.raw, out, name=name, expect_hash=expect_hash)
-    if len(raw) != hdr.raw_len or chunk_hash(raw) != expect_hash:
+        raw, digest = _decode_planes(hdr, payload, base.raw, out, name=name, expect_hash=expect_hash)
+    if len(raw) != hdr.raw_len or (digest if digest is not None else chunk_hash(raw)) != expect_hash:
         raise CorruptCheckpointError(
             f"chunk object {name} failed its hash check (content does not match {expect_hash}); "
             "the stored bytes are damaged", object=name, chunk=expect_hash)

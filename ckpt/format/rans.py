@@ -64,10 +64,15 @@ def decode_into(section, out: np.ndarray) -> None:
     if core is not None:
         err = core.rans_decode(section, out)
         if err:
-            raise RansError({1: "it is truncated", 2: "its header or a frequency table is damaged"}.get(
-                err, "its coded words are damaged"))
+            raise RansError(error_text(err))
         return
     _decode_numpy(np.frombuffer(section, np.uint8), out)
+
+
+def error_text(code: int) -> str:
+    """What the compiled decoder's error ``code`` says about a section."""
+    texts = {1: "it is truncated", 2: "its header or a frequency table is damaged"}
+    return texts.get(code, "its coded words are damaged")
 
 
 def _tables(b: np.ndarray, n: int) -> tuple[list, int]:
