@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -241,8 +242,17 @@ def main() -> None:
 
 
 def shutdown() -> None:
+    """Leave the process group together, then end the process without finalizing the interpreter:
+    DTensor's caches keep the group, and so gloo's worker threads, alive past destroy_process_group(),
+    and a worker that drops a finished collective's tensors while the interpreter finalizes aborts the
+    process (see examples/train_distributed.py's shutdown). Every save has been waited for (drain), so
+    nothing is left to finalize; a DCP Writer's lease left behind names this process, which a later
+    run on this host sees is gone."""
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

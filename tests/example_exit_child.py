@@ -1,5 +1,5 @@
-"""Run examples/train_distributed.py as torchrun's worker (its arguments follow) and fail if the
-interpreter starts finalizing while the process group's gloo worker threads still run.
+"""Run an example (its file name in examples/, then its arguments) as torchrun's worker and fail if
+the interpreter starts finalizing while the process group's gloo worker threads still run.
 
 A worker running then may drop its last reference to a finished collective during the
 finalization; those tensors need the GIL, the finalizing interpreter ends the thread instead, and
@@ -34,6 +34,6 @@ def check() -> None:  # atexit: the interpreter is about to finalize
 
 
 atexit.register(check)
-example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_distributed.py")
-sys.argv = [example, *sys.argv[1:]]
+example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", sys.argv[1])
+sys.argv = [example, *sys.argv[2:]]
 runpy.run_path(example, run_name="__main__")

@@ -40,10 +40,15 @@ def test_a_checkpointer_does_not_keep_its_process_group_alive(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process's threads from /proc")
-def test_the_distributed_example_ends_before_the_interpreter_finalizes_with_gloo_threads(tmp_path):
+@pytest.mark.parametrize("example,args,done", [
+    ("train_distributed.py", ["--steps", "4", "--every", "2"], "done: 4 steps on 2 rank(s)"),
+    ("train_fsdp2_dcp.py", ["--steps", "4", "--every", "2"], "done: step 4 on 2 rank(s)"),
+])
+def test_the_distributed_examples_end_before_the_interpreter_finalizes_with_gloo_threads(tmp_path, example, args,
+                                                                                         done):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(HERE, "example_exit_child.py"), "--dir", str(tmp_path / "ck"), "--steps", "4", "--every", "2"]
+           os.path.join(HERE, "example_exit_child.py"), example, "--dir", str(tmp_path / "ck"), *args]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert p.returncode == 0 and "done: 4 steps on 2 rank(s)" in p.stdout, p.stdout[-8000:]
+    assert p.returncode == 0 and done in p.stdout, p.stdout[-8000:]
