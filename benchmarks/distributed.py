@@ -20,8 +20,9 @@ all of them alike); the data changes (untimed) before every save so nothing can 
 
 Load N→M: the checkpoints written on N ranks (the last ckpt save, the last `dcp.save`) are loaded on
 M ranks into zero-filled DTensors sharded over M, by `Checkpointer.load` and `dcp.load`, in place,
-from the page cache. For world sizes that did not save (1, 3) one untimed save on that world size
-gives the same-size baseline M→M. "reshard ÷ same" divides N→M by M→M (ckpt), "ckpt ÷ dcp" divides
+from the page cache. For world sizes that did not save (1, 3) as many untimed saves on that world
+size as the timed ones (so the last one's chunks are deltas on as many earlier saves) give the
+same-size baseline M→M. "reshard ÷ same" divides N→M by M→M (ckpt), "ckpt ÷ dcp" divides
 ckpt's time by DCP's for the same pair.
 
 The first rounds warm up and are not reported: two of saves (`--warmup`; ckpt allocates its host
@@ -351,7 +352,8 @@ def load_dcp(st: State, src) -> float:
 LOADERS = {"ckpt": load_ckpt, "dcp": load_dcp}
 
 
-def phase_load(rank: int, world: int, shapes, root: str, sources: dict, methods: list[str], repeats: int) -> dict:
+def phase_load(rank: int, world: int, shapes, root: str, sources: dict, methods: list[str], repeats: int,
+               saves: int) -> dict:
     """Load every source checkpoint (saved on N ranks) onto this world of M ranks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -360,23 +362,8 @@ def phase_load(rank: int, world: int, shapes, root: str, sources: dict, methods:
     st = State(shapes, mesh)
     sources = {int(n): dict(s) for n, s in sources.items()}
     if world not in sources:
-        # The same-size baseline M→M: one untimed save on this world size.
-        base = os.path.join(root, f"save-{world}")
-        v = 10_000 + world
-        st.set_version(v)
-        sources[world] = {}
-        if "ckpt" in methods:
-            import ckpt
-            c = ckpt.Checkpointer(os.path.join(base, "ckpt"), **_ckpt_options(CODEC[0]))
-            c.save(v, {"model": st.model}).wait()
-            c.close()
-            sources[world]["ckpt"] = (os.path.join(base, "ckpt"), v, v)
-        if "dcp" in methods:
-            import torch.distributed.checkpoint as dcp
-            path = _dcp_dir(base, "dcp_save", v)
-            dcp.save({"model": st.model}, checkpoint_id=path)
-            sources[world]["dcp"] = (path, 0, v)
-        dist.barrier()
+        # The same-size baseline M→M: untimed saves on this world size, as many as the timed ones.
+        sources[world] = seed_saves(st, root, world, methods, saves)
     order = sorted(sources, key=lambda n: (n != world, n))  # same size first, then the others
     times = {n: {m: [] for m in methods} for n in order}
     warm = {}
@@ -400,30 +387,40 @@ def phase_load(rank: int, world: int, shapes, root: str, sources: dict, methods:
     return {"times": times, "checked": True}
 
 
-def phase_seed(rank: int, world: int, shapes, root: str, methods: list[str]) -> dict:
-    """One untimed save on a world size whose saves are not timed (3, for the 3→2 load): the
+def phase_seed(rank: int, world: int, shapes, root: str, methods: list[str], saves: int) -> dict:
+    """Untimed saves on a world size whose saves are not timed (3, for the 3→2 load): the
     checkpoints that loads onto other world sizes read."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     st = State(shapes, init_device_mesh("cpu", (world,)))
-    v = 10_000 + world
-    st.set_version(v)
+    return {"sources": seed_saves(st, root, world, methods, saves)}
+
+
+def seed_saves(st: State, root: str, world: int, methods: list[str], saves: int) -> dict:
+    """The checkpoints a world size that was not timed is loaded from, with the timed saves' history:
+    ckpt saves ``saves`` versions in a row with the same options (so the last one's chunks are deltas
+    on as many earlier saves as the timed checkpoints' are), DCP the last version once."""
+    import torch.distributed as dist
+
     base = os.path.join(root, f"save-{world}")
     sources = {}
+    first = 10_000 + 100 * world
     if "ckpt" in methods:
         import ckpt
-        c = ckpt.Checkpointer(os.path.join(base, "ckpt"), **_ckpt_options(CODEC[0]))
-        c.save(v, {"model": st.model}).wait()
+        c = ckpt.Checkpointer(os.path.join(base, "ckpt"), keep_last=1, **_ckpt_options(CODEC[0]))
+        for v in range(first, first + saves):
+            st.set_version(v)
+            c.save(v, {"model": st.model}).wait()
         c.close()
-        sources["ckpt"] = (os.path.join(base, "ckpt"), v, v)
+        sources["ckpt"] = (os.path.join(base, "ckpt"), st.version, st.version)
+    st.set_version(first + saves - 1)
     if "dcp" in methods:
         import torch.distributed.checkpoint as dcp
-        path = _dcp_dir(base, "dcp_save", v)
+        path = _dcp_dir(base, "dcp_save", st.version)
         dcp.save({"model": st.model}, checkpoint_id=path)
-        sources["dcp"] = (path, 0, v)
+        sources["dcp"] = (path, 0, st.version)
     dist.barrier()
-    return {"sources": sources}
+    return sources
 
 
 def _ckpt_options(codec: str | None) -> dict:
@@ -517,13 +514,14 @@ def main() -> None:
         seeded = {}
         if load_methods:
             for n in sorted({n for n, _ in pairs if n not in SAVE_WORLDS}):
-                seeded[n] = run_phase("seed", n, codec=args.codec, shapes=shapes, root=root, methods=load_methods)
+                seeded[n] = run_phase("seed", n, codec=args.codec, shapes=shapes, root=root, methods=load_methods,
+                                      saves=args.warmup + args.repeats)
             for m in targets:
                 srcs = {n: (saves[n] if n in saves else seeded[n])["sources"] for n, mm in pairs if mm == m}
                 if m in seeded:  # the same-size baseline M→M reads the seeded save
                     srcs.setdefault(m, seeded[m]["sources"])
                 loads[m] = run_phase("load", m, codec=args.codec, shapes=shapes, root=root, sources=srcs,
-                                     methods=load_methods, repeats=args.repeats)
+                                     methods=load_methods, repeats=args.repeats, saves=args.warmup + args.repeats)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -584,7 +582,8 @@ def report(args, cmd, shapes, nbytes, saves, loads, pairs, load_methods, elapsed
         extra = sorted({m for (_, m) in load_med if m not in SAVE_WORLDS})
         if extra:
             lines += ["", "The same-size rows for " + ", ".join(f"{m}→{m}" for m in extra) +
-                      " load a checkpoint saved (untimed) on that many ranks, as the baseline for the reshard ratio."]
+                      " load a checkpoint saved (untimed) on that many ranks as many times as the timed saves "
+                      "(the same delta chains), as the baseline for the reshard ratio."]
     text = "\n".join(lines)
     print("\n" + text)
     doc = {
