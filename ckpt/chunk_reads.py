@@ -38,10 +38,10 @@ def read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
             return n
         # stored another way than the entry says (another writer's copy of the same bytes): decoded below
     blob = chains.read_object(storage, m.chunks, h, m.step, reuse=True)
-    if info.spans is not None and info.codec.startswith("planes/"):
-        done = _decode_spans(blob, h, info, feeds)
-        if done:
-            return len(blob)
+    if info.spans is not None and info.codec.startswith(("planes/", "xor/")):
+        more = _decode_spans(storage, m, blob, h, info, feeds)
+        if more is not None:
+            return len(blob) + more
     # decoded straight into the destination where the whole chunk feeds one contiguous run (staged
     # loads: staging memory, checked before any tensor is written), else into scratch and copied
     whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size
@@ -173,27 +173,26 @@ def _copy_out(feeds: list, staged: list[tuple[int, int, int]], buf: np.ndarray) 
             k += 1
 
 
-def _decode_spans(blob, h: str, info: mf.ChunkInfo, feeds: list) -> bool:
-    """Decode only the spans of planes chunk ``h`` that ``feeds`` touch, check them against the
-    manifest's digests and put what the feeds take where it goes: whether it did (False, nothing
-    written: the chunk is decoded whole and checked by its name)."""
+def _decode_spans(storage: Storage, m: mf.Manifest, blob, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:
+    """Decode only the spans of chunk ``h`` (planes, or a delta down its chain) that ``feeds``
+    touch, check them against the manifest's digests and put what the feeds take where it goes;
+    returns the bytes read for the chain's other links. None, nothing written, where it did not: the
+    chunk is then decoded whole and checked by its name."""
     assert info.spans is not None
     runs = spans.runs([(off, length) for off, length, _, _ in feeds], info.size)
     if sum(b - a for a, b in runs) == spans.count(info.size, spans.SPAN):
-        return False
-    key = paths.chunk_key(h)
-    hdr = parse_header(blob, name=key)
-    check_header(hdr, name=key, expect_hash=h, expect_len=info.size, object_len=len(blob))
+        return None
     lo_hi = [(a * spans.SPAN, min(info.size, b * spans.SPAN)) for a, b in runs]
     buf = scratch("raw", sum(hi - lo for lo, hi in lo_hi))
     try:
-        placed = partial.decode_spans(hdr, blob, lo_hi, buf, name=key, expect_hash=h)
+        placed, more = partial.resolve_spans(storage, m.chunks, h, blob, lo_hi, buf, m.step)
     except partial.NotPartial:
-        return False
+        return None
     for lo, hi, at in placed:
         bad = spans.mismatch(buf[at : at + hi - lo], lo // spans.SPAN, info.spans)
         if bad is not None:
-            log.warning("chunk object %s: span %d does not match the manifest's digest; decoding it whole", key, bad)
-            return False
+            log.warning("chunk object %s: span %d does not match the manifest's digest; decoding it whole",
+                        paths.chunk_key(h), bad)
+            return None
     _copy_out(feeds, placed, buf)
-    return True
+    return more

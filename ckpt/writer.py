@@ -477,9 +477,9 @@ STEP_EXISTS_ADVICE = ("Save under a new step number, or delete that step's direc
 
 
 def _spanned(info: mf.ChunkInfo) -> bool:
-    """Whether a chunk gets span digests: stored raw or as planes and longer than a span (a reader
-    needing part of it then reads, or decodes, and checks only the spans it needs)."""
-    return info.codec.startswith(("raw/", "planes/")) and spans.worth(info.size)
+    """Whether a chunk gets span digests: stored raw, as planes or as a delta, and longer than a span
+    (a reader needing part of it then reads, or decodes, and checks only the spans it needs)."""
+    return info.codec.startswith(("raw/", "planes/", "xor/")) and spans.worth(info.size)
 
 
 def _refuse_poison(step: int, rank: int, bad: list[str], committed: Callable[[], list[int]]) -> None:

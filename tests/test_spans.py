@@ -375,3 +375,42 @@ def test_a_chunk_two_ranks_stored_differently_keeps_its_digests_in_the_step(save
         Writer(LocalStorage(saved), CodecSpec.parse("raw"), io)._settle_conflicts(parts, LocalStorage(saved))
     assert parts[1].chunks[h] == m.chunks[h]  # the copy that stayed
     assert mf.merge(1, parts).chunks[h].spans == m.chunks[h].spans
+
+
+def test_a_delta_is_decoded_in_part_down_its_chain(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(ROWS, COLS, generator=g) * 0.02
+    steps = {}
+    with ckpt.Checkpointer(tmp_path, delta_budget=3.0) as c:  # room for a chain of dense deltas
+        for s in (1, 2, 3):
+            w = w + (torch.rand(ROWS, COLS, generator=g) < 0.3) * 1e-4  # a sparse update: a small delta
+            steps[s] = w.clone()
+            c.save(s, {"w": w}).wait()
+        m = c.manifest(3)
+    (h,) = {g.chunk for t in m.tensors for s in t.shards for g in s.segments}
+    assert m.chunks[h].codec.startswith("xor/") and m.chunks[h].spans is not None
+    assert len(mf.chain(m.chunks, h)) == 3  # two deltas on the chunk stored whole
+    for r0, n in [(100, 50), (500, 300), (0, ROWS)]:
+        local = torch.zeros(n, COLS)
+        with ckpt.Checkpointer(tmp_path) as c:
+            c.load(3, {"w": ckpt.LocalShard(local, (r0, 0), (ROWS, COLS))})
+        assert torch.equal(local, steps[3][r0 : r0 + n]), (r0, n)
+    # damage the chunk stored whole where rows 0-99 do not reach: their load decodes none of it (a whole
+    # decode would fail its hash), the last rows' load is refused
+    base = mf.chain(m.chunks, h)[-1]
+    path = os.path.join(tmp_path, paths.chunk_key(base))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size - 50)
+        b = f.read(1)
+        f.seek(size - 50)
+        f.write(bytes([b[0] ^ 0x55]))
+    for r0, n, ok in [(0, 100, True), (ROWS - 10, 10, False)]:
+        local = torch.zeros(n, COLS)
+        with ckpt.Checkpointer(tmp_path) as c:
+            if ok:
+                c.load(3, {"w": ckpt.LocalShard(local, (r0, 0), (ROWS, COLS))})
+                assert torch.equal(local, steps[3][r0 : r0 + n])
+            else:
+                with pytest.raises(ckpt.CorruptCheckpointError):
+                    c.load(3, {"w": ckpt.LocalShard(local, (r0, 0), (ROWS, COLS))})

@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
 
 import numpy as np
 
@@ -122,6 +123,29 @@ def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int
     there). At most MAX_CHAIN links and MAX_READ_FACTOR times the chunk's size are read. The bytes
     may lie in this thread's scratch memory: use them before this thread resolves another chunk.
     ``out`` (uint8, the chunk's size): decode there instead (a load's destination: no copy after)."""
+    blobs, read = links(storage, chunks, h, step, blob)
+    # The whole chunk is decoded into scratch memory, then each delta XORs into those same bytes in
+    # place (where a delta is zero, its base's bytes are left as they are); each link's hash is checked.
+    # Its size is what the table, the parsed manifest's tensors and every link's header agree on.
+    size = chunks[h].size
+    work = scratch("chain", size) if out is None else out
+    (x, data), rest = blobs[-1], blobs[-2::-1]
+    raw = decode_link(data, chunks, x, None, work)
+    if (rest or out is not None) and not np.shares_memory(np.frombuffer(raw, np.uint8), work):
+        work[:] = np.frombuffer(raw, np.uint8)  # stored raw: the payload itself came back
+        raw = work.data
+    prev = x
+    for x, data in rest:
+        raw = decode_link(data, chunks, x, Base(raw, prev) if base_of(data, chunks, x) is not None else None, work)
+        prev = x
+    assert raw is not None
+    return raw, read
+
+
+def links(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None = None,
+          blob: bytes | bytearray | memoryview | None = None) -> tuple[list[tuple[str, Any]], int]:
+    """The stored objects of chunk ``h``'s chain, ``h`` first, down to the one stored whole, each
+    header checked against the table (see :func:`resolve`), and the bytes read."""
     size = chunks[h].size
     budget = MAX_READ_FACTOR * size + (1 << 20)
     first = blob if blob is not None else read_object(storage, chunks, h, step)
@@ -141,21 +165,7 @@ def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int
     finally:
         running = [f for f in ahead.values() if not f.cancel()]
         wait(running)  # nothing of this chain is read after it returns
-    # The whole chunk is decoded into scratch memory, then each delta XORs into those same bytes in
-    # place (where a delta is zero, its base's bytes are left as they are); each link's hash is checked.
-    # Its size is what the table, the parsed manifest's tensors and every link's header agree on.
-    work = scratch("chain", size) if out is None else out
-    (x, data), rest = blobs[-1], blobs[-2::-1]
-    raw = decode_link(data, chunks, x, None, work)
-    if (rest or out is not None) and not np.shares_memory(np.frombuffer(raw, np.uint8), work):
-        work[:] = np.frombuffer(raw, np.uint8)  # stored raw: the payload itself came back
-        raw = work.data
-    prev = x
-    for x, data in rest:
-        raw = decode_link(data, chunks, x, Base(raw, prev) if base_of(data, chunks, x) is not None else None, work)
-        prev = x
-    assert raw is not None
-    return raw, read
+    return blobs, read
 
 
 def trees(chunks: dict[str, mf.ChunkInfo], hashes) -> tuple[list[str], dict[str, list[str]]]:

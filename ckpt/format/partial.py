@@ -6,16 +6,19 @@ what a load of encoded float state spends its time on, so each rank should decod
 A plane stored as it is gives any element range by slicing; a rANS section is coded in blocks of
 2^k symbols, each prefixed by its length, so the blocks covering a range can be found by walking
 the prefixes and decoded alone. A zstd section is one frame and would have to be decoded whole: a
-chunk with one is not decoded in part (the caller decodes it whole), nor is a delta (``xor``),
-whose base would have to be decoded in part too.
+chunk with one is not decoded in part (the caller decodes it whole). A delta (``xor``) is decoded
+in part down its chain: the spans of the chunk stored whole, then each delta's spans XORed in.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import rans, spans
-from .chunk import HEADER_SIZE, ChunkHeader, _section_table, _unpack_section
+from ..storage.base import Storage
+from . import chains, rans, spans
+from . import manifest as mf
+from .chunk import HEADER_SIZE, ChunkHeader, _section_table, _unpack_section, check_header, parse_header
+from .paths import chunk_key
 from .planes import RANS, STORED, scratch, ungroup_parts
 
 
@@ -24,13 +27,51 @@ class NotPartial(Exception):
     one validity check of a chunk says what is wrong."""
 
 
+def resolve_spans(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, blob, runs: list[tuple[int, int]],
+                  out: np.ndarray, step: int | None = None) -> tuple[list[tuple[int, int, int]], int]:
+    """The byte ranges ``runs`` ((start, end), span-aligned, sorted) of chunk ``h`` (its object
+    ``blob`` read already), decoded down its chain into ``out`` one after another; returns (start,
+    end, position in ``out``) per run, and the bytes read for the chain's other links. The links'
+    headers are checked; their bytes are not (the caller checks the result against the span
+    digests). :class:`NotPartial` where it cannot."""
+    blobs, read = chains.links(storage, chunks, h, step, blob)
+    placed: list[tuple[int, int, int]] = []
+    delta: np.ndarray | None = None
+    for x, data in reversed(blobs):  # the chunk stored whole first, then each delta on it
+        key = chunk_key(x)
+        hdr = parse_header(data, name=key)
+        check_header(hdr, name=key, expect_hash=x, expect_len=chunks[x].size, object_len=len(data))
+        if hdr.base is None:
+            placed = _whole_link(hdr, data, runs, out, key, x)
+            continue
+        if delta is None:
+            delta = scratch("partial-delta", out.size)
+        decode_spans(hdr, data, runs, delta, name=key, expect_hash=x)
+        np.bitwise_xor(out, delta, out=out)
+    return placed, read
+
+
+def _whole_link(hdr: ChunkHeader, data, runs: list[tuple[int, int]], out: np.ndarray, key: str,
+                x: str) -> list[tuple[int, int, int]]:
+    if hdr.codec == "raw":
+        payload = np.frombuffer(memoryview(data).cast("B"), np.uint8)[HEADER_SIZE:]
+        placed, pos = [], 0
+        for lo, hi in runs:
+            out[pos : pos + hi - lo] = payload[lo:hi]
+            placed.append((lo, hi, pos))
+            pos += hi - lo
+        return placed
+    return decode_spans(hdr, data, runs, out, name=key, expect_hash=x)
+
+
 def decode_spans(hdr: ChunkHeader, blob, runs: list[tuple[int, int]], out: np.ndarray, *, name: str,
                  expect_hash: str) -> list[tuple[int, int, int]]:
     """Decode the byte ranges ``runs`` ((start, end), span-aligned, sorted) of planes object ``blob``
     (header already checked) into ``out``, one after another; returns (start, end, position in
-    ``out``) per run. :class:`NotPartial` where it cannot."""
+    ``out``) per run. For a delta (``xor``), the delta's bytes (the caller XORs its base's in).
+    :class:`NotPartial` where it cannot."""
     w, n = hdr.width, hdr.raw_len
-    if hdr.codec != "planes" or hdr.base is not None or spans.SPAN % w:
+    if hdr.codec not in ("planes", "xor") or spans.SPAN % w:
         raise NotPartial
     payload = memoryview(blob).cast("B")[HEADER_SIZE:]
     table = _section_table(hdr, payload, name=name, expect_hash=expect_hash)
