@@ -14,7 +14,9 @@
 // used. That catches most damage, not all (a flipped word can still decode to other bytes of the
 // right length): the chunk's hash, checked after decoding, is what guarantees the bytes.
 //
-// The decoders give the same bytes and the same verdicts: the scalar one (everywhere, and the
+// The encoders write the same bytes: the scalar one (everywhere, and the reference) and, on x86 CPUs
+// with AVX2, one that steps a block's eight states as the lanes of a vector, four blocks at a time
+// (encode_rounds). The decoders give the same bytes and the same verdicts: the scalar one (everywhere, and the
 // reference) and, on x86 CPUs with AVX2, one that steps a block's eight states as the lanes of a
 // vector, four blocks at a time (vector_rounds; 1.8x the scalar one on Zen 4, 1.9x compiled for
 // AVX-512, which gives it twice the registers).
@@ -59,10 +61,11 @@ inline uint32_t get32(const uint8_t* p) { return get16(p) | get16(p + 2) << 16; 
 void normalize(const uint32_t* count, uint32_t n, uint32_t* f) {
   int32_t sum = 0;
   int top = -1;
+  const int shift = (n & (n - 1)) ? -1 : __builtin_ctz(n);  // a whole block: a shift, not a 64-bit divide
   for (int s = 0; s < 256; ++s) {
     f[s] = 0;
     if (!count[s]) continue;
-    uint32_t v = uint32_t(uint64_t(count[s]) * SCALE / n);
+    uint32_t v = shift >= 0 ? uint32_t((uint64_t(count[s]) * SCALE) >> shift) : uint32_t(uint64_t(count[s]) * SCALE / n);
     f[s] = v ? v : 1;
     sum += int32_t(f[s]);
     if (top < 0 || count[s] > count[top]) top = s;
@@ -74,16 +77,49 @@ void normalize(const uint32_t* count, uint32_t n, uint32_t* f) {
   }
   while (diff < 0) {  // rare symbols raised to 1 took more than the rounding left: take from the largest
     int big = top;
-    for (int s = 0; s < 256; ++s)
+    uint32_t other = 0;  // the largest frequency but top's
+    for (int s = 0; s < 256; ++s) {
       if (f[s] > f[big]) big = s;
-    f[big] -= 1;
-    ++diff;
+      if (s != top && f[s] > other) other = f[s];
+    }
+    // One at a time, each from the first largest (top when it is among them). While top is, it stays
+    // the choice down to `other`: take those at once (a block of one common symbol and ~200 rare ones
+    // took ~200 passes over the table, as long as coding the block).
+    const uint32_t run = big == top ? f[top] - other + 1 : 1;
+    const uint32_t take = run < uint32_t(-diff) ? run : uint32_t(-diff);
+    f[big] -= take;
+    diff += int32_t(take);
   }
 }
 
-// One block of n symbols at `out`; returns the bytes written.
-size_t encode_block(const uint8_t* src, uint32_t n, uint8_t* out, std::vector<uint16_t>& words) {
-  uint32_t count[256] = {0}, f[256], cum[256];
+// A block being encoded: its symbols, their frequencies and, per state, the state and the slot its
+// next word goes to. Each state writes its own stream backwards (the decoder reads it forwards), so
+// the decoder's states never wait on one another's reads: stream j fills words[room * j, room * (j +
+// 1)) from the top down. A state codes ceil(n / STATES) symbols and writes a word (kept or not) per
+// symbol, so n / STATES + 2 words of room never reach the region below.
+struct EncBlock {
+  const uint8_t* src;
+  uint32_t left;  // symbols not coded yet: the block is coded from its end
+  int present;    // distinct symbols
+  uint16_t* words;
+  uint32_t room;
+  uint32_t x[STATES];
+  uint32_t pos[STATES];  // stream j's words are words[pos[j] + 1, room * (j + 1))
+  uint32_t f[256], cum[256];
+};
+
+// Words of room per stream for a block of n symbols: enough (above), and rounded up so that the
+// streams' tops are not 4 KiB apart (n / 8 + 2 words are 4100 bytes for a whole block; the vector
+// encoder's eight stores a round to addresses that close in their low 12 bits ran at half speed).
+constexpr uint32_t stream_room(uint32_t n) { return (n / STATES + 2 + 31) / 32 * 32 + 32; }
+
+// Count the block's symbols and derive its frequencies; the states start at LOW.
+void plan_block(EncBlock& b, const uint8_t* src, uint32_t n, uint16_t* words, uint32_t room) {
+  b.src = src;
+  b.left = n;
+  b.words = words;
+  b.room = room;
+  uint32_t count[256];
   {  // four histograms: runs of one symbol would otherwise wait on their own increments
     uint32_t part[4][256] = {{0}};
     uint32_t i = 0;
@@ -96,79 +132,322 @@ size_t encode_block(const uint8_t* src, uint32_t n, uint8_t* out, std::vector<ui
     for (; i < n; ++i) part[0][src[i]]++;
     for (int s = 0; s < 256; ++s) count[s] = part[0][s] + part[1][s] + part[2][s] + part[3][s];
   }
-  normalize(count, n, f);
-  uint8_t* p = out + 4;
-  int present = 0;
-  for (int s = 0; s < 256; ++s) present += f[s] != 0;
-  *p++ = uint8_t(present - 1);
+  normalize(count, n, b.f);
+  b.present = 0;
   uint32_t c = 0;
   for (int s = 0; s < 256; ++s) {
-    cum[s] = c;
-    c += f[s];
-    if (!f[s]) continue;
+    b.cum[s] = c;
+    c += b.f[s];
+    b.present += b.f[s] != 0;
+  }
+  for (int j = 0; j < STATES; ++j) {
+    b.x[j] = LOW;
+    b.pos[j] = room * (j + 1) - 1;
+  }
+}
+
+// The scalar encoder (everywhere, and the reference the vector one is tested against): all of the
+// block's symbols, from its end.
+void code_scalar(EncBlock& b) {
+  const uint32_t* f = b.f;
+  const uint32_t* cum = b.cum;
+  const uint8_t* src = b.src;
+  uint16_t* w[STATES];
+  uint32_t x[STATES];
+  // Division by a frequency as a multiply (a 32-bit divide per symbol was the encoder's bottleneck).
+  // With m = ceil(2^44 / f): floor(v * m / 2^44) = floor(v / f) because the error v * (m - 2^44/f)
+  // is below v < 2^20 * f, and v * f < 2^44 for f < 4096. The product fits in 64 bits:
+  // v * m < 2^20 * f * (2^44 / f + 1) = 2^64 + 2^20 * f - ..., below 2^64 as f^2 < 2^24.
+  uint64_t rcp[256];
+  for (int k = 0; k < 256; ++k) rcp[k] = f[k] ? ((uint64_t(1) << 44) + f[k] - 1) / f[k] : 0;
+  for (int j = 0; j < STATES; ++j) {
+    w[j] = b.words + b.pos[j] + 1;
+    x[j] = b.x[j];
+  }
+  // One symbol into state x, its word (if any) onto stream w. Renormalisation is branch-free (whether
+  // a word goes out is data-dependent, unpredictable): the word is always stored, and kept only when
+  // the state is too large for this symbol.
+  auto put = [&](uint32_t& x, uint16_t*& w, uint32_t sym) {
+    const uint32_t fs = f[sym];
+    uint32_t v = x;
+    const uint32_t emit = v >= ((LOW >> SCALE_BITS) << 16) * fs;
+    w[-1] = uint16_t(v);
+    w -= emit;
+    v >>= emit << 4;
+    const uint32_t q = uint32_t((uint64_t(v) * rcp[sym]) >> 44);  // v / fs, exactly (above)
+    x = (q << SCALE_BITS) + (v - q * fs) + cum[sym];
+  };
+  uint32_t i = b.left;
+  for (; i % STATES; --i) put(x[(i - 1) % STATES], w[(i - 1) % STATES], src[i - 1]);  // the tail, backwards
+  {
+    uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
+    uint16_t *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5], *w6 = w[6], *w7 = w[7];
+    for (; i; i -= STATES) {  // eight states in registers, each its own dependency chain
+      const uint8_t* g = src + i - STATES;
+      put(x7, w7, g[7]);
+      put(x6, w6, g[6]);
+      put(x5, w5, g[5]);
+      put(x4, w4, g[4]);
+      put(x3, w3, g[3]);
+      put(x2, w2, g[2]);
+      put(x1, w1, g[1]);
+      put(x0, w0, g[0]);
+    }
+    x[0] = x0, x[1] = x1, x[2] = x2, x[3] = x3, x[4] = x4, x[5] = x5, x[6] = x6, x[7] = x7;
+    w[0] = w0, w[1] = w1, w[2] = w2, w[3] = w3, w[4] = w4, w[5] = w5, w[6] = w6, w[7] = w7;
+  }
+  for (int j = 0; j < STATES; ++j) {
+    b.x[j] = x[j];
+    b.pos[j] = uint32_t(w[j] - b.words) - 1;
+  }
+  b.left = 0;
+}
+
+// The coded block at `out`: its length, table, states, word counts and streams; returns the bytes written.
+size_t write_block(const EncBlock& b, uint8_t* out) {
+  uint8_t* p = out + 4;
+  *p++ = uint8_t(b.present - 1);
+  for (int s = 0; s < 256; ++s) {
+    if (!b.f[s]) continue;
     *p++ = uint8_t(s);
-    if (present > 1) {
-      put16(p, f[s]);
+    if (b.present > 1) {
+      put16(p, b.f[s]);
       p += 2;
     }
   }
-  if (present > 1) {
-    // each state writes its own stream (backwards: the decoder reads it forwards), so the decoder's
-    // states never wait on one another's reads
-    const uint32_t room = n / STATES + 2;
-    words.resize(size_t(room) * STATES);
-    uint16_t* w[STATES];
-    uint32_t x[STATES];
-    // Division by a frequency as a multiply (a 32-bit divide per symbol was the encoder's bottleneck).
-    // With m = ceil(2^44 / f): floor(v * m / 2^44) = floor(v / f) because the error v * (m - 2^44/f)
-    // is below v < 2^20 * f, and v * f < 2^44 for f < 4096. The product fits in 64 bits:
-    // v * m < 2^20 * f * (2^44 / f + 1) = 2^64 + 2^20 * f - ..., below 2^64 as f^2 < 2^24.
-    uint64_t rcp[256];
-    for (int k = 0; k < 256; ++k) rcp[k] = f[k] ? ((uint64_t(1) << 44) + f[k] - 1) / f[k] : 0;
+  if (b.present > 1) {
+    for (int j = 0; j < STATES; ++j, p += 4) put32(p, b.x[j]);
+    for (int j = 0; j < STATES; ++j, p += 2) put16(p, b.room * (j + 1) - 1 - b.pos[j]);
     for (int j = 0; j < STATES; ++j) {
-      w[j] = words.data() + size_t(room) * (j + 1);
-      x[j] = LOW;
+      const uint16_t* c = b.words + b.pos[j] + 1;
+      const size_t count = b.room * (j + 1) - 1 - b.pos[j];
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+      memcpy(p, c, 2 * count);
+      p += 2 * count;
+#else
+      for (size_t k = 0; k < count; ++k, p += 2) put16(p, c[k]);
+#endif
     }
-    // One symbol into state x, its word (if any) onto stream w. Renormalisation is branch-free (whether
-    // a word goes out is data-dependent, unpredictable): the word is always stored, and kept only when
-    // the state is too large for this symbol.
-    auto put = [&](uint32_t& x, uint16_t*& w, uint32_t sym) {
-      const uint32_t fs = f[sym];
-      uint32_t v = x;
-      const uint32_t emit = v >= ((LOW >> SCALE_BITS) << 16) * fs;
-      w[-1] = uint16_t(v);
-      w -= emit;
-      v >>= emit << 4;
-      const uint32_t q = uint32_t((uint64_t(v) * rcp[sym]) >> 44);  // v / fs, exactly (above)
-      x = (q << SCALE_BITS) + (v - q * fs) + cum[sym];
-    };
-    uint32_t i = n;
-    for (; i % STATES; --i) put(x[(i - 1) % STATES], w[(i - 1) % STATES], src[i - 1]);  // the tail, backwards
-    {
-      uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
-      uint16_t *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5], *w6 = w[6], *w7 = w[7];
-      for (; i; i -= STATES) {  // eight states in registers, each its own dependency chain
-        const uint8_t* g = src + i - STATES;
-        put(x7, w7, g[7]);
-        put(x6, w6, g[6]);
-        put(x5, w5, g[5]);
-        put(x4, w4, g[4]);
-        put(x3, w3, g[3]);
-        put(x2, w2, g[2]);
-        put(x1, w1, g[1]);
-        put(x0, w0, g[0]);
-      }
-      x[0] = x0, x[1] = x1, x[2] = x2, x[3] = x3, x[4] = x4, x[5] = x5, x[6] = x6, x[7] = x7;
-      w[0] = w0, w[1] = w1, w[2] = w2, w[3] = w3, w[4] = w4, w[5] = w5, w[6] = w6, w[7] = w7;
-    }
-    for (int j = 0; j < STATES; ++j, p += 4) put32(p, x[j]);
-    for (int j = 0; j < STATES; ++j, p += 2) put16(p, uint32_t(words.data() + size_t(room) * (j + 1) - w[j]));
-    for (int j = 0; j < STATES; ++j)
-      for (const uint16_t *e = words.data() + size_t(room) * (j + 1), *c = w[j]; c < e; ++c, p += 2) put16(p, *c);
   }
   put32(out, uint32_t(p - out - 4));
   return size_t(p - out);
 }
+
+// One block of n symbols at `out` with the scalar encoder; returns the bytes written.
+size_t encode_block(const uint8_t* src, uint32_t n, uint8_t* out, std::vector<uint16_t>& words) {
+  EncBlock b;
+  const uint32_t room = stream_room(n);
+  words.resize(size_t(room) * STATES);
+  plan_block(b, src, n, words.data(), room);
+  if (b.present > 1) code_scalar(b);
+  return write_block(b, out);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CKPT_RANS_ENC_AVX2 1
+
+// The vector encoder divides by a frequency with a 33-bit reciprocal, so that a 32x32-bit multiply
+// (vpmuludq) does it: with l = ceil(log2 f) and m = ceil(2^(32+l) / f) = 2^32 + m' (0 <= m' < 2^32),
+//   floor(v / f) = floor(v * m / 2^(32+l)) = (floor(v * m' / 2^32) + v) >> l
+// for every v < 2^20 * f, the states the encoder divides (after renormalisation, v < bound = 2^20 * f).
+// Why: with e = m * f - 2^(32+l) (0 <= e < f) and v = q * f + r, v * m / 2^(32+l) = q + (r + v * e /
+// 2^(32+l)) / f, which stays below q + 1 while r + v * e / 2^(32+l) < f; the worst case, r = f - 1 with
+// v = 2^20 * f - 1, needs (2^20 * f - 1) * e < 2^(32+l), true as e < f <= 2^l and 2^20 * f <= 2^(20+l)
+// <= 2^32 (f <= 4096). Adding v * 2^32 before the shift commutes with the floor, hence the second form.
+// Per symbol (64 bits): m' in the low half; f | cum << 12 | l << 24 in the high half.
+uint32_t recip33(uint32_t f, int* l) {
+  *l = f > 1 ? 32 - __builtin_clz(f - 1) : 0;
+  return uint32_t(((uint64_t(1) << (32 + *l)) + f - 1) / f - (uint64_t(1) << 32));
+}
+
+// The per-symbol entries of a block for the vector code; a table of every frequency's reciprocal is
+// made once (a 64-bit divide per present symbol per block cost more than the table).
+void fill_entries(const EncBlock& b, uint64_t* tab) {
+  static const std::vector<uint32_t> magic = [] {
+    std::vector<uint32_t> m(SCALE + 1);
+    int l;
+    for (uint32_t f = 1; f <= SCALE; ++f) m[f] = recip33(f, &l);
+    return m;
+  }();
+  for (int s = 0; s < 256; ++s) {
+    const uint32_t f = b.f[s];
+    const uint32_t l = f > 1 ? 32 - __builtin_clz(f - 1) : 0;
+    tab[s] = f ? uint64_t(magic[f]) | uint64_t(f | b.cum[s] << 12 | l << 24) << 32 : 0;
+  }
+}
+
+// The symbols of the block's tail (n mod STATES, the last ones: coded first) one at a time, as the
+// vector code codes them.
+void code_tail(EncBlock& b, const uint64_t* tab) {
+  for (; b.left % STATES; --b.left) {
+    const int j = int((b.left - 1) % STATES);
+    const uint64_t e = tab[b.src[b.left - 1]];
+    const uint32_t m = uint32_t(e), f = uint32_t(e >> 32) & 0xFFF, cum = uint32_t(e >> 44) & 0xFFF;
+    const int l = int(e >> 56);
+    uint32_t v = b.x[j];
+    b.words[b.pos[j]] = uint16_t(v);
+    const uint32_t emit = (v >> 20) >= f;
+    b.pos[j] -= emit;
+    v >>= emit << 4;
+    const uint32_t q = uint32_t(((uint64_t(v) * m >> 32) + v) >> l);
+    b.x[j] = (q << SCALE_BITS) + (v - q * f) + cum;
+  }
+}
+
+// Vector lane i holds state LANE[i]: the order in which two shuffles split eight loaded entries
+// into their low and high halves.
+constexpr int LANE[STATES] = {0, 1, 4, 5, 2, 3, 6, 7};
+
+// G blocks coded in step, `rounds` rounds of STATES symbols each (every block has at least that many
+// left, and no tail), a block's eight states the eight 32-bit lanes of a vector. A block's rounds are
+// one dependency chain (~15 cycles a round: compare, multiply, multiply); several chains keep the core
+// busy. Per round: the eight symbols' entries (scalar loads put together: gathers are slower, see
+// gather8), then per lane the branch-free step of the scalar encoder, with the word of every lane
+// stored by scalar stores and kept (its slot taken) where the lane emits.
+template <int G>
+__attribute__((target("avx2"), always_inline)) inline void encode_rounds(EncBlock* const* bs, const uint64_t* const* tabs,
+                                                                         uint32_t rounds) {
+  const __m256i lo12 = _mm256_set1_epi32(0xFFF), lo32 = _mm256_set1_epi64x(0xFFFFFFFF);
+  const __m256i one = _mm256_set1_epi32(1), c32 = _mm256_set1_epi32(32);
+  __m256i x[G], pos[G];
+  const uint8_t* src[G];
+  for (int g = 0; g < G; ++g) {
+    alignas(32) uint32_t xs[STATES], ps[STATES];
+    for (int i = 0; i < STATES; ++i) xs[i] = bs[g]->x[LANE[i]], ps[i] = bs[g]->pos[LANE[i]];
+    x[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs));
+    pos[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(ps));
+    src[g] = bs[g]->src + bs[g]->left;
+  }
+  // per block the last two rounds' slot << 16 | word per lane; the first round writes what the one
+  // before it left (nothing: every lane's word at its current slot, which is written again later)
+  alignas(32) uint32_t ring[G][2 * STATES];
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+  for (int g = 0; g < G; ++g)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ring[g] + STATES), _mm256_slli_epi32(pos[g], 16));
+  for (uint32_t r = 0; r < rounds; ++r) {
+    for (int g = 0; g < G; ++g) {
+      src[g] -= STATES;
+      const uint8_t* s = src[g];
+      const uint64_t* t = tabs[g];
+      __m128i a0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[0]));
+      __m128i a1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[2]));
+      __m128i a2 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[4]));
+      __m128i a3 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[6]));
+      a0 = _mm_insert_epi64(a0, int64_t(t[s[1]]), 1);
+      a1 = _mm_insert_epi64(a1, int64_t(t[s[3]]), 1);
+      a2 = _mm_insert_epi64(a2, int64_t(t[s[5]]), 1);
+      a3 = _mm_insert_epi64(a3, int64_t(t[s[7]]), 1);
+      const __m256 y0 = _mm256_castsi256_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a0), a1, 1));
+      const __m256 y1 = _mm256_castsi256_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a2), a3, 1));
+      const __m256i m = _mm256_castps_si256(_mm256_shuffle_ps(y0, y1, 0x88));  // lanes in LANE order
+      const __m256i h = _mm256_castps_si256(_mm256_shuffle_ps(y0, y1, 0xDD));
+      const __m256i f = _mm256_and_si256(h, lo12);
+      const __m256i cum = _mm256_and_si256(_mm256_srli_epi32(h, 12), lo12);
+      const __m256i l = _mm256_srli_epi32(h, 24);
+      {  // every lane's word into its slot: the previous round's, read back from memory (the loads wait for
+         // no store; vpextrd, two uops each, took longer)
+        __m256i* slot = reinterpret_cast<__m256i*>(ring[g] + STATES * (r & 1));
+        _mm256_store_si256(slot, _mm256_or_si256(_mm256_slli_epi32(pos[g], 16), _mm256_and_si256(x[g], lo16)));
+        const uint32_t* prev = ring[g] + STATES * (~r & 1);
+        asm("" : "+r"(prev));  // keep them loads
+        uint16_t* w = bs[g]->words;
+        for (int i = 0; i < STATES; ++i) w[prev[i] >> 16] = uint16_t(prev[i]);
+      }
+      const __m256i emit = _mm256_cmpgt_epi32(_mm256_srli_epi32(x[g], 20), _mm256_sub_epi32(f, one));  // x >= 2^20 f
+      pos[g] = _mm256_add_epi32(pos[g], emit);
+      const __m256i v = _mm256_blendv_epi8(x[g], _mm256_srli_epi32(x[g], 16), emit);
+      const __m256i vo = _mm256_srli_epi64(v, 32);
+      const __m256i pe = _mm256_mul_epu32(v, m), po = _mm256_mul_epu32(vo, _mm256_srli_epi64(m, 32));
+      const __m256i te = _mm256_add_epi64(_mm256_srli_epi64(pe, 32), _mm256_and_si256(v, lo32));
+      const __m256i to = _mm256_add_epi64(_mm256_srli_epi64(po, 32), vo);
+      // even lanes: q = te >> l in the low half; odd lanes: to << (32 - l) puts q in the high half
+      // (q < 2^20, so nothing leaves the top), the low half is dropped by the blend
+      const __m256i qe = _mm256_srlv_epi64(te, _mm256_and_si256(l, lo32));
+      const __m256i qo = _mm256_sllv_epi64(to, _mm256_srli_epi64(_mm256_sub_epi32(c32, l), 32));
+      const __m256i q = _mm256_blend_epi32(qe, qo, 0xAA);
+      x[g] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(q, SCALE_BITS), _mm256_add_epi32(v, cum)),
+                              _mm256_mullo_epi32(q, f));
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const uint32_t* last = ring[g] + STATES * ((rounds - 1) & 1);
+    for (int i = 0; rounds && i < STATES; ++i) bs[g]->words[last[i] >> 16] = uint16_t(last[i]);
+    alignas(32) uint32_t xs[STATES], ps[STATES];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(xs), x[g]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ps), pos[g]);
+    for (int i = 0; i < STATES; ++i) bs[g]->x[LANE[i]] = xs[i], bs[g]->pos[LANE[i]] = ps[i];
+    bs[g]->left -= STATES * rounds;
+  }
+}
+
+// As the decoder: the same code for AVX2 and for AVX-512 (VL), where it has 32 vector registers.
+template <int G>
+__attribute__((target("avx2"))) void encode_avx2(EncBlock* const* bs, const uint64_t* const* tabs, uint32_t rounds) {
+  encode_rounds<G>(bs, tabs, rounds);
+}
+
+template <int G>
+__attribute__((target("avx2,avx512f,avx512vl"))) void encode_avx512(EncBlock* const* bs, const uint64_t* const* tabs,
+                                                                    uint32_t rounds) {
+  encode_rounds<G>(bs, tabs, rounds);
+}
+
+// Blocks the vector encoder codes in step.
+constexpr int ENC_GROUP = 4;
+static_assert(STATES * stream_room(1u << BLOCK_LOG) < 65536, "a slot must fit the 16 bits next to its word");
+
+// Code the planned blocks bs[0:count) (each with more than one symbol) to their starts with the vector
+// code of `level` (1: AVX2, 2: AVX-512): tails first, then the rounds the blocks have in common in step,
+// then each block's own rest.
+void encode_group(EncBlock* const* bs, int count, uint64_t* tabs, int level) {
+  const uint64_t* t[ENC_GROUP];
+  for (int g = 0; g < count; ++g) {
+    t[g] = tabs + 256 * g;
+    fill_entries(*bs[g], tabs + 256 * g);
+    code_tail(*bs[g], t[g]);
+  }
+  uint32_t common = ~0u;
+  for (int g = 0; g < count; ++g) common = bs[g]->left < common ? bs[g]->left : common;
+  common /= STATES;
+  auto run = [&](auto fn4, auto fn3, auto fn2, auto fn1) {
+    switch (count) {
+      case 4: fn4(bs, t, common); break;
+      case 3: fn3(bs, t, common); break;
+      case 2: fn2(bs, t, common); break;
+      default: break;
+    }
+    for (int g = 0; g < count; ++g) fn1(bs + g, t + g, bs[g]->left / STATES);  // a shorter block: the rest alone
+  };
+  if (level == 2)
+    run(encode_avx512<4>, encode_avx512<3>, encode_avx512<2>, encode_avx512<1>);
+  else
+    run(encode_avx2<4>, encode_avx2<3>, encode_avx2<2>, encode_avx2<1>);
+}
+
+// The section's blocks after its two header bytes, ENC_GROUP blocks at a time; returns the bytes written.
+size_t encode_vector(const uint8_t* src, uint64_t n, uint8_t* out, int level) {
+  const uint32_t block = 1u << BLOCK_LOG, room = stream_room(block);
+  std::vector<uint16_t> words(size_t(room) * STATES * ENC_GROUP);
+  std::vector<uint64_t> tabs(256 * ENC_GROUP);
+  EncBlock blocks[ENC_GROUP];
+  size_t pos = 0;
+  for (uint64_t i = 0; i < n; i += uint64_t(block) * ENC_GROUP) {
+    EncBlock* coded[ENC_GROUP];
+    int count = 0, planned = 0;
+    for (; planned < ENC_GROUP && i + uint64_t(planned) * block < n; ++planned) {
+      const uint64_t at = i + uint64_t(planned) * block;
+      EncBlock& b = blocks[planned];
+      plan_block(b, src + at, uint32_t(n - at < block ? n - at : block), words.data() + size_t(room) * STATES * planned,
+                 room);
+      if (b.present > 1) coded[count++] = &b;
+    }
+    if (count) encode_group(coded, count, tabs.data(), level);
+    for (int g = 0; g < planned; ++g) pos += write_block(blocks[g], out + pos);
+  }
+  return pos;
+}
+
+#endif
 
 // A block's decoding table: per 12-bit slot, the symbol (bits 0-7), its frequency (8-19) and the
 // slot's offset within the symbol's range (20-31).
@@ -528,12 +807,20 @@ uint64_t ckpt_rans_bound(uint64_t n) {
   return 2 + blocks * (4 + 1 + 3 * 256 + 6 * STATES) + 2 * n;
 }
 
-// Encode n bytes; returns the section's length, or -1 when `cap` is below ckpt_rans_bound(n).
-int64_t ckpt_rans_encode(const uint8_t* src, uint64_t n, uint8_t* out, uint64_t cap) {
+// Encode n bytes with the best vector encoder the CPU has up to level `simd` (0: the scalar one, the
+// reference; 1: AVX2; 2: AVX-512): the same bytes at every level. Returns the section's length, or -1
+// when `cap` is below ckpt_rans_bound(n).
+int64_t ckpt_rans_encode(const uint8_t* src, uint64_t n, uint8_t* out, uint64_t cap, int simd) {
   if (cap < ckpt_rans_bound(n)) return -1;
   out[0] = FORMAT;
   out[1] = BLOCK_LOG;
   size_t pos = 2;
+#ifdef CKPT_RANS_ENC_AVX2
+  const int level = simd < cpu_level() ? (simd > 0 ? simd : 0) : cpu_level();
+  if (level) return int64_t(pos + encode_vector(src, n, out + pos, level));
+#else
+  (void)simd;
+#endif
   std::vector<uint16_t> words;
   for (uint64_t i = 0; i < n; i += 1u << BLOCK_LOG) {
     const uint32_t len = uint32_t(n - i < (1u << BLOCK_LOG) ? n - i : (1u << BLOCK_LOG));
