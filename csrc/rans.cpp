@@ -120,17 +120,23 @@ void plan_block(EncBlock& b, const uint8_t* src, uint32_t n, uint16_t* words, ui
   b.words = words;
   b.room = room;
   uint32_t count[256];
-  {  // four histograms: runs of one symbol would otherwise wait on their own increments
-    uint32_t part[4][256] = {{0}};
+  {
+    // Eight histograms fed from 64-bit loads: runs of one symbol (a plane of mostly zeros) would
+    // otherwise wait on their own increments. 16-bit counts: a table sees at most n / 8 < 2^16.
+    static_assert((1u << BLOCK_LOG) / 8 < 65536, "a histogram's counts must fit 16 bits");
+    uint16_t part[8][256] = {{0}};
     uint32_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-      part[0][src[i]]++;
-      part[1][src[i + 1]]++;
-      part[2][src[i + 2]]++;
-      part[3][src[i + 3]]++;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t w;
+      memcpy(&w, src + i, 8);  // the byte order does not matter: every byte is counted once
+      for (int k = 0; k < 8; ++k) part[k][(w >> (8 * k)) & 255]++;
     }
-    for (; i < n; ++i) part[0][src[i]]++;
-    for (int s = 0; s < 256; ++s) count[s] = part[0][s] + part[1][s] + part[2][s] + part[3][s];
+    for (int s = 0; s < 256; ++s) {
+      uint32_t c = 0;
+      for (int k = 0; k < 8; ++k) c += part[k][s];
+      count[s] = c;
+    }
+    for (; i < n; ++i) count[src[i]]++;
   }
   normalize(count, n, b.f);
   b.present = 0;
@@ -253,15 +259,16 @@ size_t encode_block(const uint8_t* src, uint32_t n, uint8_t* out, std::vector<ui
 // Why: with e = m * f - 2^(32+l) (0 <= e < f) and v = q * f + r, v * m / 2^(32+l) = q + (r + v * e /
 // 2^(32+l)) / f, which stays below q + 1 while r + v * e / 2^(32+l) < f; the worst case, r = f - 1 with
 // v = 2^20 * f - 1, needs (2^20 * f - 1) * e < 2^(32+l), true as e < f <= 2^l and 2^20 * f <= 2^(20+l)
-// <= 2^32 (f <= 4096). Adding v * 2^32 before the shift commutes with the floor, hence the second form.
-// Per symbol (64 bits): m' in the low half; f | cum << 12 | l << 24 in the high half.
+// <= 2^32 (f <= 4096). Adding v * 2^32 before the shift commutes with the floor, hence the second form,
+// and its sum t = floor(v * m' / 2^32) + v fits in 32 bits (t >> l = q < 2^20, l <= 12).
 uint32_t recip33(uint32_t f, int* l) {
   *l = f > 1 ? 32 - __builtin_clz(f - 1) : 0;
   return uint32_t(((uint64_t(1) << (32 + *l)) + f - 1) / f - (uint64_t(1) << 32));
 }
 
-// The per-symbol entries of a block for the vector code; a table of every frequency's reciprocal is
-// made once (a 64-bit divide per present symbol per block cost more than the table).
+// The per-symbol entries of a block for the vector code (64 bits: m' in the low half, then f - 1 in
+// bits 32-43, cum in 44-55 and 32 + l in 56-63); a table of every frequency's reciprocal is made
+// once (a 64-bit divide per present symbol per block cost more than the table).
 void fill_entries(const EncBlock& b, uint64_t* tab) {
   static const std::vector<uint32_t> magic = [] {
     std::vector<uint32_t> m(SCALE + 1);
@@ -272,7 +279,7 @@ void fill_entries(const EncBlock& b, uint64_t* tab) {
   for (int s = 0; s < 256; ++s) {
     const uint32_t f = b.f[s];
     const uint32_t l = f > 1 ? 32 - __builtin_clz(f - 1) : 0;
-    tab[s] = f ? uint64_t(magic[f]) | uint64_t(f | b.cum[s] << 12 | l << 24) << 32 : 0;
+    tab[s] = f ? uint64_t(magic[f]) | uint64_t((f - 1) | b.cum[s] << 12 | (32 + l) << 24) << 32 : 0;
   }
 }
 
@@ -282,8 +289,8 @@ void code_tail(EncBlock& b, const uint64_t* tab) {
   for (; b.left % STATES; --b.left) {
     const int j = int((b.left - 1) % STATES);
     const uint64_t e = tab[b.src[b.left - 1]];
-    const uint32_t m = uint32_t(e), f = uint32_t(e >> 32) & 0xFFF, cum = uint32_t(e >> 44) & 0xFFF;
-    const int l = int(e >> 56);
+    const uint32_t m = uint32_t(e), f = (uint32_t(e >> 32) & 0xFFF) + 1, cum = uint32_t(e >> 44) & 0xFFF;
+    const int l = int(e >> 56) - 32;
     uint32_t v = b.x[j];
     b.words[b.pos[j]] = uint16_t(v);
     const uint32_t emit = (v >> 20) >= f;
@@ -294,84 +301,96 @@ void code_tail(EncBlock& b, const uint64_t* tab) {
   }
 }
 
-// Vector lane i holds state LANE[i]: the order in which two shuffles split eight loaded entries
-// into their low and high halves.
-constexpr int LANE[STATES] = {0, 1, 4, 5, 2, 3, 6, 7};
+// Vector lane i holds state LANE[i]: the even lanes are the low halves of the 64-bit lanes, whose
+// entries are states 0-3's; the odd ones, the high halves, states 4-7's.
+constexpr int LANE[STATES] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+// The words of a whole block's streams, and the blocks coded in step: block g's entries are at
+// tab0 + 256 g and its words at words0 + BLOCK_WORDS g, so that one register reaches every block's.
+constexpr uint32_t BLOCK_WORDS = STATES * stream_room(1u << BLOCK_LOG);
+constexpr int ENC_GROUP = 4;
+
+// One round of G blocks in step (see encode_rounds): states and slots into ring slot P, the words
+// of the round before (ring slot 1 - P) into their slots.
+template <int G, int P>
+__attribute__((target("avx2"), always_inline)) inline void encode_round(__m256i* x, __m256i* pos, const uint8_t** src,
+                                                                        const uint64_t* tab0, uint16_t* words0,
+                                                                        uint32_t (*rx)[2][STATES],
+                                                                        uint32_t (*rp)[2][STATES]) {
+  const __m256i lo12 = _mm256_set1_epi32(0xFFF), hi32 = _mm256_set1_epi64x(int64_t(0xFFFFFFFF00000000));
+  const __m256i c32 = _mm256_set1_epi64x(32);
+#pragma GCC unroll 8  // the blocks' states stay in registers (GCC made a loop of them, through memory)
+  for (int g = 0; g < G; ++g) {
+    src[g] -= STATES;
+    const uint8_t* s = src[g];
+    const uint64_t* t = tab0 + 256 * g;
+    __m128i a0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[0]));
+    __m128i a1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[2]));
+    __m128i b0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[4]));
+    __m128i b1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[6]));
+    a0 = _mm_insert_epi64(a0, int64_t(t[s[1]]), 1);
+    a1 = _mm_insert_epi64(a1, int64_t(t[s[3]]), 1);
+    b0 = _mm_insert_epi64(b0, int64_t(t[s[5]]), 1);
+    b1 = _mm_insert_epi64(b1, int64_t(t[s[7]]), 1);
+    const __m256i ea = _mm256_inserti128_si256(_mm256_castsi128_si256(a0), a1, 1);  // states 0-3: the even lanes
+    const __m256i eb = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);  // states 4-7: the odd lanes
+    const __m256i h = _mm256_blend_epi32(_mm256_srli_epi64(ea, 32), eb, 0xAA);     // every lane's high half
+    const __m256i fm1 = _mm256_and_si256(h, lo12);
+    const __m256i cf = _mm256_xor_si256(fm1, lo12);  // SCALE - f
+    const __m256i cum = _mm256_and_si256(_mm256_srli_epi32(h, 12), lo12);
+    const __m256i shift_a = _mm256_srli_epi64(ea, 56), shift_b = _mm256_sub_epi64(_mm256_srli_epi64(eb, 56), c32);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(rx[g][P]), x[g]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(rp[g][P]), pos[g]);
+    {
+      asm("" : "+m"(rx[g][1 - P]), "+m"(rp[g][1 - P]));  // loads, not the compiler's extracts of the stored vectors
+      uint16_t* w = words0 + BLOCK_WORDS * g;
+      for (int i = 0; i < STATES; ++i) w[rp[g][1 - P][i]] = uint16_t(rx[g][1 - P][i]);
+    }
+    const __m256i emit = _mm256_cmpgt_epi32(_mm256_srli_epi32(x[g], 20), fm1);  // x >= 2^20 f
+    pos[g] = _mm256_add_epi32(pos[g], emit);
+    const __m256i v = _mm256_blendv_epi8(x[g], _mm256_srli_epi32(x[g], 16), emit);
+    // t = (v * m' >> 32) + v in the high half of each 64-bit lane, q = t >> l: the even lanes' q
+    // lands in the low half, the odd lanes' in the high half (the low half below it is dropped)
+    const __m256i ta = _mm256_add_epi64(_mm256_mul_epu32(v, ea), _mm256_slli_epi64(v, 32));
+    const __m256i tb = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(v, 32), eb), _mm256_and_si256(v, hi32));
+    const __m256i q = _mm256_blend_epi32(_mm256_srlv_epi64(ta, shift_a), _mm256_srlv_epi64(tb, shift_b), 0xAA);
+    x[g] = _mm256_add_epi32(_mm256_add_epi32(v, cum), _mm256_mullo_epi32(q, cf));  // (q << 12) + v - q f + cum
+  }
+}
 
 // G blocks coded in step, `rounds` rounds of STATES symbols each (every block has at least that many
 // left, and no tail), a block's eight states the eight 32-bit lanes of a vector. A block's rounds are
-// one dependency chain (~15 cycles a round: compare, multiply, multiply); several chains keep the core
-// busy. Per round: the eight symbols' entries (scalar loads put together: gathers are slower, see
-// gather8), then per lane the branch-free step of the scalar encoder, with the word of every lane
-// stored by scalar stores and kept (its slot taken) where the lane emits.
+// one dependency chain; four keep the core busy. Per round: the eight symbols' entries (scalar loads
+// put together: gathers are slower, see gather8) as two vectors of four, whose low halves are what
+// vpmuludq multiplies by; then per lane the branch-free step of the scalar encoder. Every lane's
+// word is stored by a scalar store, kept (its slot taken) where the lane emits; the words and slots
+// are those of the round before, read back from memory: the loads wait for no store, and vpextrd
+// (two uops each) took longer. The instructions a round takes are what bounds the speed: two rounds
+// an iteration keep the ring's addresses fixed, and the blocks' tables and streams one register.
 template <int G>
-__attribute__((target("avx2"), always_inline)) inline void encode_rounds(EncBlock* const* bs, const uint64_t* const* tabs,
-                                                                         uint32_t rounds) {
-  const __m256i lo12 = _mm256_set1_epi32(0xFFF), lo32 = _mm256_set1_epi64x(0xFFFFFFFF);
-  const __m256i one = _mm256_set1_epi32(1), c32 = _mm256_set1_epi32(32);
+__attribute__((target("avx2"), always_inline)) inline void encode_rounds(EncBlock* const* bs, const uint64_t* tab0,
+                                                                         uint16_t* words0, uint32_t rounds) {
   __m256i x[G], pos[G];
   const uint8_t* src[G];
+  // per block the last two rounds' states and slots, lane by lane; the first round writes what the one
+  // before it left (the states at their current slots, which the first round writes again)
+  alignas(32) uint32_t rx[G][2][STATES], rp[G][2][STATES];
   for (int g = 0; g < G; ++g) {
-    alignas(32) uint32_t xs[STATES], ps[STATES];
-    for (int i = 0; i < STATES; ++i) xs[i] = bs[g]->x[LANE[i]], ps[i] = bs[g]->pos[LANE[i]];
-    x[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs));
-    pos[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(ps));
+    for (int i = 0; i < STATES; ++i) rx[g][1][i] = bs[g]->x[LANE[i]], rp[g][1][i] = bs[g]->pos[LANE[i]];
+    x[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(rx[g][1]));
+    pos[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(rp[g][1]));
     src[g] = bs[g]->src + bs[g]->left;
   }
-  // per block the last two rounds' slot << 16 | word per lane; the first round writes what the one
-  // before it left (nothing: every lane's word at its current slot, which is written again later)
-  alignas(32) uint32_t ring[G][2 * STATES];
-  const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
-  for (int g = 0; g < G; ++g)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ring[g] + STATES), _mm256_slli_epi32(pos[g], 16));
-  for (uint32_t r = 0; r < rounds; ++r) {
-    for (int g = 0; g < G; ++g) {
-      src[g] -= STATES;
-      const uint8_t* s = src[g];
-      const uint64_t* t = tabs[g];
-      __m128i a0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[0]));
-      __m128i a1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[2]));
-      __m128i a2 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[4]));
-      __m128i a3 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + s[6]));
-      a0 = _mm_insert_epi64(a0, int64_t(t[s[1]]), 1);
-      a1 = _mm_insert_epi64(a1, int64_t(t[s[3]]), 1);
-      a2 = _mm_insert_epi64(a2, int64_t(t[s[5]]), 1);
-      a3 = _mm_insert_epi64(a3, int64_t(t[s[7]]), 1);
-      const __m256 y0 = _mm256_castsi256_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a0), a1, 1));
-      const __m256 y1 = _mm256_castsi256_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a2), a3, 1));
-      const __m256i m = _mm256_castps_si256(_mm256_shuffle_ps(y0, y1, 0x88));  // lanes in LANE order
-      const __m256i h = _mm256_castps_si256(_mm256_shuffle_ps(y0, y1, 0xDD));
-      const __m256i f = _mm256_and_si256(h, lo12);
-      const __m256i cum = _mm256_and_si256(_mm256_srli_epi32(h, 12), lo12);
-      const __m256i l = _mm256_srli_epi32(h, 24);
-      {  // every lane's word into its slot: the previous round's, read back from memory (the loads wait for
-         // no store; vpextrd, two uops each, took longer)
-        __m256i* slot = reinterpret_cast<__m256i*>(ring[g] + STATES * (r & 1));
-        _mm256_store_si256(slot, _mm256_or_si256(_mm256_slli_epi32(pos[g], 16), _mm256_and_si256(x[g], lo16)));
-        const uint32_t* prev = ring[g] + STATES * (~r & 1);
-        asm("" : "+r"(prev));  // keep them loads
-        uint16_t* w = bs[g]->words;
-        for (int i = 0; i < STATES; ++i) w[prev[i] >> 16] = uint16_t(prev[i]);
-      }
-      const __m256i emit = _mm256_cmpgt_epi32(_mm256_srli_epi32(x[g], 20), _mm256_sub_epi32(f, one));  // x >= 2^20 f
-      pos[g] = _mm256_add_epi32(pos[g], emit);
-      const __m256i v = _mm256_blendv_epi8(x[g], _mm256_srli_epi32(x[g], 16), emit);
-      const __m256i vo = _mm256_srli_epi64(v, 32);
-      const __m256i pe = _mm256_mul_epu32(v, m), po = _mm256_mul_epu32(vo, _mm256_srli_epi64(m, 32));
-      const __m256i te = _mm256_add_epi64(_mm256_srli_epi64(pe, 32), _mm256_and_si256(v, lo32));
-      const __m256i to = _mm256_add_epi64(_mm256_srli_epi64(po, 32), vo);
-      // even lanes: q = te >> l in the low half; odd lanes: to << (32 - l) puts q in the high half
-      // (q < 2^20, so nothing leaves the top), the low half is dropped by the blend
-      const __m256i qe = _mm256_srlv_epi64(te, _mm256_and_si256(l, lo32));
-      const __m256i qo = _mm256_sllv_epi64(to, _mm256_srli_epi64(_mm256_sub_epi32(c32, l), 32));
-      const __m256i q = _mm256_blend_epi32(qe, qo, 0xAA);
-      x[g] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(q, SCALE_BITS), _mm256_add_epi32(v, cum)),
-                              _mm256_mullo_epi32(q, f));
-    }
+  uint32_t r = 0;
+  for (; r + 2 <= rounds; r += 2) {
+    encode_round<G, 0>(x, pos, src, tab0, words0, rx, rp);
+    encode_round<G, 1>(x, pos, src, tab0, words0, rx, rp);
   }
+  const int last = r < rounds ? 0 : 1;
+  if (r < rounds) encode_round<G, 0>(x, pos, src, tab0, words0, rx, rp);
   for (int g = 0; g < G; ++g) {
-    const uint32_t* last = ring[g] + STATES * ((rounds - 1) & 1);
-    for (int i = 0; rounds && i < STATES; ++i) bs[g]->words[last[i] >> 16] = uint16_t(last[i]);
+    uint16_t* w = words0 + BLOCK_WORDS * g;
+    for (int i = 0; rounds && i < STATES; ++i) w[rp[g][last][i]] = uint16_t(rx[g][last][i]);
     alignas(32) uint32_t xs[STATES], ps[STATES];
     _mm256_store_si256(reinterpret_cast<__m256i*>(xs), x[g]);
     _mm256_store_si256(reinterpret_cast<__m256i*>(ps), pos[g]);
@@ -382,41 +401,37 @@ __attribute__((target("avx2"), always_inline)) inline void encode_rounds(EncBloc
 
 // As the decoder: the same code for AVX2 and for AVX-512 (VL), where it has 32 vector registers.
 template <int G>
-__attribute__((target("avx2"))) void encode_avx2(EncBlock* const* bs, const uint64_t* const* tabs, uint32_t rounds) {
-  encode_rounds<G>(bs, tabs, rounds);
+__attribute__((target("avx2"))) void encode_avx2(EncBlock* const* bs, const uint64_t* tab0, uint16_t* words0,
+                                                 uint32_t rounds) {
+  encode_rounds<G>(bs, tab0, words0, rounds);
 }
 
 template <int G>
-__attribute__((target("avx2,avx512f,avx512vl"))) void encode_avx512(EncBlock* const* bs, const uint64_t* const* tabs,
-                                                                    uint32_t rounds) {
-  encode_rounds<G>(bs, tabs, rounds);
+__attribute__((target("avx2,avx512f,avx512vl"))) void encode_avx512(EncBlock* const* bs, const uint64_t* tab0,
+                                                                    uint16_t* words0, uint32_t rounds) {
+  encode_rounds<G>(bs, tab0, words0, rounds);
 }
 
-// Blocks the vector encoder codes in step.
-constexpr int ENC_GROUP = 4;
-static_assert(STATES * stream_room(1u << BLOCK_LOG) < 65536, "a slot must fit the 16 bits next to its word");
-
-// Code the planned blocks bs[0:count) (each with more than one symbol) to their starts with the vector
-// code of `level` (1: AVX2, 2: AVX-512): tails first, then the rounds the blocks have in common in step,
-// then each block's own rest.
-void encode_group(EncBlock* const* bs, int count, uint64_t* tabs, int level) {
-  const uint64_t* t[ENC_GROUP];
+// Code the planned blocks bs[0:count) (each with more than one symbol, block g's words at words0 +
+// BLOCK_WORDS g) to their starts with the vector code of `level` (1: AVX2, 2: AVX-512): tails first,
+// then the rounds the blocks have in common in step, then each block's own rest.
+void encode_group(EncBlock* const* bs, int count, uint64_t* tab0, uint16_t* words0, int level) {
   for (int g = 0; g < count; ++g) {
-    t[g] = tabs + 256 * g;
-    fill_entries(*bs[g], tabs + 256 * g);
-    code_tail(*bs[g], t[g]);
+    fill_entries(*bs[g], tab0 + 256 * g);
+    code_tail(*bs[g], tab0 + 256 * g);
   }
   uint32_t common = ~0u;
   for (int g = 0; g < count; ++g) common = bs[g]->left < common ? bs[g]->left : common;
   common /= STATES;
   auto run = [&](auto fn4, auto fn3, auto fn2, auto fn1) {
     switch (count) {
-      case 4: fn4(bs, t, common); break;
-      case 3: fn3(bs, t, common); break;
-      case 2: fn2(bs, t, common); break;
+      case 4: fn4(bs, tab0, words0, common); break;
+      case 3: fn3(bs, tab0, words0, common); break;
+      case 2: fn2(bs, tab0, words0, common); break;
       default: break;
     }
-    for (int g = 0; g < count; ++g) fn1(bs + g, t + g, bs[g]->left / STATES);  // a shorter block: the rest alone
+    for (int g = 0; g < count; ++g)  // a shorter block: the rest alone
+      fn1(bs + g, tab0 + 256 * g, words0 + BLOCK_WORDS * g, bs[g]->left / STATES);
   };
   if (level == 2)
     run(encode_avx512<4>, encode_avx512<3>, encode_avx512<2>, encode_avx512<1>);
@@ -426,8 +441,8 @@ void encode_group(EncBlock* const* bs, int count, uint64_t* tabs, int level) {
 
 // The section's blocks after its two header bytes, ENC_GROUP blocks at a time; returns the bytes written.
 size_t encode_vector(const uint8_t* src, uint64_t n, uint8_t* out, int level) {
-  const uint32_t block = 1u << BLOCK_LOG, room = stream_room(block);
-  std::vector<uint16_t> words(size_t(room) * STATES * ENC_GROUP);
+  const uint32_t block = 1u << BLOCK_LOG;
+  std::vector<uint16_t> words(size_t(BLOCK_WORDS) * ENC_GROUP);
   std::vector<uint64_t> tabs(256 * ENC_GROUP);
   EncBlock blocks[ENC_GROUP];
   size_t pos = 0;
@@ -437,11 +452,12 @@ size_t encode_vector(const uint8_t* src, uint64_t n, uint8_t* out, int level) {
     for (; planned < ENC_GROUP && i + uint64_t(planned) * block < n; ++planned) {
       const uint64_t at = i + uint64_t(planned) * block;
       EncBlock& b = blocks[planned];
-      plan_block(b, src + at, uint32_t(n - at < block ? n - at : block), words.data() + size_t(room) * STATES * planned,
-                 room);
+      // the coded blocks take the first slots in order (a block of one symbol writes no words)
+      plan_block(b, src + at, uint32_t(n - at < block ? n - at : block), words.data() + size_t(BLOCK_WORDS) * count,
+                 stream_room(block));
       if (b.present > 1) coded[count++] = &b;
     }
-    if (count) encode_group(coded, count, tabs.data(), level);
+    if (count) encode_group(coded, count, tabs.data(), words.data(), level);
     for (int g = 0; g < planned; ++g) pos += write_block(blocks[g], out + pos);
   }
   return pos;
