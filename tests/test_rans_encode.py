@@ -38,6 +38,10 @@ def _cases() -> list[tuple[str, np.ndarray]]:
     two = np.where(rng.random(3 * BLOCK + 11) < 0.3, 17, 250).astype(np.uint8)
     lone = np.zeros(BLOCK, np.uint8)
     lone[5000] = 1  # frequencies 4095 and 1
+    # blocks of one byte but the last (where the check for a block of one symbol stops), and of one
+    # byte throughout but a short last block with another
+    last = np.concatenate([np.full(BLOCK - 1, 4, np.uint8), [5], np.full(BLOCK, 4, np.uint8), np.full(100, 4, np.uint8),
+                           [4, 4, 9]]).astype(np.uint8)
     rare = np.concatenate([np.zeros(16_000, np.uint8), np.arange(200, dtype=np.uint8), np.full(184, 9, np.uint8)])
     # two common symbols of equal count and 254 seen once: the frequencies raised to 1 are taken back
     # from the two in turn
@@ -51,6 +55,7 @@ def _cases() -> list[tuple[str, np.ndarray]]:
     return [("exponents", exps), ("uniform", rng.integers(0, 256, 5 * BLOCK + 3, dtype=np.uint8)),
             ("skewed", np.where(rng.random(70_000) < 0.0005, 200, 3).astype(np.uint8)),
             ("single", np.full(3 * BLOCK + 5, 7, np.uint8)), ("two symbols", two), ("4095 and 1", lone),
+            ("one byte but the last", last),
             ("rare symbols", rare), ("tied", rng.permutation(tied)), ("uneven", rng.permutation(uneven)),
             ("mixed blocks", mixed), ("four whole blocks", exps[:4 * BLOCK]), ("five whole blocks", exps[:5 * BLOCK])]
 
