@@ -109,7 +109,7 @@ class CpuCore:
             raise ValueError(f"byte planes of width {len(planes)} (rotated: {rot}) are not supported")
 
     def rans_encode(self, src: np.ndarray, simd: int = 2) -> bytes:
-        """The rANS section of the uint8 array ``src`` (csrc/rans.cpp; format in ckpt/format/rans.py).
+        """The rANS section of the uint8 array ``src`` (csrc/rans_encode.cpp; format in ckpt/format/rans.py).
         ``simd`` caps the vector code used, as :meth:`rans_decode`'s: every level writes the same bytes."""
         src = np.ascontiguousarray(src, np.uint8)
         out = np.empty(self.lib.ckpt_rans_bound(src.size), np.uint8)

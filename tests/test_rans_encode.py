@@ -92,7 +92,7 @@ def test_many_sections_of_random_distributions_encode_alike():
 
 
 def test_the_vector_encoders_reciprocal_divides_exactly_for_every_frequency():
-    """csrc/rans.cpp recip33's claim, for every frequency 1..4096: with l = ceil(log2 f) and
+    """csrc/rans_encode.cpp recip33's claim, for every frequency 1..4096: with l = ceil(log2 f) and
     m' = ceil(2^(32+l) / f) - 2^32, ((v * m' >> 32) + v) >> l == v // f for every v below 2^20 * f
     (the condition its comment derives, exact, and the values nearest to failing it)."""
     for f in range(1, 4097):
