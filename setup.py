@@ -72,8 +72,9 @@ class BuildCore(build_ext):
 def _extensions() -> list:
     if _flag("CKPT_NO_EXT"):
         return []
-    exts = [Extension("ckpt._copyhash", ["csrc/copyhash.cpp", "csrc/planes.cpp", "csrc/rans.cpp"], language="c++",
-                      depends=["csrc/core.h"],
+    sources = ["csrc/copyhash.cpp", "csrc/planes.cpp", "csrc/rans.cpp", "csrc/rans_encode.cpp"]
+    exts = [Extension("ckpt._copyhash", sources, language="c++",
+                      depends=["csrc/core.h", "csrc/rans.h"],
                       extra_compile_args=["-O3", "-std=c++17", "-pthread"], extra_link_args=["-pthread"],
                       optional=not STRICT)]
     if not _flag("CKPT_NO_CUDA") and _nvcc():

@@ -22,7 +22,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # numpy layouts of the C structs (csrc/copyhash.cpp Seg, csrc/cuda/batched_copy.cu CopyDesc)
 SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<u8")])
-ABI_VERSION = 7  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+ABI_VERSION = 8  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -63,7 +63,7 @@ class CpuCore:
         lib.ckpt_rans_bound.restype = u64
         lib.ckpt_rans_bound.argtypes = [u64]
         lib.ckpt_rans_encode.restype = ctypes.c_int64
-        lib.ckpt_rans_encode.argtypes = [ptr, u64, ptr, u64]
+        lib.ckpt_rans_encode.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
         lib.ckpt_rans_decode.restype = ctypes.c_int
         lib.ckpt_rans_decode.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
         lib.ckpt_rans_simd.restype = ctypes.c_int
@@ -108,11 +108,12 @@ class CpuCore:
                                         len(planes), int(rot), out.ctypes.data):
             raise ValueError(f"byte planes of width {len(planes)} (rotated: {rot}) are not supported")
 
-    def rans_encode(self, src: np.ndarray) -> bytes:
-        """The rANS section of the uint8 array ``src`` (csrc/rans.cpp; format in ckpt/format/rans.py)."""
+    def rans_encode(self, src: np.ndarray, simd: int = 2) -> bytes:
+        """The rANS section of the uint8 array ``src`` (csrc/rans_encode.cpp; format in ckpt/format/rans.py).
+        ``simd`` caps the vector code used, as :meth:`rans_decode`'s: every level writes the same bytes."""
         src = np.ascontiguousarray(src, np.uint8)
         out = np.empty(self.lib.ckpt_rans_bound(src.size), np.uint8)
-        n = self.lib.ckpt_rans_encode(src.ctypes.data, src.size, out.ctypes.data, out.size)
+        n = self.lib.ckpt_rans_encode(src.ctypes.data, src.size, out.ctypes.data, out.size, simd)
         if n < 0:
             raise ValueError("rans: output bound too small")
         return out[:n].tobytes()

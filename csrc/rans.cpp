@@ -14,7 +14,7 @@
 // used. That catches most damage, not all (a flipped word can still decode to other bytes of the
 // right length): the chunk's hash, checked after decoding, is what guarantees the bytes.
 //
-// The decoders give the same bytes and the same verdicts: the scalar one (everywhere, and the
+// The encoders are in rans_encode.cpp. The decoders give the same bytes and the same verdicts: the scalar one (everywhere, and the
 // reference) and, on x86 CPUs with AVX2, one that steps a block's eight states as the lanes of a
 // vector, four blocks at a time (vector_rounds; 1.8x the scalar one on Zen 4, 1.9x compiled for
 // AVX-512, which gives it twice the registers).
@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core.h"
+#include "rans.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -35,140 +36,7 @@
 
 namespace {
 
-constexpr int SCALE_BITS = 12;
-constexpr uint32_t SCALE = 1u << SCALE_BITS;
-constexpr uint32_t LOW = 1u << 16;  // states live in [LOW, LOW << 16)
-constexpr uint8_t FORMAT = 1;
-constexpr int STATES = 8;
-constexpr int BLOCK_LOG = 14;  // at most 16: a state's word count is a u16  // 16384 symbols: small enough to follow tensors, large enough for its table
-
-inline void put16(uint8_t* p, uint32_t v) { p[0] = uint8_t(v); p[1] = uint8_t(v >> 8); }
-inline void put32(uint8_t* p, uint32_t v) { put16(p, v); put16(p + 2, v >> 16); }
-inline uint32_t get16(const uint8_t* p) {  // little-endian hosts (x86-64, aarch64): one load
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-  uint16_t v;
-  memcpy(&v, p, 2);
-  return v;
-#else
-  return uint32_t(p[0]) | uint32_t(p[1]) << 8;
-#endif
-}
-inline uint32_t get32(const uint8_t* p) { return get16(p) | get16(p + 2) << 16; }
-
-// Counts of a block's symbols scaled to frequencies summing to SCALE, every present symbol at least 1.
-void normalize(const uint32_t* count, uint32_t n, uint32_t* f) {
-  int32_t sum = 0;
-  int top = -1;
-  for (int s = 0; s < 256; ++s) {
-    f[s] = 0;
-    if (!count[s]) continue;
-    uint32_t v = uint32_t(uint64_t(count[s]) * SCALE / n);
-    f[s] = v ? v : 1;
-    sum += int32_t(f[s]);
-    if (top < 0 || count[s] > count[top]) top = s;
-  }
-  int32_t diff = int32_t(SCALE) - sum;
-  if (diff >= 0) {
-    f[top] += uint32_t(diff);
-    return;
-  }
-  while (diff < 0) {  // rare symbols raised to 1 took more than the rounding left: take from the largest
-    int big = top;
-    for (int s = 0; s < 256; ++s)
-      if (f[s] > f[big]) big = s;
-    f[big] -= 1;
-    ++diff;
-  }
-}
-
-// One block of n symbols at `out`; returns the bytes written.
-size_t encode_block(const uint8_t* src, uint32_t n, uint8_t* out, std::vector<uint16_t>& words) {
-  uint32_t count[256] = {0}, f[256], cum[256];
-  {  // four histograms: runs of one symbol would otherwise wait on their own increments
-    uint32_t part[4][256] = {{0}};
-    uint32_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-      part[0][src[i]]++;
-      part[1][src[i + 1]]++;
-      part[2][src[i + 2]]++;
-      part[3][src[i + 3]]++;
-    }
-    for (; i < n; ++i) part[0][src[i]]++;
-    for (int s = 0; s < 256; ++s) count[s] = part[0][s] + part[1][s] + part[2][s] + part[3][s];
-  }
-  normalize(count, n, f);
-  uint8_t* p = out + 4;
-  int present = 0;
-  for (int s = 0; s < 256; ++s) present += f[s] != 0;
-  *p++ = uint8_t(present - 1);
-  uint32_t c = 0;
-  for (int s = 0; s < 256; ++s) {
-    cum[s] = c;
-    c += f[s];
-    if (!f[s]) continue;
-    *p++ = uint8_t(s);
-    if (present > 1) {
-      put16(p, f[s]);
-      p += 2;
-    }
-  }
-  if (present > 1) {
-    // each state writes its own stream (backwards: the decoder reads it forwards), so the decoder's
-    // states never wait on one another's reads
-    const uint32_t room = n / STATES + 2;
-    words.resize(size_t(room) * STATES);
-    uint16_t* w[STATES];
-    uint32_t x[STATES];
-    // Division by a frequency as a multiply (a 32-bit divide per symbol was the encoder's bottleneck).
-    // With m = ceil(2^44 / f): floor(v * m / 2^44) = floor(v / f) because the error v * (m - 2^44/f)
-    // is below v < 2^20 * f, and v * f < 2^44 for f < 4096. The product fits in 64 bits:
-    // v * m < 2^20 * f * (2^44 / f + 1) = 2^64 + 2^20 * f - ..., below 2^64 as f^2 < 2^24.
-    uint64_t rcp[256];
-    for (int k = 0; k < 256; ++k) rcp[k] = f[k] ? ((uint64_t(1) << 44) + f[k] - 1) / f[k] : 0;
-    for (int j = 0; j < STATES; ++j) {
-      w[j] = words.data() + size_t(room) * (j + 1);
-      x[j] = LOW;
-    }
-    // One symbol into state x, its word (if any) onto stream w. Renormalisation is branch-free (whether
-    // a word goes out is data-dependent, unpredictable): the word is always stored, and kept only when
-    // the state is too large for this symbol.
-    auto put = [&](uint32_t& x, uint16_t*& w, uint32_t sym) {
-      const uint32_t fs = f[sym];
-      uint32_t v = x;
-      const uint32_t emit = v >= ((LOW >> SCALE_BITS) << 16) * fs;
-      w[-1] = uint16_t(v);
-      w -= emit;
-      v >>= emit << 4;
-      const uint32_t q = uint32_t((uint64_t(v) * rcp[sym]) >> 44);  // v / fs, exactly (above)
-      x = (q << SCALE_BITS) + (v - q * fs) + cum[sym];
-    };
-    uint32_t i = n;
-    for (; i % STATES; --i) put(x[(i - 1) % STATES], w[(i - 1) % STATES], src[i - 1]);  // the tail, backwards
-    {
-      uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
-      uint16_t *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5], *w6 = w[6], *w7 = w[7];
-      for (; i; i -= STATES) {  // eight states in registers, each its own dependency chain
-        const uint8_t* g = src + i - STATES;
-        put(x7, w7, g[7]);
-        put(x6, w6, g[6]);
-        put(x5, w5, g[5]);
-        put(x4, w4, g[4]);
-        put(x3, w3, g[3]);
-        put(x2, w2, g[2]);
-        put(x1, w1, g[1]);
-        put(x0, w0, g[0]);
-      }
-      x[0] = x0, x[1] = x1, x[2] = x2, x[3] = x3, x[4] = x4, x[5] = x5, x[6] = x6, x[7] = x7;
-      w[0] = w0, w[1] = w1, w[2] = w2, w[3] = w3, w[4] = w4, w[5] = w5, w[6] = w6, w[7] = w7;
-    }
-    for (int j = 0; j < STATES; ++j, p += 4) put32(p, x[j]);
-    for (int j = 0; j < STATES; ++j, p += 2) put16(p, uint32_t(words.data() + size_t(room) * (j + 1) - w[j]));
-    for (int j = 0; j < STATES; ++j)
-      for (const uint16_t *e = words.data() + size_t(room) * (j + 1), *c = w[j]; c < e; ++c, p += 2) put16(p, *c);
-  }
-  put32(out, uint32_t(p - out - 4));
-  return size_t(p - out);
-}
+using namespace ckpt_rans;
 
 // A block's decoding table: per 12-bit slot, the symbol (bits 0-7), its frequency (8-19) and the
 // slot's offset within the symbol's range (20-31).
@@ -521,26 +389,6 @@ struct Section {
 }  // namespace
 
 extern "C" {
-
-// Bytes a section of n symbols may take at most (the caller's buffer for ckpt_rans_encode).
-uint64_t ckpt_rans_bound(uint64_t n) {
-  const uint64_t blocks = (n + (1u << BLOCK_LOG) - 1) >> BLOCK_LOG;
-  return 2 + blocks * (4 + 1 + 3 * 256 + 6 * STATES) + 2 * n;
-}
-
-// Encode n bytes; returns the section's length, or -1 when `cap` is below ckpt_rans_bound(n).
-int64_t ckpt_rans_encode(const uint8_t* src, uint64_t n, uint8_t* out, uint64_t cap) {
-  if (cap < ckpt_rans_bound(n)) return -1;
-  out[0] = FORMAT;
-  out[1] = BLOCK_LOG;
-  size_t pos = 2;
-  std::vector<uint16_t> words;
-  for (uint64_t i = 0; i < n; i += 1u << BLOCK_LOG) {
-    const uint32_t len = uint32_t(n - i < (1u << BLOCK_LOG) ? n - i : (1u << BLOCK_LOG));
-    pos += encode_block(src + i, len, out + pos, words);
-  }
-  return int64_t(pos);
-}
 
 // Decode a section of `len` bytes into exactly n bytes at `out`, with the best vector decoder the CPU
 // has up to level `simd` (0: the scalar one, which gives the same bytes and verdicts; 1: AVX2; 2:

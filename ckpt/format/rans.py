@@ -173,12 +173,12 @@ def _decode_batch(coded: list, out: np.ndarray) -> None:
         raise RansError("its coded words are damaged")
 
 
-BLOCK_LOG = 14  # what the encoder writes (csrc/rans.cpp BLOCK_LOG)
+BLOCK_LOG = 14  # what the encoder writes (csrc/rans.h BLOCK_LOG)
 
 
 def _normalize(counts: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Per block (rows): counts scaled to frequencies summing to 4096, every present symbol at least
-    1; the same integer steps as csrc/rans.cpp's normalize()."""
+    1; the same integer steps as csrc/rans_encode.cpp's normalize()."""
     scale = 1 << SCALE_BITS
     f = np.where(counts > 0, np.maximum(counts * scale // n[:, None], 1), 0)
     top = counts.argmax(axis=1)  # the first of the most frequent
