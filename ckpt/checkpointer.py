@@ -128,17 +128,13 @@ class Checkpointer:
 
     @contextmanager
     def _lend_buffer(self, nbytes: int) -> Iterator[torch.Tensor | None]:
-        """A load's staging memory. Before the first save, in one process: memory kept afterwards as
-        the reserve the first save's host buffer takes over (when the sizes agree), so the load's page
-        faults are not paid twice; close() or that save lets it go (with several ranks each buffer
-        holds only its rank's share of the writes: the load's own memory is freed after it). Later:
-        the host buffer itself, when it is idle and large enough (a load mid-run then needs no memory
-        of its own); its bytes stop being the previous save's, so the next save encodes no delta
-        against them."""
+        """A load's staging memory. Before the first save: memory kept afterwards as the reserve the
+        first save's host buffer takes over when the sizes agree (one process; with several ranks,
+        where a rank writes what it loads, as with FSDP), so the load's page faults are not paid
+        twice; that save lets it go otherwise, or close() does. Later: the host buffer itself, when it
+        is idle and large enough (a load mid-run then needs no memory of its own); its bytes stop
+        being the previous save's, so the next save encodes no delta against them."""
         buf = self._snapshots.buffer
-        if buf is None and self._comm.world > 1:  # a rank's buffer holds only its share: nothing to keep
-            yield None
-            return
         if buf is None:  # before the first save: memory that save's host buffer can take over
             space = self._snapshots.reserve
             if space is None or space.numel() < nbytes:
