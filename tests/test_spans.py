@@ -414,3 +414,30 @@ def test_a_delta_is_decoded_in_part_down_its_chain(tmp_path):
             else:
                 with pytest.raises(ckpt.CorruptCheckpointError):
                     c.load(3, {"w": ckpt.LocalShard(local, (r0, 0), (ROWS, COLS))})
+
+
+def test_a_delta_on_a_raw_chunk_whose_payload_is_cut_short_is_refused_not_misread(tmp_path):
+    import struct
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randint(-(1 << 31), (1 << 31) - 1, (ROWS, COLS), generator=g, dtype=torch.int32)  # stored raw
+    with ckpt.Checkpointer(tmp_path) as c:
+        c.save(1, {"w": w}).wait()
+        w.view(-1)[::97] ^= 1  # a sparse change: the second save is a delta on it
+        c.save(2, {"w": w}).wait()
+        m = c.manifest(2)
+    (h,) = m.chunks.keys() - {m.chunks[x].base for x in m.chunks}
+    base = m.chunks[h].base
+    assert m.chunks[h].codec.startswith("xor/") and m.chunks[base].codec.startswith("raw/")
+    path = os.path.join(tmp_path, paths.chunk_key(base))
+    with open(path, "r+b") as f:  # a header that agrees with a payload 4 KiB short: damaged all the same
+        head = bytearray(f.read(HEADER_SIZE))
+        struct.pack_into("<Q", head, 56, struct.unpack_from("<Q", head, 56)[0] - 4096)
+        f.seek(0)
+        f.write(head)
+        f.truncate(os.path.getsize(path) - 4096)
+    local = torch.zeros(10, COLS, dtype=torch.int32)
+    with ckpt.Checkpointer(tmp_path) as c:
+        with pytest.raises(ckpt.CorruptCheckpointError):
+            c.load(2, {"w": ckpt.LocalShard(local, (ROWS - 10, 0), (ROWS, COLS))})  # the rows cut off
+    assert not local.any()

@@ -54,6 +54,8 @@ def resolve_spans(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, blo
 def _whole_link(hdr: ChunkHeader, data, runs: list[tuple[int, int]], out: np.ndarray, key: str,
                 x: str) -> list[tuple[int, int, int]]:
     if hdr.codec == "raw":
+        if hdr.payload_len != hdr.raw_len:
+            raise NotPartial  # damaged: the whole path says so
         payload = np.frombuffer(memoryview(data).cast("B"), np.uint8)[HEADER_SIZE:]
         placed, pos = [], 0
         for lo, hi in runs:
