@@ -128,8 +128,7 @@ def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: l
         _check_span_length(n, hi - lo, key, h, size)
         if (got[: spans.DIGEST_HEX] if got is not None else spans.digest(target)) != info.spans[
                 spans.DIGEST_HEX * (lo // span) : spans.DIGEST_HEX * (lo // span + 1)]:
-            log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole",
-                        key, lo // span)
+            _wrong_span(key, lo // span)
             return None
     if buf is not None:
         _copy_out(feeds, staged, buf)
@@ -148,7 +147,7 @@ def _read_runs(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: li
         _check_span_length(n, hi - lo, key, h, info.size)
         bad = spans.mismatch(buf[at : at + hi - lo], lo // spans.SPAN, info.spans)
         if bad is not None:
-            log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole", key, bad)
+            _wrong_span(key, bad)
             return None
     _copy_out(feeds, staged, buf)
     return HEADER_SIZE + pos[-1]
@@ -191,8 +190,13 @@ def _decode_spans(storage: Storage, m: mf.Manifest, blob, h: str, info: mf.Chunk
     for lo, hi, at in placed:
         bad = spans.mismatch(buf[at : at + hi - lo], lo // spans.SPAN, info.spans)
         if bad is not None:
-            log.warning("chunk object %s: span %d does not match the manifest's digest; decoding it whole",
-                        paths.chunk_key(h), bad)
+            _wrong_span(paths.chunk_key(h), bad)
             return None
     _copy_out(feeds, placed, buf)
     return more
+
+
+def _wrong_span(key: str, span: int) -> None:
+    """A span that does not match its digest: the caller goes down the whole path (None)."""
+    log.warning("chunk object %s: span %d does not match the manifest's digest; reading it whole", key, span)
+

@@ -99,8 +99,8 @@ class Writer:
             if info is None and twin is None:
                 mine = self._inflight[h] = Future()
         if info is not None:
-            if info.spans is None and _spanned(info):  # learnt from a manifest written without them
-                info = dataclasses.replace(info, spans=spans.digests(data))
+            if info.spans is None and (spanned := _with_spans(info, data)) is not info:
+                info = spanned  # learnt from a manifest written without them
                 with self._lock:
                     self.known[h] = info
             return _Put(h, info, "known")
@@ -137,8 +137,7 @@ class Writer:
                 lost += 1
                 damaged = damaged or lost >= 3  # created and deleted again each time: replace it whole
         if found is not None:
-            if _spanned(found):
-                found.spans = spans.digests(data)
+            found = _with_spans(found, data)
             with self._lock:
                 self.known[h] = found
             return _Put(h, found, "found")
@@ -152,9 +151,8 @@ class Writer:
         storage, key = self.over(job), paths.chunk_key(h)
         stored = storage.create(key, buffers) if create else storage.write(key, buffers)
         label = parse_header(buffers[0], name=key).label
-        info = mf.ChunkInfo(len(data), stored, label, b.digest if codec == "xor" and b is not None else None)
-        if _spanned(info):
-            info.spans = spans.digests(data)
+        of = b.digest if codec == "xor" and b is not None else None
+        info = _with_spans(mf.ChunkInfo(len(data), stored, label, of), data)
         with self._lock:
             self.known[h] = info
             if create:
@@ -476,10 +474,13 @@ STEP_EXISTS_ADVICE = ("Save under a new step number, or delete that step's direc
                        "retention (keep_last) drops old steps as new ones commit.")
 
 
-def _spanned(info: mf.ChunkInfo) -> bool:
-    """Whether a chunk gets span digests: stored raw, as planes or as a delta, and longer than a span
-    (a reader needing part of it then reads, or decodes, and checks only the spans it needs)."""
-    return info.codec.startswith(("raw/", "planes/", "xor/")) and spans.worth(info.size)
+def _with_spans(info: mf.ChunkInfo, data: memoryview) -> mf.ChunkInfo:
+    """``info`` with the span digests of the chunk's raw bytes ``data`` where it gets them: stored raw,
+    as planes or as a delta, and longer than a span (a reader needing part of it then reads, or
+    decodes, and checks only the spans it needs)."""
+    if not (info.codec.startswith(("raw/", "planes/", "xor/")) and spans.worth(info.size)):
+        return info
+    return dataclasses.replace(info, spans=spans.digests(data))
 
 
 def _refuse_poison(step: int, rank: int, bad: list[str], committed: Callable[[], list[int]]) -> None:
