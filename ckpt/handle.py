@@ -34,6 +34,8 @@ class SaveMetrics:
     peer_sent_bytes: int = 0  # redundancy: bytes this rank sent to peers (replicas, parity segments)
     peer_stored_bytes: int = 0  # redundancy: bytes this rank stored for its peers (replicas, parity blocks)
     peer_s: float | None = None  # redundancy: seconds the exchange with peers took (after the snapshot)
+    encoded_bytes: int = 0  # raw bytes of the chunks this rank encoded (new chunks: codec choice and encode)
+    encode_cpu_s: float = 0.0  # CPU seconds the writer threads spent on them: what the codec costs the machine
 
 
 def as_checkpoint_error(step: int, e: BaseException) -> CheckpointError:

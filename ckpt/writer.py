@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class _Put:
     hash: str
     info: mf.ChunkInfo
     how: str  # "known" (in the dedup table), "found" (already stored), "written" or "created" (written, none was there)
+    encode_cpu_s: float = 0.0  # CPU time of this thread in encode() (written, created)
 
 
 class Writer:
@@ -99,7 +101,7 @@ class Writer:
             if info is None and twin is None:
                 mine = self._inflight[h] = Future()
         if info is not None:
-            if info.spans is None and (spanned := _with_spans(info, data)) is not info:
+            if info.spans is None and (spanned := spans.attach(info, data)) is not info:
                 info = spanned  # learnt from a manifest written without them
                 with self._lock:
                     self.known[h] = info
@@ -137,7 +139,7 @@ class Writer:
                 lost += 1
                 damaged = damaged or lost >= 3  # created and deleted again each time: replace it whole
         if found is not None:
-            found = _with_spans(found, data)
+            found = spans.attach(found, data)
             with self._lock:
                 self.known[h] = found
             return _Put(h, found, "found")
@@ -147,17 +149,19 @@ class Writer:
                create: bool) -> _Put:
         """Encode chunk ``h`` and create it (FileExistsError if a copy is there), or write it over one."""
         b = base.resolve(self) if base is not None and base.digest != h else None
+        cpu = time.thread_time()  # this thread's CPU time: the other writer threads' work is not counted
         codec, buffers = encode(data, h, self.codec, width=width, base=b, rotate=rotate, reuse=True)
+        cpu = time.thread_time() - cpu
         storage, key = self.over(job), paths.chunk_key(h)
         stored = storage.create(key, buffers) if create else storage.write(key, buffers)
         label = parse_header(buffers[0], name=key).label
         of = b.digest if codec == "xor" and b is not None else None
-        info = _with_spans(mf.ChunkInfo(len(data), stored, label, of), data)
+        info = spans.attach(mf.ChunkInfo(len(data), stored, label, of), data)
         with self._lock:
             self.known[h] = info
             if create:
                 job.created.append(h)  # nothing was stored under this name: this save alone wrote it
-        return _Put(h, info, "created" if create else "written")
+        return _Put(h, info, "created" if create else "written", cpu)
 
     def _probe(self, job: SaveJob, h: str, size: int, links: int = 0) -> tuple[mf.ChunkInfo | None, bool]:
         """Is chunk ``h`` already stored (by an earlier run)? Read its header to describe it, and for
@@ -338,6 +342,9 @@ class Writer:
             tensors.append(mf.TensorEntry(slot.key, dtype_name(slot.dtype), list(leaf.global_shape), [
                 mf.Shard(rank, list(offs), list(lens), segs)], owner))
         m.chunks_delta = sum(1 for info in new.values() if info.base is not None)
+        encoded = {p.hash: p for p in puts if p.how in ("written", "created")}  # a chunk at two places: once
+        m.encoded_bytes = sum(p.info.size for p in encoded.values())
+        m.encode_cpu_s = sum(p.encode_cpu_s for p in encoded.values())
         stats = {"raw_bytes": m.raw_bytes, "written_bytes": m.written_bytes, "chunks": m.chunks,
                  "chunks_written": m.chunks_written, "chunks_reused": m.chunks_reused, "chunks_delta": m.chunks_delta}
         return mf.Manifest(step=job.step, kind="rank", rank=rank, structure=job.structure, tensors=tensors,
@@ -472,15 +479,6 @@ class _BaseRef:
 # `ckpt gc` removes only what failed saves left, never a committed step: it cannot make room for a save.
 STEP_EXISTS_ADVICE = ("Save under a new step number, or delete that step's directory (or prefix) by hand first; "
                        "retention (keep_last) drops old steps as new ones commit.")
-
-
-def _with_spans(info: mf.ChunkInfo, data: memoryview) -> mf.ChunkInfo:
-    """``info`` with the span digests of the chunk's raw bytes ``data`` where it gets them: stored raw,
-    as planes or as a delta, and longer than a span (a reader needing part of it then reads, or
-    decodes, and checks only the spans it needs)."""
-    if not (info.codec.startswith(("raw/", "planes/", "xor/")) and spans.worth(info.size)):
-        return info
-    return dataclasses.replace(info, spans=spans.digests(data))
 
 
 def _refuse_poison(step: int, rank: int, bad: list[str], committed: Callable[[], list[int]]) -> None:

@@ -197,3 +197,23 @@ def subprocess_pid_that_has_exited() -> int:
     p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                        check=True)
     return int(p.stdout)
+
+
+def test_metrics_count_the_bytes_encoded_and_the_cpu_spent_on_them(io):
+    w = Writer(memory_storage(), CodecSpec("auto"), io)
+    snaps = Snapshotter(LocalComm(), CHUNK, native=False)
+    s = state_of(1)
+    s["noise"] = torch.randn(300_000, generator=torch.Generator().manual_seed(2))  # several chunks to encode
+    j1 = job_for(snaps, 1, s)
+    p1 = w.write_part(j1, 0)
+    w.settle(p1)
+    m = j1.metrics
+    assert m.encoded_bytes == sum(info.size for info in p1.chunks.values()) > 0
+    assert m.encode_cpu_s > 0
+    s["big"][:10] += 1  # one chunk changes: only it is encoded again
+    j2 = job_for(snaps, 2, s, seq=1)
+    w.write_part(j2, 0)
+    assert j2.metrics.chunks_written == 1 and 0 < j2.metrics.encoded_bytes <= CHUNK
+    j3 = job_for(snaps, 3, s, seq=2)
+    w.write_part(j3, 0)
+    assert j3.metrics.encoded_bytes == 0 and j3.metrics.encode_cpu_s == 0.0

@@ -11,6 +11,7 @@ that ignores them reads whole chunks), so a manifest that has them stays readabl
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,15 @@ def digests(data, span: int = SPAN) -> str:
     """The digests of every span of ``data``, concatenated (the last span may be shorter)."""
     view = memoryview(data).cast("B")
     return "".join(digest(view[i : i + span]) for i in range(0, len(view), span))
+
+
+def attach(info: ChunkInfo, data) -> ChunkInfo:
+    """``info`` with the span digests of the chunk's raw bytes ``data`` where it gets them: stored raw,
+    as planes or as a delta, and longer than a span (a reader needing part of it then reads, or
+    decodes, and checks only the spans it needs)."""
+    if not (info.codec.startswith(("raw/", "planes/", "xor/")) and worth(info.size)):
+        return info
+    return dataclasses.replace(info, spans=digests(data))
 
 
 def worth(size: int, span: int = SPAN) -> bool:
