@@ -19,8 +19,11 @@ and ``codec="raw"``:
 For every save after the first, on the same tensors in the same run: the bytes ckpt stored with
 ``smallest`` (what the save wrote: new chunks, headers included) against the raw bytes, zstd level 1
 alone, byte grouping + zstd alone (ckpt's ``planes`` codec on every 4 MiB piece) and ZipNN (``pip install zipnn``; per
-tensor, one thread, zstd level 3 as it comes); the encode speed of one thread (ckpt's ``auto``
-choice with the previous save as base, against ZipNN's compression); the time from ``save()`` to
+tensor, one thread, zstd level 3 as it comes); the encode speed per thread: raw bytes per CPU second,
+ckpt's from its saves (``metrics.encoded_bytes`` / ``metrics.encode_cpu_s``: the chunks each save
+encoded, trials included), ZipNN's from the process's CPU time around its compress (ZipNN 0.5.4
+compresses on a worker thread even with ``threads=1``, so the caller's wall time or thread time
+would not count what it costs); the time from ``save()`` to
 committed against ``codec="raw"``; and the load of the last step (its chains resolved, every link
 verified) against the load of the same state stored raw. Then the same save timing on ``/dev/shm``,
 a "disk" faster than compression, where encoding is what a save waits for (the price of choosing
@@ -197,37 +200,38 @@ def grouped_bytes(tensors: dict) -> int:
                for t in tensors.values() for p in pieces(t))
 
 
-def ckpt_encode(tensors: dict, prev: dict | None) -> tuple[int, float]:
-    """ckpt's auto choice per 4 MiB piece (the previous save's piece as base), one thread: bytes, seconds."""
+def ckpt_encode(tensors: dict, prev: dict | None) -> int:
+    """Bytes of ckpt's auto choice per 4 MiB piece of each tensor (the previous save's piece as base, no
+    read budget): what the codec itself gets, beside what the saves stored."""
     spec = CodecSpec("auto")
-    size, seconds = 0, 0.0
+    size = 0
     for k, t in tensors.items():
         old = list(pieces(prev[k])) if prev is not None and k in prev and prev[k].shape == t.shape else None
         for i, p in enumerate(pieces(t)):
             base = Base(old[i], "1" * 32) if old is not None else None
-            t0 = time.perf_counter()
             _, bufs = encode(p, "0" * 32, spec, width=element_width(t.dtype), base=base)
-            seconds += time.perf_counter() - t0
             size += sum(len(memoryview(b).cast("B")) for b in bufs[1:])
-    return size, seconds
+    return size
 
 
-def zipnn_encode(tensors: dict) -> tuple[int | None, float | None]:
+def zipnn_encode(tensors: dict) -> tuple[int | None, float | None, float | None]:
+    """ZipNN's bytes, CPU seconds and wall seconds for ``tensors``."""
     try:
         from zipnn import ZipNN
     except ImportError:
-        return None, None
-    size, seconds = 0, 0.0
+        return None, None, None
+    size, seconds, wall = 0, 0.0, 0.0
     for t in tensors.values():
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             size += t.numel() * t.element_size()
             continue
         z = ZipNN(input_format="torch", threads=1, bytearray_dtype=str(t.dtype).removeprefix("torch."))
         work = t.clone()  # ZipNN 0.5.4 reorders the bytes of the tensor it is given, in place
-        t0 = time.perf_counter()
+        t0, w0 = time.process_time(), time.perf_counter()  # process: all threads (ZipNN's worker compresses)
         size += len(z.compress(work))
-        seconds += time.perf_counter() - t0
-    return size, seconds
+        seconds += time.process_time() - t0
+        wall += time.perf_counter() - w0
+    return size, seconds, wall
 
 
 # -- one training --------------------------------------------------------------------------------------
@@ -248,12 +252,13 @@ def run_workload(name: str, state: dict, steps, warmup: int, args, root: str, s3
             for c, ck in ckptrs.items():  # one after the other: each save has the disk to itself
                 m = ck.save(s, state).wait()
                 row[f"{c}_stored"], row[f"{c}_durable_s"] = m.written_bytes, m.duration_s
+                row[f"{c}_encoded"], row[f"{c}_encode_cpu_s"] = m.encoded_bytes, m.encode_cpu_s
             tensors = tensors_of(state)
             row["raw"] = sum(t.numel() * t.element_size() for t in tensors.values())
             if s or args.first:
                 row["zstd"], row["grouped"] = zstd_bytes(tensors), grouped_bytes(tensors)
-                row["ckpt_codec"], row["ckpt_s"] = ckpt_encode(tensors, prev)
-                row["zipnn"], row["zipnn_s"] = zipnn_encode(tensors)
+                row["ckpt_codec"] = ckpt_encode(tensors, prev)
+                row["zipnn"], row["zipnn_s"], row["zipnn_wall_s"] = zipnn_encode(tensors)
             saves.append(row)
             prev = tensors
             print(f"  {name} save {s}: raw {row['raw'] / 2**20:.1f} MiB, stored {row['smallest_stored'] / 2**20:.2f} "
@@ -334,11 +339,12 @@ def summarize(w: dict) -> dict:
            "load_cold_ratio": w["load_smallest_cold_s"] / w["load_raw_cold_s"],
            "load_warm_ratio": w["load_smallest_warm_s"] / w["load_raw_warm_s"],
            "load_s3_ratio": (w["load_smallest_s3_s"] / w["load_raw_s3_s"]) if "load_raw_s3_s" in w else None,
-           "ckpt_gibs": tot("raw") / tot("ckpt_s") / 2**30}
+           "ckpt_gibs": tot("smallest_encoded") / max(tot("smallest_encode_cpu_s"), 1e-9) / 2**30}
     if all(r.get("zipnn") for r in later):
         out["vs_zipnn"] = tot("smallest_stored") / tot("zipnn")
         out["codec_vs_zipnn"] = tot("ckpt_codec") / tot("zipnn")
         out["zipnn_gibs"] = tot("raw") / tot("zipnn_s") / 2**30
+        out["zipnn_wall_gibs"] = tot("raw") / tot("zipnn_wall_s") / 2**30
     return out
 
 
@@ -448,7 +454,9 @@ def table(doc: dict) -> str:
     lines += ["", "ckpt ÷ X: bytes ckpt stored (`codec=\"smallest\"`: deltas against the previous save, byte planes, "
                   "dedup of unchanged chunks) ÷ the bytes X needs for the same tensors. auto ÷ raw: the same for the "
                   "default `codec=\"auto\"` (the same choice, by content alone). "
-                  "encode: raw bytes per second of one thread (ckpt's choice per 4 MiB piece; ZipNN's compress). "
+                  "encode: raw bytes per CPU second (ckpt: the chunks its saves encoded, trials included, "
+                  "`metrics.encode_cpu_s`; ZipNN: its compress, the process's CPU time; its wall-clock speed is in "
+                  "the JSON, `zipnn_wall_gibs`). "
                   "durable: median time from "
                   "`save()` to committed, auto ÷ raw codec, on this machine's disk. load: the last save, chains "
                   "resolved and every link verified, ÷ the same state stored raw; S3: the same objects served by "
