@@ -117,12 +117,17 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
             # zstd where such runs are there (a count of zero words: far cheaper than compressing noise).
             # Where the sample found rANS best, the plane has no runs worth zstd's pass (zstd wins only on
             # repeats, which a sample shows): rANS alone.
-            tries = ((ZSTD, RANS) if methods is None or methods[i] == ZSTD else (RANS,) if methods[i] == RANS
+            # rANS first: a plane that is one byte repeated per block (a frozen tensor's zero delta, a fixed
+            # bit flip) is kept as rANS whatever zstd would give (a few bytes more per 16 KiB): decoders write
+            # it as a run, and a chain decoded in one pass skips a zero one, where a zstd frame must be inflated.
+            tries = ((RANS, ZSTD) if methods is None or methods[i] == ZSTD else (RANS,) if methods[i] == RANS
                      else (ZSTD,) if _runs(sec) else ())
             for t in tries:
                 packed = cctx.compress(sec.data) if t == ZSTD else rans.encode(sec) if t == RANS else None
                 if packed is not None and len(packed) < min(n * (1 - min_saving), _nbytes(stored)):
                     stored, how = packed, t
+                    if t == RANS and rans.repeats(packed, n):
+                        break
         if i < width:
             kept.append(how)
         table[i] = SECTION_FLAGS[how] | len(stored)

@@ -21,7 +21,7 @@ from ckpt.encode import CodecSpec, encode
 from ckpt.format import manifest as mf
 from ckpt.format import paths, rans
 from ckpt.format.chunk import Base, chunk_hash, decode, verify_object
-from ckpt.format.planes import group, ungroup
+from ckpt.format.planes import RANS, SECTION_FLAGS, group, ungroup
 
 CHUNK = 64 * 1024
 
@@ -379,6 +379,29 @@ def test_auto_picks_xor_where_it_pays_and_refuses_bad_deltas():
     # unrelated data: no delta; random bytes: raw
     noise = memoryview(np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)).cast("B")
     assert encode(noise, chunk_hash(noise), CodecSpec("auto"), width=4, base=None)[0] == "raw"
+
+
+
+@pytest.mark.parametrize("disabled", ["", "1"])
+def test_a_plane_that_is_one_byte_repeated_is_kept_as_rans_runs_not_a_zstd_frame(monkeypatch, disabled):
+    """A fixed bit flip (or a frozen tensor's zero delta) makes every delta plane one byte repeated:
+    stored as one-symbol rANS blocks (written as runs, skipped by a chain decoded in one pass), not as
+    the slightly smaller zstd frame that must be inflated; the same bytes with and without the core."""
+    monkeypatch.setenv("CKPT_NO_EXT", disabled)
+    base_t = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
+    new_t = (base_t.view(torch.int32) ^ 0x5A0F).view(torch.float32)  # the same low mantissa bits flipped
+    raw, braw = (memoryview(t.numpy().view(np.uint8)).cast("B") for t in (new_t, base_t))
+    h, base = chunk_hash(raw), Base(braw, chunk_hash(braw))
+    name, bufs = encode(raw, h, CodecSpec("auto"), width=4, base=base)
+    assert name == "xor"
+    table = np.frombuffer(bytes(bufs[1]), "<u8")
+    n = len(raw) // 4
+    for i, entry in enumerate(table[:4]):
+        assert entry & np.uint64(SECTION_FLAGS[RANS]), f"plane {i} is not rANS"
+        assert rans.repeats(bytes(bufs[2 + i]), n)
+    blob = b"".join(bytes(b) for b in bufs)
+    assert bytes(decode(blob, name="x", expect_hash=h, base=base)) == bytes(raw)
+    assert len(blob) < 64 + 8 * 5 + 4 * (2 + 6 * (n // 16384)) + 64  # header, table, four runs of blocks
 
 
 def _stored(root: str, steps: range) -> list[dict[str, tuple[str, int]]]:

@@ -176,6 +176,13 @@ def _decode_batch(coded: list, out: np.ndarray) -> None:
 BLOCK_LOG = 14  # what the encoder writes (csrc/rans.h BLOCK_LOG)
 
 
+def repeats(section: bytes, n: int) -> bool:
+    """Is ``section`` (the encoder's, of ``n`` symbols) one-symbol blocks only: a byte repeated per
+    block, which decoders write as such (no arithmetic)? Its length says so: every other block is
+    longer than six bytes."""
+    return len(section) == 2 + 6 * -(-n // (1 << BLOCK_LOG))
+
+
 def _normalize(counts: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Per block (rows): counts scaled to frequencies summing to 4096, every present symbol at least
     1; the same integer steps as csrc/rans_encode.cpp's normalize()."""
