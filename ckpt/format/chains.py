@@ -22,7 +22,7 @@ from ..errors import CorruptCheckpointError
 from ..storage.base import Storage
 from . import manifest as mf
 from . import spans
-from .chunk import HEADER_SIZE, MAX_WIDTH, Base, check_header, decode, parse_header
+from .chunk import HEADER_SIZE, MAX_WIDTH, Base, check_header, decode, decode_chain, parse_header
 from .paths import chunk_key
 from .planes import scratch
 
@@ -124,11 +124,15 @@ def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int
     may lie in this thread's scratch memory: use them before this thread resolves another chunk.
     ``out`` (uint8, the chunk's size): decode there instead (a load's destination: no copy after)."""
     blobs, read = links(storage, chunks, h, step, blob)
+    size = chunks[h].size
+    work = scratch("chain", size) if out is None else out
+    # At once where the compiled core can: one pass over the chunk, only the result hashed. Where that
+    # fails, link by link, each link verified, so the error names the damaged one.
+    if len(blobs) > 1 and decode_chain([(chunk_key(x), x, data) for x, data in reversed(blobs)], size, work):
+        return work[:size].data, read
     # The whole chunk is decoded into scratch memory, then each delta XORs into those same bytes in
     # place (where a delta is zero, its base's bytes are left as they are); each link's hash is checked.
     # Its size is what the table, the parsed manifest's tensors and every link's header agree on.
-    size = chunks[h].size
-    work = scratch("chain", size) if out is None else out
     (x, data), rest = blobs[-1], blobs[-2::-1]
     raw = decode_link(data, chunks, x, None, work)
     if (rest or out is not None) and not np.shares_memory(np.frombuffer(raw, np.uint8), work):

@@ -264,6 +264,72 @@ def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray 
     return out.data, digest
 
 
+def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], size: int, out: np.ndarray) -> bool:
+    """A delta chain decoded in one pass into ``out`` (uint8, ``size`` bytes) by the compiled core,
+    every link's part of a tile XORed in while it is in cache. ``parts``: (object name, chunk hash,
+    stored object) per link, the chunk stored whole first, each delta's header already checked to
+    name the link before it (:func:`ckpt.format.chains.links`). Only the result is hashed, against the
+    last link's name. False where the chain must be decoded link by link instead, which checks every
+    link and says which one is damaged: no compiled core, a link that does not decode, a wrong result
+    (``out`` may then hold anything)."""
+    core = _ext.cpu()
+    if core is None or size <= 240:
+        return False
+    links: list[_ext.ChainLink] = []
+    # every link's zstd sections are needed at once: one reused buffer holds them all (fresh memory
+    # costs a page fault per 4 KiB, more than the decode's own work on such sections)
+    spare = scratch("chain-zstd", _zstd_total(parts))
+    try:
+        for i, (name, expect, blob) in enumerate(parts):
+            view = memoryview(blob).cast("B")
+            hdr = parse_header(view[:HEADER_SIZE], name=name)
+            payload = view[HEADER_SIZE:]
+            if hdr.raw_len != size or len(payload) != hdr.payload_len or (hdr.codec == "xor") != (i > 0):
+                return False
+            if hdr.codec == "raw":  # a plane of one-byte elements: copied a tile at a time
+                if len(payload) != size:
+                    return False
+                links.append(([u8(payload)], [False], _NO_TAIL, False))
+            elif hdr.codec == "zstd":  # decompressed into place first, the deltas XORed over it
+                _decompress_into(payload, out[:size].data, name=name, expect_hash=expect)
+                links.append(([], [], _NO_TAIL, False))
+            else:
+                planes: list[np.ndarray] = []
+                table = _section_table(hdr, payload, name=name, expect_hash=expect)
+                for how, stored, length in table:
+                    if how == ZSTD:
+                        planes.append(spare[:length])
+                        spare = spare[length:]
+                        _unpack_section(how, stored, planes[-1], name=name, expect_hash=expect)
+                    else:
+                        planes.append(u8(stored) if length else np.empty(0, np.uint8))
+                coded = [how == RANS for how, _, _ in table]
+                links.append((planes[:hdr.width], coded[:hdr.width], planes[hdr.width], hdr.rot))
+    except CorruptCheckpointError:
+        return False
+    err, digest = core.chain_decode(links, out[:size])
+    return not err and digest == parts[-1][1]
+
+
+_NO_TAIL = np.zeros(1, np.uint8)
+
+
+def _zstd_total(parts) -> int:
+    """The bytes the zstd sections of a chain's planes/xor links decode to (0 where a table is damaged:
+    decode_chain then gives up on that link before it needs any)."""
+    total = 0
+    for name, expect, blob in parts:
+        view = memoryview(blob).cast("B")
+        try:
+            hdr = parse_header(view[:HEADER_SIZE], name=name)
+            if hdr.codec in PLANED:
+                table = _section_table(hdr, view[HEADER_SIZE:], name=name, expect_hash=expect)
+                total += sum(length for how, _, length in table if how == ZSTD)
+        except CorruptCheckpointError:
+            return 0
+    return total
+
+
 def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: int | None = None,
                  object_len: int | None = None) -> None:
     """Does a parsed header describe the chunk a manifest names? ``object_len`` is the stored

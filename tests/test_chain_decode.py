@@ -1,0 +1,211 @@
+"""A delta chain decoded at once (the compiled core's ckpt_chain_decode: one pass over the chunk, every
+link's part of a tile XORed in while it is in cache, only the result hashed) gives the bytes the link
+by link decode gives, and a chain that does not check out is decoded link by link, whose error names
+the damaged link."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ckpt import _ext
+from ckpt.encode import CodecSpec, encode
+from ckpt.errors import CorruptCheckpointError
+from ckpt.format import chains
+from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode, decode_chain, parse_header
+from ckpt.format.entries import ChunkInfo
+from ckpt.format.paths import chunk_key
+from ckpt.format.planes import LENGTH_MASK, RANS_FLAG, ZSTD_FLAG
+from ckpt.storage import LocalStorage
+
+needs_core = pytest.mark.skipif(_ext.cpu() is None, reason="needs the compiled core")
+
+SIZE = (1 << 20) + 3  # several tiles of every width, and tail bytes past the last whole element
+
+
+def whole(data: np.ndarray, codec: str, width: int, rotate: bool) -> bytes:
+    name, parts = encode(memoryview(data), chunk_hash(data), CodecSpec.parse(codec), width=width, rotate=rotate)
+    assert name == {"auto": "planes"}.get(codec, codec)
+    return b"".join(bytes(p) for p in parts)
+
+
+def delta(data: np.ndarray, prev: np.ndarray, width: int, rotate: bool) -> bytes:
+    name, parts = encode(memoryview(data), chunk_hash(data), CodecSpec.parse("auto"), width=width, rotate=rotate,
+                         base=Base(memoryview(prev), chunk_hash(prev)))
+    assert name == "xor"
+    return b"".join(bytes(p) for p in parts)
+
+
+def step(prev: np.ndarray, rng: np.random.Generator, sparse: bool) -> np.ndarray:
+    """The next version: small changes to the low bytes of every float, or to a run of them only (a
+    delta of zero runs, whose planes zstd keeps best)."""
+    f = prev[:SIZE // 4 * 4].view(np.float32).copy()
+    lo, hi = (rng.integers(0, f.size // 2), f.size) if not sparse else sorted(rng.integers(0, f.size, 2))
+    f[lo:hi] += rng.standard_normal(hi - lo).astype(np.float32) * 1e-5
+    out = prev.copy()
+    out[:f.size * 4] = f.view(np.uint8)
+    return out
+
+
+# (codec of the whole chunk, width, rotate) then per delta (width, rotate, sparse): widths and rotations
+# differ per link, as auto chooses them per chunk
+LINKS = [(4, True, False), (2, False, True), (8, False, False), (1, False, True), (4, False, False),
+         (3, False, True), (2, True, False)]
+WHOLE = [("auto", 4, True), ("raw", 1, False), ("zstd", 1, False), ("auto", 8, False)]
+
+
+def build(count: int, seed: int) -> list[tuple[str, bytes]]:
+    """A chain of ``count`` links, whole first: (hash, stored object) each."""
+    rng = np.random.default_rng(seed)
+    data = np.concatenate([(rng.standard_normal(SIZE // 4) * 0.02).astype(np.float32).view(np.uint8),
+                           rng.integers(0, 256, SIZE % 4, dtype=np.uint8)])
+    codec, w, rot = WHOLE[seed % len(WHOLE)]
+    out = [(chunk_hash(data), whole(data, codec, w, rot))]
+    for i in range(count - 1):
+        w, rot, sparse = LINKS[(i + seed) % len(LINKS)]
+        nxt = step(data, rng, sparse)
+        out.append((chunk_hash(nxt), delta(nxt, data, w, rot)))
+        data = nxt
+    return out
+
+
+def link_by_link(chain: list[tuple[str, bytes]]) -> bytes:
+    raw = None
+    prev = None
+    for h, blob in chain:
+        raw = decode(blob, name=h, expect_hash=h, base=None if prev is None else Base(raw, prev))
+        prev = h
+    return bytes(raw)
+
+
+def section_kinds(blob: bytes) -> set[str]:
+    hdr = parse_header(blob, name="x")
+    if hdr.codec not in ("planes", "xor"):
+        return {hdr.codec}
+    table = np.frombuffer(blob[HEADER_SIZE:HEADER_SIZE + 8 * (hdr.width + 1)], "<u8")
+    return {"zstd" if e & ZSTD_FLAG else "rans" if e & RANS_FLAG else "stored" if e & LENGTH_MASK else "empty"
+            for e in table.tolist()}
+
+
+@needs_core
+@pytest.mark.parametrize("count", range(1, 9))
+def test_a_chain_decoded_at_once_gives_the_link_by_link_bytes(count):
+    for seed in range(2):
+        chain = build(count, seed + count)
+        want = link_by_link(chain)
+        guard = np.full(SIZE + 64, 0xA5, np.uint8)
+        out = guard[32:32 + SIZE]
+        assert decode_chain([(h, h, blob) for h, blob in chain], SIZE, out)
+        assert out.tobytes() == want
+        assert (guard[:32] == 0xA5).all() and (guard[-32:] == 0xA5).all()
+
+
+def test_the_chains_cover_every_kind_of_link_and_section():
+    """The chains above hold every whole codec, rANS, zstd and stored sections, and several widths."""
+    kinds, widths = set(), set()
+    for count in (4, 8):
+        for seed in range(len(WHOLE)):
+            for _, blob in build(count, seed):
+                kinds |= section_kinds(blob)
+                widths.add((parse_header(blob, name="x").width, parse_header(blob, name="x").rot))
+    assert {"raw", "zstd", "rans", "stored"} <= kinds and "zstd" in kinds
+    assert len(widths) >= 5
+
+
+def stored(tmp_path, chain: list[tuple[str, bytes]]) -> tuple[LocalStorage, dict[str, ChunkInfo]]:
+    storage = LocalStorage(tmp_path)
+    table: dict[str, ChunkInfo] = {}
+    prev = None
+    for h, blob in chain:
+        storage.write(chunk_key(h), [blob])
+        table[h] = ChunkInfo(SIZE, len(blob), parse_header(blob, name=h).label, prev)
+        prev = h
+    return storage, table
+
+
+def test_resolve_decodes_a_chain_with_or_without_the_core(tmp_path, monkeypatch):
+    chain = build(6, 3)
+    storage, table = stored(tmp_path, chain)
+    want = link_by_link(chain)
+    raw, read = chains.resolve(storage, table, chain[-1][0])
+    assert bytes(raw) == want and read == sum(len(b) for _, b in chain)
+    out = np.zeros(SIZE, np.uint8)
+    chains.resolve(storage, table, chain[-1][0], out=out)
+    assert out.tobytes() == want
+    monkeypatch.setattr(_ext, "cpu", lambda: None)  # as under CKPT_NO_EXT=1: link by link in numpy
+    assert bytes(chains.resolve(storage, table, chain[-1][0])[0]) == want
+
+
+@needs_core
+@pytest.mark.parametrize("where", ["header", "table", "middle", "end"])
+def test_a_damaged_link_anywhere_is_refused_naming_it(tmp_path, where):
+    chain = build(5, 1)
+    for victim in range(len(chain)):
+        h, blob = chain[victim]
+        hdr = parse_header(blob, name=h)
+        damaged = bytearray(blob)
+        at = {"header": 20, "table": HEADER_SIZE + 3, "middle": HEADER_SIZE + hdr.payload_len // 2,
+              "end": len(blob) - 5}[where]
+        damaged[at] ^= 0x10
+        bad = chain[:victim] + [(h, bytes(damaged))] + chain[victim + 1:]
+        assert not decode_chain([(x, x, b) for x, b in bad], SIZE, np.empty(SIZE, np.uint8))
+        storage, table = stored(tmp_path / f"{where}{victim}", chain)
+        storage.write(chunk_key(h), [bytes(damaged)])
+        with pytest.raises(CorruptCheckpointError) as e:
+            chains.resolve(storage, table, chain[-1][0])
+        assert h in str(e.value), (victim, str(e.value))
+
+
+@needs_core
+def test_hostile_sections_stay_in_bounds():
+    """Bytes flipped all over every link's sections: the decode refuses or gives other bytes (the hash
+    tells), and writes nothing outside the chunk."""
+    chain = build(4, 2)
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        victim = int(rng.integers(0, len(chain)))
+        h, blob = chain[victim]
+        damaged = bytearray(blob)
+        for at in rng.integers(HEADER_SIZE, len(blob), int(rng.integers(1, 40))):
+            damaged[at] = int(rng.integers(0, 256))
+        bad = chain[:victim] + [(h, bytes(damaged))] + chain[victim + 1:]
+        guard = np.full(SIZE + 64, 0x5A, np.uint8)
+        assert not decode_chain([(x, x, b) for x, b in bad], SIZE, guard[32:32 + SIZE]) or bytes(damaged) == blob
+        assert (guard[:32] == 0x5A).all() and (guard[-32:] == 0x5A).all()
+
+
+@needs_core
+def test_widths_too_varied_to_tile_together_are_decoded_link_by_link(tmp_path):
+    """Widths 16, 7, 5 and 3 have no common tile small enough (ckpt_chain_decode says 5): resolve goes
+    link by link and still gives the chunk."""
+    rng = np.random.default_rng(5)
+    data = (rng.standard_normal(SIZE // 4) * 0.02).astype(np.float32).view(np.uint8)
+    data = np.concatenate([data, np.zeros(SIZE - data.size, np.uint8)])
+    chain = [(chunk_hash(data), whole(data, "auto", 16, False))]
+    for w in (7, 5, 3):
+        nxt = step(data, rng, False)
+        chain.append((chunk_hash(nxt), delta(nxt, data, w, False)))
+        data = nxt
+    assert not decode_chain([(h, h, b) for h, b in chain], SIZE, np.empty(SIZE, np.uint8))
+    storage, table = stored(tmp_path, chain)
+    assert bytes(chains.resolve(storage, table, chain[-1][0])[0]) == link_by_link(chain)
+
+
+@needs_core
+def test_a_raw_base_whose_payload_is_short_is_not_read_past(tmp_path):
+    """A whole link stored raw with a header that agrees with a payload shorter than the chunk: the
+    chain is refused (the core is never handed a plane shorter than its elements)."""
+    import struct
+
+    chain = build(3, 1)
+    assert parse_header(chain[0][1], name="x").codec == "raw"
+    h, blob = chain[0]
+    head = bytearray(blob[:HEADER_SIZE])
+    struct.pack_into("<Q", head, 56, len(blob) - HEADER_SIZE - 4096)
+    short = bytes(head) + blob[HEADER_SIZE:-4096]
+    bad = [(h, short)] + chain[1:]
+    assert not decode_chain([(x, x, b) for x, b in bad], SIZE, np.empty(SIZE, np.uint8))
+    storage, table = stored(tmp_path, chain)
+    storage.write(chunk_key(h), [short])
+    with pytest.raises(CorruptCheckpointError):
+        chains.resolve(storage, table, chain[-1][0])
