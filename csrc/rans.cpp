@@ -360,11 +360,14 @@ int Section::run(uint64_t upto, uint8_t* out, uint64_t origin) {
   const int group = level ? GROUP : 1;
   Block bs[GROUP];
   int count = 0;
+  uniform = -2;  // no block yet
   for (; i < n && i < upto; i += block) {
     const uint64_t m = n - i < block ? n - i : block;
     bool coded = false;
     if (int err = open_block(p, end, out + (i - origin), m, tables + size_t(SCALE) * count, bs[count], &coded))
       return err;
+    const int one = coded ? -1 : out[i - origin];
+    uniform = uniform == -2 || uniform == one ? one : -1;
     if (coded && ++count == group) {
       if (run_group(bs, count, end, level)) return 3;
       count = 0;

@@ -42,6 +42,7 @@ struct Section {
   uint64_t block = 0, n = 0, i = 0;  // block length, symbols, the first symbol not decoded
   int level = 0;
   uint32_t* tables = nullptr;
+  int uniform = -1;  // after run: the one symbol every block it decoded holds, or -1 (coded blocks, or several)
 
   // A section of len bytes at in, of `symbols` symbols, decoded with vector code up to `simd`: 0, or
   // 2 (a damaged header).

@@ -36,11 +36,16 @@ def delta(data: np.ndarray, prev: np.ndarray, width: int, rotate: bool) -> bytes
     return b"".join(bytes(p) for p in parts)
 
 
-def step(prev: np.ndarray, rng: np.random.Generator, sparse: bool) -> np.ndarray:
-    """The next version: small changes to the low bytes of every float, or to a run of them only (a
-    delta of zero runs, whose planes zstd keeps best)."""
+def step(prev: np.ndarray, rng: np.random.Generator, kind: str) -> np.ndarray:
+    """The next version: small changes to the low bytes of many floats ("dense"), of a run of them
+    only ("sparse": a delta of zero runs, whose planes zstd keeps best, and of tiles of zeros), or the
+    same bits flipped in every element ("mask": every plane of the delta one byte repeated)."""
+    if kind == "mask":
+        out = prev.copy()
+        out[:SIZE // 4 * 4].view(np.uint32)[:] ^= np.uint32(rng.integers(1, 1 << 23) | 0x10101)
+        return out
     f = prev[:SIZE // 4 * 4].view(np.float32).copy()
-    lo, hi = (rng.integers(0, f.size // 2), f.size) if not sparse else sorted(rng.integers(0, f.size, 2))
+    lo, hi = (rng.integers(0, f.size // 2), f.size) if kind == "dense" else sorted(rng.integers(0, f.size, 2))
     f[lo:hi] += rng.standard_normal(hi - lo).astype(np.float32) * 1e-5
     out = prev.copy()
     out[:f.size * 4] = f.view(np.uint8)
@@ -49,21 +54,24 @@ def step(prev: np.ndarray, rng: np.random.Generator, sparse: bool) -> np.ndarray
 
 # (codec of the whole chunk, width, rotate) then per delta (width, rotate, sparse): widths and rotations
 # differ per link, as auto chooses them per chunk
-LINKS = [(4, True, False), (2, False, True), (8, False, False), (1, False, True), (4, False, False),
-         (3, False, True), (2, True, False)]
+LINKS = [(4, True, "dense"), (2, False, "sparse"), (8, False, "mask"), (1, False, "sparse"), (4, False, "dense"),
+         (3, False, "mask"), (2, True, "dense"), (4, True, "mask")]
 WHOLE = [("auto", 4, True), ("raw", 1, False), ("zstd", 1, False), ("auto", 8, False)]
 
 
-def build(count: int, seed: int) -> list[tuple[str, bytes]]:
-    """A chain of ``count`` links, whole first: (hash, stored object) each."""
+def build(count: int, seed: int, zero: bool = False) -> list[tuple[str, bytes]]:
+    """A chain of ``count`` links, whole first: (hash, stored object) each. ``zero``: the first half of
+    the first version is zero (tiles of the whole chunk whose planes are each one byte repeated)."""
     rng = np.random.default_rng(seed)
     data = np.concatenate([(rng.standard_normal(SIZE // 4) * 0.02).astype(np.float32).view(np.uint8),
                            rng.integers(0, 256, SIZE % 4, dtype=np.uint8)])
+    if zero:
+        data[:SIZE // 2] = 0
     codec, w, rot = WHOLE[seed % len(WHOLE)]
     out = [(chunk_hash(data), whole(data, codec, w, rot))]
     for i in range(count - 1):
-        w, rot, sparse = LINKS[(i + seed) % len(LINKS)]
-        nxt = step(data, rng, sparse)
+        w, rot, kind = LINKS[(i + seed) % len(LINKS)]
+        nxt = step(data, rng, kind)
         out.append((chunk_hash(nxt), delta(nxt, data, w, rot)))
         data = nxt
     return out
@@ -90,8 +98,8 @@ def section_kinds(blob: bytes) -> set[str]:
 @needs_core
 @pytest.mark.parametrize("count", range(1, 9))
 def test_a_chain_decoded_at_once_gives_the_link_by_link_bytes(count):
-    for seed in range(2):
-        chain = build(count, seed + count)
+    for seed, zero in ((count, False), (count + 1, False), (count + 2, True)):
+        chain = build(count, seed, zero)
         want = link_by_link(chain)
         guard = np.full(SIZE + 64, 0xA5, np.uint8)
         out = guard[32:32 + SIZE]
@@ -183,7 +191,7 @@ def test_widths_too_varied_to_tile_together_are_decoded_link_by_link(tmp_path):
     data = np.concatenate([data, np.zeros(SIZE - data.size, np.uint8)])
     chain = [(chunk_hash(data), whole(data, "auto", 16, False))]
     for w in (7, 5, 3):
-        nxt = step(data, rng, False)
+        nxt = step(data, rng, "dense")
         chain.append((chunk_hash(nxt), delta(nxt, data, w, False)))
         data = nxt
     assert not decode_chain([(h, h, b) for h, b in chain], SIZE, np.empty(SIZE, np.uint8))
@@ -209,3 +217,30 @@ def test_a_raw_base_whose_payload_is_short_is_not_read_past(tmp_path):
     storage.write(chunk_key(h), [short])
     with pytest.raises(CorruptCheckpointError):
         chains.resolve(storage, table, chain[-1][0])
+
+
+@needs_core
+@pytest.mark.parametrize("w,rot", [(1, False), (2, True), (3, False), (4, True), (5, False), (8, False), (8, True)])
+def test_planes_each_one_byte_repeated_decode_as_one_element_repeated(w, rot):
+    """Tiles whose rANS planes are each one symbol (a frozen tensor's delta, a fixed bit flip) are
+    written as one element repeated, over nothing (the chunk stored whole) or XORed over the links
+    before it, with or without tail bytes, whole 8-byte words or not."""
+    from ckpt.format.planes import group
+
+    core = _ext.cpu()
+    rng = np.random.default_rng(w)
+    for n, zero in ((w * 300_001, False), (w * 300_001 + w - 1, False), (w * 7, False), (w * 300_001, True)):
+        elem = np.zeros(w, np.uint8) if zero else rng.integers(0, 256, w, dtype=np.uint8)
+        x = np.resize(elem, n)
+        x[n // w * w:] = rng.integers(0, 256, n % w, dtype=np.uint8)
+        g = group(x, None, w, None, rot)
+        m = n // w
+        planes = [np.frombuffer(core.rans_encode(g[p * m:(p + 1) * m]), np.uint8) for p in range(w)]
+        link = (planes, [True] * w, g[m * w:], rot)
+        base = rng.integers(0, 256, n, dtype=np.uint8)
+        for links, want in (([link], x), ([([base], [False], np.zeros(1, np.uint8), False), link], base ^ x),
+                            ([([base], [False], np.zeros(1, np.uint8), False), link, link], base)):
+            out = np.full(n, 7, np.uint8)
+            err, digest = core.chain_decode(links, out)
+            assert err == 0 and out.tobytes() == want.tobytes()
+            assert digest == (chunk_hash(want) if n > 240 else None)
