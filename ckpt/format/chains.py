@@ -3,8 +3,10 @@ bytes, so reading it means reading its chain, down to the chunk stored whole.
 
 A manifest's chunk table names every base (``ChunkInfo.base``) and :func:`ckpt.manifest.parse` has
 checked the chains end within ``MAX_CHAIN`` links; here each link's header must agree with the table
-(or say the chunk is stored whole: a copy written again whole ends the chain early), and every link is
-verified by its own hash as it is decoded. Reads stay bounded by what the table declares: at most
+(or say the chunk is stored whole: a copy written again whole ends the chain early). The compiled
+core decodes the chain in one pass and checks the result's hash; where that fails, or without the
+core, every link is decoded and verified by its own hash in turn (so an error names the damaged
+link). Reads stay bounded by what the table declares: at most
 the chain's stored sizes, one chain at a time per thread.
 """
 
@@ -116,7 +118,7 @@ if hasattr(os, "register_at_fork"):
 def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None = None,
             blob: bytes | bytearray | memoryview | None = None, out: np.ndarray | None = None
             ) -> tuple[memoryview, int]:
-    """The raw bytes of chunk ``h`` (its chain read and every link verified) and the bytes read.
+    """The raw bytes of chunk ``h`` (its chain read, decoded and verified) and the bytes read.
     ``blob`` is ``h``'s object when the caller has read it already. Once its header says it is a
     delta, the rest of the chain the table names is read at once (two round trips of latency, not
     one per link); each header must then name the next, or say the chunk is whole (the chain ends
