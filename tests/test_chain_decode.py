@@ -244,3 +244,46 @@ def test_planes_each_one_byte_repeated_decode_as_one_element_repeated(w, rot):
             err, digest = core.chain_decode(links, out)
             assert err == 0 and out.tobytes() == want.tobytes()
             assert digest == (chunk_hash(want) if n > 240 else None)
+
+
+def _tail_recoded(blob: bytes, coded: bytes) -> bytes:
+    """``blob`` (a delta) with its tail section replaced by the rANS section ``coded`` (as no writer
+    stores it, but the format allows, and the link by link decode reads), its checks made to agree."""
+    import struct
+
+    from ckpt.format.chunk import xor_check
+
+    hdr = parse_header(blob, name="x")
+    w = hdr.width
+    table = np.frombuffer(blob[HEADER_SIZE:HEADER_SIZE + 8 * (w + 1)], "<u8").copy()
+    tail_len = int(table[w] & LENGTH_MASK)
+    table[w] = RANS_FLAG | len(coded)
+    payload = table.tobytes() + blob[HEADER_SIZE + 8 * (w + 1):len(blob) - tail_len] + coded
+    head = bytearray(blob[:HEADER_SIZE])
+    struct.pack_into("<HBBI", head, 8, 2, head[10], head[11], 0)
+    struct.pack_into("<Q", head, 56, len(payload))
+    struct.pack_into("<I", head, 12, xor_check(bytes(head), [payload]))
+    return bytes(head) + payload
+
+
+@needs_core
+def test_a_rans_coded_tail_is_decoded_not_read_as_tail_bytes(tmp_path):
+    """A delta whose tail section is rANS-coded: decoded like the link by link decode does, not handed
+    to the core as the tail bytes themselves (which read past the object where the section is shorter
+    than the tail: here an empty one, whose missing bytes lay past the end of the stored object)."""
+    chain = build(3, 1)
+    h, blob = chain[1]
+    hdr = parse_header(blob, name=h)
+    assert hdr.width == 2 and SIZE % 2 == 1
+    tail = np.frombuffer(blob[-1:], np.uint8)
+    assert tail[0] == 0  # the tail byte is unchanged between versions: an empty read past the end gives it too
+    good = _tail_recoded(blob, _ext.cpu().rans_encode(tail))
+    out = np.empty(SIZE, np.uint8)
+    assert decode_chain([(x, x, b) for x, b in [chain[0], (h, good), chain[2]]], SIZE, out)
+    assert out.tobytes() == link_by_link(chain)
+    empty = _tail_recoded(blob, b"")
+    assert not decode_chain([(x, x, b) for x, b in [chain[0], (h, empty), chain[2]]], SIZE, out)
+    storage, table = stored(tmp_path, chain)
+    storage.write(chunk_key(h), [empty])
+    with pytest.raises(CorruptCheckpointError, match=f"{h}.*rANS"):
+        chains.resolve(storage, table, chain[-1][0])

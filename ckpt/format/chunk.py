@@ -296,14 +296,14 @@ def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], s
             else:
                 planes: list[np.ndarray] = []
                 table = _section_table(hdr, payload, name=name, expect_hash=expect)
-                for how, stored, length in table:
-                    if how == ZSTD:
+                coded = [how == RANS and k < hdr.width for k, (how, _, _) in enumerate(table)]
+                for (how, stored, length), core_decodes in zip(table, coded):
+                    if how != STORED and not core_decodes:  # zstd, or a rANS tail (the core takes planes)
                         planes.append(spare[:length])
                         spare = spare[length:]
                         _unpack_section(how, stored, planes[-1], name=name, expect_hash=expect)
                     else:
                         planes.append(u8(stored) if length else np.empty(0, np.uint8))
-                coded = [how == RANS for how, _, _ in table]
                 links.append((planes[:hdr.width], coded[:hdr.width], planes[hdr.width], hdr.rot))
     except CorruptCheckpointError:
         return False
@@ -315,8 +315,8 @@ _NO_TAIL = np.zeros(1, np.uint8)
 
 
 def _zstd_total(parts) -> int:
-    """The bytes the zstd sections of a chain's planes/xor links decode to (0 where a table is damaged:
-    decode_chain then gives up on that link before it needs any)."""
+    """The bytes the zstd sections (and rANS tails) of a chain's planes/xor links decode to (0 where a
+    table is damaged: decode_chain then gives up on that link before it needs any)."""
     total = 0
     for name, expect, blob in parts:
         view = memoryview(blob).cast("B")
@@ -324,7 +324,8 @@ def _zstd_total(parts) -> int:
             hdr = parse_header(view[:HEADER_SIZE], name=name)
             if hdr.codec in PLANED:
                 table = _section_table(hdr, view[HEADER_SIZE:], name=name, expect_hash=expect)
-                total += sum(length for how, _, length in table if how == ZSTD)
+                total += sum(length for k, (how, _, length) in enumerate(table)
+                             if how == ZSTD or (how == RANS and k == hdr.width))
         except CorruptCheckpointError:
             return 0
     return total
