@@ -287,3 +287,22 @@ def test_a_rans_coded_tail_is_decoded_not_read_as_tail_bytes(tmp_path):
     storage.write(chunk_key(h), [empty])
     with pytest.raises(CorruptCheckpointError, match=f"{h}.*rANS"):
         chains.resolve(storage, table, chain[-1][0])
+
+
+@needs_core
+@pytest.mark.parametrize("at", [12, 15, 8])
+def test_a_delta_whose_payload_check_fails_is_refused_as_link_by_link(tmp_path, at):
+    """Damage the decode never reads (the payload check field itself; the format version of a link
+    with no rANS section) still fails that link's payload check: the chain is refused, naming it, as
+    the link by link decode refuses it, not decoded to the right bytes regardless."""
+    chain = build(4, 1)
+    victim = next(i for i, (_, b) in enumerate(chain) if i and parse_header(b, name="x").version == 1)
+    h, blob = chain[victim]
+    damaged = bytearray(blob)
+    damaged[at] ^= 1
+    bad = chain[:victim] + [(h, bytes(damaged))] + chain[victim + 1:]
+    assert not decode_chain([(x, x, b) for x, b in bad], SIZE, np.empty(SIZE, np.uint8))
+    storage, table = stored(tmp_path, chain)
+    storage.write(chunk_key(h), [bytes(damaged)])
+    with pytest.raises(CorruptCheckpointError, match=f"{h} failed its payload check"):
+        chains.resolve(storage, table, chain[-1][0])

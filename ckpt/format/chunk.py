@@ -286,6 +286,10 @@ def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], s
             payload = view[HEADER_SIZE:]
             if hdr.raw_len != size or len(payload) != hdr.payload_len or (hdr.codec == "xor") != (i > 0):
                 return False
+            # the link by link decode refuses a delta whose payload check fails, even where the bytes
+            # it decodes to are right (damage to the check itself, or to a byte no decode reads)
+            if i > 0 and xor_check(view[:HEADER_SIZE], [payload]) != hdr.check:
+                return False
             if hdr.codec == "raw":  # a plane of one-byte elements: copied a tile at a time
                 if len(payload) != size:
                     return False
