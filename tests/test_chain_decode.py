@@ -184,17 +184,25 @@ def test_hostile_sections_stay_in_bounds():
 
 @needs_core
 def test_widths_too_varied_to_tile_together_are_decoded_link_by_link(tmp_path):
-    """Widths 16, 7, 5 and 3 have no common tile small enough (ckpt_chain_decode says 5): resolve goes
-    link by link and still gives the chunk."""
+    """Widths 16, 7, 5 and 3 have no common tile small enough: ckpt_chain_decode says 5 before it
+    touches anything, and resolve goes link by link and still gives the chunk."""
+    from test_chain_fuzz import planes_link
+
+    from ckpt.format.planes import RANS
+
     rng = np.random.default_rng(5)
     data = (rng.standard_normal(SIZE // 4) * 0.02).astype(np.float32).view(np.uint8)
     data = np.concatenate([data, np.zeros(SIZE - data.size, np.uint8)])
     chain = [(chunk_hash(data), whole(data, "auto", 16, False))]
     for w in (7, 5, 3):
         nxt = step(data, rng, "dense")
-        chain.append((chunk_hash(nxt), delta(nxt, data, w, False)))
+        chain.append((chunk_hash(nxt), planes_link(nxt, data, w, False, rng, keep=RANS)))
         data = nxt
-    assert not decode_chain([(h, h, b) for h, b in chain], SIZE, np.empty(SIZE, np.uint8))
+    assert all(section_kinds(b) <= {"rans", "stored", "empty"} for _, b in chain)  # all in one pass: no scratch
+    out = np.full(SIZE, 9, np.uint8)
+    links = [([np.zeros(SIZE // w, np.uint8)] * w, [False] * w, np.zeros(16, np.uint8), False) for w in (16, 7, 5, 3)]
+    assert _ext.cpu().chain_decode(links, out) == (5, None) and (out == 9).all()
+    assert not decode_chain([(h, h, b) for h, b in chain], SIZE, out)
     storage, table = stored(tmp_path, chain)
     assert bytes(chains.resolve(storage, table, chain[-1][0])[0]) == link_by_link(chain)
 
@@ -306,3 +314,37 @@ def test_a_delta_whose_payload_check_fails_is_refused_as_link_by_link(tmp_path, 
     storage.write(chunk_key(h), [bytes(damaged)])
     with pytest.raises(CorruptCheckpointError, match=f"{h} failed its payload check"):
         chains.resolve(storage, table, chain[-1][0])
+
+
+@needs_core
+def test_a_chain_of_zstd_deltas_takes_about_one_chunk_of_scratch(tmp_path):
+    """Sparse updates make deltas whose planes are all zstd frames, decompressed into scratch before
+    the core runs: the chain is decoded in as many passes as it takes to hold at most one chunk of
+    them at a time (all at once, a chain of K such links held K - 1 chunks per reading thread until
+    the next trim, 63 at the longest delta_chain), and gives the link by link bytes still."""
+    import tracemalloc
+
+    from ckpt.format.planes import trim_scratch
+
+    rng = np.random.default_rng(11)
+    data = (rng.standard_normal(SIZE // 4) * 0.02).astype(np.float32).view(np.uint8)
+    data = np.concatenate([data, rng.integers(0, 256, SIZE % 4, dtype=np.uint8)])
+    chain = [(chunk_hash(data), whole(data, "auto", 4, True))]
+    for _ in range(7):
+        nxt = data.copy()
+        nxt[rng.integers(0, SIZE, 64)] ^= 1  # a few bytes changed: every plane of the delta a zstd frame
+        chain.append((chunk_hash(nxt), delta(nxt, data, 4, False)))
+        data = nxt
+    assert all(section_kinds(b) <= {"zstd", "stored", "empty"} for _, b in chain[1:])
+    parts = [(h, h, b) for h, b in chain]
+    out = np.empty(SIZE, np.uint8)
+    trim_scratch()
+    tracemalloc.start()
+    try:
+        assert decode_chain(parts, SIZE, out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        trim_scratch()
+    assert out.tobytes() == link_by_link(chain)
+    assert peak < 1.5 * SIZE, peak / SIZE

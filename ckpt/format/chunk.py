@@ -275,64 +275,83 @@ def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], s
     core = _ext.cpu()
     if core is None or size <= 240:
         return False
-    links: list[_ext.ChainLink] = []
-    # every link's zstd sections are needed at once: one reused buffer holds them all (fresh memory
-    # costs a page fault per 4 KiB, more than the decode's own work on such sections)
-    spare = scratch("chain-zstd", _zstd_total(parts))
+    out = out[:size]
     try:
-        for i, (name, expect, blob) in enumerate(parts):
-            view = memoryview(blob).cast("B")
-            hdr = parse_header(view[:HEADER_SIZE], name=name)
-            payload = view[HEADER_SIZE:]
-            if hdr.raw_len != size or len(payload) != hdr.payload_len or (hdr.codec == "xor") != (i > 0):
-                return False
-            # the link by link decode refuses a delta whose payload check fails, even where the bytes
-            # it decodes to are right (damage to the check itself, or to a byte no decode reads)
-            if i > 0 and xor_check(view[:HEADER_SIZE], [payload]) != hdr.check:
-                return False
-            if hdr.codec == "raw":  # a plane of one-byte elements: copied a tile at a time
-                if len(payload) != size:
+        found = [_chain_part(i, name, expect, blob, size) for i, (name, expect, blob) in enumerate(parts)]
+        if any(f is None for f in found):
+            return False
+        needs = [_unpacked_bytes(f) for f in found]
+        # zstd sections (and rANS tails) are decoded into scratch before the core runs, one reused
+        # buffer of at most one chunk (fresh memory costs a page fault per 4 KiB): a chain of more than
+        # that (sparse updates make deltas of zstd frames only) is decoded in as many passes as it takes
+        room = scratch("chain-sections", min(size, sum(needs)))
+        batch: list[_ext.ChainLink] = []
+        used = 0
+        for (name, expect, _), part, need in zip(parts, found, needs):
+            if used + need > room.size:
+                if core.chain_decode(batch, out)[0]:
                     return False
-                links.append(([u8(payload)], [False], _NO_TAIL, False))
-            elif hdr.codec == "zstd":  # decompressed into place first, the deltas XORed over it
-                _decompress_into(payload, out[:size].data, name=name, expect_hash=expect)
-                links.append(([], [], _NO_TAIL, False))
-            else:
-                planes: list[np.ndarray] = []
-                table = _section_table(hdr, payload, name=name, expect_hash=expect)
-                coded = [how == RANS and k < hdr.width for k, (how, _, _) in enumerate(table)]
-                for (how, stored, length), core_decodes in zip(table, coded):
-                    if how != STORED and not core_decodes:  # zstd, or a rANS tail (the core takes planes)
-                        planes.append(spare[:length])
-                        spare = spare[length:]
-                        _unpack_section(how, stored, planes[-1], name=name, expect_hash=expect)
-                    else:
-                        planes.append(u8(stored) if length else np.empty(0, np.uint8))
-                links.append((planes[:hdr.width], coded[:hdr.width], planes[hdr.width], hdr.rot))
-    except CorruptCheckpointError:
+                batch, used = [_IN_OUT], 0
+            batch.append(_chain_link(part, room[used:used + need], out, name=name, expect_hash=expect))
+            used += need
+    except (CorruptCheckpointError, IncompatibleFormatError):
         return False
-    err, digest = core.chain_decode(links, out[:size])
+    err, digest = core.chain_decode(batch, out)
     return not err and digest == parts[-1][1]
 
 
 _NO_TAIL = np.zeros(1, np.uint8)
 
+_IN_OUT: _ext.ChainLink = ([], [], _NO_TAIL, False)  # a link whose bytes are in ``out`` already
 
-def _zstd_total(parts) -> int:
-    """The bytes the zstd sections (and rANS tails) of a chain's planes/xor links decode to (0 where a
-    table is damaged: decode_chain then gives up on that link before it needs any)."""
-    total = 0
-    for name, expect, blob in parts:
-        view = memoryview(blob).cast("B")
-        try:
-            hdr = parse_header(view[:HEADER_SIZE], name=name)
-            if hdr.codec in PLANED:
-                table = _section_table(hdr, view[HEADER_SIZE:], name=name, expect_hash=expect)
-                total += sum(length for k, (how, _, length) in enumerate(table)
-                             if how == ZSTD or (how == RANS and k == hdr.width))
-        except CorruptCheckpointError:
-            return 0
-    return total
+
+def _chain_part(i: int, name: str, expect: str, blob, size: int) -> tuple | None:
+    """Link ``i``'s header, payload and section table (None for raw and zstd), checked as the link by
+    link decode checks them before decoding; None where the chain is not decoded at once."""
+    view = memoryview(blob).cast("B")
+    hdr = parse_header(view[:HEADER_SIZE], name=name)
+    payload = view[HEADER_SIZE:]
+    if hdr.raw_len != size or len(payload) != hdr.payload_len or (hdr.codec == "xor") != (i > 0) \
+            or (hdr.codec == "raw" and len(payload) != size):
+        return None
+    # the link by link decode refuses a delta whose payload check fails, even where the bytes it
+    # decodes to are right (damage to the check itself, or to a byte no decode reads)
+    if i > 0 and xor_check(view[:HEADER_SIZE], [payload]) != hdr.check:
+        return None
+    return hdr, payload, _section_table(hdr, payload, name=name, expect_hash=expect) if hdr.codec in PLANED else None
+
+
+def _core_decodes(hdr: ChunkHeader, table) -> list[bool]:
+    """Which sections the core decodes itself: rANS planes (not a rANS tail, which it takes as bytes)."""
+    return [how == RANS and k < hdr.width for k, (how, _, _) in enumerate(table)]
+
+
+def _unpacked_bytes(part) -> int:
+    """The scratch bytes a link's sections take before the core runs: its zstd sections and rANS tail."""
+    hdr, _, table = part
+    if table is None:
+        return 0
+    return sum(length for (how, _, length), c in zip(table, _core_decodes(hdr, table)) if how != STORED and not c)
+
+
+def _chain_link(part, room: np.ndarray, out: np.ndarray, *, name: str, expect_hash: str) -> _ext.ChainLink:
+    """A link as the core takes it; its sections the core does not decode are decoded into ``room``."""
+    hdr, payload, table = part
+    if hdr.codec == "raw":  # a plane of one-byte elements: copied a tile at a time
+        return [u8(payload)], [False], _NO_TAIL, False
+    if hdr.codec == "zstd":  # decompressed into place first, the deltas XORed over it
+        _decompress_into(payload, out.data, name=name, expect_hash=expect_hash)
+        return _IN_OUT
+    planes: list[np.ndarray] = []
+    coded = _core_decodes(hdr, table)
+    for (how, stored, length), core_decodes in zip(table, coded):
+        if how != STORED and not core_decodes:
+            planes.append(room[:length])
+            room = room[length:]
+            _unpack_section(how, stored, planes[-1], name=name, expect_hash=expect_hash)
+        else:
+            planes.append(u8(stored) if length else np.empty(0, np.uint8))
+    return planes[:hdr.width], coded[:hdr.width], planes[hdr.width], hdr.rot
 
 
 def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: int | None = None,
