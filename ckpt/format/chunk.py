@@ -269,9 +269,10 @@ def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], s
     every link's part of a tile XORed in while it is in cache. ``parts``: (object name, chunk hash,
     stored object) per link, the chunk stored whole first, each delta's header already checked to
     name the link before it (:func:`ckpt.format.chains.links`). Only the result is hashed, against the
-    last link's name. False where the chain must be decoded link by link instead, which checks every
-    link and says which one is damaged: no compiled core, a link that does not decode, a wrong result
-    (``out`` may then hold anything)."""
+    last link's name (each delta's payload check is verified as well). False where the chain must be
+    decoded link by link instead, which checks every link and says which one is damaged: no compiled
+    core, a payload check that fails, a link that does not decode, a wrong result (``out`` may then
+    hold anything)."""
     core = _ext.cpu()
     if core is None or size <= 240:
         return False
