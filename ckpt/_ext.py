@@ -22,7 +22,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 # numpy layouts of the C structs (csrc/copyhash.cpp Seg, csrc/cuda/batched_copy.cu CopyDesc)
 SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<u8")])
-ABI_VERSION = 8  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+# A link of a chain for CpuCore.chain_decode: its planes, which are rANS sections, its tail bytes, rotated.
+ChainLink = tuple[list[np.ndarray], list[bool], np.ndarray, bool]
+
+ABI_VERSION = 9  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -70,6 +73,8 @@ class CpuCore:
         lib.ckpt_planes_decode.restype = ctypes.c_int
         lib.ckpt_planes_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, u64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr,
                                            ptr]
+        lib.ckpt_chain_decode.restype = ctypes.c_int
+        lib.ckpt_chain_decode.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, u64, ctypes.c_int, ptr, ptr]
         self.rans_simd = lib.ckpt_rans_simd()
         lib.ckpt_pread_hash.restype = ctypes.c_int64
         lib.ckpt_pread_hash.argtypes = [ctypes.c_int, u64, ptr, u64, ptr]
@@ -141,6 +146,29 @@ class CpuCore:
         err = self.lib.ckpt_planes_decode(ptrs, lens.ctypes.data, flags.ctypes.data, tail.ctypes.data,
                                           None if base is None else base.ctypes.data, out.size, w, int(rot), simd,
                                           out.ctypes.data, h.ctypes.data)
+        lo, hi, hashed = h.tolist()
+        return int(err), (f"{hi:016x}{lo:016x}" if hashed and not err else None)
+
+    def chain_decode(self, links: list[ChainLink], out: np.ndarray, simd: int = 2) -> tuple[int, str | None]:
+        """A delta chain in one pass into ``out`` (uint8, the chunk's length): ``links`` whole-first,
+        each a delta of the one before (see :meth:`planes_decode`; a link of no planes: ``out`` holds
+        it already, only as the first). Returns (0, the rANS decoder's error code, or 5: widths too
+        varied to decode together; the xxh3-128 of the result or None where it is 240 bytes or shorter).
+        Only the result is hashed."""
+        count = len(links)
+        wr = np.zeros(2 * count, np.int32)
+        ptrs = (ctypes.c_void_p * (16 * count))()
+        lens = np.zeros(16 * count, np.uint64)
+        flags = np.zeros(16 * count, np.uint8)
+        tails = (ctypes.c_void_p * count)()
+        for i, (planes, coded, tail, rot) in enumerate(links):
+            wr[2 * i:2 * i + 2] = len(planes), int(rot)
+            for k, (p, c) in enumerate(zip(planes, coded)):
+                ptrs[16 * i + k], lens[16 * i + k], flags[16 * i + k] = p.ctypes.data, p.size, c
+            tails[i] = tail.ctypes.data
+        h = np.zeros(3, np.uint64)
+        err = self.lib.ckpt_chain_decode(count, wr.ctypes.data, ptrs, lens.ctypes.data, flags.ctypes.data, tails,
+                                         out.size, simd, out.ctypes.data, h.ctypes.data)
         lo, hi, hashed = h.tolist()
         return int(err), (f"{hi:016x}{lo:016x}" if hashed and not err else None)
 

@@ -296,10 +296,6 @@ __attribute__((target("avx2,avx512f,avx512vl"))) void run_avx512(Block* bs, cons
 
 #endif
 
-// Blocks the vector decoders step together. Measured on Zen 4, of 2 to 8: 4 (more chains in flight
-// than that, and their tables, 16 KiB each, no longer stay in the L1 cache).
-constexpr int GROUP = 4;
-
 // Decode the opened blocks bs[0:count) to their ends with the vector code of `level` (0: none, 1:
 // AVX2, 2: AVX-512), then the scalar code: 0, or 3 (damaged).
 int run_group(Block* bs, int count, const uint8_t* limit, int level) {
@@ -345,50 +341,42 @@ int cpu_level() {
 #endif
 }
 
-// A section being decoded a run of blocks at a time (ckpt_planes_decode interleaves each run while
-// it is in cache; ckpt_rans_decode takes all of it at once).
-struct Section {
-  const uint8_t* p = nullptr;
-  const uint8_t* end = nullptr;
-  uint64_t block = 0, n = 0, i = 0;  // block length, symbols, the first symbol not decoded
-  int level = 0;
-  std::vector<uint32_t> tables;
-
-  // 0, or 2 (a damaged header)
-  int open(const uint8_t* in, uint64_t len, uint64_t symbols, int simd) {
-    if (len < 2 || in[0] != FORMAT || in[1] < 8 || in[1] > 16) return 2;
-    block = 1ull << in[1];
-    p = in + 2;
-    end = in + len;
-    n = symbols;
-    level = simd < cpu_level() ? (simd > 0 ? simd : 0) : cpu_level();
-    tables.resize(size_t(SCALE) * (level ? GROUP : 1));
-    return 0;
-  }
-
-  // Decode the blocks that start before `upto`, symbol k to out[k - origin]: 0 or an error code.
-  int run(uint64_t upto, uint8_t* out, uint64_t origin) {
-    const int group = level ? GROUP : 1;
-    Block bs[GROUP];
-    int count = 0;
-    for (; i < n && i < upto; i += block) {
-      const uint64_t m = n - i < block ? n - i : block;
-      bool coded = false;
-      if (int err = open_block(p, end, out + (i - origin), m, tables.data() + size_t(SCALE) * count, bs[count],
-                               &coded))
-        return err;
-      if (coded && ++count == group) {
-        if (run_group(bs, count, end, level)) return 3;
-        count = 0;
-      }
-    }
-    return run_group(bs, count, end, level) ? 3 : 0;
-  }
-
-  int close() const { return p == end ? 0 : 3; }  // every block used, nothing after them
-};
-
 }  // namespace
+
+namespace ckpt_rans {
+
+int Section::open(const uint8_t* in, uint64_t len, uint64_t symbols, int simd, uint32_t* shared) {
+  if (len < 2 || in[0] != FORMAT || in[1] < 8 || in[1] > 16) return 2;
+  block = 1ull << in[1];
+  p = in + 2;
+  end = in + len;
+  n = symbols;
+  level = simd < cpu_level() ? (simd > 0 ? simd : 0) : cpu_level();
+  tables = shared;
+  return 0;
+}
+
+int Section::run(uint64_t upto, uint8_t* out, uint64_t origin) {
+  const int group = level ? GROUP : 1;
+  Block bs[GROUP];
+  int count = 0;
+  uniform = -2;  // no block yet
+  for (; i < n && i < upto; i += block) {
+    const uint64_t m = n - i < block ? n - i : block;
+    bool coded = false;
+    if (int err = open_block(p, end, out + (i - origin), m, tables + size_t(SCALE) * count, bs[count], &coded))
+      return err;
+    const int one = coded ? -1 : out[i - origin];
+    uniform = uniform == -2 || uniform == one ? one : -1;
+    if (coded && ++count == group) {
+      if (run_group(bs, count, end, level)) return 3;
+      count = 0;
+    }
+  }
+  return run_group(bs, count, end, level) ? 3 : 0;
+}
+
+}  // namespace ckpt_rans
 
 extern "C" {
 
@@ -398,72 +386,10 @@ extern "C" {
 // (truncated), 2 (a damaged table or header), 3 (states or words that do not add up: damaged).
 int ckpt_rans_decode(const uint8_t* in, uint64_t len, uint8_t* out, uint64_t n, int simd) {
   Section sec;
-  if (int err = sec.open(in, len, n, simd)) return err;
+  std::vector<uint32_t> tables(size_t(SCALE) * GROUP);
+  if (int err = sec.open(in, len, n, simd, tables.data())) return err;
   if (int err = sec.run(n, out, 0)) return err;
   return sec.close();
-}
-
-// The planes of a planes/xor chunk (csrc/planes.cpp's layout) back into element order in `out` (n
-// bytes, element width w, rotated with rot, XOR `base` where not null; base may be out), and the
-// result's XXH3-128. Plane p is `src[p]`: its n / w bytes as they are when coded[p] is 0, a rANS section
-// of len[p] bytes when 1; `tail` holds the n mod w tail bytes. The work goes a tile of elements at a
-// time: the rANS planes' blocks for the tile are decoded into a small buffer, the tile is interleaved,
-// then hashed, all while it is in cache (a decode into whole planes, an interleave and a hash were
-// three passes over memory). hash = {low64, high64, hashed}; hashed is 0 for n <= 240 (Python hashes
-// those). Returns 0, a rANS section's error (1 truncated, 2 damaged header or table, 3 damaged words),
-// or 4 (a width or rotation the interleave does not support). `out` may be partly written on error.
-int ckpt_planes_decode(const uint8_t* const* src, const uint64_t* len, const uint8_t* coded, const uint8_t* tail,
-                       const uint8_t* base, uint64_t n, int w, int rot, int simd, uint8_t* out, uint64_t* hash) {
-  hash[2] = 0;
-  if (w < 1 || w > 16 || (rot && w != 2 && w != 4 && w != 8)) return 4;
-  const uint64_t m = n / w;
-  Section secs[16];
-  uint64_t tile = 1 << 16;  // elements: a multiple of every block length, 4 blocks of the encoder's
-  for (int k = 0; k < w; ++k) {
-    if (!coded[k]) continue;
-    if (int err = secs[k].open(src[k], len[k], m, simd)) return err;
-    tile = secs[k].block * GROUP > tile ? secs[k].block * GROUP : tile;
-  }
-  std::vector<uint8_t> buf;
-  int ncoded = 0;
-  for (int k = 0; k < w; ++k) ncoded += coded[k] != 0;
-  buf.resize(size_t(ncoded) * tile);
-  const bool hashing = n > 240;
-  ckpt_core::Hash128 h;
-  if (hashing) ckpt_core::hash_start(h, n);
-  uint64_t hashed_to = 0;
-  const uint8_t* planes[16];
-  for (uint64_t j0 = 0; j0 < m || j0 == 0; j0 += tile) {
-    const uint64_t j1 = m - j0 < tile ? m : j0 + tile;
-    for (int k = 0, c = 0; k < w; ++k) {
-      if (!coded[k]) {
-        planes[k] = src[k] + j0;
-        continue;
-      }
-      uint8_t* dst = buf.data() + size_t(c++) * tile;
-      if (int err = secs[k].run(j1, dst, j0)) return err;
-      planes[k] = dst;
-    }
-    const bool last = j1 == m;
-    const uint64_t bytes = (j1 - j0) * w + (last ? n - m * w : 0);
-    if (ckpt_ungroup_planes(planes, tail, base ? base + j0 * w : nullptr, bytes, w, rot, out + j0 * w)) return 4;
-    if (hashing) {  // the whole blocks written so far, from where the last tile stopped
-      const uint64_t upto = (j0 * w + bytes) / ckpt_core::HASH_BLOCK * ckpt_core::HASH_BLOCK;
-      if (upto > hashed_to) {
-        ckpt_core::hash_blocks(h, out + hashed_to, (upto - hashed_to) / ckpt_core::HASH_BLOCK);
-        hashed_to = upto;
-      }
-    }
-    if (last) break;
-  }
-  for (int k = 0; k < w; ++k)
-    if (coded[k])
-      if (int err = secs[k].close()) return err;
-  if (hashing) {
-    ckpt_core::hash_finish(h, out, hash);
-    hash[2] = 1;
-  }
-  return 0;
 }
 
 // The best vector decoder ckpt_rans_decode runs here: 2 (AVX-512), 1 (AVX2) or 0 (scalar only).

@@ -28,6 +28,30 @@ inline uint32_t get16(const uint8_t* p) {  // little-endian hosts (x86-64, aarch
 }
 inline uint32_t get32(const uint8_t* p) { return get16(p) | get16(p + 2) << 16; }
 
+// Blocks the vector decoders step together. Measured on Zen 4, of 2 to 8: 4 (more chains in flight
+// than that, and their tables, 16 KiB each, no longer stay in the L1 cache).
+constexpr int GROUP = 4;
+
+// A section being decoded a run of blocks at a time (rans.cpp; chain.cpp interleaves each run while
+// it is in cache, ckpt_rans_decode takes all of it at once). `tables` (SCALE * GROUP entries) is only
+// used within one run, so every section of a chain shares one (8 links of 8 coded planes would
+// otherwise hold 4 MiB of tables, far more than the tiles they decode).
+struct Section {
+  const uint8_t* p = nullptr;
+  const uint8_t* end = nullptr;
+  uint64_t block = 0, n = 0, i = 0;  // block length, symbols, the first symbol not decoded
+  int level = 0;
+  uint32_t* tables = nullptr;
+  int uniform = -1;  // after run: the one symbol every block it decoded holds, or -1 (coded blocks, or several)
+
+  // A section of len bytes at in, of `symbols` symbols, decoded with vector code up to `simd`: 0, or
+  // 2 (a damaged header).
+  int open(const uint8_t* in, uint64_t len, uint64_t symbols, int simd, uint32_t* shared);
+  // Decode the blocks that start before `upto`, symbol k to out[k - origin]: 0 or an error code.
+  int run(uint64_t upto, uint8_t* out, uint64_t origin);
+  int close() const { return p == end ? 0 : 3; }  // every block used, nothing after them
+};
+
 }  // namespace ckpt_rans
 
 extern "C" int ckpt_rans_simd();  // rans.cpp: the best vector code this CPU runs (2: AVX-512, 1: AVX2, 0)

@@ -3,8 +3,10 @@ bytes, so reading it means reading its chain, down to the chunk stored whole.
 
 A manifest's chunk table names every base (``ChunkInfo.base``) and :func:`ckpt.manifest.parse` has
 checked the chains end within ``MAX_CHAIN`` links; here each link's header must agree with the table
-(or say the chunk is stored whole: a copy written again whole ends the chain early), and every link is
-verified by its own hash as it is decoded. Reads stay bounded by what the table declares: at most
+(or say the chunk is stored whole: a copy written again whole ends the chain early). The compiled
+core decodes the chain in one pass and checks the result's hash; where that fails, or without the
+core, every link is decoded and verified by its own hash in turn (so an error names the damaged
+link). Reads stay bounded by what the table declares: at most
 the chain's stored sizes, one chain at a time per thread.
 """
 
@@ -22,7 +24,7 @@ from ..errors import CorruptCheckpointError
 from ..storage.base import Storage
 from . import manifest as mf
 from . import spans
-from .chunk import HEADER_SIZE, MAX_WIDTH, Base, check_header, decode, parse_header
+from .chunk import HEADER_SIZE, MAX_WIDTH, Base, check_header, decode, decode_chain, parse_header
 from .paths import chunk_key
 from .planes import scratch
 
@@ -116,7 +118,7 @@ if hasattr(os, "register_at_fork"):
 def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int | None = None,
             blob: bytes | bytearray | memoryview | None = None, out: np.ndarray | None = None
             ) -> tuple[memoryview, int]:
-    """The raw bytes of chunk ``h`` (its chain read and every link verified) and the bytes read.
+    """The raw bytes of chunk ``h`` (its chain read, decoded and verified) and the bytes read.
     ``blob`` is ``h``'s object when the caller has read it already. Once its header says it is a
     delta, the rest of the chain the table names is read at once (two round trips of latency, not
     one per link); each header must then name the next, or say the chunk is whole (the chain ends
@@ -124,11 +126,15 @@ def resolve(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, step: int
     may lie in this thread's scratch memory: use them before this thread resolves another chunk.
     ``out`` (uint8, the chunk's size): decode there instead (a load's destination: no copy after)."""
     blobs, read = links(storage, chunks, h, step, blob)
+    size = chunks[h].size
+    work = scratch("chain", size) if out is None else out
+    # At once where the compiled core can: one pass over the chunk, only the result hashed. Where that
+    # fails, link by link, each link verified, so the error names the damaged one.
+    if len(blobs) > 1 and decode_chain([(chunk_key(x), x, data) for x, data in reversed(blobs)], size, work):
+        return work[:size].data, read
     # The whole chunk is decoded into scratch memory, then each delta XORs into those same bytes in
     # place (where a delta is zero, its base's bytes are left as they are); each link's hash is checked.
     # Its size is what the table, the parsed manifest's tensors and every link's header agree on.
-    size = chunks[h].size
-    work = scratch("chain", size) if out is None else out
     (x, data), rest = blobs[-1], blobs[-2::-1]
     raw = decode_link(data, chunks, x, None, work)
     if (rest or out is not None) and not np.shares_memory(np.frombuffer(raw, np.uint8), work):

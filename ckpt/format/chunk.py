@@ -264,6 +264,97 @@ def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray 
     return out.data, digest
 
 
+def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], size: int, out: np.ndarray) -> bool:
+    """A delta chain decoded in one pass into ``out`` (uint8, ``size`` bytes) by the compiled core,
+    every link's part of a tile XORed in while it is in cache. ``parts``: (object name, chunk hash,
+    stored object) per link, the chunk stored whole first, each delta's header already checked to
+    name the link before it (:func:`ckpt.format.chains.links`). Only the result is hashed, against the
+    last link's name (each delta's payload check is verified as well). False where the chain must be
+    decoded link by link instead, which checks every link and says which one is damaged: no compiled
+    core, a payload check that fails, a link that does not decode, a wrong result (``out`` may then
+    hold anything)."""
+    core = _ext.cpu()
+    if core is None or size <= 240:
+        return False
+    out = out[:size]
+    try:
+        found = [_chain_part(i, name, expect, blob, size) for i, (name, expect, blob) in enumerate(parts)]
+        if any(f is None for f in found):
+            return False
+        needs = [_unpacked_bytes(f) for f in found]
+        # zstd sections (and rANS tails) are decoded into scratch before the core runs, one reused
+        # buffer of at most one chunk (fresh memory costs a page fault per 4 KiB): a chain of more than
+        # that (sparse updates make deltas of zstd frames only) is decoded in as many passes as it takes
+        room = scratch("chain-sections", min(size, sum(needs)))
+        batch: list[_ext.ChainLink] = []
+        used = 0
+        for (name, expect, _), part, need in zip(parts, found, needs):
+            if used + need > room.size:
+                if core.chain_decode(batch, out)[0]:
+                    return False
+                batch, used = [_IN_OUT], 0
+            batch.append(_chain_link(part, room[used:used + need], out, name=name, expect_hash=expect))
+            used += need
+    except (CorruptCheckpointError, IncompatibleFormatError):
+        return False
+    err, digest = core.chain_decode(batch, out)
+    return not err and digest == parts[-1][1]
+
+
+_NO_TAIL = np.zeros(1, np.uint8)
+
+_IN_OUT: _ext.ChainLink = ([], [], _NO_TAIL, False)  # a link whose bytes are in ``out`` already
+
+
+def _chain_part(i: int, name: str, expect: str, blob, size: int) -> tuple | None:
+    """Link ``i``'s header, payload and section table (None for raw and zstd), checked as the link by
+    link decode checks them before decoding; None where the chain is not decoded at once."""
+    view = memoryview(blob).cast("B")
+    hdr = parse_header(view[:HEADER_SIZE], name=name)
+    payload = view[HEADER_SIZE:]
+    if hdr.raw_len != size or len(payload) != hdr.payload_len or (hdr.codec == "xor") != (i > 0) \
+            or (hdr.codec == "raw" and len(payload) != size):
+        return None
+    # the link by link decode refuses a delta whose payload check fails, even where the bytes it
+    # decodes to are right (damage to the check itself, or to a byte no decode reads)
+    if i > 0 and xor_check(view[:HEADER_SIZE], [payload]) != hdr.check:
+        return None
+    return hdr, payload, _section_table(hdr, payload, name=name, expect_hash=expect) if hdr.codec in PLANED else None
+
+
+def _core_decodes(hdr: ChunkHeader, table) -> list[bool]:
+    """Which sections the core decodes itself: rANS planes (not a rANS tail, which it takes as bytes)."""
+    return [how == RANS and k < hdr.width for k, (how, _, _) in enumerate(table)]
+
+
+def _unpacked_bytes(part) -> int:
+    """The scratch bytes a link's sections take before the core runs: its zstd sections and rANS tail."""
+    hdr, _, table = part
+    if table is None:
+        return 0
+    return sum(length for (how, _, length), c in zip(table, _core_decodes(hdr, table)) if how != STORED and not c)
+
+
+def _chain_link(part, room: np.ndarray, out: np.ndarray, *, name: str, expect_hash: str) -> _ext.ChainLink:
+    """A link as the core takes it; its sections the core does not decode are decoded into ``room``."""
+    hdr, payload, table = part
+    if hdr.codec == "raw":  # a plane of one-byte elements: copied a tile at a time
+        return [u8(payload)], [False], _NO_TAIL, False
+    if hdr.codec == "zstd":  # decompressed into place first, the deltas XORed over it
+        _decompress_into(payload, out.data, name=name, expect_hash=expect_hash)
+        return _IN_OUT
+    planes: list[np.ndarray] = []
+    coded = _core_decodes(hdr, table)
+    for (how, stored, length), core_decodes in zip(table, coded):
+        if how != STORED and not core_decodes:
+            planes.append(room[:length])
+            room = room[length:]
+            _unpack_section(how, stored, planes[-1], name=name, expect_hash=expect_hash)
+        else:
+            planes.append(u8(stored) if length else np.empty(0, np.uint8))
+    return planes[:hdr.width], coded[:hdr.width], planes[hdr.width], hdr.rot
+
+
 def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: int | None = None,
                  object_len: int | None = None) -> None:
     """Does a parsed header describe the chunk a manifest names? ``object_len`` is the stored
