@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _ext
+from . import _cpus, _ext
 from . import tree as st
 from ._tasks import run_all
 from .buffer_layout import aligned
@@ -406,7 +405,7 @@ def _copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     if plain:
         assert core is not None
         items = np.array([(t.data_ptr(), s.data_ptr(), t.nbytes) for t, s in plain], dtype=_ext.COPY)
-        core.copy_many(items, min(8, os.cpu_count() or 1))
+        core.copy_many(items, min(8, _cpus.usable()))
     for t, s in pairs:
         if id(t) not in done:
             t.copy_(s)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 
+from . import _cpus
 from .encode import CodecSpec
 from .errors import ConfigError
 from .redundancy_config import Parity, Replicas
@@ -354,7 +355,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
     @property
     def threads(self) -> int:
         """I/O threads: ``io_threads``, else twice the cores within 8..16."""
-        return self.io_threads or min(16, max(8, 2 * (os.cpu_count() or 2)))
+        return self.io_threads or min(16, max(8, 2 * _cpus.usable()))
 
 
 class OptionArgs(TypedDict, total=False):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _ext
+from . import _cpus, _ext
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .cuda_snapshot import CudaSnapshot, copy_to_host, handed_over, launch_native, native_core
 from .flatten import Flat, Leaf, key_component
@@ -296,7 +295,7 @@ class HostBuffer:
         self._lock: threading.Lock = lock_with._lock if lock_with is not None else threading.Lock()
         self.cpu_core = _ext.cpu() if native else None
         self.cuda_core = _ext.cuda() if native else None
-        self.threads = threads or min(8, os.cpu_count() or 1)
+        self.threads = threads or min(8, _cpus.usable())
         self._offsets = np.array([c.offset for c in layout.chunks] + [layout.nbytes], np.uint64)
         self.has_cuda = any(s.device == "cuda" for s in layout.slots)
         self._want = self._chunks_without_cuda()  # per chunk: no CUDA bytes, so hash it at snapshot time

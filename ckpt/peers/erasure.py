@@ -16,11 +16,11 @@ blocks, enough to decode the lost segments.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .. import _cpus
 from ..errors import CorruptCheckpointError
 from ..format.paths import parity_block_name, parity_layout_name
 
@@ -129,7 +129,7 @@ def _padded(b: bytes | bytearray | memoryview, length: int) -> bytes | bytearray
 # on one core decoding took about as long as moving the blocks. A save's encoding stays on one thread:
 # it runs behind training, whose own threads want the cores.
 PIECE = 8 << 20
-THREADS = min(8, os.cpu_count() or 1)
+THREADS = min(8, _cpus.usable())
 
 
 def _by_piece(length: int, code: Callable[[int, int], None], piece: int, threads: int) -> None:

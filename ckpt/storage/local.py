@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import _ext
+from .. import _cpus, _ext
 from ..errors import StorageError
 from ..format.planes import scratch
 from .base import Blob, RootState, Storage
@@ -77,7 +77,7 @@ def _fsync_dir(path: str) -> None:
 class LocalStorage(Storage):
     # Reads from the page cache are memory-bound: threads beyond the cores only evict each other's
     # pieces from cache before they are hashed.
-    read_width = os.cpu_count() or 1
+    read_width = _cpus.usable()
     hashes_reads = True
 
     def __init__(self, root: str | os.PathLike, *, direct_io: bool = False):
