@@ -16,6 +16,7 @@ import logging
 
 import numpy as np
 
+from . import _ext
 from .errors import CorruptCheckpointError
 from .format import chains, partial, paths, spans
 from .format import manifest as mf
@@ -39,19 +40,37 @@ def read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
         # stored another way than the entry says (another writer's copy of the same bytes): decoded below
     blob = chains.read_object(storage, m.chunks, h, m.step, reuse=True)
     if info.spans is not None and info.codec.startswith(("planes/", "xor/")):
+        if info.base is not None and _ext.cpu() is not None:
+            # A delta: the core decodes its whole chain in one pass faster than each link's spans one
+            # after another (16 MiB, six links: 7 ms whole, 14 ms for a third of it). Only where that
+            # fails (damage, perhaps where this rank needs nothing) are the spans decoded and checked.
+            try:
+                return len(blob) + _resolve(storage, m, h, info, blob, feeds)
+            except CorruptCheckpointError as e:
+                more = _decode_spans(storage, m, blob, h, info, feeds)
+                if more is None:
+                    raise
+                log.warning("%s; the spans of it this rank needs check out, so the load goes on", e)
+                return len(blob) + more
         more = _decode_spans(storage, m, blob, h, info, feeds)
         if more is not None:
             return len(blob) + more
-    # decoded straight into the destination where the whole chunk feeds one contiguous run (staged
-    # loads: staging memory, checked before any tensor is written), else into scratch and copied
+    return len(blob) + _resolve(storage, m, h, info, blob, feeds)
+
+
+def _resolve(storage: Storage, m: mf.Manifest, h: str, info: mf.ChunkInfo, blob, feeds: list) -> int:
+    """Decode chunk ``h`` whole (a delta: its chain, every link verified) and copy it to what it feeds;
+    returns the bytes read for the chain's other links. Decoded straight into the destination where
+    the whole chunk feeds one contiguous run (staged loads: staging memory, checked before any tensor
+    is written), else into scratch and copied."""
     whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == info.size
     out = feeds[0][2][feeds[0][3] : feeds[0][3] + info.size] if whole else None
-    raw, more = chains.resolve(storage, m.chunks, h, m.step, blob, out)  # a delta: its chain, every link verified
+    raw, more = chains.resolve(storage, m.chunks, h, m.step, blob, out)
     if not whole:
         src = np.frombuffer(raw, dtype=np.uint8)
         for off, length, flat, pos in feeds:
             flat[pos : pos + length] = src[off : off + length]
-    return len(blob) + more
+    return more
 
 
 def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:
