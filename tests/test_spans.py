@@ -449,3 +449,18 @@ def test_a_delta_on_a_raw_chunk_whose_payload_is_cut_short_is_refused_not_misrea
         with pytest.raises(ckpt.CorruptCheckpointError):
             c.load(2, {"w": ckpt.LocalShard(local, (ROWS - 10, 0), (ROWS, COLS))})  # the rows cut off
     assert not local.any()
+
+
+def test_verify_checks_the_span_digests_every_step_lists_for_a_chunk(saved):
+    with ckpt.Checkpointer(saved, codec="raw") as c:  # step 2 reuses step 1's chunks, digests and all
+        c.save(2, {"w": full_value(), "small": torch.arange(10.0)}).wait()
+    path = os.path.join(saved, paths.manifest_key(2))
+    doc = json.load(open(path))
+    (h, d), = doc["spans"]["digests"].items()
+    doc["spans"]["digests"][h] = d[:32] + ("0" if d[32] != "0" else "1") + d[33:]  # span 2's digest, step 2 only
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    assert ckpt.open(saved).verify(1).ok
+    problems = ckpt.open(saved).verify().problems  # step 1's entry is right: step 2's must be checked too
+    assert len(problems) == 1 and "span 2 does not match" in problems[0].message
+    assert "step(s) [2]" in problems[0].message

@@ -189,12 +189,15 @@ def trees(chunks: dict[str, mf.ChunkInfo], hashes) -> tuple[list[str], dict[str,
 
 
 def walk(storage: Storage, chunks: dict[str, mf.ChunkInfo], root: str, children: dict[str, list[str]],
-         visit: Callable[[str, int, Exception | None, str | None], None]) -> None:
+         visit: Callable[[str, int, Exception | None, str | None], None],
+         span_check: Callable[[str, Any], Exception | None] | None = None) -> None:
     """Read and verify ``root`` and every delta made on it, depth first (memory: one raw chunk per
     level), calling ``visit(hash, bytes read, error or None, the base its stored header names or
-    None)`` for each. A delta whose base failed is reported with that failure (it cannot be
-    decoded). A chunk stored as a delta of another base than the one the tree hands it (another
-    writer's copy) is decoded down its own chain, as a load would."""
+    None)`` for each; a chunk that checks out is then checked by ``span_check(hash, raw bytes)``
+    (default: against the span digests ``chunks`` lists). A delta whose base failed is reported with
+    that failure (it cannot be decoded). A chunk stored as a delta of another base than the one the
+    tree hands it (another writer's copy) is decoded down its own chain, as a load would."""
+    check = span_check or (lambda h, raw: span_error(h, raw, (chunks[h].spans,) if h in chunks else ()))
     stack: list[tuple[str, Base | None, Exception | None]] = [(root, None, None)]
     while stack:
         h, base, inherited = stack.pop()
@@ -218,20 +221,22 @@ def walk(storage: Storage, chunks: dict[str, mf.ChunkInfo], root: str, children:
                 err = None
             except Exception as e:  # reported per chunk; the walk goes on
                 raw, err = None, e
-            visit(h, n, err if raw is None else _span_error(chunks, h, raw), named)
+            visit(h, n, err if raw is None else check(h, raw), named)
         for c in children.get(h, ()):
             stack.append((c, Base(raw, h) if raw is not None else None, err))
 
 
-def _span_error(chunks: dict[str, mf.ChunkInfo], h: str, raw) -> CorruptCheckpointError | None:
-    """A chunk whose bytes check out against its name but not against the manifest's span digests:
-    a load needing part of it would find a span wrong and read it whole; the manifest is at fault."""
-    info = chunks.get(h)
-    if info is None or info.spans is None:
-        return None
-    bad = spans.mismatch(raw, 0, info.spans)
-    if bad is None:
-        return None
-    return CorruptCheckpointError(f"chunk {h} matches its name, but span {bad} does not match the digest the manifest "
-                                  "lists for it (the manifest's span digests are wrong; loads still read the chunk "
-                                  "whole and use it)", object=chunk_key(h), chunk=h)
+def span_error(h: str, raw, listed, steps: dict[str, list[int]] | None = None) -> CorruptCheckpointError | None:
+    """A chunk whose bytes check out against its name but not against span digests a manifest lists
+    for it (``listed``: each distinct digest string; ``steps``: the steps listing each, for the
+    message): a load needing part of it would find a span wrong and read it whole; the manifest is at
+    fault."""
+    for digests in listed:
+        if digests is None or (bad := spans.mismatch(raw, 0, digests)) is None:
+            continue
+        which = f" in step(s) {steps[digests]}" if steps and digests in steps else ""
+        return CorruptCheckpointError(
+            f"chunk {h} matches its name, but span {bad} does not match the digest the manifest lists for it{which} "
+            "(the manifest's span digests are wrong; loads still read the chunk whole and use it)",
+            object=chunk_key(h), chunk=h)
+    return None

@@ -54,13 +54,15 @@ def verify(reader: Reader, steps: Iterable[int], *, threads: int = 8,
            progress: Callable[[int, int], None] | None = None) -> VerifyResult:
     """Re-read and re-hash every chunk the given committed steps reference (each chunk once, in
     parallel), then check each step on its own terms: a chunk stored as a delta needs its base in
-    that step's own table, as a load of the step does (another step listing it is no help).
+    that step's own table, as a load of the step does (another step listing it is no help), and
+    the span digests each step lists for a chunk must match its bytes.
     ``progress(chunks_done, bytes_done)`` is called from this thread as chunks finish."""
     steps = list(steps)
     result = VerifyResult(steps=steps)
     tables: dict[int, dict[str, mf.ChunkInfo]] = {}
     users: dict[str, list[int]] = {}
     table: dict[str, mf.ChunkInfo] = {}  # every step's chunks; an entry naming a base where steps differ
+    digests: dict[str, dict[str, list[int]]] = {}  # per chunk, each span digest string steps list, and theirs
     for s in steps:
         m = reader.find(s)
         if m is None:
@@ -69,6 +71,8 @@ def verify(reader: Reader, steps: Iterable[int], *, threads: int = 8,
         tables[s] = m.chunks
         for h, info in m.chunks.items():
             users.setdefault(h, []).append(s)
+            if info.spans is not None:
+                digests.setdefault(h, {}).setdefault(info.spans, []).append(s)
             if h not in table or (table[h].base is None and info.base is not None):
                 table[h] = info
     roots, children = chains.trees(table, table)
@@ -77,7 +81,8 @@ def verify(reader: Reader, steps: Iterable[int], *, threads: int = 8,
         # a chunk stored whole and the deltas made on it, each read once, each link verified
         out: list[tuple[str, int, Problem | None, str | None]] = []
         chains.walk(reader.storage, table, root, below,
-                    lambda h, n, err, base: out.append((h, n, _problem(h, err) if err is not None else None, base)))
+                    lambda h, n, err, base: out.append((h, n, _problem(h, err) if err is not None else None, base)),
+                    lambda h, raw: chains.span_error(h, raw, digests.get(h, {}), digests.get(h)))
         return out
 
     named: dict[str, str | None] = {}  # per chunk read: the base its stored header names
