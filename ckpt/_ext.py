@@ -25,7 +25,7 @@ SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<
 # A link of a chain for CpuCore.chain_decode: its planes, which are rANS sections, its tail bytes, rotated.
 ChainLink = tuple[list[np.ndarray], list[bool], np.ndarray, bool]
 
-ABI_VERSION = 9  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+ABI_VERSION = 10  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -40,6 +40,26 @@ def _find(stem: str) -> str | None:
 
 def _disabled() -> bool:
     return os.environ.get("CKPT_NO_EXT", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _chain_args(links: list[ChainLink]) -> tuple[int, list]:
+    """The link count and the arrays ckpt_chain_decode(_range) take for ``links``: widths and rotations,
+    plane pointers, lengths, coded flags (16 slots a link), tail pointers. The arrays must outlive the call."""
+    count = len(links)
+    wr = np.zeros(2 * count, np.int32)
+    ptrs = (ctypes.c_void_p * (16 * count))()
+    lens = np.zeros(16 * count, np.uint64)
+    flags = np.zeros(16 * count, np.uint8)
+    tails = (ctypes.c_void_p * count)()
+    for i, (planes, coded, tail, rot) in enumerate(links):
+        if len(planes) > 16:
+            raise ValueError("a chain link has at most 16 planes")
+        wr[2 * i:2 * i + 2] = len(planes), int(rot)
+        for k, (p, c) in enumerate(zip(planes, coded)):
+            ptrs[16 * i + k], lens[16 * i + k], flags[16 * i + k] = p.ctypes.data, p.size, c
+        tails[i] = tail.ctypes.data
+    return count, [wr.ctypes.data_as(ctypes.c_void_p), ptrs, lens.ctypes.data_as(ctypes.c_void_p),
+                   flags.ctypes.data_as(ctypes.c_void_p), tails]
 
 
 class CpuCore:
@@ -75,6 +95,9 @@ class CpuCore:
                                            ptr]
         lib.ckpt_chain_decode.restype = ctypes.c_int
         lib.ckpt_chain_decode.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, u64, ctypes.c_int, ptr, ptr]
+        lib.ckpt_chain_decode_range.restype = ctypes.c_int
+        lib.ckpt_chain_decode_range.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, u64, u64, u64,
+                                                ctypes.c_int, ptr]
         self.rans_simd = lib.ckpt_rans_simd()
         lib.ckpt_pread_hash.restype = ctypes.c_int64
         lib.ckpt_pread_hash.argtypes = [ctypes.c_int, u64, ptr, u64, ptr]
@@ -155,22 +178,29 @@ class CpuCore:
         it already, only as the first). Returns (0, the rANS decoder's error code, or 5: widths too
         varied to decode together; the xxh3-128 of the result or None where it is 240 bytes or shorter).
         Only the result is hashed."""
-        count = len(links)
-        wr = np.zeros(2 * count, np.int32)
-        ptrs = (ctypes.c_void_p * (16 * count))()
-        lens = np.zeros(16 * count, np.uint64)
-        flags = np.zeros(16 * count, np.uint8)
-        tails = (ctypes.c_void_p * count)()
-        for i, (planes, coded, tail, rot) in enumerate(links):
-            wr[2 * i:2 * i + 2] = len(planes), int(rot)
-            for k, (p, c) in enumerate(zip(planes, coded)):
-                ptrs[16 * i + k], lens[16 * i + k], flags[16 * i + k] = p.ctypes.data, p.size, c
-            tails[i] = tail.ctypes.data
+        count, arrays = _chain_args(links)
         h = np.zeros(3, np.uint64)
-        err = self.lib.ckpt_chain_decode(count, wr.ctypes.data, ptrs, lens.ctypes.data, flags.ctypes.data, tails,
-                                         out.size, simd, out.ctypes.data, h.ctypes.data)
+        err = self.lib.ckpt_chain_decode(count, *arrays, out.size, simd, out.ctypes.data, h.ctypes.data)
         lo, hi, hashed = h.tolist()
         return int(err), (f"{hi:016x}{lo:016x}" if hashed and not err else None)
+
+    def chain_decode_range(self, links: list[ChainLink], base: np.ndarray | None, out: np.ndarray, lo: int, hi: int,
+                           first: list[list[int]] | None = None, simd: int = 2) -> int:
+        """Bytes [lo, hi) of a delta chain into ``out[lo:hi]`` (``out``: uint8, the chunk's length; the
+        rest of it is not written), only the tiles that cover them decoded and not hashed (the caller
+        checks them against span digests). ``links`` as :meth:`chain_decode` takes them, except that a
+        first link of no planes is ``base`` (the chunk's length); ``first``: per link, per plane not
+        coded, the element its bytes start at (where it holds only the part the range needs). Returns
+        0 or the error code (4 also for a plane that does not hold what the range needs of it)."""
+        if base is not None and base.size != out.size:
+            raise ValueError("chain_decode_range: base must be as long as out")
+        count, arrays = _chain_args(links)
+        starts = np.zeros(16 * count, np.uint64)
+        for i, f in enumerate(first or []):
+            starts[16 * i:16 * i + len(f)] = f
+        return int(self.lib.ckpt_chain_decode_range(count, *arrays, starts.ctypes.data,
+                                                    None if base is None else base.ctypes.data, out.size, lo, hi,
+                                                    simd, out.ctypes.data))
 
     def xxh3_128(self, ptr: int, length: int) -> str | None:
         """Hex xxh3-128 of ``length`` bytes at ``ptr``; None for inputs of 240 bytes or fewer."""

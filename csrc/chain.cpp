@@ -20,12 +20,15 @@ using namespace ckpt_rans;
 
 // One link of a chain: the planes of a planes/xor chunk as ckpt_planes_decode takes them, or w == 0:
 // `out` holds the link's bytes already (a chunk stored whole as zstd, decompressed there first).
+// `first` (null: all 0): per plane not coded, the element its bytes start at (a range's part of a
+// plane decoded from zstd holds only the elements the range's tiles need).
 struct Link {
   int w, rot;
   const uint8_t* const* src;
   const uint64_t* len;
   const uint8_t* coded;
   const uint8_t* tail;
+  const uint64_t* first;
 };
 
 // A tile whose planes are each one byte repeated is one element repeated: XOR it over the m elements
@@ -67,20 +70,29 @@ uint64_t gcd(uint64_t a, uint64_t b) { return b ? gcd(b, a % b) : a; }
 constexpr uint64_t MAX_TILE = 1 << 24;  // bytes; widths whose tile would be larger are refused (5)
 
 // The links in order, the chunk stored whole first, each later one a delta XORed into the bytes so far
-// (the first XORs `base` where not null; base may be out), into out[0:n), and the result's XXH3-128
-// (see ckpt_planes_decode). One pass over `out`, a tile of bytes at a time: every link's part of the
-// tile is decoded into it while it is in cache. A tile is a whole number of every link's elements
-// and of every rANS block (links may differ in width), so no block straddles two tiles.
-int chain_decode(const Link* links, int count, const uint8_t* base, uint64_t n, int simd, uint8_t* out,
-                 uint64_t* hash) {
-  hash[2] = 0;
-  if (count < 1) return 4;
+// (the first XORs `base` where not null; base may be out), bytes [lo, hi) of them into out[lo:hi), and,
+// where `hash` is not null (then lo is 0 and hi is n), the result's XXH3-128 (see ckpt_planes_decode).
+// One pass over `out`, a tile of bytes at a time: every link's part of the tile is decoded into it
+// while it is in cache. A tile is a whole number of every link's elements and of every rANS block
+// (links may differ in width), so no block straddles two tiles. Link 0 may be no planes (w 0): its
+// bytes are `base` where given, else `out` holds them already (a whole decode only).
+//
+// A range decodes only the tiles that cover it: the rANS blocks before its first tile are stepped
+// over by their length prefixes, those after its last are never read, and a tile that reaches past
+// the range is decoded into `edge` and only its part in the range copied out, so nothing outside
+// out[lo:hi) is written.
+int chain_decode(const Link* links, int count, const uint8_t* base, uint64_t n, uint64_t lo, uint64_t hi, int simd,
+                 uint8_t* out, uint64_t* hash) {
+  if (hash) hash[2] = 0;
+  if (count < 1 || hi > n || (hash ? lo || hi != n : lo >= hi)) return 4;
+  const bool in_out = links[0].w == 0 && !base;  // link 0's bytes lie in `out` already
+  if (in_out && (lo || hi != n)) return 4;
   uint64_t widths = 1, unit = 1 << 16;  // the widths' least common multiple; elements per tile for width 1
   std::vector<Section> secs(size_t(count) * 16);
   std::vector<uint32_t> tables(size_t(SCALE) * GROUP);
   for (int l = 0; l < count; ++l) {
     const Link& k = links[l];
-    if (k.w == 0 && l == 0 && !base) continue;
+    if (k.w == 0 && l == 0) continue;
     if (k.w < 1 || k.w > 16 || (k.rot && k.w != 2 && k.w != 4 && k.w != 8)) return 4;
     widths = widths / gcd(widths, uint64_t(k.w)) * uint64_t(k.w);
     if (widths > MAX_TILE) return 5;
@@ -94,13 +106,18 @@ int chain_decode(const Link* links, int count, const uint8_t* base, uint64_t n, 
   if (widths * unit > MAX_TILE) return 5;
   const uint64_t tile = widths * unit;
   std::vector<uint8_t> buf(n < tile ? n + 16 : tile);  // a link's coded planes for one tile: at most its bytes
-  const bool hashing = n > 240;
+  std::vector<uint8_t> edge;                            // a tile that reaches past the range
+  const bool hashing = hash && n > 240;
   ckpt_core::Hash128 h;
   if (hashing) ckpt_core::hash_start(h, n);
   uint64_t hashed_to = 0;
   const uint8_t* planes[16];
-  for (uint64_t b0 = 0;; b0 += tile) {
+  for (uint64_t b0 = lo / tile * tile;; b0 += tile) {
     const uint64_t b1 = n - b0 < tile ? n : b0 + tile;
+    const bool inside = lo <= b0 && b1 <= hi;
+    if (!inside && edge.empty()) edge.resize(n < tile ? n : tile);
+    uint8_t* const at = inside ? out + b0 : edge.data();  // where the tile is decoded
+    bool written = in_out;                               // `at` holds the chain's bytes so far
     for (int l = 0; l < count; ++l) {
       const Link& k = links[l];
       if (k.w == 0) continue;
@@ -109,22 +126,36 @@ int chain_decode(const Link* links, int count, const uint8_t* base, uint64_t n, 
       bool uniform = true;  // every plane one byte repeated over the tile
       for (int p = 0; p < k.w; ++p) {
         if (!k.coded[p]) {
-          planes[p] = k.src[p] + j0;
+          const uint64_t f = k.first ? k.first[p] : 0;
+          if (j0 < f || j1 - f > k.len[p]) return 4;  // the plane does not hold the tile's elements
+          planes[p] = k.src[p] + (j0 - f);
           uniform = false;
           continue;
         }
         Section& s = secs[size_t(l) * 16 + p];
+        if (int err = s.skip(j0)) return err;  // a range's first tile: the blocks before it
+        if (s.i != j0 && s.i < s.n) return 4;  // not at a block's start (tiles are whole blocks)
         if (int err = s.run(j1, dst, j0)) return err;
         uniform = uniform && s.uniform >= 0;
         planes[p] = dst;
         dst += j1 - j0;
       }
-      const uint8_t* under = l ? out + b0 : base ? base + b0 : nullptr;
+      const uint8_t* under = written ? at : base ? base + b0 : nullptr;
+      written = true;
       if (uniform && j1 > j0 && (b1 - b0) == (j1 - j0) * k.w) {
-        repeat(planes, under, j1 - j0, k.w, k.rot, out + b0);
+        repeat(planes, under, j1 - j0, k.w, k.rot, at);
         continue;
       }
-      if (ckpt_ungroup_planes(planes, k.tail, under, b1 - b0, k.w, k.rot, out + b0)) return 4;
+      if (ckpt_ungroup_planes(planes, k.tail, under, b1 - b0, k.w, k.rot, at)) return 4;
+    }
+    if (!inside) {  // only the part in the range leaves `edge`
+      const uint64_t c0 = lo > b0 ? lo : b0, c1 = hi < b1 ? hi : b1;
+      if (written)
+        memcpy(out + c0, at + (c0 - b0), c1 - c0);
+      else if (base)
+        memcpy(out + c0, base + c0, c1 - c0);
+      else
+        return 4;
     }
     if (hashing) {  // the whole blocks written so far, from where the last tile stopped
       const uint64_t upto = b1 / ckpt_core::HASH_BLOCK * ckpt_core::HASH_BLOCK;
@@ -133,11 +164,13 @@ int chain_decode(const Link* links, int count, const uint8_t* base, uint64_t n, 
         hashed_to = upto;
       }
     }
-    if (b1 == n) break;
+    if (b1 >= hi) break;
   }
-  for (const Section& s : secs)
-    if (s.p)
-      if (int err = s.close()) return err;
+  if (hash) {  // a whole decode: every block used, nothing after them (a range leaves the rest unread)
+    for (const Section& s : secs)
+      if (s.p)
+        if (int err = s.close()) return err;
+  }
   if (hashing) {
     ckpt_core::hash_finish(h, out, hash);
     hash[2] = 1;
@@ -160,10 +193,10 @@ extern "C" {
 // or 4 (a width or rotation the interleave does not support). `out` may be partly written on error.
 int ckpt_planes_decode(const uint8_t* const* src, const uint64_t* len, const uint8_t* coded, const uint8_t* tail,
                        const uint8_t* base, uint64_t n, int w, int rot, int simd, uint8_t* out, uint64_t* hash) {
-  const Link link{w, rot, src, len, coded, tail};
+  const Link link{w, rot, src, len, coded, tail, nullptr};
   hash[2] = 0;
   if (w < 1) return 4;
-  return chain_decode(&link, 1, base, n, simd, out, hash);
+  return chain_decode(&link, 1, base, n, 0, n, simd, out, hash);
 }
 
 // A delta chain of `count` links decoded at once into out[0:n) and the result's XXH3-128 (as
@@ -180,8 +213,25 @@ int ckpt_chain_decode(int count, const int32_t* wr, const uint8_t* const* src, c
   if (count < 1 || count > 256) return 4;
   std::vector<Link> links(count);
   for (int l = 0; l < count; ++l)
-    links[l] = Link{wr[2 * l], wr[2 * l + 1], src + 16 * l, len + 16 * l, coded + 16 * l, tails[l]};
-  return chain_decode(links.data(), count, nullptr, n, simd, out, hash);
+    links[l] = Link{wr[2 * l], wr[2 * l + 1], src + 16 * l, len + 16 * l, coded + 16 * l, tails[l], nullptr};
+  return chain_decode(links.data(), count, nullptr, n, 0, n, simd, out, hash);
+}
+
+// Bytes [lo, hi) of a delta chain (links as ckpt_chain_decode takes them; w[0] 0: link 0's bytes are
+// `base`, n bytes) decoded into out[lo:hi) (`out` is the whole chunk's n bytes; nothing outside the
+// range is written), a reshard's part of a chunk, without its hash: the caller checks the range
+// against its span digests. Only the tiles covering the range are decoded, and only their blocks
+// read: damage elsewhere in the links goes unseen. Returns ckpt_chain_decode's codes (4 also for a
+// range not within [0, n), w[0] 0 without `base`, or a plane that does not hold what the range's tiles
+// need of it). A plane not coded may hold only some of its elements: first[16l + p] is the one it starts at.
+int ckpt_chain_decode_range(int count, const int32_t* wr, const uint8_t* const* src, const uint64_t* len,
+                            const uint8_t* coded, const uint8_t* const* tails, const uint64_t* first,
+                            const uint8_t* base, uint64_t n, uint64_t lo, uint64_t hi, int simd, uint8_t* out) {
+  if (count < 1 || count > 256 || (wr[0] == 0 && !base)) return 4;
+  std::vector<Link> links(count);
+  for (int l = 0; l < count; ++l)
+    links[l] = Link{wr[2 * l], wr[2 * l + 1], src + 16 * l, len + 16 * l, coded + 16 * l, tails[l], first + 16 * l};
+  return chain_decode(links.data(), count, base, n, lo, hi, simd, out, nullptr);
 }
 
 }  // extern "C"

@@ -376,6 +376,17 @@ int Section::run(uint64_t upto, uint8_t* out, uint64_t origin) {
   return run_group(bs, count, end, level) ? 3 : 0;
 }
 
+int Section::skip(uint64_t upto) {
+  for (; i < n && i < upto; i += block) {
+    if (end - p < 4) return 1;
+    const uint64_t size = get32(p);
+    p += 4;
+    if (uint64_t(end - p) < size) return 1;
+    p += size;
+  }
+  return 0;
+}
+
 }  // namespace ckpt_rans
 
 extern "C" {

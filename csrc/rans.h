@@ -49,6 +49,9 @@ struct Section {
   int open(const uint8_t* in, uint64_t len, uint64_t symbols, int simd, uint32_t* shared);
   // Decode the blocks that start before `upto`, symbol k to out[k - origin]: 0 or an error code.
   int run(uint64_t upto, uint8_t* out, uint64_t origin);
+  // Step over the blocks that start before `upto` by their length prefixes, decoding nothing (a range
+  // of a chunk decoded alone): 0, or 1 (a prefix that runs past the section).
+  int skip(uint64_t upto);
   int close() const { return p == end ? 0 : 3; }  // every block used, nothing after them
 };
 

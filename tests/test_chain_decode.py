@@ -12,7 +12,8 @@ from ckpt import _ext
 from ckpt.encode import CodecSpec, encode
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import chains
-from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode, decode_chain, parse_header
+from ckpt.format.chain_core import decode_chain
+from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode, parse_header
 from ckpt.format.entries import ChunkInfo
 from ckpt.format.paths import chunk_key
 from ckpt.format.planes import LENGTH_MASK, RANS_FLAG, ZSTD_FLAG

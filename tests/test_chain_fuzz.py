@@ -20,6 +20,7 @@ import pytest
 from ckpt import _ext
 from ckpt.encode import CodecSpec, _encode_planes, encode
 from ckpt.format import chains
+from ckpt.format.chain_core import decode_chain
 from ckpt.format.chunk import (
     CODEC_IDS,
     HEADER,
@@ -28,7 +29,6 @@ from ckpt.format.chunk import (
     NO_BASE,
     ROTATED,
     chunk_hash,
-    decode_chain,
     parse_header,
     xor_check,
 )

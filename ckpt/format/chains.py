@@ -24,7 +24,8 @@ from ..errors import CorruptCheckpointError
 from ..storage.base import Storage
 from . import manifest as mf
 from . import spans
-from .chunk import HEADER_SIZE, MAX_WIDTH, Base, check_header, decode, decode_chain, parse_header
+from .chain_core import decode_chain
+from .chunk import HEADER_SIZE, MAX_WIDTH, Base, check_header, decode, parse_header
 from .paths import chunk_key
 from .planes import scratch
 

@@ -1,0 +1,271 @@
+"""Decoding a delta chain with the compiled core (csrc/chain.cpp): the whole chunk in one pass, each
+link's part of a tile XORed in while it is in cache and the result hashed against the chunk's name
+(:func:`decode_chain`), or only the byte ranges a reshard needs of it (:func:`decode_chain_range`),
+checked by the caller against the manifest's span digests. Both say False where they cannot, and the
+caller goes on link by link (:mod:`.chains`) or span by span (:mod:`.partial`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import zstandard
+
+from .. import _ext
+from ..errors import CorruptCheckpointError, IncompatibleFormatError
+from .chunk import (
+    HEADER_SIZE,
+    PLANED,
+    ChunkHeader,
+    _decompress_into,
+    _section_table,
+    _unpack_section,
+    parse_header,
+    xor_check,
+)
+from .planes import RANS, STORED, ZSTD, scratch, u8
+
+
+def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], size: int, out: np.ndarray) -> bool:
+    """A delta chain decoded in one pass into ``out`` (uint8, ``size`` bytes) by the compiled core,
+    every link's part of a tile XORed in while it is in cache. ``parts``: (object name, chunk hash,
+    stored object) per link, the chunk stored whole first, each delta's header already checked to
+    name the link before it (:func:`ckpt.format.chains.links`). Only the result is hashed, against the
+    last link's name (each delta's payload check is verified as well). False where the chain must be
+    decoded link by link instead, which checks every link and says which one is damaged: no compiled
+    core, a payload check that fails, a link that does not decode, a wrong result (``out`` may then
+    hold anything)."""
+    core = _ext.cpu()
+    if core is None or size <= 240:
+        return False
+    out = out[:size]
+    try:
+        found = [_chain_part(i, name, expect, blob, size) for i, (name, expect, blob) in enumerate(parts)]
+        if any(f is None for f in found):
+            return False
+        needs = [_unpacked_bytes(f) for f in found]
+        # zstd sections (and rANS tails) are decoded into scratch before the core runs, one reused
+        # buffer of at most one chunk (fresh memory costs a page fault per 4 KiB): a chain of more than
+        # that (sparse updates make deltas of zstd frames only) is decoded in as many passes as it takes
+        room = scratch("chain-sections", min(size, sum(needs)))
+        batch: list[_ext.ChainLink] = []
+        used = 0
+        for (name, expect, _), part, need in zip(parts, found, needs):
+            if used + need > room.size:
+                if core.chain_decode(batch, out)[0]:
+                    return False
+                batch, used = [_IN_OUT], 0
+            batch.append(_chain_link(part, room[used:used + need], out, name=name, expect_hash=expect))
+            used += need
+    except (CorruptCheckpointError, IncompatibleFormatError):
+        return False
+    err, digest = core.chain_decode(batch, out)
+    return not err and digest == parts[-1][1]
+
+
+def decode_chain_range(parts: list[tuple[str, str, bytes | bytearray | memoryview]], size: int, out: np.ndarray,
+                       lo: int, hi: int) -> bool:
+    """Bytes [lo, hi) of a chain (``parts`` as :func:`decode_chain` takes them) decoded into
+    ``out[lo:hi]``; see :func:`decode_chain_ranges`."""
+    return decode_chain_ranges(parts, size, out, [(lo, hi)])
+
+
+def decode_chain_ranges(parts: list[tuple[str, str, bytes | bytearray | memoryview]], size: int, out: np.ndarray,
+                        ranges: list[tuple[int, int]]) -> bool:
+    """Byte ranges ``(lo, hi)`` (sorted) of a chain decoded by the compiled core into ``out[lo:hi]``
+    (``out``: uint8, the chunk's ``size`` bytes; nothing else of it is written), a reshard's part of a
+    chunk. Only the tiles that cover a range are decoded and only their rANS blocks read; stored
+    planes are sliced. A zstd section is one frame: it is decompressed up to the range's last tile,
+    and only what the tiles need of it kept, in pieces of whole tiles that fit one chunk of scratch.
+    Nothing is hashed and no payload check verified: the caller checks each range against its span
+    digests, so damage where the ranges need nothing does not stop them. False where the core
+    cannot: none built, a link it does not take, a link or range that does not decode (``out[lo:hi]``
+    may then hold anything)."""
+    core = _ext.cpu()
+    if core is None or not parts or out.size < size or any(not 0 <= lo < hi <= size for lo, hi in ranges):
+        return False
+    out = out[:size]
+    try:
+        maybe = [_chain_part(i, name, expect, blob, size, check=False) for i, (name, expect, blob) in enumerate(parts)]
+        found = [f for f in maybe if f is not None]
+        if len(found) < len(parts):
+            return False
+        base: np.ndarray | None = None
+        if found[0][0].codec == "zstd":  # only the first link can be (the rest are deltas): its bytes are the base
+            base = scratch("chain-base", size)
+            _decompress_into(found[0][1], base.data, name=parts[0][0], expect_hash=parts[0][1])
+        tile = _tile(found)
+        # bytes of zstd planes a tile needs: pieces of as many tiles as one chunk of scratch holds
+        per_tile = sum(_range_bytes(f, size, 0, min(size, tile)) for f in found)
+        step = tile * max(1, size // max(per_tile, 1))
+        with contextlib.ExitStack() as frames:
+            readers: dict[tuple[int, int], list] = {}
+            for lo, hi in ranges:
+                for b0 in range(lo // tile * tile, hi, step):
+                    b1 = min(size, b0 + step, -(-hi // tile) * tile)  # the tiles the core decodes
+                    room = scratch("chain-sections", sum(_range_bytes(f, size, b0, b1) for f in found))
+                    links: list[_ext.ChainLink] = []
+                    first: list[list[int]] = []
+                    for i, ((name, expect, _), part) in enumerate(zip(parts, found)):
+                        link, starts, room = _range_link(part, room, size, b0, b1, frames, readers, i, name=name,
+                                                         expect_hash=expect)
+                        links.append(link)
+                        first.append(starts)
+                    if core.chain_decode_range(links, base, out, max(lo, b0), min(hi, b1), first):
+                        return False
+    except (CorruptCheckpointError, IncompatibleFormatError):
+        return False
+    return True
+
+
+def _tile(found: list) -> int:
+    """The core's tile for these links (csrc/chain.cpp): a whole number of every link's elements and
+    of four of every rANS block. Only what is kept of zstd planes depends on it: where it were
+    wrong, the core finds a plane without the elements it needs and says so."""
+    widths, unit = 1, 1 << 16
+    for hdr, _, table in found:
+        w = hdr.width if hdr.codec in PLANED else 1 if hdr.codec == "raw" else 0
+        if w:
+            widths = widths * w // math.gcd(widths, w)
+        for (_, stored, _), core_decodes in zip(table or [], _core_decodes(hdr, table) if table else []):
+            if core_decodes and len(stored) >= 2 and 8 <= stored[1] <= 16:
+                unit = max(unit, 4 << stored[1])
+    return widths * unit
+
+
+def _elements(hdr: ChunkHeader, size: int, b0: int, b1: int) -> tuple[int, int]:
+    """The elements of a link's planes that bytes [b0, b1) (whole tiles) hold."""
+    m = size // hdr.width
+    return b0 // hdr.width, m if b1 == size else b1 // hdr.width
+
+
+def _range_bytes(part, size: int, b0: int, b1: int) -> int:
+    """The scratch bytes a link's sections take for tiles [b0, b1): what the tiles need of its zstd
+    planes, its tail where it is not stored."""
+    hdr, _, table = part
+    if table is None:
+        return 0
+    j0, j1 = _elements(hdr, size, b0, b1)
+    return sum((j1 - j0 if k < hdr.width else length) if how == ZSTD or (how == RANS and k == hdr.width) else 0
+               for k, (how, _, length) in enumerate(table))
+
+
+def _range_link(part, room: np.ndarray, size: int, b0: int, b1: int, frames: contextlib.ExitStack,
+                readers: dict[tuple[int, int], list], i: int, *, name: str, expect_hash: str
+                ) -> tuple[_ext.ChainLink, list[int], np.ndarray]:
+    """Link ``i`` as the core takes it for tiles [b0, b1), the element each plane's bytes start at, and
+    what is left of ``room`` (its zstd planes' parts and a coded tail are decoded there; ``readers``
+    keeps each zstd plane's frame open where the last piece stopped)."""
+    hdr, payload, table = part
+    if hdr.codec == "raw":
+        return ([u8(payload)], [False], _NO_TAIL, False), [0], room
+    if hdr.codec == "zstd":
+        return _IN_OUT, [], room
+    j0, j1 = _elements(hdr, size, b0, b1)
+    planes: list[np.ndarray] = []
+    starts: list[int] = []
+    coded = _core_decodes(hdr, table)
+    for k, ((how, stored, length), core_decodes) in enumerate(zip(table, coded)):
+        start = 0
+        if how == ZSTD and k < hdr.width:
+            start, length = j0, j1 - j0
+            _decompress_part(stored, j0, room[:length], frames, readers, (i, k), name=name, expect_hash=expect_hash)
+        elif how != STORED and not core_decodes:
+            _unpack_section(how, stored, room[:length], name=name, expect_hash=expect_hash)
+        else:
+            planes.append(u8(stored) if length else np.empty(0, np.uint8))
+            starts.append(start)
+            continue
+        planes.append(room[:length])
+        starts.append(start)
+        room = room[length:]
+    return (planes[:hdr.width], coded[:hdr.width], planes[hdr.width], hdr.rot), starts[:hdr.width], room
+
+
+def _decompress_part(frame, at: int, dst: np.ndarray, frames: contextlib.ExitStack, readers: dict, key,
+                     *, name: str, expect_hash: str) -> None:
+    """Bytes [at, at + len(dst)) of what zstd ``frame`` decompresses to, into ``dst``. Its reader
+    (``readers[key]``: the stream and where it is) goes on from where it stopped, or starts again
+    where it is past ``at``; the bytes before ``at`` are decompressed a piece at a time and dropped,
+    those after the part never decompressed."""
+    piece = scratch("frames", 1 << 20)
+    try:
+        if key not in readers or readers[key][1] > at:  # a reader of its own: readers of one context clash
+            stream = zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=True)
+            readers[key] = [frames.enter_context(stream), 0]
+        reader, pos = readers[key]
+        while pos < at:
+            k = reader.readinto(piece[:min(at - pos, piece.size)].data)
+            if k == 0:
+                break
+            pos += k
+        n = 0
+        while pos == at and n < dst.size:
+            k = reader.readinto(dst[n:].data)
+            if k == 0:
+                break
+            n += k
+        readers[key][1] = pos + n
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpointError(f"chunk object {name} does not decompress: {e}", object=name,
+                                     chunk=expect_hash) from e
+    if pos != at or n != dst.size:
+        raise CorruptCheckpointError(f"chunk object {name} has a section shorter than its table says", object=name,
+                                     chunk=expect_hash)
+
+
+_NO_TAIL = np.zeros(1, np.uint8)
+
+_IN_OUT: _ext.ChainLink = ([], [], _NO_TAIL, False)  # a link whose bytes are in ``out`` already
+
+
+def _chain_part(i: int, name: str, expect: str, blob, size: int, check: bool = True) -> tuple | None:
+    """Link ``i``'s header, payload and section table (None for raw and zstd), checked as the link by
+    link decode checks them before decoding (``check``: a delta's payload check too); None where the
+    chain is not decoded at once."""
+    view = memoryview(blob).cast("B")
+    hdr = parse_header(view[:HEADER_SIZE], name=name)
+    payload = view[HEADER_SIZE:]
+    if hdr.raw_len != size or len(payload) != hdr.payload_len or (hdr.codec == "xor") != (i > 0) \
+            or (hdr.codec == "raw" and len(payload) != size):
+        return None
+    # the link by link decode refuses a delta whose payload check fails, even where the bytes it
+    # decodes to are right (damage to the check itself, or to a byte no decode reads)
+    if check and i > 0 and xor_check(view[:HEADER_SIZE], [payload]) != hdr.check:
+        return None
+    return hdr, payload, _section_table(hdr, payload, name=name, expect_hash=expect) if hdr.codec in PLANED else None
+
+
+def _core_decodes(hdr: ChunkHeader, table) -> list[bool]:
+    """Which sections the core decodes itself: rANS planes (not a rANS tail, which it takes as bytes)."""
+    return [how == RANS and k < hdr.width for k, (how, _, _) in enumerate(table)]
+
+
+def _unpacked_bytes(part) -> int:
+    """The scratch bytes a link's sections take before the core runs: its zstd sections and rANS tail."""
+    hdr, _, table = part
+    if table is None:
+        return 0
+    return sum(length for (how, _, length), c in zip(table, _core_decodes(hdr, table)) if how != STORED and not c)
+
+
+def _chain_link(part, room: np.ndarray, out: np.ndarray, *, name: str, expect_hash: str) -> _ext.ChainLink:
+    """A link as the core takes it; its sections the core does not decode are decoded into ``room``."""
+    hdr, payload, table = part
+    if hdr.codec == "raw":  # a plane of one-byte elements: copied a tile at a time
+        return [u8(payload)], [False], _NO_TAIL, False
+    if hdr.codec == "zstd":  # decompressed into place first, the deltas XORed over it
+        _decompress_into(payload, out.data, name=name, expect_hash=expect_hash)
+        return _IN_OUT
+    planes: list[np.ndarray] = []
+    coded = _core_decodes(hdr, table)
+    for (how, stored, length), core_decodes in zip(table, coded):
+        if how != STORED and not core_decodes:
+            planes.append(room[:length])
+            room = room[length:]
+            _unpack_section(how, stored, planes[-1], name=name, expect_hash=expect_hash)
+        else:
+            planes.append(u8(stored) if length else np.empty(0, np.uint8))
+    return planes[:hdr.width], coded[:hdr.width], planes[hdr.width], hdr.rot
