@@ -148,14 +148,12 @@ int chain_decode(const Link* links, int count, const uint8_t* base, uint64_t n, 
       }
       if (ckpt_ungroup_planes(planes, k.tail, under, b1 - b0, k.w, k.rot, at)) return 4;
     }
-    if (!inside) {  // only the part in the range leaves `edge`
-      const uint64_t c0 = lo > b0 ? lo : b0, c1 = hi < b1 ? hi : b1;
-      if (written)
-        memcpy(out + c0, at + (c0 - b0), c1 - c0);
-      else if (base)
-        memcpy(out + c0, base + c0, c1 - c0);
-      else
-        return 4;
+    const uint64_t c0 = lo > b0 ? lo : b0, c1 = hi < b1 ? hi : b1;
+    if (!written) {  // a chain of link 0 alone, given as `base`
+      if (!base) return 4;
+      memcpy(out + c0, base + c0, c1 - c0);
+    } else if (!inside) {  // only the part in the range leaves `edge`
+      memcpy(out + c0, at + (c0 - b0), c1 - c0);
     }
     if (hashing) {  // the whole blocks written so far, from where the last tile stopped
       const uint64_t upto = b1 / ckpt_core::HASH_BLOCK * ckpt_core::HASH_BLOCK;

@@ -20,7 +20,7 @@ import pytest
 from ckpt import _ext
 from ckpt.encode import CodecSpec, _encode_planes, encode
 from ckpt.format import chains
-from ckpt.format.chain_core import decode_chain
+from ckpt.format.chain_core import decode_chain, decode_chain_range
 from ckpt.format.chunk import (
     CODEC_IDS,
     HEADER,
@@ -212,7 +212,7 @@ def outcome(fn) -> tuple:
         return ("error", type(e).__name__, str(e))
 
 
-def check_case(size: int, chain: list[tuple[str, bytes]], storage, monkeypatch) -> str:
+def check_case(size: int, chain: list[tuple[str, bytes]], storage, monkeypatch, rng) -> str:
     table: dict[str, ChunkInfo] = {}
     prev = None
     for h, blob in chain:
@@ -235,17 +235,36 @@ def check_case(size: int, chain: list[tuple[str, bytes]], storage, monkeypatch) 
     assert (out[:64] == 0x5A).all() and (out[64 + size:] == 0x5A).all()
     if ok:
         assert want[0] == "ok" and out[64:64 + size].tobytes() == want[1]
+    check_range(size, chain, guarded, want, rng)
     return "fused" if ok else want[0]
+
+
+def check_range(size: int, chain: list[tuple[str, bytes]], guarded: list[Guarded], want: tuple, rng) -> None:
+    """A random range decoded alone, into a chunk's place flush against pages no one may touch, writes
+    nothing outside the range; where the chain decodes link by link, it gives those bytes there."""
+    lo, hi = sorted(int(x) for x in rng.integers(0, size + 1, 2))
+    lo, hi = (lo, hi) if lo < hi else (0, size)
+    place = Guarded(bytes([0x5A]) * size)
+    out = np.frombuffer(place.view, np.uint8)
+    ok = decode_chain_range([(chunk_key(h), h, g.view) for (h, _), g in zip(chain, guarded)], size, out, lo, hi)
+    assert (out[:lo] == 0x5A).all() and (out[hi:] == 0x5A).all()
+    if ok and want[0] == "ok":
+        assert out[lo:hi].tobytes() == want[1][lo:hi]
+    RANGES[("ok" if ok else "refused", want[0])] = RANGES.get(("ok" if ok else "refused", want[0]), 0) + 1
+
+
+RANGES: dict[tuple[str, str], int] = {}
 
 
 def test_damaged_chains_decode_alike_at_once_and_link_by_link(tmp_path, monkeypatch):
     rng = np.random.default_rng(20240611)
     storage = LocalStorage(tmp_path)
     seen: dict[str, int] = {}
+    RANGES.clear()
     for case in range(400):
         size, chain = make_chain(rng)
         if case % 8 == 0:  # the chain as written
-            kind = check_case(size, chain, storage, monkeypatch)
+            kind = check_case(size, chain, storage, monkeypatch, rng)
             assert kind == ("fused" if size > 240 else "ok"), case  # 240 bytes or fewer: link by link
         else:
             bad = list(chain)
@@ -253,9 +272,12 @@ def test_damaged_chains_decode_alike_at_once_and_link_by_link(tmp_path, monkeypa
                 h, blob = bad[victim]
                 hurt = damage(blob, rng)
                 bad[victim] = (h, recheck(hurt) if rng.integers(4) else hurt)
-            kind = check_case(size, bad, storage, monkeypatch)
+            kind = check_case(size, bad, storage, monkeypatch, rng)
         seen[kind] = seen.get(kind, 0) + 1
     assert seen.get("fused", 0) > 20 and seen.get("error", 0) > 40, seen
+    # every chain as written decodes in range; damaged ones are refused or decode where they are whole
+    assert RANGES.get(("refused", "ok"), 0) == 0 and RANGES.get(("ok", "ok"), 0) > 50, RANGES
+    assert RANGES.get(("refused", "error"), 0) > 20 and RANGES.get(("ok", "error"), 0) > 5, RANGES
 
 
 def test_chains_decoded_at_once_on_several_threads_give_each_its_own_bytes():

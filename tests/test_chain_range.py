@@ -1,0 +1,194 @@
+"""Part of a chain decoded by the compiled core (ckpt_chain_decode_range, :func:`decode_chain_range`): only
+the tiles that cover a byte range, every link at once, into that range of the chunk's place and
+nowhere else. Its bytes are the whole decode's there; damage where the range needs nothing does not
+stop it, and damage where it does is caught by the core or by the span digests; a rank's uneven
+part of a delta chunk loads through it."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from test_chain_decode import SIZE, build, link_by_link
+
+import ckpt
+from ckpt import _ext, chunk_reads
+from ckpt.encode import CodecSpec, encode
+from ckpt.format import manifest as mf
+from ckpt.format import spans
+from ckpt.format.chain_core import decode_chain, decode_chain_range, decode_chain_ranges
+from ckpt.format.chunk import HEADER_SIZE, Base, _section_table, chunk_hash, parse_header
+from ckpt.format.planes import RANS, ZSTD
+
+pytestmark = pytest.mark.skipif(_ext.cpu() is None, reason="needs the compiled core")
+
+MiB = 1 << 20
+
+
+def parts_of(chain: list[tuple[str, bytes]]) -> list[tuple[str, str, bytes]]:
+    return [(h, h, blob) for h, blob in chain]
+
+
+def random_range(rng, size: int) -> tuple[int, int]:
+    lo, hi = sorted(int(x) for x in rng.integers(0, size + 1, 2))
+    return (lo, hi) if lo < hi else (0, size)
+
+
+@pytest.mark.parametrize("count", range(1, 9))
+def test_a_range_holds_the_whole_decodes_bytes_and_nothing_outside_it_is_written(count):
+    """Every whole codec (planes, raw, zstd) and deltas of widths 1 to 8, rotated or not; span-aligned
+    ranges and any others (a tile of widths 3 and 4 together is not a whole number of spans)."""
+    rng = np.random.default_rng(count)
+    for seed, zero in ((count, False), (count + 1, False), (count + 2, True)):
+        chain = build(count, seed, zero)
+        want = np.frombuffer(link_by_link(chain), np.uint8)
+        for lo, hi in [(0, MiB), (MiB, SIZE), (0, SIZE)] + [random_range(rng, SIZE) for _ in range(4)]:
+            out = np.full(SIZE, 0xA5, np.uint8)
+            assert decode_chain_range(parts_of(chain), SIZE, out, lo, hi), (seed, lo, hi)
+            assert (out[lo:hi] == want[lo:hi]).all(), (seed, lo, hi)
+            assert (out[:lo] == 0xA5).all() and (out[hi:] == 0xA5).all(), (seed, lo, hi)
+        # several ranges at once, perhaps sharing a tile (a zstd plane's reader starts again)
+        a, b, c, d = sorted(int(x) for x in rng.integers(0, SIZE + 1, 4))
+        ranges = [(lo, hi) for lo, hi in [(a, b), (c, d)] if lo < hi]
+        out = np.full(SIZE, 0xA5, np.uint8)
+        assert decode_chain_ranges(parts_of(chain), SIZE, out, ranges)
+        keep = np.ones(SIZE, bool)
+        for lo, hi in ranges:
+            assert (out[lo:hi] == want[lo:hi]).all()
+            keep[lo:hi] = False
+        assert (out[keep] == 0xA5).all()
+
+
+def test_ranges_outside_the_chunk_or_without_a_core_are_refused(monkeypatch):
+    chain = build(3, 0)
+    out = np.zeros(SIZE, np.uint8)
+    for lo, hi in [(0, 0), (5, 4), (0, SIZE + 1), (-1, 10)]:
+        assert not decode_chain_range(parts_of(chain), SIZE, out, lo, hi)
+    assert not decode_chain_range(parts_of(chain), SIZE, out[:-1], 0, 10)  # no room for the chunk
+    assert not out.any()
+    monkeypatch.setenv("CKPT_NO_EXT", "1")
+    assert not decode_chain_range(parts_of(chain), SIZE, out, 0, 10)
+
+
+BIG = 4 * MiB + 5  # four spans and tail bytes
+
+
+def dense_chain(links: int, seed: int = 0) -> tuple[np.ndarray, list[tuple[str, bytes]]]:
+    """Trained-like floats, then versions with small changes to most of them (deltas with rANS and
+    zstd planes), as the writer encodes them."""
+    rng = np.random.default_rng(seed)
+    data = np.concatenate([(rng.standard_normal(BIG // 4) * 0.02).astype(np.float32).view(np.uint8),
+                           rng.integers(0, 256, BIG % 4, dtype=np.uint8)])
+    chain = []
+    prev = None
+    for _ in range(links):
+        base = None if prev is None else Base(memoryview(prev), chunk_hash(prev))
+        _, parts = encode(memoryview(data), chunk_hash(data), CodecSpec.parse("auto"), width=4, rotate=True, base=base)
+        chain.append((chunk_hash(data), b"".join(bytes(p) for p in parts)))
+        prev = data
+        f = data[:BIG // 4 * 4].view(np.float32).copy()
+        f += (rng.standard_normal(f.size) * 1e-4).astype(np.float32) * f
+        data = np.concatenate([f.view(np.uint8), data[BIG // 4 * 4:]])
+    return prev, chain
+
+
+def kinds(blob: bytes) -> list[int]:
+    hdr = parse_header(blob, name="x")
+    return [how for how, _, _ in _section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash="x")]
+
+
+def test_zstd_planes_are_decompressed_in_pieces_that_fit_a_chunk_of_scratch():
+    """Six links of zstd planes need more than a chunk of scratch for half of it: pieces of tiles, each
+    frame read on from where the last piece stopped."""
+    want, chain = dense_chain(6)
+    assert all(ZSTD in kinds(blob) for _, blob in chain[1:]), "the deltas have zstd planes"
+    for lo, hi in [(0, BIG), (2 * MiB, BIG), (MiB, 3 * MiB), (3 * MiB, 4 * MiB)]:
+        out = np.full(BIG, 0xA5, np.uint8)
+        assert decode_chain_range(parts_of(chain), BIG, out, lo, hi)
+        assert (out[lo:hi] == want[lo:hi]).all() and (out[:lo] == 0xA5).all() and (out[hi:] == 0xA5).all()
+
+
+def last_block(blob: bytes) -> int:
+    """Where in a stored object the last block of its first rANS plane ends (its bytes: the last
+    elements' symbols)."""
+    hdr = parse_header(blob, name="x")
+    table = _section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash="x")
+    k = next(i for i, (how, _, _) in enumerate(table) if how == RANS and i < hdr.width)
+    return HEADER_SIZE + 8 * len(table) + sum(len(s) for _, s, _ in table[:k]) + len(table[k][1])
+
+
+def test_damage_where_a_range_needs_nothing_does_not_stop_it_and_damage_where_it_does_is_caught():
+    want, chain = dense_chain(3, seed=1)
+    digests = spans.digests(want)
+    h, blob = chain[0]
+    end = last_block(blob)
+    hurt = bytearray(blob)
+    hurt[end - 20] ^= 0x5A  # the last block of the whole chunk's exponent plane: its last elements
+    bad = [(h, bytes(hurt))] + chain[1:]
+    assert not decode_chain(parts_of(bad), BIG, np.empty(BIG, np.uint8))  # the whole chunk fails its name
+    out = np.full(BIG, 0xA5, np.uint8)
+    assert decode_chain_range(parts_of(bad), BIG, out, 0, 2 * MiB)  # the first half needs none of it
+    assert (out[: 2 * MiB] == want[: 2 * MiB]).all() and (out[2 * MiB:] == 0xA5).all()
+    out = np.zeros(BIG, np.uint8)
+    lo = 4 * MiB - MiB
+    ok = decode_chain_range(parts_of(bad), BIG, out, lo, BIG)
+    assert not ok or spans.mismatch(out[lo:BIG], lo // MiB, digests) is not None
+    # damage in the first block: the first span's range is refused by the core or by its digest
+    first = HEADER_SIZE + 8 * (parse_header(blob, name="x").width + 1)
+    for at in range(first + 2 + 40, first + 2 + 400, 37):
+        hurt = bytearray(blob)
+        hurt[at] ^= 0x21
+        out = np.zeros(BIG, np.uint8)
+        ok = decode_chain_range(parts_of([(h, bytes(hurt))] + chain[1:]), BIG, out, 0, MiB)
+        assert not ok or spans.mismatch(out[:MiB], 0, digests) is not None, at
+
+
+def save_chain(root, rows: int, cols: int, steps: int) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    saved = {}
+    with ckpt.Checkpointer(root, delta_budget=4.0, chunk_size=4 * MiB) as c:
+        for s in range(1, steps + 1):
+            w = w + (torch.rand(rows, cols, generator=g) < 0.3) * 1e-4
+            saved[s] = w.clone()
+            c.save(s, {"w": w}).wait()
+    return saved
+
+
+def test_uneven_parts_of_delta_chunks_load_through_the_range_decode(tmp_path, monkeypatch, caplog):
+    """Uneven rows of a tensor: boundaries fall inside delta chunks, whose parts are decoded by the range
+    decode (counted) and come out right, with no whole decode failing first (nothing logged)."""
+    rows, cols = 3000, 1024  # 12 MiB of float32: three 4 MiB chunks
+    saved = save_chain(tmp_path, rows, cols, 3)
+    with ckpt.Checkpointer(tmp_path) as c:
+        m = c.manifest(3)
+    deltas = [h for h, info in m.chunks.items() if info.base is not None and h not in
+              {x.base for x in m.chunks.values()}]
+    assert deltas and all(len(mf.chain(m.chunks, h)) == 3 and m.chunks[h].spans is not None for h in deltas)
+    calls = []
+    real = chunk_reads.decode_chain_ranges
+
+    def counted(*a):
+        calls.append(a[3])
+        return real(*a)
+
+    monkeypatch.setattr(chunk_reads, "decode_chain_ranges", counted)
+    caplog.set_level(logging.WARNING, "ckpt")
+    for r0, n in [(0, 600), (600, 900), (1500, 1500), (777, 5)]:
+        local = torch.zeros(n, cols)
+        with ckpt.Checkpointer(tmp_path) as c:
+            c.load(3, {"w": ckpt.LocalShard(local, (r0, 0), (rows, cols))})
+        assert torch.equal(local, saved[3][r0 : r0 + n]), (r0, n)
+    assert len(calls) >= 5 and not caplog.text
+
+
+def test_where_the_range_decode_fails_the_whole_chain_and_then_its_spans_are_decoded(tmp_path, monkeypatch, caplog):
+    rows, cols = 3000, 1024
+    saved = save_chain(tmp_path, rows, cols, 3)
+    monkeypatch.setattr(chunk_reads, "decode_chain_ranges", lambda *a: False)
+    local = torch.zeros(1000, cols)
+    with ckpt.Checkpointer(tmp_path) as c:
+        c.load(3, {"w": ckpt.LocalShard(local, (1000, 0), (rows, cols))})
+    assert torch.equal(local, saved[3][1000:2000])
