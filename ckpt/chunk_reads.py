@@ -3,7 +3,8 @@
 A raw chunk is read and hashed in one pass, straight into its destination where it feeds one
 contiguous run; an encoded one is decoded (down its delta chain) into its destination or scratch.
 Where a rank needs only part of a chunk and the manifest has its span digests
-(:mod:`ckpt.format.spans`), only the spans that part touches are read (raw) or decoded (planes,
+(:mod:`ckpt.format.spans`), only the spans that part touches are read (raw) or decoded (planes and
+deltas: the tiles that cover them by the compiled core, :mod:`ckpt.format.chain_core`; without it
 :mod:`ckpt.format.partial`) and each is checked against its digest; a span that does not match
 sends the chunk down the whole path, where its name tells damaged bytes from wrong digests.
 """
@@ -43,8 +44,8 @@ def read_chunk(storage: Storage, m: mf.Manifest, h: str, feeds: list) -> int:
     if info.spans is not None and info.codec.startswith(("planes/", "xor/")):
         if _ext.cpu() is not None:
             # The core decodes the tiles this rank's spans cover, every link of a delta's chain at once
-            # (16 MiB, six links: 2.4 ms for a third of it where numpy takes 6 ms span by span down the
-            # links and the whole chain 7 ms; a planes chunk's third: 1.1 ms against 1.2).
+            # (16 MiB, six links: 2.5 ms for a third of it where numpy takes 6.5 ms span by span down
+            # the links and the whole chain 7.2 ms; a planes chunk's third: 1.1 ms against 1.3).
             more = _decode_ranges(storage, m, blob, h, info, feeds)
             if more is not None:
                 return len(blob) + more

@@ -192,3 +192,24 @@ def test_where_the_range_decode_fails_the_whole_chain_and_then_its_spans_are_dec
     with ckpt.Checkpointer(tmp_path) as c:
         c.load(3, {"w": ckpt.LocalShard(local, (1000, 0), (rows, cols))})
     assert torch.equal(local, saved[3][1000:2000])
+
+
+def test_the_core_refuses_a_range_it_cannot_decode_without_writing():
+    """Ranges outside the chunk, a first link of no planes without its base, a stored plane that does
+    not hold the elements the range's tiles need: error 4, nothing written."""
+    core = _ext.cpu()
+    n = 1 << 18
+    data = np.arange(n, dtype=np.uint8)
+    plane = [data[:n // 2].copy(), data[n // 2:].copy()]  # two planes of a width-2 chunk, stored as they are
+    link = (plane, [False, False], np.zeros(1, np.uint8), False)
+    out = np.full(n, 7, np.uint8)
+    for lo, hi in [(0, 0), (10, 5), (0, n + 1)]:
+        assert core.chain_decode_range([link], None, out, lo, hi) == 4
+    assert core.chain_decode_range([([], [], np.zeros(1, np.uint8), False)], None, out, 0, 10) == 4
+    short = ([plane[0][: n // 4], plane[1]], [False, False], np.zeros(1, np.uint8), False)
+    assert core.chain_decode_range([short], None, out, n // 2, n) == 4  # its first half only
+    assert core.chain_decode_range([short], None, out, n // 2, n, first=[[n // 4 + 8, 0]]) == 4  # starts too late
+    assert (out == 7).all()
+    part = ([plane[0][n // 8:], plane[1]], [False, False], np.zeros(1, np.uint8), False)
+    assert core.chain_decode_range([part], None, out, n // 2, n, first=[[n // 8, 0]]) == 0  # holds what it needs
+    assert (out[: n // 2] == 7).all() and (out[n // 2:] != 7).any()
