@@ -86,22 +86,27 @@ def decode_chain_ranges(parts: list[tuple[str, str, bytes | bytearray | memoryvi
     core = _ext.cpu()
     if core is None or not parts or out.size < size or any(not 0 <= lo < hi <= size for lo, hi in ranges):
         return False
+    if not ranges:
+        return True
     out = out[:size]
     try:
         maybe = [_chain_part(i, name, expect, blob, size, check=False) for i, (name, expect, blob) in enumerate(parts)]
         found = [f for f in maybe if f is not None]
         if len(found) < len(parts):
             return False
-        base: np.ndarray | None = None
-        if found[0][0].codec == "zstd":  # only the first link can be (the rest are deltas): its bytes are the base
-            base = scratch("chain-base", size)
-            _decompress_into(found[0][1], base.data, name=parts[0][0], expect_hash=parts[0][1])
         tile = _tile(found)
         # bytes of zstd planes a tile needs: pieces of as many tiles as one chunk of scratch holds
         per_tile = sum(_range_bytes(f, size, 0, min(size, tile)) for f in found)
         step = tile * max(1, size // max(per_tile, 1))
         with contextlib.ExitStack() as frames:
             readers: dict[tuple[int, int], list] = {}
+            base: np.ndarray | None = None
+            if found[0][0].codec == "zstd":  # only the first link can be (the rest are deltas): the base
+                base = scratch("chain-base", size)  # only the tiles the ranges cover are read
+                start = min(lo for lo, _ in ranges) // tile * tile
+                end = min(size, -(-max(hi for _, hi in ranges) // tile) * tile)
+                _decompress_part(found[0][1], start, base[start:end], frames, readers, (0, 0), name=parts[0][0],
+                                 expect_hash=parts[0][1])
             for lo, hi in ranges:
                 for b0 in range(lo // tile * tile, hi, step):
                     b1 = min(size, b0 + step, -(-hi // tile) * tile)  # the tiles the core decodes
