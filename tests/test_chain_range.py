@@ -213,3 +213,37 @@ def test_the_core_refuses_a_range_it_cannot_decode_without_writing():
     part = ([plane[0][n // 8:], plane[1]], [False, False], np.zeros(1, np.uint8), False)
     assert core.chain_decode_range([part], None, out, n // 2, n, first=[[n // 8, 0]]) == 0  # holds what it needs
     assert (out[: n // 2] == 7).all() and (out[n // 2:] != 7).any()
+
+
+def test_a_range_takes_no_more_scratch_than_a_chunk_however_many_links_of_zstd_planes(tmp_path):
+    """Widths 3 and 16 make a tile (3 MiB) longer than the chunk, so every link of zstd planes needs all
+    of its planes for any range: five of them took all five at once, five chunks of scratch per reading
+    thread (a hostile chain of 256 links of 16 MiB tiles: 4 GiB). The links go in passes that fit a
+    chunk, each XORed over the range the one before left, as the whole decode goes."""
+    import threading
+
+    from test_chain_fuzz import next_version, planes_link
+
+    from ckpt.format.planes import STORED, ZSTD, _local
+
+    rng = np.random.default_rng(0)
+    size = 3 * MiB // 2 + 7
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    chain = [(chunk_hash(data), planes_link(data, None, 16, False, rng, STORED))]
+    for w in (3, 16, 3, 16, 3):
+        nxt = next_version(data, rng)
+        chain.append((chunk_hash(nxt), planes_link(nxt, data, w, False, rng, ZSTD)))
+        data = nxt
+    assert sum(ZSTD in kinds(blob) for _, blob in chain[1:]) >= 3
+    seen: dict[str, int] = {}
+    out = np.full(size, 0xA5, np.uint8)
+
+    def run() -> None:  # a thread of its own: its scratch holds only what this decode took
+        seen["ok"] = decode_chain_range(parts_of(chain), size, out, MiB + 5, size)
+        seen.update({k: v.size for k, v in _local.scratch.items()})
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen.pop("ok") and (out[MiB + 5:] == data[MiB + 5:]).all() and (out[:MiB + 5] == 0xA5).all()
+    assert max(seen.values()) <= size, seen

@@ -78,7 +78,8 @@ def decode_chain_ranges(parts: list[tuple[str, str, bytes | bytearray | memoryvi
     (``out``: uint8, the chunk's ``size`` bytes; nothing else of it is written), a reshard's part of a
     chunk. Only the tiles that cover a range are decoded and only their rANS blocks read; stored
     planes are sliced. A zstd section is one frame: it is decompressed up to the range's last tile,
-    and only what the tiles need of it kept, in pieces of whole tiles that fit one chunk of scratch.
+    and only what the tiles need of it kept, in pieces of whole tiles that fit one chunk of scratch
+    (where one tile's zstd planes do not, its links go in passes).
     Nothing is hashed and no payload check verified: the caller checks each range against its span
     digests, so damage where the ranges need nothing does not stop them. False where the core
     cannot: none built, a link it does not take, a link or range that does not decode (``out[lo:hi]``
@@ -110,19 +111,39 @@ def decode_chain_ranges(parts: list[tuple[str, str, bytes | bytearray | memoryvi
             for lo, hi in ranges:
                 for b0 in range(lo // tile * tile, hi, step):
                     b1 = min(size, b0 + step, -(-hi // tile) * tile)  # the tiles the core decodes
-                    room = scratch("chain-sections", sum(_range_bytes(f, size, b0, b1) for f in found))
-                    links: list[_ext.ChainLink] = []
-                    first: list[list[int]] = []
-                    for i, ((name, expect, _), part) in enumerate(zip(parts, found)):
-                        link, starts, room = _range_link(part, room, size, b0, b1, frames, readers, i, name=name,
-                                                         expect_hash=expect)
-                        links.append(link)
-                        first.append(starts)
-                    if core.chain_decode_range(links, base, out, max(lo, b0), min(hi, b1), first):
+                    if not _decode_piece(core, parts, found, base, out, b0, b1, max(lo, b0), min(hi, b1),
+                                         frames, readers):
                         return False
     except (CorruptCheckpointError, IncompatibleFormatError):
         return False
     return True
+
+
+def _decode_piece(core: _ext.CpuCore, parts: list, found: list, base: np.ndarray | None, out: np.ndarray, b0: int,
+                  b1: int, lo: int, hi: int, frames: contextlib.ExitStack, readers: dict) -> bool:
+    """Tiles [b0, b1) of every link decoded, bytes [lo, hi) of them into ``out``: in as many passes
+    as it takes to keep the links' zstd planes within one chunk of scratch (a tile longer than the
+    chunk, or many links of zstd planes, need more than that for one piece), each later pass XORed
+    over what the one before left in ``out[lo:hi]``."""
+    size = out.size
+    needs = [_range_bytes(f, size, b0, b1) for f in found]
+    room = scratch("chain-sections", min(size, sum(needs)))
+    links: list[_ext.ChainLink] = []
+    first: list[list[int]] = []
+    used = 0
+    for i, ((name, expect, _), part, need) in enumerate(zip(parts, found, needs)):
+        if need > room.size:
+            return False
+        if used + need > room.size:
+            if core.chain_decode_range(links, base, out, lo, hi, first):
+                return False
+            links, first, used, base = [_IN_OUT], [[]], 0, out  # the chain so far is in out[lo:hi]
+        link, starts, _ = _range_link(part, room[used:used + need], size, b0, b1, frames, readers, i, name=name,
+                                      expect_hash=expect)
+        links.append(link)
+        first.append(starts)
+        used += need
+    return not core.chain_decode_range(links, base, out, lo, hi, first)
 
 
 def _tile(found: list) -> int:
