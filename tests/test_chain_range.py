@@ -99,9 +99,9 @@ def kinds(blob: bytes) -> list[int]:
     return [how for how, _, _ in _section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash="x")]
 
 
-def test_zstd_planes_are_decompressed_in_pieces_that_fit_a_chunk_of_scratch():
-    """Six links of zstd planes need more than a chunk of scratch for half of it: pieces of tiles, each
-    frame read on from where the last piece stopped."""
+def test_zstd_planes_are_decompressed_in_passes_that_fit_a_chunk_of_scratch():
+    """Six links of zstd planes need more than a chunk of scratch for half of it: the links go in
+    passes, each XORed over what the one before left."""
     want, chain = dense_chain(6)
     assert all(ZSTD in kinds(blob) for _, blob in chain[1:]), "the deltas have zstd planes"
     for lo, hi in [(0, BIG), (2 * MiB, BIG), (MiB, 3 * MiB), (3 * MiB, 4 * MiB)]:
@@ -213,3 +213,112 @@ def test_the_core_refuses_a_range_it_cannot_decode_without_writing():
     part = ([plane[0][n // 8:], plane[1]], [False, False], np.zeros(1, np.uint8), False)
     assert core.chain_decode_range([part], None, out, n // 2, n, first=[[n // 8, 0]]) == 0  # holds what it needs
     assert (out[: n // 2] == 7).all() and (out[n // 2:] != 7).any()
+
+
+def test_a_range_takes_no_more_scratch_than_a_chunk_however_many_links_of_zstd_planes(tmp_path):
+    """Widths 3 and 16 make a tile (3 MiB) longer than the chunk, so every link of zstd planes needs all
+    of its planes for any range: five of them took all five at once, five chunks of scratch per reading
+    thread (a hostile chain of 256 links of 16 MiB tiles: 4 GiB). The links go in passes that fit a
+    chunk, each XORed over the range the one before left, as the whole decode goes."""
+    import threading
+
+    from test_chain_fuzz import next_version, planes_link
+
+    from ckpt.format.planes import STORED, ZSTD, _local
+
+    rng = np.random.default_rng(0)
+    size = 3 * MiB // 2 + 7
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    chain = [(chunk_hash(data), planes_link(data, None, 16, False, rng, STORED))]
+    for w in (3, 16, 3, 16, 3):
+        nxt = next_version(data, rng)
+        chain.append((chunk_hash(nxt), planes_link(nxt, data, w, False, rng, ZSTD)))
+        data = nxt
+    assert sum(ZSTD in kinds(blob) for _, blob in chain[1:]) >= 3
+    seen: dict[str, int] = {}
+    out = np.full(size, 0xA5, np.uint8)
+
+    def run() -> None:  # a thread of its own: its scratch holds only what this decode took
+        seen["ok"] = decode_chain_range(parts_of(chain), size, out, MiB + 5, size)
+        seen.update({k: v.size for k, v in _local.scratch.items()})
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen.pop("ok") and (out[MiB + 5:] == data[MiB + 5:]).all() and (out[:MiB + 5] == 0xA5).all()
+    assert max(seen.values()) <= size, seen
+
+
+class _Streams:
+    """zstandard as chain_core uses it, counting the frames open at once (each holds a window of
+    decompression state, as large as its plane)."""
+
+    def __init__(self):
+        import zstandard
+
+        self.zstd, self.ZstdError, self.live, self.most = zstandard, zstandard.ZstdError, 0, 0
+
+    def ZstdDecompressor(self):  # noqa: N802 (zstandard's name)
+        streams, real = self, self.zstd.ZstdDecompressor()
+
+        class Counted:
+            def __init__(self, frame, **kw):
+                self.s, self.closed = real.stream_reader(frame, **kw), False
+                streams.live += 1
+                streams.most = max(streams.most, streams.live)
+
+            def readinto(self, b):
+                return self.s.readinto(b)
+
+            def close(self):
+                if not self.closed:
+                    self.closed = True
+                    streams.live -= 1
+                self.s.close()
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.close()
+
+        return type("D", (), {"stream_reader": staticmethod(lambda frame, **kw: Counted(frame, **kw))})()
+
+
+def test_a_range_keeps_one_zstd_frame_open_where_all_of_them_would_hold_more_than_a_chunk(monkeypatch):
+    """Every zstd plane's frame was kept open to the end of the decode, each holding a window of
+    decompression state up to its plane's length: 48 links of sparse deltas (four zstd planes each)
+    of a 16 MiB chunk grew the reading thread by 160 MiB, against one chunk's scratch for the whole
+    decode. Where the planes add up to more than the chunk, each frame is closed once its part is
+    read; where they do not, they stay open for the next range."""
+    from test_chain_fuzz import planes_link
+
+    from ckpt.format import chain_core
+    from ckpt.format.planes import STORED, ZSTD
+
+    rng = np.random.default_rng(1)
+    size = 2 * MiB + 3
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    chain = [(chunk_hash(data), planes_link(data, None, 4, False, rng, STORED))]
+    for _ in range(6):
+        nxt = data.copy()
+        nxt[rng.integers(0, size, 500)] ^= 1
+        chain.append((chunk_hash(nxt), planes_link(nxt, data, 4, False, rng, ZSTD)))
+        data = nxt
+    assert all(kinds(blob)[:4] == [ZSTD] * 4 for _, blob in chain[1:])
+    streams = _Streams()
+    monkeypatch.setattr(chain_core, "zstandard", streams)
+    for ranges in ([(MiB + 5, size)], [(3, 100_000), (MiB, MiB + 7), (2 * MiB, size)]):
+        out = np.full(size, 0xA5, np.uint8)
+        assert decode_chain_ranges(parts_of(chain), size, out, ranges)
+        keep = np.ones(size, bool)
+        for lo, hi in ranges:
+            assert (out[lo:hi] == data[lo:hi]).all()
+            keep[lo:hi] = False
+        assert (out[keep] == 0xA5).all()
+        assert streams.most == 1 and streams.live == 0, streams.most
+        streams.most = 0
+    one = chain[:2]  # one link's planes: a chunk's length at most, kept open from range to range
+    out = np.full(size, 0xA5, np.uint8)
+    assert decode_chain_ranges(parts_of(one), size, out, [(5, MiB), (MiB + 9, size)])
+    assert streams.most == 4 and streams.live == 0

@@ -7,7 +7,6 @@ caller goes on link by link (:mod:`.chains`) or span by span (:mod:`.partial`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -78,7 +77,8 @@ def decode_chain_ranges(parts: list[tuple[str, str, bytes | bytearray | memoryvi
     (``out``: uint8, the chunk's ``size`` bytes; nothing else of it is written), a reshard's part of a
     chunk. Only the tiles that cover a range are decoded and only their rANS blocks read; stored
     planes are sliced. A zstd section is one frame: it is decompressed up to the range's last tile,
-    and only what the tiles need of it kept, in pieces of whole tiles that fit one chunk of scratch.
+    and only what the tiles need of it kept; where the links' parts do not fit one chunk of scratch
+    together, the links go in passes.
     Nothing is hashed and no payload check verified: the caller checks each range against its span
     digests, so damage where the ranges need nothing does not stop them. False where the core
     cannot: none built, a link it does not take, a link or range that does not decode (``out[lo:hi]``
@@ -95,34 +95,54 @@ def decode_chain_ranges(parts: list[tuple[str, str, bytes | bytearray | memoryvi
         if len(found) < len(parts):
             return False
         tile = _tile(found)
-        # bytes of zstd planes a tile needs: pieces of as many tiles as one chunk of scratch holds
-        per_tile = sum(_range_bytes(f, size, 0, min(size, tile)) for f in found)
-        step = tile * max(1, size // max(per_tile, 1))
-        with contextlib.ExitStack() as frames:
-            readers: dict[tuple[int, int], list] = {}
+        # an open frame holds a window of decompression state, up to its plane's length: the frames
+        # stay open from one range to the next only where the zstd planes add up to a chunk at most
+        keep = sum(size // hdr.width for hdr, _, table in found for k, (how, _, _) in enumerate(table or [])
+                   if how == ZSTD and k < hdr.width) <= size
+        frames = _Frames(keep)
+        try:
             base: np.ndarray | None = None
             if found[0][0].codec == "zstd":  # only the first link can be (the rest are deltas): the base
                 base = scratch("chain-base", size)  # only the tiles the ranges cover are read
                 start = min(lo for lo, _ in ranges) // tile * tile
                 end = min(size, -(-max(hi for _, hi in ranges) // tile) * tile)
-                _decompress_part(found[0][1], start, base[start:end], frames, readers, (0, 0), name=parts[0][0],
-                                 expect_hash=parts[0][1])
-            for lo, hi in ranges:
-                for b0 in range(lo // tile * tile, hi, step):
-                    b1 = min(size, b0 + step, -(-hi // tile) * tile)  # the tiles the core decodes
-                    room = scratch("chain-sections", sum(_range_bytes(f, size, b0, b1) for f in found))
-                    links: list[_ext.ChainLink] = []
-                    first: list[list[int]] = []
-                    for i, ((name, expect, _), part) in enumerate(zip(parts, found)):
-                        link, starts, room = _range_link(part, room, size, b0, b1, frames, readers, i, name=name,
-                                                         expect_hash=expect)
-                        links.append(link)
-                        first.append(starts)
-                    if core.chain_decode_range(links, base, out, max(lo, b0), min(hi, b1), first):
-                        return False
+                frames.read(found[0][1], start, base[start:end], (0, 0), name=parts[0][0], expect_hash=parts[0][1],
+                            last=True)
+            for lo, hi in ranges:  # the tiles the core decodes for each
+                if not _decode_tiles(core, parts, found, base, out, lo // tile * tile,
+                                     min(size, -(-hi // tile) * tile), lo, hi, frames):
+                    return False
+        finally:
+            frames.close()
     except (CorruptCheckpointError, IncompatibleFormatError):
         return False
     return True
+
+
+def _decode_tiles(core: _ext.CpuCore, parts: list, found: list, base: np.ndarray | None, out: np.ndarray, b0: int,
+                  b1: int, lo: int, hi: int, frames: _Frames) -> bool:
+    """Tiles [b0, b1) of every link decoded, bytes [lo, hi) of them into ``out``: in as many passes
+    as it takes to keep what the links' zstd planes hold for them within one chunk of scratch, each
+    later pass XORed over what the one before left in ``out[lo:hi]``."""
+    size = out.size
+    needs = [_range_bytes(f, size, b0, b1) for f in found]
+    room = scratch("chain-sections", min(size, sum(needs)))
+    links: list[_ext.ChainLink] = []
+    first: list[list[int]] = []
+    used = 0
+    for i, ((name, expect, _), part, need) in enumerate(zip(parts, found, needs)):
+        if need > room.size:
+            return False
+        if used + need > room.size:
+            if core.chain_decode_range(links, base, out, lo, hi, first):
+                return False
+            links, first, used, base = [_IN_OUT], [[]], 0, out  # the chain so far is in out[lo:hi]
+        link, starts, _ = _range_link(part, room[used:used + need], size, b0, b1, frames, i, name=name,
+                                      expect_hash=expect)
+        links.append(link)
+        first.append(starts)
+        used += need
+    return not core.chain_decode_range(links, base, out, lo, hi, first)
 
 
 def _tile(found: list) -> int:
@@ -157,12 +177,11 @@ def _range_bytes(part, size: int, b0: int, b1: int) -> int:
                for k, (how, _, length) in enumerate(table))
 
 
-def _range_link(part, room: np.ndarray, size: int, b0: int, b1: int, frames: contextlib.ExitStack,
-                readers: dict[tuple[int, int], list], i: int, *, name: str, expect_hash: str
-                ) -> tuple[_ext.ChainLink, list[int], np.ndarray]:
+def _range_link(part, room: np.ndarray, size: int, b0: int, b1: int, frames: _Frames, i: int, *, name: str,
+                expect_hash: str) -> tuple[_ext.ChainLink, list[int], np.ndarray]:
     """Link ``i`` as the core takes it for tiles [b0, b1), the element each plane's bytes start at, and
-    what is left of ``room`` (its zstd planes' parts and a coded tail are decoded there; ``readers``
-    keeps each zstd plane's frame open where the last piece stopped)."""
+    what is left of ``room`` (its zstd planes' parts, read from ``frames``, and a coded tail are
+    decoded there)."""
     hdr, payload, table = part
     if hdr.codec == "raw":
         return ([u8(payload)], [False], _NO_TAIL, False), [0], room
@@ -176,7 +195,8 @@ def _range_link(part, room: np.ndarray, size: int, b0: int, b1: int, frames: con
         start = 0
         if how == ZSTD and k < hdr.width:
             start, length = j0, j1 - j0
-            _decompress_part(stored, j0, room[:length], frames, readers, (i, k), name=name, expect_hash=expect_hash)
+            frames.read(stored, j0, room[:length], (i, k), name=name, expect_hash=expect_hash,
+                        last=j1 == size // hdr.width)
         elif how != STORED and not core_decodes:
             _unpack_section(how, stored, room[:length], name=name, expect_hash=expect_hash)
         else:
@@ -189,36 +209,55 @@ def _range_link(part, room: np.ndarray, size: int, b0: int, b1: int, frames: con
     return (planes[:hdr.width], coded[:hdr.width], planes[hdr.width], hdr.rot), starts[:hdr.width], room
 
 
-def _decompress_part(frame, at: int, dst: np.ndarray, frames: contextlib.ExitStack, readers: dict, key,
-                     *, name: str, expect_hash: str) -> None:
-    """Bytes [at, at + len(dst)) of what zstd ``frame`` decompresses to, into ``dst``. Its reader
-    (``readers[key]``: the stream and where it is) goes on from where it stopped, or starts again
-    where it is past ``at``; the bytes before ``at`` are decompressed a piece at a time and dropped,
-    those after the part never decompressed."""
-    piece = scratch("frames", 1 << 20)
-    try:
-        if key not in readers or readers[key][1] > at:  # a reader of its own: readers of one context clash
-            stream = zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=True)
-            readers[key] = [frames.enter_context(stream), 0]
-        reader, pos = readers[key]
-        while pos < at:
-            k = reader.readinto(piece[:min(at - pos, piece.size)].data)
-            if k == 0:
-                break
-            pos += k
-        n = 0
-        while pos == at and n < dst.size:
-            k = reader.readinto(dst[n:].data)
-            if k == 0:
-                break
-            n += k
-        readers[key][1] = pos + n
-    except zstandard.ZstdError as e:
-        raise CorruptCheckpointError(f"chunk object {name} does not decompress: {e}", object=name,
-                                     chunk=expect_hash) from e
-    if pos != at or n != dst.size:
-        raise CorruptCheckpointError(f"chunk object {name} has a section shorter than its table says", object=name,
-                                     chunk=expect_hash)
+class _Frames:
+    """The zstd frames a range decode reads, each open where it stopped so that the next range reads
+    on (``keep``), or closed once its part is read: each holds a window of decompression state."""
+
+    def __init__(self, keep: bool):
+        self.keep = keep
+        self.open: dict[tuple[int, int], list] = {}  # (link, plane): [stream, where it is]
+
+    def read(self, frame, at: int, dst: np.ndarray, key: tuple[int, int], *, name: str, expect_hash: str,
+             last: bool = False) -> None:
+        """Bytes [at, at + len(dst)) of what zstd ``frame`` decompresses to, into ``dst``. Its stream
+        goes on from where it stopped, or starts again where it is past ``at``; the bytes before
+        ``at`` are decompressed a piece at a time and dropped, those after the part never
+        decompressed. ``last``: the frame is not read again from here on."""
+        piece = scratch("frames", 1 << 20)
+        try:
+            if key not in self.open or self.open[key][1] > at:  # a stream of its own: those of one context clash
+                self._close(key)
+                self.open[key] = [zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=True), 0]
+            reader, pos = self.open[key]
+            while pos < at:
+                k = reader.readinto(piece[:min(at - pos, piece.size)].data)
+                if k == 0:
+                    break
+                pos += k
+            n = 0
+            while pos == at and n < dst.size:
+                k = reader.readinto(dst[n:].data)
+                if k == 0:
+                    break
+                n += k
+            self.open[key][1] = pos + n
+        except zstandard.ZstdError as e:
+            raise CorruptCheckpointError(f"chunk object {name} does not decompress: {e}", object=name,
+                                         chunk=expect_hash) from e
+        finally:
+            if last or not self.keep:
+                self._close(key)
+        if pos != at or n != dst.size:
+            raise CorruptCheckpointError(f"chunk object {name} has a section shorter than its table says",
+                                         object=name, chunk=expect_hash)
+
+    def _close(self, key: tuple[int, int]) -> None:
+        if key in self.open:
+            self.open.pop(key)[0].close()
+
+    def close(self) -> None:
+        for key in list(self.open):
+            self._close(key)
 
 
 _NO_TAIL = np.zeros(1, np.uint8)
