@@ -39,7 +39,9 @@ _scratch_lock = threading.Lock()
 def scratch(name: str, n: int) -> np.ndarray:
     """A per-thread uint8 buffer of ``n`` bytes kept for reuse (fresh memory costs a page fault per
     4 KiB, more than the byte shuffling itself). Valid until this thread asks for ``name`` again.
-    A writing thread keeps about one chunk of it; reading keeps about two until :func:`trim_scratch`."""
+    A writing thread keeps about one chunk of it; a reading thread up to about four (the object read,
+    a chain's result, its sections and a whole zstd base; a range decode's zstd windows stay within one
+    more) until :func:`trim_scratch`."""
     cache = getattr(_local, "scratch", None)
     if cache is None:
         cache = _local.scratch = {}
