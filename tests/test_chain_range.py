@@ -52,14 +52,18 @@ def test_a_range_holds_the_whole_decodes_bytes_and_nothing_outside_it_is_written
         # several ranges at once, perhaps sharing a tile (a zstd plane's reader starts again)
         a, b, c, d = sorted(int(x) for x in rng.integers(0, SIZE + 1, 4))
         ranges = [(lo, hi) for lo, hi in [(a, b), (c, d)] if lo < hi]
-        out = np.full(SIZE, 0xA5, np.uint8)
-        assert decode_chain_ranges(parts_of(chain), SIZE, out, ranges)
-        keep = np.ones(SIZE, bool)
-        for lo, hi in ranges:
-            assert (out[lo:hi] == want[lo:hi]).all()
-            keep[lo:hi] = False
-        assert (out[keep] == 0xA5).all()
+        assert_ranges(parts_of(chain), SIZE, ranges, want)
 
+
+def assert_ranges(parts, size: int, ranges: list[tuple[int, int]], want: np.ndarray) -> None:
+    """The ranges decoded at once hold ``want``'s bytes there, and nothing outside them is written."""
+    out = np.full(size, 0xA5, np.uint8)
+    assert decode_chain_ranges(parts, size, out, ranges), ranges
+    keep = np.ones(size, bool)
+    for lo, hi in ranges:
+        assert (out[lo:hi] == want[lo:hi]).all(), (lo, hi)
+        keep[lo:hi] = False
+    assert (out[keep] == 0xA5).all()
 
 def test_ranges_outside_the_chunk_or_without_a_core_are_refused(monkeypatch):
     chain = build(3, 0)
@@ -309,13 +313,7 @@ def test_a_range_keeps_one_zstd_frame_open_where_all_of_them_would_hold_more_tha
     streams = _Streams()
     monkeypatch.setattr(chain_core, "zstandard", streams)
     for ranges in ([(MiB + 5, size)], [(3, 100_000), (MiB, MiB + 7), (2 * MiB, size)]):
-        out = np.full(size, 0xA5, np.uint8)
-        assert decode_chain_ranges(parts_of(chain), size, out, ranges)
-        keep = np.ones(size, bool)
-        for lo, hi in ranges:
-            assert (out[lo:hi] == data[lo:hi]).all()
-            keep[lo:hi] = False
-        assert (out[keep] == 0xA5).all()
+        assert_ranges(parts_of(chain), size, ranges, data)
         assert streams.most == 1 and streams.live == 0, streams.most
         streams.most = 0
     one = chain[:2]  # one link's planes: a chunk's length at most, kept open from range to range
