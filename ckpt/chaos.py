@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import shlex
 import signal
 import subprocess
@@ -127,6 +128,9 @@ class _Run:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        # torchrun may be reaped before a worker dies: a worker inside a rename finishes it first, so
+        # reading the newest step before every worker is gone could miss a commit that still landed
+        wait_group_gone(self.proc.pid, time.monotonic() + 60)
 
     def finish(self, deadline: float) -> int:
         try:
@@ -143,6 +147,43 @@ class _Run:
         with open(self.log, "rb") as f:
             data = f.read()
         return data[-n:].decode(errors="replace")
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, from /proc (Linux)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            out.append(int(name))
+    return out
+
+
+def wait_group_gone(pgid: int, deadline: float) -> None:
+    """Block until no live process of group ``pgid`` is left (each waited for through a pidfd, which
+    becomes readable when it exits, reaped or not), or the deadline passes. Without /proc or pidfds
+    (not Linux) it returns at once."""
+    if not hasattr(os, "pidfd_open") or not os.path.isdir("/proc"):
+        return
+    while time.monotonic() < deadline:
+        live = _group_members(pgid)
+        if not live:
+            return
+        for pid in live:
+            try:
+                fd = os.pidfd_open(pid)
+            except (ProcessLookupError, OSError):
+                continue
+            try:
+                select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            finally:
+                os.close(fd)
 
 
 def _training_started(ev: list[dict]) -> float | None:

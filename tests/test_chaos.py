@@ -82,3 +82,20 @@ def test_a_command_that_fails_on_its_own_is_reported(capsys):
     assert rc == 1 and "exit code 4" in rep["problems"][0]
     rc, rep = chaos(capsys, "--timeout", "1", "--", sys.executable, "-c", "import time; time.sleep(60)", "{dir}")
     assert rc == 1 and "did not end within 1 s" in rep["problems"][0]
+
+
+def test_a_kill_waits_until_every_process_of_the_job_is_gone(tmp_path):
+    """The harness reads the newest step after a kill: the leader (torchrun) can be reaped while a
+    worker is still finishing a rename, so it waits for every process of the group, not the leader."""
+    import subprocess
+    import time
+
+    from ckpt.chaos import _group_members, wait_group_gone
+
+    done = tmp_path / "straggler-done"
+    straggler = f"import time; time.sleep(2); open({str(done)!r}, 'w').close()"  # outlives its leader
+    leader = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"{straggler}\" & exit 0"], start_new_session=True)
+    leader.wait()
+    assert _group_members(leader.pid) and not done.exists()  # the straggler still runs
+    wait_group_gone(leader.pid, time.monotonic() + 30)
+    assert done.exists() and not _group_members(leader.pid)
