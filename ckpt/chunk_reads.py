@@ -205,11 +205,9 @@ def _decode_spans(storage: Storage, m: mf.Manifest, blob, h: str, info: mf.Chunk
     touch, check them against the manifest's digests and put what the feeds take where it goes;
     returns the bytes read for the chain's other links. None, nothing written, where it did not: the
     chunk is then decoded whole and checked by its name."""
-    assert info.spans is not None
-    runs = spans.runs([(off, length) for off, length, _, _ in feeds], info.size)
-    if sum(b - a for a, b in runs) == spans.count(info.size, spans.SPAN):
+    lo_hi = _span_ranges(info, feeds)
+    if lo_hi is None or info.spans is None:
         return None
-    lo_hi = [(a * spans.SPAN, min(info.size, b * spans.SPAN)) for a, b in runs]
     buf = scratch("raw", sum(hi - lo for lo, hi in lo_hi))
     try:
         placed, more = partial.resolve_spans(storage, m.chunks, h, blob, lo_hi, buf, m.step)
@@ -229,11 +227,9 @@ def _decode_ranges(storage: Storage, m: mf.Manifest, blob, h: str, info: mf.Chun
     all of its chain's links at once (:func:`ckpt.format.chain_core.decode_chain_ranges`), check them
     against the manifest's digests and put what the feeds take where it goes; returns the bytes read
     for the chain's other links. None, no feed written, where it did not."""
-    assert info.spans is not None
-    runs = spans.runs([(off, length) for off, length, _, _ in feeds], info.size)
-    if sum(b - a for a, b in runs) == spans.count(info.size, spans.SPAN):
+    lo_hi = _span_ranges(info, feeds)
+    if lo_hi is None or info.spans is None:
         return None
-    lo_hi = [(a * spans.SPAN, min(info.size, b * spans.SPAN)) for a, b in runs]
     try:
         blobs, more = chains.links(storage, m.chunks, h, m.step, blob)
     except CorruptCheckpointError:
@@ -248,6 +244,16 @@ def _decode_ranges(storage: Storage, m: mf.Manifest, blob, h: str, info: mf.Chun
             return None
     _copy_out(feeds, [(lo, hi, lo) for lo, hi in lo_hi], buf)
     return more
+
+
+def _span_ranges(info: mf.ChunkInfo, feeds: list) -> list[tuple[int, int]] | None:
+    """The byte ranges of the runs of spans ``feeds`` touch; None where they are every span (the
+    chunk is then decoded whole and checked by its name)."""
+    assert info.spans is not None
+    runs = spans.runs([(off, length) for off, length, _, _ in feeds], info.size)
+    if sum(b - a for a, b in runs) == spans.count(info.size, spans.SPAN):
+        return None
+    return [(a * spans.SPAN, min(info.size, b * spans.SPAN)) for a, b in runs]
 
 
 def _wrong_span(key: str, span: int) -> None:
