@@ -386,3 +386,18 @@ def test_a_save_that_fails_before_copying_does_not_hold_the_next_stage(tmp_path)
     dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=2), async_stager=stager, no_dist=True).result()
     assert time.monotonic() - started < 10  # not the 30 s wait
     assert torch.equal(ckpt.open(path).tensors(2)["w"], torch.arange(8.0) + 1)
+
+
+def test_reader_names_both_keys_that_dcp_would_join_into_one_name(tmp_path):
+    """A legitimate Checkpointer step whose key paths ``a/b.c`` and ``a.b/c`` are both DCP's ``a.b.c``."""
+    from ckpt.errors import IncompatibleFormatError
+
+    path = str(tmp_path / "run")
+    c = ckpt.Checkpointer(path)
+    c.save(1, {"a": {"b.c": torch.ones(2)}, "a.b": {"c": torch.zeros(2)}}).wait()
+    c.close()
+    with pytest.raises(IncompatibleFormatError) as e:
+        ckpt.dcp.Reader(path, step=1).read_metadata()
+    assert "'a/b.c'" in str(e.value) and "'a.b/c'" in str(e.value) and "'a.b.c'" in str(e.value)
+    assert "ckpt.open" in str(e.value)
+    assert ckpt.open(path).tensors(1)["a.b/c"].tolist() == [0.0, 0.0]  # the step itself is fine

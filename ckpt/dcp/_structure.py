@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from .. import tree as st
-from ..errors import ConfigError, UnsupportedValueError
+from ..errors import ConfigError, IncompatibleFormatError, UnsupportedValueError
 from ..flatten import flatten
 
 Path = Sequence[Any]  # DCP's OBJ_PATH: str dict keys and int list indices
@@ -121,7 +121,10 @@ def dcp_view(structure: dict, shapes: dict[str, tuple[torch.dtype, list[int]]], 
             skipped.append(k)
         else:
             state[k] = go(v)
-    flat, mappings = flatten_state_dict(state)
+    try:
+        flat, mappings = flatten_state_dict(state)
+    except ValueError as e:  # two key paths DCP joins into one name
+        raise _collision(state) from e
     out: dict[str, Any] = {}
     for fqn, v in flat.items():
         if isinstance(v, torch.Tensor):
@@ -129,6 +132,30 @@ def dcp_view(structure: dict, shapes: dict[str, tuple[torch.dtype, list[int]]], 
         elif not _holds_tensor(v):  # DCP keeps tuples whole: one holding tensors is not a value it can load
             out[fqn] = Value(v)
     return out, dict(mappings), skipped
+
+
+def _collision(state: dict[str, Any]) -> IncompatibleFormatError:
+    """The error for a step DCP cannot name: two key paths that join (with ``.``) into one DCP name."""
+    from torch.distributed.checkpoint._traverse import traverse_state_dict
+
+    seen: dict[str, tuple[Any, ...]] = {}
+    clash: list[tuple[Any, ...]] = []
+
+    def visit(path: Any, value: Any) -> None:
+        fqn = ".".join(map(str, path))
+        if fqn in seen and not clash:
+            clash.extend([seen[fqn], tuple(path)])
+        seen.setdefault(fqn, tuple(path))
+
+    traverse_state_dict(state, visit)
+    if not clash:
+        return IncompatibleFormatError("DCP cannot name this step's items: two key paths join into one DCP name")
+    a, b = clash
+    return IncompatibleFormatError(
+        f"DCP cannot read this step: the key paths {tensor_key(a)!r} and {tensor_key(b)!r} both become DCP's name "
+        f"{'.'.join(map(str, a))!r} (DCP joins keys with '.'). Read the step with ckpt instead "
+        "(ckpt.Checkpointer(url).load(step, state) or ckpt.open(url).tensors(step)), or rename one of "
+        "the keys so that no two join into the same dotted name")
 
 
 class Value:
