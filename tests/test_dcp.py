@@ -401,3 +401,22 @@ def test_reader_names_both_keys_that_dcp_would_join_into_one_name(tmp_path):
     assert "'a/b.c'" in str(e.value) and "'a.b/c'" in str(e.value) and "'a.b.c'" in str(e.value)
     assert "ckpt.open" in str(e.value)
     assert ckpt.open(path).tensors(1)["a.b/c"].tolist() == [0.0, 0.0]  # the step itself is fine
+
+
+def test_a_load_that_fails_on_a_damaged_chunk_changes_no_value_either(tmp_path):
+    """dcp.load of a step with a damaged chunk: the error, and the param group's lr (a plain value) is
+    still the caller's, as the tensors are: everything is verified before anything is applied."""
+    path = str(tmp_path / "run")
+    saved = {"model": {"w": torch.arange(16.0)}, "optim": {"param_groups": [{"lr": 0.5, "params": [0]}]}}
+    dcp.save(saved, storage_writer=ckpt.dcp.Writer(path, step=1), no_dist=True)
+    h = next(t for t in ckpt.open(path).manifest(1).tensors if t.key == "model/w").shards[0].segments[0].chunk
+    chunk = tmp_path / "run" / paths.chunk_key(h)
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    target = {"model": {"w": torch.zeros(16)}, "optim": {"param_groups": [{"lr": 0.1, "params": [0]}]}}
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(target, storage_reader=ckpt.dcp.Reader(path, step=1), no_dist=True)
+    assert any(isinstance(x, CorruptCheckpointError) and h in str(x) for x in failures(e.value))
+    assert target["optim"]["param_groups"][0]["lr"] == 0.1
+    assert torch.equal(target["model"]["w"], torch.zeros(16))

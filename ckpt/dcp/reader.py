@@ -124,10 +124,11 @@ class Reader(StorageReader):
         if m is None:
             raise CheckpointError("ckpt.dcp.Reader was not set up by DCP (use it as dcp.load's storage_reader)")
         tensors = [r for r in plan.items if r.type != LoadItemType.BYTE_IO]
-        for r in plan.items:
-            if r.type == LoadItemType.BYTE_IO:
-                self._load_value(r, planner)
-        self._load_tensors(m, tensors, planner)
+        # every check first, as Checkpointer.load does: a refused value or a damaged chunk changes nothing
+        values = [(r, self._value_bytes(r)) for r in plan.items if r.type == LoadItemType.BYTE_IO]
+        self._load_tensors(m, tensors, planner)  # the caller's tensors change only once every chunk verified
+        for r, data in values:
+            planner.load_bytes(r, data)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -156,7 +157,8 @@ class Reader(StorageReader):
         raise CheckpointNotFoundError(f"{storage.describe()} holds no committed step that reads"
                                       + (f" ({'; '.join(errors[:3])})" if errors else ""))
 
-    def _load_value(self, r: ReadItem, planner: LoadPlanner) -> None:
+    def _value_bytes(self, r: ReadItem) -> io.BytesIO:
+        """The value DCP asks for, as the ``torch.save`` bytes ``load_bytes`` takes (nothing applied yet)."""
         fqn = r.storage_index.fqn
         item = self._items.get(fqn)
         if not isinstance(item, Value):
@@ -168,7 +170,7 @@ class Reader(StorageReader):
         data = io.BytesIO()
         torch.save(item.value, data)  # ours, built from the manifest's JSON values: safe to hand DCP
         data.seek(0)
-        planner.load_bytes(r, data)
+        return data
 
     def _load_tensors(self, m: mf.Manifest, reads: list[ReadItem], planner: LoadPlanner) -> None:
         """Fill every requested box in one pass of ckpt's load path (each chunk read once, verified)."""
