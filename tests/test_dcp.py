@@ -420,3 +420,24 @@ def test_a_load_that_fails_on_a_damaged_chunk_changes_no_value_either(tmp_path):
     assert any(isinstance(x, CorruptCheckpointError) and h in str(x) for x in failures(e.value))
     assert target["optim"]["param_groups"][0]["lr"] == 0.1
     assert torch.equal(target["model"]["w"], torch.zeros(16))
+
+
+def test_saves_into_a_new_directory_each_keep_only_the_newest_roots_buffers(tmp_path):
+    """DCP's usual convention, a new directory per checkpoint: what is kept for deltas stays at one
+    root's worth (it grew by the state's size with every save)."""
+    from ckpt.dcp import _pairs
+
+    state = {"w": torch.randn(256, 1024)}  # 1 MiB
+    size = state["w"].numel() * 4
+    for s in range(1, 6):
+        state["w"].add_(1.0)
+        dcp.save(state, storage_writer=ckpt.dcp.Writer(str(tmp_path / f"ckpt-{s}"), step=s), no_dist=True)
+        assert _pairs.held_bytes() <= 1.05 * size + 4096, (s, _pairs.held_bytes())
+    with _pairs._lock:
+        assert [k for k in _pairs._pairs if k[1] == 0] == [(str(tmp_path / "ckpt-5"), 0)]
+    # the newest root still stores deltas against its previous save
+    state["w"][:4].add_(1e-3)
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(str(tmp_path / "ckpt-5"), step=6), no_dist=True)
+    assert _pairs.held_bytes() <= 2.1 * size + 8192
+    assert torch.equal(ckpt.open(str(tmp_path / "ckpt-5")).tensors(6)["w"], state["w"])
+    _pairs.drop(str(tmp_path / "ckpt-5"), 0)

@@ -8,7 +8,8 @@ N's bytes, exactly as the Checkpointer's ``Snapshotter(pair=True)`` does. A rank
 N was committed (only the coordinator commits) at the start of save N+1, from the step's manifest;
 only then does save N become the base (``ChunkWriter.settle``). A save with other items, shapes or
 options into the same root starts a new pair (the old one is dropped); ``delta_chain=1`` drops it.
-Nothing is shared between roots: the key is the root as given.
+Nothing is shared between roots: the key is the root as given, and only
+the newest root of each rank is kept (a save into a new root frees what the previous root kept).
 """
 
 from __future__ import annotations
@@ -71,8 +72,14 @@ _lock = threading.Lock()
 
 
 def get(url: str, rank: int, signature: tuple, make: Callable[[], Pair]) -> Pair:
-    """The pair of ``rank`` for root ``url``, made anew (dropping the old one) if ``signature`` changed."""
+    """The pair of ``rank`` for root ``url``, made anew (dropping the old one) if ``signature`` changed.
+
+    Only the newest root of each rank is kept: a save into another root drops what was kept for the
+    rank's earlier roots (DCP's usual new directory per checkpoint would otherwise keep one copy of the
+    state per save, never freed; deltas only ever go against the same root's previous save)."""
     with _lock:
+        for old in [k for k in _pairs if k[1] == rank and k[0] != url]:
+            del _pairs[old]  # a save still writing from it keeps its own reference until it is done
         pair = _pairs.get((url, rank))
         if pair is None or pair.signature != signature:
             pair = _pairs[(url, rank)] = make()
