@@ -159,6 +159,7 @@ def _match(m: mf.Manifest, state: dict[str, Any], target: Any, rank: int, world:
     per_rank = [k for k in wanted_top if st.is_per_rank(saved_nodes[k])]
     src_rank = _source_rank(m, per_rank, rank, world, rank_map) if per_rank else None
     nodes = {k: saved_nodes[k]["v"][src_rank] if k in per_rank else saved_nodes[k] for k in wanted_top}
+    nodes = {k: _module_states(v, state[k]) for k, v in nodes.items()}
     entries = {(t.key, t.rank): t for t in m.tensors}
     # Saved tensors meet the state's by their path in the structure (keys with their types), never
     # by their printed names: {"a/b": x, "a": {"b": y}} or {0: x, "0": y} cannot be swapped.
@@ -173,6 +174,22 @@ def _match(m: mf.Manifest, state: dict[str, Any], target: Any, rank: int, world:
     missing_tensors = [k for k in target.tensors if k not in found and k.split("/", 1)[0] in saved_nodes]
     return _Match(wanted_top, nodes, entries, wanted, [k for k in m.top_keys if k not in state],
                   missing_top + missing_tensors)
+
+
+def _module_states(node: Any, live: Any) -> Any:
+    """``node`` with each plain dict saved where the state holds a module read as that module's state:
+    a module's ``state_dict()`` saved as a dict (``dcp.save({"model": model.state_dict()})`` through
+    ``ckpt.dcp.Writer``) then loads into ``{"model": model}`` with ``load_state_dict``, as the
+    Checkpointer's own save of the module does."""
+    if isinstance(live, torch.nn.Module):
+        if st.kind(node) != "dict":
+            return node
+        return {"t": "stateful", "type": f"{type(live).__module__}.{type(live).__qualname__}", "v": node}
+    if not isinstance(live, dict) or st.kind(node) != "dict":
+        return node
+    values = [_module_states(v, live[k]) if isinstance(k, str) and k in live else v
+              for k, v in zip(node["k"], node["v"])]
+    return node if all(a is b for a, b in zip(values, node["v"])) else {**node, "v": values}
 
 
 @dataclass

@@ -441,3 +441,29 @@ def test_saves_into_a_new_directory_each_keep_only_the_newest_roots_buffers(tmp_
     assert _pairs.held_bytes() <= 2.1 * size + 8192
     assert torch.equal(ckpt.open(str(tmp_path / "ckpt-5")).tensors(6)["w"], state["w"])
     _pairs.drop(str(tmp_path / "ckpt-5"), 0)
+
+
+def test_a_module_state_dict_written_through_dcp_loads_into_the_module(tmp_path):
+    """dcp.save({"model": model.state_dict()}) through ckpt.dcp.Writer, then
+    Checkpointer.load(step, {"model": model}) as for the Checkpointer's own save of a module."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    path = str(tmp_path / "run")
+    dcp.save({"model": model.state_dict(), "step": 7}, storage_writer=ckpt.dcp.Writer(path, step=1), no_dist=True)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    state = {"model": fresh, "step": 0}
+    c = ckpt.Checkpointer(path)
+    c.load(1, state)
+    assert state["step"] == 7
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    # nested under a dict too, and a module that does not fit is refused before anything changes
+    dcp.save({"train": {"model": model.state_dict()}}, storage_writer=ckpt.dcp.Writer(path, step=2), no_dist=True)
+    nested = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    c.load(2, {"train": {"model": nested}})
+    assert torch.equal(nested[0].weight, model[0].weight)
+    other = torch.nn.Linear(4, 3)
+    before = other.weight.clone()
+    with pytest.raises(ckpt.errors.StateMismatchError, match="missing from the checkpoint"):
+        c.load(1, {"model": other, "step": 0})
+    assert torch.equal(other.weight, before)
+    c.close()
