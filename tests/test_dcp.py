@@ -214,6 +214,48 @@ def test_async_save_with_stager(tmp_path, process):
         assert r["host"] <= 1.02 * r["local"] + 64 * (r["tensors"] + 2)
 
 
+def unawaited_body(rank: int, world: int, path: str, grow: bool) -> list[str]:
+    """Three async_saves through one Stager, none awaited before the next; the state changes right
+    after each returns (and, with ``grow``, AdamW-like state appears after the first step)."""
+    stager = ckpt.dcp.Stager()
+    w = torch.zeros(64)
+    state: dict = {"model": {"w": w}}
+    futs = []
+    for s in (1, 2, 3):
+        w.fill_(float(s))
+        if grow and s >= 2:
+            state.setdefault("optim", {"exp_avg": torch.zeros(32)})["exp_avg"].fill_(10.0 + s)
+        futs.append(dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=s), async_stager=stager))
+        w.fill_(-1.0)  # changed once async_save returned: must not reach any step
+        if "optim" in state:
+            state["optim"]["exp_avg"].fill_(-1.0)
+    errors = []
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    stager.close()
+    return errors
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("grow", [False, True], ids=["same", "grows"])
+def test_unawaited_async_saves_through_one_stager_keep_their_own_values(tmp_path, grow):
+    """Each of several async_saves in flight at once commits the values of its own call (they were
+    [3.0] [3.0] [3.0]), and two ranks do not deadlock (they hung until the process group's timeout)."""
+    path = str(tmp_path / "run")
+    out = run_ranks(2, unawaited_body, path, grow, timeout=150, pg_timeout=40)
+    assert out == [[], []], out
+    reader = ckpt.open(path)
+    assert reader.steps() == [1, 2, 3]
+    for s in (1, 2, 3):
+        tensors = reader.tensors(s)
+        assert tensors["model/w"].unique().tolist() == [float(s)], (s, tensors["model/w"].unique())
+        if grow and s >= 2:
+            assert tensors["optim/exp_avg"].unique().tolist() == [10.0 + s], s
+
+
 def test_writer_checks_its_options_and_values(tmp_path):
     with pytest.raises(ConfigError, match="every"):
         ckpt.dcp.Writer(str(tmp_path), step=1, every=10)
@@ -250,6 +292,7 @@ def test_stager_buffer_reused_and_sized(tmp_path):
     assert staged["a"].untyped_storage().data_ptr() == ptr
     state["a"].add_(1)
     assert not torch.equal(staged["a"], state["a"])  # a snapshot, not the live tensor
+    del staged  # done with it: the next stage would otherwise wait (wait_s) for it to be let go
     again = stager.stage(state)
     assert stager.buffer.buffer.data_ptr() == ptr and torch.equal(again["a"], state["a"]) and stager.layouts_made == 1
     assert stager.buffer.nbytes <= 1.02 * (4000 + 14) + 64 * 3
@@ -467,3 +510,22 @@ def test_a_module_state_dict_written_through_dcp_loads_into_the_module(tmp_path)
         c.load(1, {"model": other, "step": 0})
     assert torch.equal(other.weight, before)
     c.close()
+
+
+def test_a_tensor_that_starts_with_the_stagers_magic_is_the_users_tensor(tmp_path):
+    """A user's tensor whose first bytes are the Stager's magic is saved as it is: nothing written
+    into it, no bytes it never had stored, and an odd value there waits for nothing."""
+    from ckpt.dcp.stager import MAGIC
+
+    path = str(tmp_path / "run")
+    even = torch.tensor([MAGIC, 4, 0, 0, 7, 8, 9, 10], dtype=torch.int64)
+    odd = torch.tensor([MAGIC, 5, 0, 0, 1, 2, 3, 4], dtype=torch.int64)
+    want = {"even": even.clone(), "odd": odd.clone()}
+    import time
+
+    started = time.monotonic()
+    dcp.save({"even": even, "odd": odd}, storage_writer=ckpt.dcp.Writer(path, step=1, timeout=20), no_dist=True)
+    assert time.monotonic() - started < 10  # not the Writer's 20 s wait for an "odd" snapshot
+    assert torch.equal(even, want["even"]) and torch.equal(odd, want["odd"])  # the caller's tensors untouched
+    stored = ckpt.open(path).tensors(1)
+    assert torch.equal(stored["even"], want["even"]) and torch.equal(stored["odd"], want["odd"])

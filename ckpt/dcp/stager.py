@@ -15,7 +15,9 @@ Staged DTensors are sent to that process as their local views (see
 ``shared=False`` keeps it out of ``/dev/shm`` (small in some containers) for thread mode.
 
 The buffer starts with a 64-byte header that the staged tensors share (their storage is the
-buffer's), which a :class:`ckpt.dcp.Writer` reads: see :class:`Header`.
+buffer's), which a :class:`ckpt.dcp.Writer` in the same process reads: see :class:`Header`. The
+Writer knows a Stager's buffer by its identity (the storages this process's Stagers allocated),
+never by the bytes a tensor starts with.
 """
 
 from __future__ import annotations
@@ -42,11 +44,24 @@ HEADER_BYTES = 64
 SEQ, READING, DONE = 1, 2, 3  # int64 fields after the magic
 
 
+# The buffers of this process's Stagers, by the address of their storage: a tensor is a view into a
+# Stager's buffer when its storage is one of these (identity), never because of what its bytes hold.
+_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _register(buffer: torch.Tensor) -> None:
+    ptr = buffer.untyped_storage().data_ptr()
+    for p in [p for p, r in _buffers.items() if r() is None]:
+        del _buffers[p]
+    _buffers[ptr] = weakref.ref(buffer)
+
+
 class Header:
     """The first 64 bytes of a Stager's buffer, as int64 fields: the magic, ``seq`` (snapshots
     staged, times two; odd while one is being copied in), ``reading`` (the seq a Writer is copying
-    out) and ``done`` (the last seq a Writer finished copying out). A seqlock: a Writer that sees
-    ``seq`` change while it copies refuses the save instead of storing a mixture of two snapshots."""
+    out) and ``done`` (the last seq a Writer finished copying out, or gave up on). A seqlock: a
+    Writer that sees ``seq`` change while it copies refuses the save instead of storing a mixture of
+    two snapshots. Found by identity (:func:`Header.of`): only in the process that staged."""
 
     def __init__(self, fields: torch.Tensor):
         self.fields = fields
@@ -59,14 +74,16 @@ class Header:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Header | None:
-        """The header of the Stager buffer ``t`` is a view into, or None (any other tensor)."""
+        """The header of the Stager buffer ``t`` is a view into, or None: any other tensor, whatever
+        its bytes (a user's tensor starting with the magic is a user's tensor)."""
         if t.device.type != "cpu" or t.is_meta:
             return None
-        s = t.untyped_storage()
-        if s.nbytes() < HEADER_BYTES:
+        ptr = t.untyped_storage().data_ptr()
+        ref = _buffers.get(ptr)
+        buffer = ref() if ref is not None else None
+        if buffer is None or buffer.untyped_storage().data_ptr() != ptr:
             return None
-        fields = torch.empty(0, dtype=torch.uint8).set_(s, 0, (HEADER_BYTES,), (1,)).view(torch.int64)
-        return cls(fields) if int(fields[0]) == MAGIC else None
+        return cls(buffer[:HEADER_BYTES].view(torch.int64))
 
     def wait_even(self, deadline: float) -> int:
         """The seq of a finished snapshot (waits while one is being copied in)."""
@@ -102,12 +119,14 @@ class Stager(AsyncStager):
         ...                      # training goes on; the next async_save reuses the buffer
         fut.result()
 
-    **One buffer.** The next ``stage`` waits while a :class:`ckpt.dcp.Writer` is copying the
-    previous snapshot out of the buffer, and, once a Writer has read from it, until the previous
-    snapshot was copied out (at most ``wait_s`` seconds: a save that failed before writing never
-    copies it; the stage then goes on, with a warning). A Writer that finds the buffer restaged
-    while it copies fails that save (nothing committed, never a mixture). With another
-    ``StorageWriter``, wait for the previous save's future before the next ``async_save``.
+    **One buffer.** The next ``stage`` waits until the save of the previous snapshot is done with
+    it: a :class:`ckpt.dcp.Writer` copied it out (or its save failed first), or nothing holds the
+    staged tensors any more (a save with another ``StorageWriter`` ended; DCP's process mode). So
+    several ``async_save`` calls in flight each commit the values of their own call. At most
+    ``wait_s`` seconds: a snapshot held elsewhere (a failed save's future keeps it) is then staged
+    over, with a warning; a Writer that finds the buffer restaged while it copies fails that save
+    (nothing committed, never a mixture). The saves themselves then run one after the other (see
+    :mod:`ckpt.dcp._serial`), so two ranks never wait on each other's collectives.
 
     ``should_synchronize_after_execute`` is True and :meth:`synchronize_staging` returns at once:
     ``stage`` returns only when every copy, CUDA ones included, is done.
@@ -130,6 +149,8 @@ class Stager(AsyncStager):
         self.buffer: HostBuffer | None = None
         self.layouts_made = 0
         self._signature: tuple | None = None
+        self._header: Header | None = None
+        self._held: list[weakref.ref[torch.Tensor]] = []  # the tensors of the buffer's last snapshot
         _live.add(self)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -142,9 +163,9 @@ class Stager(AsyncStager):
         sig = tuple((t.dtype, tuple(t.shape), t.device.type, _placement(src))
                     for t, src in zip(tensors.values(), found))
         buf = self._buffer_for(sig, tensors)
-        hdr = Header.of(buf.buffer)
+        hdr = self._header
         assert hdr is not None
-        self._wait_for_writer(hdr)
+        self._wait_for_previous(buf, hdr)
         buf.acquire()
         seq = hdr.get(SEQ)
         hdr.set(SEQ, seq + 1)  # odd: copying in
@@ -156,36 +177,42 @@ class Stager(AsyncStager):
             hdr.set(SEQ, seq + 2)
             buf.release()
         views = iter([_view(buf, slot) for slot in buf.layout.slots])
-        return _walk(state_dict, lambda t: _rebuild(t, next(views)))
+        staged = _walk(state_dict, lambda t: _rebuild(t, next(views)))
+        self._held = [weakref.ref(t) for t in _tensors(staged)]  # what a save holds of this snapshot
+        return staged
 
     def _buffer_for(self, sig: tuple, tensors: dict[str, torch.Tensor]) -> HostBuffer:
+        """The buffer for this structure: the last one, or (the structure changed) a new one; the old
+        buffer is left to the save that may still hold its snapshot (never written again)."""
         if self.buffer is not None and sig == self._signature:
             return self.buffer
-        old = self.buffer
-        if old is not None:  # the structure changed: no Writer may still be copying the old one
-            hdr = Header.of(old.buffer)
-            if hdr is not None:
-                self._wait_for_writer(hdr)
         self.buffer = buf = HostBuffer(_layout(tensors), native=self.native, threads=self.threads, shared=self.shared)
         buf.buffer[:HEADER_BYTES].view(torch.int64)[0] = MAGIC
+        _register(buf.buffer)
+        self._header = Header(buf.buffer[:HEADER_BYTES].view(torch.int64))
+        self._held = []  # nothing staged in it yet
         self._signature = sig
         self.layouts_made += 1
         return buf
 
-    def _wait_for_writer(self, hdr: Header) -> None:
+    def _wait_for_previous(self, buf: HostBuffer, hdr: Header) -> None:
+        """Before staging over the buffer's previous snapshot: wait until its save is done with it,
+        i.e. a ckpt.dcp.Writer copied it out (or gave up on it: its save failed first), or nothing
+        holds a view of it any more (a save with another StorageWriter ended; DCP's process mode)."""
         deadline = time.monotonic() + self.wait_s
         while True:
             seq, reading, done = hdr.get(SEQ), hdr.get(READING), hdr.get(DONE)
             copying = reading > done
-            if not copying and not (0 < done < seq):
+            if not copying and (done >= seq or all(ref() is None for ref in self._held)):
                 return
             if time.monotonic() > deadline:
                 if copying:
                     raise CheckpointError(
                         f"a ckpt.dcp.Writer has been copying the previous snapshot out of the Stager's buffer for more "
                         f"than {self.wait_s:.0f}s; nothing was staged. Wait for the previous save's future first")
-                log.warning("the previous snapshot in the Stager's buffer was never copied out by a save (it "
-                            "probably failed before writing); staging over it")
+                log.warning("the previous snapshot in the Stager's buffer is still held after %.0fs and no ckpt.dcp."
+                            "Writer copied it out (its save failed, or it is held elsewhere); staging over it: a "
+                            "ckpt.dcp.Writer that copies it now refuses its save", self.wait_s)
                 return
             time.sleep(0.002)
 
@@ -194,7 +221,7 @@ class Stager(AsyncStager):
 
     def close(self) -> None:
         """Let the buffer go (the next ``stage`` allocates a new one)."""
-        self.buffer, self._signature = None, None
+        self.buffer, self._signature, self._header, self._held = None, None, None, []
 
 
 def _layout(tensors: dict[str, torch.Tensor]) -> BufferLayout:

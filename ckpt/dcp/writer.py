@@ -45,7 +45,7 @@ from ..storage import open_tiered
 from ..storage.base import Storage
 from ..writer import STEP_EXISTS_ADVICE, SaveJob
 from ..writer import Writer as ChunkWriter
-from . import _pairs
+from . import _pairs, _serial
 from ._structure import build_structure, tensor_key, value_node
 from .stager import DONE, READING, SEQ, Header, release_pending
 
@@ -142,6 +142,11 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._rank = int(kwargs.get("rank", dist.get_rank() if dist.is_available() and dist.is_initialized() else 0))
         self._coordinator = is_coordinator
+        try:  # before DCP's first collective of this save: the earlier save's are all issued first
+            _serial.wait_for_earlier(self.options.timeout, self.step)
+        except BaseException:
+            release_pending()
+            raise
         if self._run is None:
             self._run = run = _Run(self.url, self.options, self._storage)
             self._finalizer = weakref.finalize(self, run.close)
