@@ -529,3 +529,45 @@ def test_a_tensor_that_starts_with_the_stagers_magic_is_the_users_tensor(tmp_pat
     assert torch.equal(even, want["even"]) and torch.equal(odd, want["odd"])  # the caller's tensors untouched
     stored = ckpt.open(path).tensors(1)
     assert torch.equal(stored["even"], want["even"]) and torch.equal(stored["odd"], want["odd"])
+
+
+class BlockingStorage(LocalStorage):
+    """A disk whose chunk writes wait for ``go`` and then fail: a save that fails after copying out."""
+
+    def __init__(self, path, go):
+        super().__init__(path)
+        self.go = go
+
+    def create(self, key, buffers):
+        if key.startswith("chunks/"):
+            self.go.wait(60)
+            raise OSError(28, "No space left on device")
+        return super().create(key, buffers)
+
+
+def test_a_save_failing_after_its_copy_does_not_release_the_next_calls_snapshot(tmp_path):
+    """Step 1 fails writing after it copied its snapshot out, while step 2 (staged) waits to start:
+    step 3's stage must still wait for step 2's copy, not take step 1's failure as step 2's release."""
+    import threading
+
+    path = str(tmp_path / "run")
+    go = threading.Event()
+    stager = ckpt.dcp.Stager(wait_s=30)
+    w = torch.zeros(16)
+    state = {"w": w}
+    w.fill_(1.0)
+    f1 = dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=1, storage=BlockingStorage(path, go)),
+                        async_stager=stager, no_dist=True)
+    w.fill_(2.0)
+    f2 = dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=2), async_stager=stager, no_dist=True)
+    go.set()
+    with pytest.raises(CheckpointException):
+        f1.result()
+    w.fill_(3.0)
+    f3 = dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=3), async_stager=stager, no_dist=True)
+    f2.result()
+    f3.result()
+    stager.close()
+    reader = ckpt.open(path)
+    assert reader.steps() == [2, 3]
+    assert reader.tensors(2)["w"].unique().tolist() == [2.0] and reader.tensors(3)["w"].unique().tolist() == [3.0]

@@ -126,6 +126,7 @@ class Writer(StorageWriter):
         self._run: _Run | None = None
         self._rank = 0
         self._coordinator = False
+        self._copied = False  # this save copied its staged snapshot out (a failure then releases nothing)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -171,7 +172,8 @@ class Writer(StorageWriter):
         try:
             results = self._write(run, plan, planner)
         except BaseException:
-            release_pending()
+            if not self._copied:  # once copied, the Stager may already hold the next call's snapshot
+                release_pending()
             run.close()
             raise
         if not self._coordinator:
@@ -286,6 +288,7 @@ class Writer(StorageWriter):
         seqs = {p: h.wait_even(deadline) for p, h in headers.items()}
         for p, h in headers.items():
             h.set(READING, seqs[p])
+        self._copied = True
         try:
             cuda, hashes, _ = buf.copy_in(tensors)
             if cuda is not None:
