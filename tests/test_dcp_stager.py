@@ -1,0 +1,116 @@
+"""ckpt.dcp.Stager with async_saves in flight: each save keeps the values of its own call, two ranks
+do not deadlock, and the Stager's buffers are known by identity (issue 32.2, 32.3)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckpt
+import ckpt.dcp
+from ckpt.storage import LocalStorage
+from ckpt.testing import run_ranks
+
+
+def unawaited_body(rank: int, world: int, path: str, grow: bool) -> list[str]:
+    """Three async_saves through one Stager, none awaited before the next; the state changes right
+    after each returns (and, with ``grow``, AdamW-like state appears after the first step)."""
+    stager = ckpt.dcp.Stager()
+    w = torch.zeros(64)
+    state: dict = {"model": {"w": w}}
+    futs = []
+    for s in (1, 2, 3):
+        w.fill_(float(s))
+        if grow and s >= 2:
+            state.setdefault("optim", {"exp_avg": torch.zeros(32)})["exp_avg"].fill_(10.0 + s)
+        futs.append(dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=s), async_stager=stager))
+        w.fill_(-1.0)  # changed once async_save returned: must not reach any step
+        if "optim" in state:
+            state["optim"]["exp_avg"].fill_(-1.0)
+    errors = []
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    stager.close()
+    return errors
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("grow", [False, True], ids=["same", "grows"])
+def test_unawaited_async_saves_through_one_stager_keep_their_own_values(tmp_path, grow):
+    """Each of several async_saves in flight at once commits the values of its own call (they were
+    [3.0] [3.0] [3.0]), and two ranks do not deadlock (they hung until the process group's timeout)."""
+    path = str(tmp_path / "run")
+    out = run_ranks(2, unawaited_body, path, grow, timeout=150, pg_timeout=40)
+    assert out == [[], []], out
+    reader = ckpt.open(path)
+    assert reader.steps() == [1, 2, 3]
+    for s in (1, 2, 3):
+        tensors = reader.tensors(s)
+        assert tensors["model/w"].unique().tolist() == [float(s)], (s, tensors["model/w"].unique())
+        if grow and s >= 2:
+            assert tensors["optim/exp_avg"].unique().tolist() == [10.0 + s], s
+
+
+def test_a_tensor_that_starts_with_the_stagers_magic_is_the_users_tensor(tmp_path):
+    """A user's tensor whose first bytes are the Stager's magic is saved as it is: nothing written
+    into it, no bytes it never had stored, and an odd value there waits for nothing."""
+    from ckpt.dcp.stager import MAGIC
+
+    path = str(tmp_path / "run")
+    even = torch.tensor([MAGIC, 4, 0, 0, 7, 8, 9, 10], dtype=torch.int64)
+    odd = torch.tensor([MAGIC, 5, 0, 0, 1, 2, 3, 4], dtype=torch.int64)
+    want = {"even": even.clone(), "odd": odd.clone()}
+    started = time.monotonic()
+    dcp.save({"even": even, "odd": odd}, storage_writer=ckpt.dcp.Writer(path, step=1, timeout=20), no_dist=True)
+    assert time.monotonic() - started < 10  # not the Writer's 20 s wait for an "odd" snapshot
+    assert torch.equal(even, want["even"]) and torch.equal(odd, want["odd"])  # the caller's tensors untouched
+    stored = ckpt.open(path).tensors(1)
+    assert torch.equal(stored["even"], want["even"]) and torch.equal(stored["odd"], want["odd"])
+
+
+class BlockingStorage(LocalStorage):
+    """A disk whose chunk writes wait for ``go`` and then fail: a save that fails after copying out."""
+
+    def __init__(self, path, go):
+        super().__init__(path)
+        self.go = go
+
+    def create(self, key, buffers):
+        if key.startswith("chunks/"):
+            self.go.wait(60)
+            raise OSError(28, "No space left on device")
+        return super().create(key, buffers)
+
+
+def test_a_save_failing_after_its_copy_does_not_release_the_next_calls_snapshot(tmp_path):
+    """Step 1 fails writing after it copied its snapshot out, while step 2 (staged) waits to start:
+    step 3's stage must still wait for step 2's copy, not take step 1's failure as step 2's release."""
+    path = str(tmp_path / "run")
+    go = threading.Event()
+    stager = ckpt.dcp.Stager(wait_s=30)
+    w = torch.zeros(16)
+    state = {"w": w}
+    w.fill_(1.0)
+    f1 = dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=1, storage=BlockingStorage(path, go)),
+                        async_stager=stager, no_dist=True)
+    w.fill_(2.0)
+    f2 = dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=2), async_stager=stager, no_dist=True)
+    go.set()
+    with pytest.raises(CheckpointException):
+        f1.result()
+    w.fill_(3.0)
+    f3 = dcp.async_save(state, storage_writer=ckpt.dcp.Writer(path, step=3), async_stager=stager, no_dist=True)
+    f2.result()
+    f3.result()
+    stager.close()
+    reader = ckpt.open(path)
+    assert reader.steps() == [2, 3]
+    assert reader.tensors(2)["w"].unique().tolist() == [2.0] and reader.tensors(3)["w"].unique().tolist() == [3.0]
