@@ -228,11 +228,15 @@ def _ints(x: Any, n: int | None = None) -> tuple[int, ...] | None:
 
 
 def _overlap(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    """Whether two of the (offsets, sizes) boxes share an element (a sweep along the first dimension)."""
-    boxes = sorted((b for b in boxes if 0 not in b[1]), key=lambda b: b[0])
+    """Whether two of the (offsets, sizes) boxes share an element: a sweep along the dimension the
+    chunks are split most along (rows or columns of a sharded tensor: each box meets its neighbours)."""
+    boxes = [b for b in boxes if 0 not in b[1]]
+    ndim = len(boxes[0][0]) if boxes else 0
+    d = max(range(ndim), key=lambda i: len({b[0][i] for b in boxes}), default=0)
+    boxes.sort(key=lambda b: b[0][d] if ndim else 0)
     for i, (off, size) in enumerate(boxes):
         for off2, size2 in boxes[i + 1:]:
-            if off and off2[0] >= off[0] + size[0]:
+            if ndim and off2[d] >= off[d] + size[d]:
                 break
             if all(o2 < o + s and o < o2 + s2 for o, s, o2, s2 in zip(off, size, off2, size2)):
                 return True
@@ -281,7 +285,7 @@ def check_dcp(src: str, md: Any) -> tuple[dict[str, tuple[torch.Size, torch.dtyp
         shape = _ints(m.size)
         if shape is None:
             raise bad(f"tensor {fqn!r} has size {m.size!r}, not a tuple of non-negative integers")
-        itemsize = torch.empty((), dtype=m.properties.dtype).element_size()
+        itemsize = m.properties.dtype.itemsize
         boxes, covered = [], 0
         for c in m.chunks:
             off = _ints(getattr(c, "offsets", None), len(shape)) if isinstance(c, ChunkStorageMetadata) else None

@@ -86,6 +86,8 @@ def test_dcp_metadata_that_would_run_code_is_refused_by_api_and_cli(tmp_path, ru
     assert not shell.exists() and not opened.exists() and nothing_committed(url)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_real_dcp_directory_of_two_ranks_still_imports_bit_exact(tmp_path):
     d = str(tmp_path / "dcp2")
     assert run_ranks(2, _save_two_rank_dcp, d) == [0, 1]
