@@ -185,6 +185,17 @@ def test_an_expanded_torch_save_tensor_is_refused_unless_max_bytes_allows_it(tmp
     assert torch.equal(ckpt.open(url).tensors(0)["model/w"], torch.ones(2 ** 20))
 
 
+def test_an_expanded_tensor_inside_a_dcp_value_is_refused_too(tmp_path):
+    d = str(tmp_path / "dcp")
+    dcp.save({"w": torch.ones(2), "v": (torch.ones(1).expand(2 ** 20), 3)},  # a tuple: one pickled value
+             storage_writer=dcp.FileSystemWriter(d), no_dist=True)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"'v/0' is a \(1048576,\) torch.float32 view"):
+        ckpt.import_checkpoint(d, tmp_path / "ck", step=0)
+    assert nothing_committed(tmp_path / "ck")
+    ckpt.import_checkpoint(d, tmp_path / "ck", step=0, max_bytes="5MiB")
+    assert ckpt.open(tmp_path / "ck").steps() == [0]
+
+
 def test_a_torch_save_tensor_of_2_32_elements_gives_a_typed_error_not_an_allocator_one(tmp_path):
     src = tmp_path / "huge.pt"
     torch.save({"w": torch.ones(1).expand(2 ** 32)}, src)
