@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -234,8 +236,23 @@ def _fifo(path):
     os.mkfifo(path)
 
 
-@pytest.mark.timeout(60)  # before the fix each of these blocked forever in open()
-def test_fifos_in_place_of_source_files_are_refused_without_hanging(tmp_path, run):
+IMPORT_EACH = """
+import json, sys
+import ckpt
+from ckpt import cli
+url, sources = sys.argv[1], sys.argv[2:]
+for src in sources:
+    try:
+        ckpt.import_checkpoint(src, url, step=0)
+        print(json.dumps(["imported", src]), flush=True)
+    except Exception as e:
+        print(json.dumps([type(e).__name__, str(e)]), flush=True)
+print(json.dumps(["cli", cli.main(["import", sources[-2], url, "--step", "0"])]), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_fifos_in_place_of_source_files_are_refused_without_hanging(tmp_path):
     url = tmp_path / "ck"
     single = tmp_path / "single"
     single.mkdir()
@@ -244,18 +261,22 @@ def test_fifos_in_place_of_source_files_are_refused_without_hanging(tmp_path, ru
     _fifo(index / "model.safetensors.index.json")
     shard = _hf_dir(tmp_path / "shard")
     _fifo(shard / "model-00001-of-00001.safetensors")
-    meta = dcp_dir(tmp_path / "meta")
-    _fifo(os.path.join(meta, ".metadata"))
     data = dcp_dir(tmp_path / "data")
     _fifo(os.path.join(data, "__0_0.distcp"))
-    for src in (single, index, shard, meta, data):
-        with pytest.raises(ckpt.CorruptCheckpointError, match="is a FIFO, not a regular file"):
-            ckpt.import_checkpoint(src, url, step=0)
-    rc, _, err = run("import", meta, url, "--step", 0)
-    assert rc == 1 and "FIFO" in err
+    meta = dcp_dir(tmp_path / "meta")
+    _fifo(os.path.join(meta, ".metadata"))
     _fifo(tmp_path / "w.pt")
-    with pytest.raises(ckpt.ConfigError, match="not a regular file"):
-        ckpt.import_checkpoint(tmp_path / "w.pt", url, step=0)
+    sources = [single, index, shard, data, meta, tmp_path / "w.pt"]
+    # in a child: before the fix open() blocked forever in safetensors' Rust, holding the GIL, where
+    # no timeout inside the process can end it; here the child is killed and the test fails
+    p = subprocess.run([sys.executable, "-c", IMPORT_EACH, str(url), *map(str, sources)], capture_output=True,
+                       text=True, timeout=120)
+    got = [json.loads(line) for line in p.stdout.splitlines()]
+    assert len(got) == len(sources) + 1, p.stderr[-2000:]
+    for (kind, message), src in zip(got[:-2], sources):
+        assert kind == "CorruptCheckpointError" and "is a FIFO, not a regular file" in message, (src, message)
+    assert got[-2][0] == "ConfigError" and "not a regular file" in got[-2][1]  # the source itself
+    assert got[-1] == ["cli", 1] and "is a FIFO" in p.stderr  # the CLI, on the DCP directory
     assert nothing_committed(url)
 
 
