@@ -287,7 +287,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.storage_option:
         options["storage_options"] = dict(args.storage_option)
     res = import_checkpoint(args.src, args.url, args.step, key=None if args.top_level else args.key,
-                            keys=args.keys, strip_prefix=args.strip_prefix, **options)
+                            keys=args.keys, strip_prefix=args.strip_prefix, max_bytes=args.max_bytes, **options)
     under = f" under {res.key!r}" if res.key else ""
     Out().write(f"imported {args.src} ({res.format}) as step {res.step} of {args.url}{under}: {res.tensors} tensor(s), "
                 f"{human_bytes(res.bytes)}" + (f", {len(res.values)} value(s)" if res.values else ""))

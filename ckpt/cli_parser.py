@@ -120,6 +120,9 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]]) -> ar
     imp.add_argument("--keys", action="append", metavar="PREFIX",
                      help="import only items whose name starts with PREFIX (repeatable), e.g. --keys model.")
     imp.add_argument("--strip-prefix", action="store_true", help="take the --keys prefix off each name")
+    imp.add_argument("--max-bytes", metavar="SIZE",
+                     help="most bytes of tensors the import may build, e.g. 2GiB (default: 4x the source's bytes, "
+                          "and no expand()-ed view larger than its storage)")
     imp.add_argument("--storage-option", action="append", type=cli_types.key_value, metavar="KEY=VALUE",
                      help="fsspec storage option for URL (repeatable)")
 

@@ -4,7 +4,9 @@
 Sources: a ``.safetensors`` file, a Hugging Face directory (``*.safetensors.index.json`` and its
 shards, or one ``model.safetensors``), a ``torch.save`` file (``.pt``/``.pth``/``.bin``, read with
 ``weights_only=True``: no code from the file runs) and a plain ``torch.distributed.checkpoint``
-directory (read with DCP's ``FileSystemReader``; its non-tensor items with ``weights_only=True`` too).
+directory (its ``.metadata`` unpickled with an allow-list of DCP's own classes, its data with DCP's
+``FileSystemReader``; its non-tensor items with ``weights_only=True`` too). What a source declares
+is checked against what it holds, and what an import builds is bounded (``import_checks``).
 The source is read whole and checked before anything is written; the step is then saved by one
 ``Checkpointer.save`` (verified, deduplicated, loadable by every front end).
 """
@@ -12,9 +14,9 @@ The source is read whole and checked before anything is written; the step is the
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,16 @@ from .errors import (
     UnsupportedValueError,
 )
 from .format.manifest import MAX_STEP
+from .import_checks import (
+    Budget,
+    check_dcp,
+    damaged,
+    parse_max_bytes,
+    read_dcp_metadata,
+    read_json,
+    regular_size,
+    safetensors_bytes,
+)
 
 
 class ImportedState:
@@ -71,8 +83,10 @@ def source_format(src: str) -> str:
             n.endswith(".bin.index.json") for n in names) else ""
         raise ConfigError(f"{src} is neither a Hugging Face directory (model.safetensors or *.safetensors.index.json) "
                           f"nor a DCP checkpoint (.metadata){hint}")
-    if not os.path.isfile(src):
+    if not os.path.exists(src):
         raise ConfigError(f"{src}: no such file or directory")
+    if not stat.S_ISREG(os.stat(src).st_mode):
+        raise ConfigError(f"{src} is not a regular file (a FIFO, device or socket): import a file or a directory")
     ext = os.path.splitext(src)[1].lower()
     if ext == ".safetensors":
         return "safetensors"
@@ -82,15 +96,13 @@ def source_format(src: str) -> str:
                       "pass a Hugging Face or DCP directory")
 
 
-def _damaged(src: str, e: BaseException) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{src} cannot be read ({type(e).__name__}: {e}); nothing was imported. "
-                                  "Copy or download it again.", object=src)
-
-
-def _read_safetensors(path: str, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+def _read_safetensors(path: str, budget: Budget, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file (``names`` of them, if given), read while it is open."""
     from safetensors import safe_open
 
+    sizes = safetensors_bytes(path)  # a regular file; what it declares taken from the budget before reading
+    for n in (names if names is not None else sizes):
+        budget.take(sizes.get(n, 0), repr(n))
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             have = list(f.keys())
@@ -104,63 +116,81 @@ def _read_safetensors(path: str, names: Sequence[str] | None = None) -> dict[str
     except CheckpointError:
         raise
     except Exception as e:  # safetensors' own errors (a truncated file, a bad header) and OSError
-        raise _damaged(path, e) from e
+        raise damaged(path, e) from e
 
 
-def _read_hf(src: str) -> dict[str, torch.Tensor]:
+def _read_hf(src: str, max_bytes: int | None) -> dict[str, torch.Tensor]:
     indexes = sorted(n for n in os.listdir(src) if n.endswith(".safetensors.index.json"))
     if not indexes:
-        return _read_safetensors(os.path.join(src, "model.safetensors"))
+        one = os.path.join(src, "model.safetensors")
+        return _read_safetensors(one, Budget(src, regular_size(one), max_bytes))
     if len(indexes) > 1:
         raise ConfigError(f"{src} holds several indexes {indexes}: import the shards of one of them (point at a "
                           "directory holding only that model)")
     where = os.path.join(src, indexes[0])
     try:
-        with open(where) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(where)["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError("weight_map is not a mapping of names to file names")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _damaged(where, e) from e
+        raise damaged(where, e) from e
     files: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         if os.path.basename(file) != file:
             raise CorruptCheckpointError(f"{where} names a shard outside its directory ({file!r})", object=where)
         files.setdefault(file, []).append(name)
-    lost = sorted(f for f in files if not os.path.isfile(os.path.join(src, f)))
+    lost = sorted(f for f in files if not os.path.lexists(os.path.join(src, f)))
     if lost:
         raise CorruptCheckpointError(f"{where} names shard(s) {lost[:5]} that are not in {src}; nothing was "
                                      "imported", object=where)
+    budget = Budget(src, sum(regular_size(os.path.join(src, f)) for f in files), max_bytes)
     out: dict[str, torch.Tensor] = {}
     for file, names in files.items():  # one file open at a time
-        out.update(_read_safetensors(os.path.join(src, file), names))
+        out.update(_read_safetensors(os.path.join(src, file), budget, names))
     return {n: out[n] for n in weight_map}  # the index's order
 
 
-def _read_torch(src: str) -> Any:
+def _read_torch(src: str, max_bytes: int | None) -> Any:
     def load(mmap: bool) -> Any:
         return torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
 
+    budget = Budget(src, regular_size(src), max_bytes)
     try:
         try:
-            return load(True)
+            items = load(True)
         except RuntimeError as e:
             if "mmap" not in str(e):  # the legacy (non-zip) format cannot be mapped: read it
                 raise
-            return load(False)
+            items = load(False)
     except pickle.UnpicklingError as e:
         raise UnsupportedValueError(
             f"{src} holds objects beyond tensors and plain containers, and torch.load(weights_only=True) refused "
             f"them ({e}). ckpt never runs code from a file: if you trust it, load it yourself and save the "
             "state with ckpt.Checkpointer") from e
     except Exception as e:
-        raise _damaged(src, e) from e
+        raise damaged(src, e) from e
+    budget.check_values(items)  # mapped, not yet copied: an expand()-ed view is refused before save() builds it
+    return items
 
 
-def _read_dcp(src: str) -> dict[str, Any]:
+def _read_dcp(src: str, max_bytes: int | None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    md = read_dcp_metadata(src)  # an allow-list unpickler: never DCP's own pickle.load
+    tensors, declared, held = check_dcp(src, md)
+    budget = Budget(src, held, max_bytes)
+    budget.take(declared, "the tensors its metadata declares")
+
+    class CheckedReader(dcp.FileSystemReader):
+        """DCP's reader, handed the metadata read and checked above instead of unpickling it again."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if md.storage_meta is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
 
     class SafeBytes(DefaultLoadPlanner):
         """DCP's planner, but non-tensor items are unpickled with weights_only=True (DCP's own
@@ -175,11 +205,9 @@ def _read_dcp(src: str) -> dict[str, Any]:
                     f"refused ({e}); ckpt never runs code from a checkpoint") from e
 
     try:
-        reader = dcp.FileSystemReader(src)
-        meta = reader.read_metadata().state_dict_metadata
-        state: dict[str, Any] = {
-            k: torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
-            for k, m in meta.items()}
+        reader = CheckedReader(src)
+        state: dict[str, Any] = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) if k in tensors else None
+                                 for k in md.state_dict_metadata}
         import warnings
 
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -194,7 +222,8 @@ def _read_dcp(src: str) -> dict[str, Any]:
             cause = cause.__cause__
         if isinstance(cause, CheckpointError):
             raise cause from e
-        raise _damaged(src, e) from e
+        raise damaged(src, e) from e
+    budget.check_values({k: v for k, v in state.items() if k not in tensors})  # values unpickled weights_only
     return state
 
 
@@ -236,7 +265,7 @@ def _committed(url: str, storage_options: dict | None) -> list[int]:
 
 def import_checkpoint(src: str | os.PathLike, url: str | os.PathLike, step: int, *, key: str | None = "model",
                       keys: str | Sequence[str] | None = None, strip_prefix: bool = False,
-                      **options: Any) -> ImportResult:
+                      max_bytes: int | str | None = None, **options: Any) -> ImportResult:
     """Import weights saved elsewhere as committed step ``step`` of the checkpoint at ``url``.
 
     ``src`` is a ``.safetensors`` file, a Hugging Face directory (index and shards, or one
@@ -254,6 +283,12 @@ def import_checkpoint(src: str | os.PathLike, url: str | os.PathLike, step: int,
     ``strip_prefix`` takes the matched prefix off their names (``model.layers.0`` with
     ``keys="model."`` becomes ``layers.0``). ``options`` go to :class:`ckpt.Checkpointer`.
 
+    ``max_bytes`` (bytes, or a size such as ``"2GiB"``) bounds the tensors the import builds; by
+    default they may total 4x the bytes of the source, and a tensor of a ``torch.save`` file must be
+    backed by its storage (an ``expand()``-ed view is refused). A source whose metadata does not
+    match its data, a name leading out of the directory, a FIFO or other non-regular file, JSON
+    nested over 64 deep, or a DCP ``.metadata`` naming anything but DCP's own classes is refused.
+
     Refuses a step that is already committed (:class:`~ckpt.StepExistsError`) and a damaged source
     (:class:`~ckpt.CorruptCheckpointError`), before anything is written. Memory: safetensors files
     are read one at a time, but the whole step is held in memory for its one ``save()``.
@@ -266,6 +301,7 @@ def import_checkpoint(src: str | os.PathLike, url: str | os.PathLike, step: int,
     prefixes = [keys] if isinstance(keys, str) else list(keys) if keys is not None else None
     if strip_prefix and not prefixes:
         raise ConfigError("strip_prefix needs keys: the prefix to take off each name (e.g. keys='model.')")
+    limit = parse_max_bytes(max_bytes)
     fmt = source_format(src)
     storage_options = options.get("storage_options")
     if step in _committed(url, storage_options):
@@ -274,13 +310,13 @@ def import_checkpoint(src: str | os.PathLike, url: str | os.PathLike, step: int,
 
     items: Any
     if fmt == "safetensors":
-        items = _read_safetensors(src)
+        items = _read_safetensors(src, Budget(src, regular_size(src), limit))
     elif fmt == "hf":
-        items = _read_hf(src)
+        items = _read_hf(src, limit)
     elif fmt == "dcp":
-        items = _read_dcp(src)
+        items = _read_dcp(src, limit)
     else:
-        items = _read_torch(src)
+        items = _read_torch(src, limit)
     if not isinstance(items, dict):
         if key is None or prefixes:
             raise ConfigError(f"{src} holds a {type(items).__name__}, not a dict: import it under a key "
