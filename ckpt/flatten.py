@@ -79,6 +79,20 @@ _VALUE_NODES: tuple[tuple[type | tuple[type, ...], Callable[[Any], dict]], ...] 
 )
 
 
+def _text_scalar(obj: np.str_ | np.bytes_) -> dict:
+    """A numpy ``str_``/``bytes_`` value as its raw bytes with its dtype, so that it comes back as
+    the numpy scalar it was (format version 3 readers already rebuild it so). An empty one is stored
+    as one null character (numpy drops trailing nulls, and a dtype of itemsize 0 cannot be read)."""
+    dtype = obj.dtype if obj.dtype.itemsize else np.dtype((type(obj), 1))
+    return st.npscalar_bytes_node(dtype, np.array(obj, dtype=dtype).tobytes())
+
+
+def _plain_text(key: Any) -> Any:
+    if isinstance(key, np.str_):
+        return str(key)
+    return bytes(key) if isinstance(key, np.bytes_) else key
+
+
 class _Flattener:
     def __init__(self, allow_pickle: bool, for_target: bool):
         self.allow_pickle = allow_pickle
@@ -107,6 +121,8 @@ class _Flattener:
             self.depth -= 1
 
     def _node(self, obj: Any, path: tuple, tpath: tuple[str, ...]) -> Any:
+        if isinstance(obj, (np.str_, np.bytes_)):  # before str and bytes, which they also are
+            return _text_scalar(obj)
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, np.generic) and not isinstance(obj, (np.bytes_, np.object_, np.void)):
@@ -149,7 +165,8 @@ class _Flattener:
     def mapping(self, obj: dict, path: tuple, tpath: tuple[str, ...]) -> dict:
         """A dict node; its keys are nodes too, and each value's typed path holds its key's node."""
         keys = list(obj.keys())
-        knodes = [self.node(k, path + ("<key>",), tpath + ("<key>",)) for k in keys]
+        # numpy text keys stay plain str/bytes keys, as they always were: tensors' typed paths hold key nodes
+        knodes = [self.node(_plain_text(k), path + ("<key>",), tpath + ("<key>",)) for k in keys]
         return st.dict_node(knodes, [self.node(obj[k], path + (k,), tpath + (st.path_component(kn),))
                                      for k, kn in zip(keys, knodes)])
 
