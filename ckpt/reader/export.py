@@ -173,11 +173,62 @@ def _check_target(path: str, fmt: str, overwrite: bool) -> None:
         if os.path.exists(path) and not overwrite:
             raise ConfigError(f"{path} exists; pass --force to overwrite it")
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"cannot write {path}: the directory {folder} does not exist (create it first)")
-    if not os.access(folder, os.W_OK):  # as root this passes; the write itself then fails, reported alike
-        raise StorageError(f"cannot write {path}: {folder} is not writable (choose another --to, or fix its "
+    existing = folder  # missing parent directories are created when the export writes: check where they go
+    while not os.path.isdir(existing):
+        if os.path.lexists(existing):
+            raise ConfigError(f"cannot write {path}: {existing} is not a directory (choose another --to)")
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK):  # as root this passes; the write itself then fails, reported alike
+        raise StorageError(f"cannot write {path}: {existing} is not writable (choose another --to, or fix its "
                            "permissions)")
+
+
+def make_parents(path: str) -> list[str]:
+    """Create the missing parent directories of ``path`` (as ``mkdir -p``, modes from the umask);
+    the ones created, outermost first, for :func:`remove_parents` to take back if the export fails."""
+    created: list[str] = []
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder):
+        created.insert(0, folder)
+        folder = os.path.dirname(folder)
+    for d in created:
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            remove_parents(created)
+            raise StorageError(f"cannot write {path}: cannot create the directory {d} ({e.strerror})") from e
+    return created
+
+
+def remove_parents(created: list[str]) -> None:
+    """Take back the directories :func:`make_parents` created, innermost first, where still empty."""
+    for d in reversed(created):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str) -> None:
+    """Give a written file the mode a plain ``open`` gives (0666 less the umask): safetensors
+    writes 0600, which other users, and a serving process, cannot read."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def _values(m: mf.Manifest, rank: int, wanted: Callable[[str], bool], fmt: str, result: ExportResult
@@ -249,6 +300,19 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
     dtypes = [out_dtype(e.dtype, cast) for e in entries]
     result.tensors = {n: (dtype_name(d), list(e.shape)) for n, e, d in zip(names, entries, dtypes)}
     result.bytes = sum(math.prod(e.shape) * d.itemsize for e, d in zip(entries, dtypes))
+    created = make_parents(path)
+    try:
+        _export_to(reader, m, fmt, entries, names, dtypes, limit, values, result, overwrite, threads)
+    except BaseException:
+        remove_parents(created)
+        raise
+    return result
+
+
+def _export_to(reader: Reader, m: mf.Manifest, fmt: str, entries: list[mf.TensorEntry], names: list[str],
+               dtypes: list[torch.dtype], limit: int, values: dict[str, object], result: ExportResult,
+               overwrite: bool, threads: int) -> None:
+    path, step = result.path, result.step
     if fmt in DIR_FORMATS:
         from .export_dirs import write_dcp, write_hf
 
@@ -257,7 +321,7 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
                      overwrite=overwrite, threads=threads)
         else:
             write_dcp(reader, m, entries, names, dtypes, values, result, overwrite=overwrite, threads=threads)
-        return result
+        return
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-export") as io:
         tensors = read_tensors(reader.storage, m, entries, io)
@@ -271,7 +335,6 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return result
 
 
 def _write(fmt: str, out: dict, tmp: str, path: str, step: int, reader: Reader, values: dict,
@@ -281,6 +344,7 @@ def _write(fmt: str, out: dict, tmp: str, path: str, step: int, reader: Reader, 
         save_file(out, tmp, metadata=values_metadata(step, reader, values, result))
     else:
         torch.save(out, tmp)
+    follow_umask(tmp)
     os.replace(tmp, path)
 
 

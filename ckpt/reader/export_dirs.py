@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from ..errors import ConfigError, StorageError
 from ..format import manifest as mf
 from ..tree import has_pickle
-from .export import writing
+from .export import follow_umask, writing
 from .tensors import read_tensors
 
 if TYPE_CHECKING:
@@ -166,6 +166,7 @@ def _staged(path: str, overwrite: bool, ours: re.Pattern, write: Callable[[str],
                 if ours.match(old) and os.path.isfile(os.path.join(path, old)):
                     os.unlink(os.path.join(path, old))
         for f in files:
+            follow_umask(os.path.join(stage, f))
             os.replace(os.path.join(stage, f), os.path.join(path, f))
         return files
     except OSError as e:
