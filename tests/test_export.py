@@ -80,3 +80,26 @@ def test_export_creates_missing_parent_directories(ckdir, run, tmp_path):
     assert rc == 2 and "plain is not a directory" in err
     rc, _, err = run("export", ckdir, "--to", tmp_path / "new" / "deeper" / "m.pt", "--keys", "nothing/")
     assert rc == 2 and not (tmp_path / "new").exists()
+
+
+def test_names_the_target_format_cannot_hold_are_refused_with_the_reason(ckdir, run, tmp_path):
+    """Issue 32.13: a tensor named __metadata__ made a safetensors file nothing reads back, and a
+    dotted-name clash on DCP export was reported as a full or unwritable disk."""
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(1, {"__metadata__": torch.ones(2), "model": {"a.b": torch.ones(3), "a": {"b": torch.zeros(3)}},
+                   "cfg": {"x.y": 1, "w": torch.ones(1)}, "cfg.x": {"y": 2}})
+    for name, fmt in (("m.safetensors", []), ("hf", ["--format", "hf"])):
+        rc, _, err = run("export", ckdir, "--to", tmp_path / name, *fmt)
+        assert rc == 1 and "'__metadata__'" in err and "header" in err and "writable" not in err, err
+        assert not (tmp_path / name).exists()
+    rc, _, err = run("export", ckdir, "--to", tmp_path / "dcp", "--format", "dcp", "--keys", "model/")
+    assert rc == 1 and "'model/a.b' and 'model/a/b'" in err and "'model.a.b'" in err and "MiB free" not in err, err
+    rc, _, err = run("export", ckdir, "--to", tmp_path / "dcp", "--format", "dcp", "--keys", "cfg")
+    assert rc == 1 and "'cfg/x.y' and 'cfg.x/y'" in err, err
+    assert not (tmp_path / "dcp").exists()
+
+    # what the format can hold still exports, and reads back
+    assert run("export", ckdir, "--to", tmp_path / "m.pt")[0] == 0
+    assert set(torch.load(tmp_path / "m.pt", weights_only=True)) == {"__metadata__", "model/a.b", "model/a/b", "cfg/w"}
+    assert run("export", ckdir, "--to", tmp_path / "ok.safetensors", "--keys", "model/")[0] == 0
+    assert set(load_file(tmp_path / "ok.safetensors")) == {"model/a.b", "model/a/b"}

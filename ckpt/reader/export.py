@@ -46,6 +46,7 @@ FORMAT_NAMES = {"safetensors": "safetensors", "torch": "torch", "pt": "torch", "
 CASTS = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
          "fp32": torch.float32, "float32": torch.float32}
 CASTABLE = {"float64", "float32", "float16", "bfloat16"}  # what --dtype converts; other dtypes stay as saved
+RESERVED = "__metadata__"  # a safetensors header's metadata, not a tensor name
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -231,6 +232,22 @@ def follow_umask(path: str) -> None:
     os.chmod(path, 0o666 & ~_umask())
 
 
+def _check_names(fmt: str, entries: list[mf.TensorEntry], names: list[str], values: list[str]) -> None:
+    """Refuse names the target format cannot hold, before anything is read or written: safetensors
+    reserves ``__metadata__`` (a tensor of that name makes a file nothing reads back), and DCP joins
+    nested names with ``.`` (``model/a.b`` and ``model/a/b`` would both be ``model.a.b``)."""
+    if fmt in ("safetensors", "hf") and RESERVED in names:
+        key = entries[names.index(RESERVED)].key
+        raise UnsupportedValueError(
+            f"tensor {key!r} would be named {RESERVED!r} in the safetensors file, the name its header keeps "
+            "metadata under: the file could not be read back. Leave it out with --keys, or export to a .pt file "
+            "(or --format dcp) instead")
+    if fmt == "dcp":
+        from .export_dirs import check_dcp_names
+
+        check_dcp_names(names, values)
+
+
 def _values(m: mf.Manifest, rank: int, wanted: Callable[[str], bool], fmt: str, result: ExportResult
             ) -> dict[str, object]:
     """The plain values to write beside the tensors (formats that hold them), noting what is left out."""
@@ -295,6 +312,7 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
     if clashes:
         raise ConfigError(f"with --strip-prefix, several tensors would be named {clashes[:4]}; export them "
                           "separately (one --keys prefix each) or without --strip-prefix")
+    _check_names(fmt, entries, names, result.values)
     written = [e.key for e in entries if e.rank is not None] + result.values
     result.per_rank_keys = [k for k in m.per_rank_keys if any(w == k or w.startswith(k + "/") for w in written)]
     dtypes = [out_dtype(e.dtype, cast) for e in entries]

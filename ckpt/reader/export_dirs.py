@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError, StorageError, UnsupportedValueError
 from ..format import manifest as mf
 from ..tree import has_pickle
 from .export import follow_umask, writing
@@ -116,12 +116,31 @@ def _nest(items: dict[str, Any]) -> dict[str, Any]:
         for p in parts[:-1]:
             child = node.setdefault(p, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"cannot export {key!r} to DCP: {p!r} is also a tensor or value of its own")
+                raise UnsupportedValueError(f"cannot export {key!r} to DCP: {p!r} is also a tensor or value of its "
+                                            "own. Export them separately (one --keys prefix each), or to a "
+                                            ".safetensors or .pt file")
             node = child
         if parts[-1] in node:
-            raise ConfigError(f"cannot export {key!r} to DCP: another name nests under it")
+            raise UnsupportedValueError(f"cannot export {key!r} to DCP: another name nests under it. Export them "
+                                        "separately (one --keys prefix each), or to a .safetensors or .pt file")
         node[parts[-1]] = value
     return out
+
+
+def check_dcp_names(tensors: list[str], values: list[str]) -> None:
+    """Refuse names DCP cannot keep apart, before anything is read: DCP names a nested item by its
+    path joined with ``.``, so ``model/a.b`` and ``model/a/b`` would both be ``model.a.b``; and a
+    name cannot be an item and hold others (``a`` and ``a/b``)."""
+    seen: dict[str, str] = {}
+    for name in [*tensors, *values]:
+        dotted = name.replace("/", ".")
+        if dotted in seen:
+            raise UnsupportedValueError(
+                f"cannot export {seen[dotted]!r} and {name!r} to DCP: DCP joins nested names with '.', so both "
+                f"would be {dotted!r}. Export them separately (one --keys prefix each), or to a .safetensors or .pt "
+                "file, which keep the names as they are")
+        seen[dotted] = name
+    _nest(dict.fromkeys([*tensors, *values]))
 
 
 def write_dcp(reader: Reader, m: mf.Manifest, entries: list[mf.TensorEntry], names: list[str],
