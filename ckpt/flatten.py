@@ -28,6 +28,7 @@ from . import tree as st
 from .errors import CheckpointError, ConfigError, StateMismatchError, UnsupportedValueError
 from .format.boxes import Box
 from .sharding import LocalShard, dtensor_box, is_dtensor
+from .tied import fit_module_state
 
 
 def is_stateful(obj: Any) -> bool:
@@ -285,22 +286,27 @@ def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False
     return f.flat
 
 
-def apply(state: dict, decoded: dict) -> None:
+def apply(state: dict, decoded: dict, strict: bool = True) -> None:
     """Put decoded values into ``state`` in place: stateful objects get ``load_state_dict``,
-    tensors that were not loaded in place are copied into, everything else is assigned."""
+    tensors that were not loaded in place are copied into, everything else is assigned. A module's
+    saved state_dict is completed first (:func:`ckpt.tied.fit_module_state`): tied keys from their
+    partners, and with ``strict=False`` the keys the step lacks from the module itself."""
     for key, value in decoded.items():
-        _apply_into(state, key, value, key)
+        _apply_into(state, key, value, key, strict)
 
 
-def _apply_into(container: Any, key: Any, value: Any, where: str) -> None:
+def _apply_into(container: Any, key: Any, value: Any, where: str, strict: bool = True) -> None:
     current = container[key] if _has(container, key) else None
     if isinstance(value, st.StatefulValue):
         if current is None or not is_stateful(current):
             raise StateMismatchError(
                 f"{where!r} was saved from an object with state_dict(); the state passed to load has "
                 f"{type(current).__name__} there. Pass the same kind of object (model, optimizer, …).")
+        sd = _unwrap(value.state_dict)
+        if isinstance(current, torch.nn.Module) and isinstance(sd, dict):
+            sd = fit_module_state(current, sd, strict)
         try:
-            current.load_state_dict(_unwrap(value.state_dict))
+            current.load_state_dict(sd)
         except CheckpointError:
             raise
         except Exception as e:  # the object's own check: typed, with the object named
@@ -314,7 +320,7 @@ def _apply_into(container: Any, key: Any, value: Any, where: str) -> None:
         return
     if isinstance(current, dict) and isinstance(value, dict) and not is_stateful(current):
         for k, v in value.items():
-            _apply_into(current, k, v, f"{where}/{_component(k)}")
+            _apply_into(current, k, v, f"{where}/{_component(k)}", strict)
         return
     container[key] = _unwrap(value)
 

@@ -295,3 +295,74 @@ def test_import_top_level_torch_save_and_key_prefix_selection(ckdir, tmp_path):
     save_file(sd, tmp_path / "p.safetensors")
     ckpt.import_checkpoint(tmp_path / "p.safetensors", ckdir, step=1, keys="transformer.", strip_prefix=True)
     assert sorted(ckpt.open(ckdir).tensors(1)) == sorted(f"model/{k}" for k in net.state_dict())
+
+
+# -- tied weights and strict=False (issue 33.5) ---------------------------------------------------------
+
+class TiedLM(nn.Module):
+    """What GPT-2, Llama-3.2 and small Qwen models are to a load: an output layer that is the input
+    embedding (one Parameter), declared in ``_tied_weights_keys``; ``save_pretrained`` leaves it out."""
+
+    _tied_weights_keys = ["lm_head.weight"]
+
+    def __init__(self, seed: int, tie: bool = True, extra: bool = False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed_tokens = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed_tokens.weight
+        if extra:
+            self.adapter = nn.Linear(8, 8)  # in the module, in no checkpoint
+
+
+def save_pretrained_like(model: nn.Module, folder) -> dict[str, torch.Tensor]:
+    """A Hugging Face model directory as save_pretrained writes it: the tied name left out."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    folder.mkdir()
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    return sd
+
+
+def test_tied_embedding_models_load_from_a_hugging_face_import(ckdir, tmp_path, run):
+    saved = save_pretrained_like(TiedLM(1), tmp_path / "hf")
+    assert run("import", tmp_path / "hf", ckdir, "--step", 0)[0] == 0
+    for strict in (True, False):
+        model = TiedLM(2)
+        with ckpt.Checkpointer(ckdir) as c:
+            c.load(0, {"model": model}, strict=strict)  # raised: missing from the checkpoint ['lm_head.weight']
+        assert model.lm_head.weight is model.embed_tokens.weight  # still tied
+        assert same(model.lm_head.weight.detach(), saved["embed_tokens.weight"])
+        assert all(same(model.state_dict()[k], v) for k, v in saved.items())
+
+    # tied by the same tensor only (nothing declared), and declared only ({tied: source}, untied in memory)
+    class Undeclared(TiedLM):
+        _tied_weights_keys: list[str] = []
+
+    class Declared(TiedLM):
+        _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}  # type: ignore[assignment]
+
+    for model in (Undeclared(3), Declared(3, tie=False)):
+        with ckpt.Checkpointer(ckdir) as c:
+            c.load(0, {"model": model})
+        assert same(model.lm_head.weight.detach(), saved["embed_tokens.weight"]), type(model).__name__
+
+
+def test_strict_false_loads_what_the_step_has_and_leaves_the_rest(ckdir, tmp_path):
+    saved = save_pretrained_like(TiedLM(1), tmp_path / "hf")
+    ckpt.import_checkpoint(tmp_path / "hf", ckdir, step=0)
+    model = TiedLM(4, extra=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckpt.StateMismatchError, match=r"missing from the checkpoint.*adapter\.weight") as e:
+        with ckpt.Checkpointer(ckdir) as c:
+            c.load(0, {"model": model})  # strict: a key that is really missing is refused, before any change
+    assert "lm_head" not in str(e.value)
+    assert all(same(model.state_dict()[k], v) for k, v in before.items())
+    with ckpt.Checkpointer(ckdir) as c:
+        c.load(0, {"model": model}, strict=False)  # raised the same, though strict=False was passed
+    assert all(same(model.state_dict()[k], v) for k, v in saved.items())
+    assert same(model.lm_head.weight.detach(), saved["embed_tokens.weight"])
+    assert same(model.adapter.weight.detach(), before["adapter.weight"])  # left as it was
+    assert same(model.adapter.bias.detach(), before["adapter.bias"])
