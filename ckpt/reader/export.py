@@ -65,6 +65,8 @@ class ExportResult:
     per_rank_keys: list[str] = field(default_factory=list)  # the step's per-rank keys this export holds
     files: list[str] = field(default_factory=list)  # what a directory export wrote, in its directory
     dtype: str | None = None  # the --dtype floating tensors were cast to
+    config: str | None = None  # hf: where config.json came from (a file, a value of the step), if written
+    default_keys: str | None = None  # hf without keys: the model's prefix exported (and stripped)
 
 
 def format_of(path: str, format: str | None = None) -> str:
@@ -267,21 +269,32 @@ def _values(m: mf.Manifest, rank: int, wanted: Callable[[str], bool], fmt: str, 
 
 def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None = None, strip_prefix: bool = False,
            rank: int = 0, overwrite: bool = False, threads: int = 8, format: str | None = None,
-           dtype: str | None = None, max_shard_size: int | str | None = None) -> ExportResult:
+           dtype: str | None = None, max_shard_size: int | str | None = None, config: str | None = None
+           ) -> ExportResult:
     """Write step ``step`` to ``path``; see the module docstring. With ``strip_prefix``, the prefix
     a key matched is taken off its name (``model/0.weight`` with ``--keys model/`` becomes
     ``0.weight``): what ``model.load_state_dict`` expects. ``dtype`` (``bf16``, ``fp16``, ``fp32``)
-    casts the floating tensors; ``max_shard_size`` is for ``format="hf"`` only."""
+    casts the floating tensors; ``max_shard_size`` and ``config`` are for ``format="hf"`` only
+    (:mod:`.export_hf`: the model's keys by default, and its ``config.json``)."""
     if strip_prefix and not prefixes:
         raise ConfigError("--strip-prefix needs --keys PREFIX: the prefix to take off each name (e.g. --keys model/)")
     fmt = format_of(path, format)
     cast = cast_to(dtype)
     if max_shard_size is not None and fmt != "hf":
         raise ConfigError("--max-shard-size is for --format hf (the single-file and DCP exports are not split)")
+    if config is not None and fmt != "hf":
+        raise ConfigError("--config is for --format hf: it is written as config.json beside the shards")
     limit = parse_size(max_shard_size if max_shard_size is not None else "5GB")
     _check_target(path, fmt, overwrite)
     m = reader.manifest(step)
     check_rank(m, rank)
+    default_keys = None
+    if fmt == "hf" and not prefixes:
+        from .export_hf import model_prefix
+
+        default_keys = model_prefix(m)
+        if default_keys is not None:
+            prefixes, strip_prefix = [default_keys], True
 
     def wanted(key: str) -> bool:
         return not prefixes or any(key.startswith(p) for p in prefixes)
@@ -293,7 +306,8 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
         return key[len(prefix):].lstrip("/") or key
 
     entries = [t for t in m.tensors if wanted(t.key) and (t.rank is None or t.rank == rank)]
-    result = ExportResult(path=path, step=step, format=fmt, rank=rank if m.per_rank_keys else None, dtype=dtype)
+    result = ExportResult(path=path, step=step, format=fmt, rank=rank if m.per_rank_keys else None, dtype=dtype,
+                          default_keys=default_keys)
     if not entries:
         raise ConfigError(f"step {step} has no tensor whose key starts with {' or '.join(map(repr, prefixes or []))}"
                           if prefixes else f"step {step} holds no tensors to export")
@@ -318,25 +332,34 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
     dtypes = [out_dtype(e.dtype, cast) for e in entries]
     result.tensors = {n: (dtype_name(d), list(e.shape)) for n, e, d in zip(names, entries, dtypes)}
     result.bytes = sum(math.prod(e.shape) * d.itemsize for e, d in zip(entries, dtypes))
+    hf_config = None
+    if fmt == "hf":
+        from .export_hf import find_config
+
+        hf_config, result.config = find_config(config, m, rank, prefixes or [])
     created = make_parents(path)
     try:
-        _export_to(reader, m, fmt, entries, names, dtypes, limit, values, result, overwrite, threads)
+        _export_to(reader, m, fmt, entries, names, dtypes, limit, values, result, overwrite, threads, hf_config)
     except BaseException:
         remove_parents(created)
         raise
+    if fmt == "hf" and hf_config is None:
+        from .export_hf import warn_without_config
+
+        warn_without_config(path)
     return result
 
 
 def _export_to(reader: Reader, m: mf.Manifest, fmt: str, entries: list[mf.TensorEntry], names: list[str],
                dtypes: list[torch.dtype], limit: int, values: dict[str, object], result: ExportResult,
-               overwrite: bool, threads: int) -> None:
+               overwrite: bool, threads: int, hf_config: dict | None = None) -> None:
     path, step = result.path, result.step
     if fmt in DIR_FORMATS:
         from .export_dirs import write_dcp, write_hf
 
         if fmt == "hf":
             write_hf(reader, m, entries, names, dtypes, limit, values_metadata(step, reader, values, result), result,
-                     overwrite=overwrite, threads=threads)
+                     overwrite=overwrite, threads=threads, config=hf_config)
         else:
             write_dcp(reader, m, entries, names, dtypes, values, result, overwrite=overwrite, threads=threads)
         return

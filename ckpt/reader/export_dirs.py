@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+HF_CONFIG = "config.json"
 _HF_FILES = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
 _DCP_FILES = re.compile(r"^(\.metadata|.*\.distcp)$")
 
@@ -81,7 +82,7 @@ def hf_names(count: int) -> list[str]:
 
 def write_hf(reader: Reader, m: mf.Manifest, entries: list[mf.TensorEntry], names: list[str],
              dtypes: list[torch.dtype], limit: int, metadata: dict[str, str], result: ExportResult, *,
-             overwrite: bool, threads: int) -> None:
+             overwrite: bool, threads: int, config: dict | None = None) -> None:
     sizes = [int(torch.Size(e.shape).numel()) * d.itemsize for e, d in zip(entries, dtypes)]
     groups = shard_groups(sizes, limit)
     files = hf_names(len(groups))
@@ -95,14 +96,20 @@ def write_hf(reader: Reader, m: mf.Manifest, entries: list[mf.TensorEntry], name
                 with writing(result.path, result.bytes, result.path):
                     save_file(out, os.path.join(stage, file), metadata=metadata)
                 del out
+        extra = []
+        if config is not None:  # what from_pretrained builds the model from
+            with open(os.path.join(stage, HF_CONFIG), "w") as f:
+                json.dump(config, f, indent=2, allow_nan=False)
+                f.write("\n")
+            extra.append(HF_CONFIG)
         if len(files) == 1:
-            return files
+            return files + extra
         index = {"metadata": {"total_size": sum(sizes), "ckpt.step": m.step, "ckpt.source": metadata["ckpt.source"]},
                  "weight_map": {names[i]: file for file, group in zip(files, groups) for i in sorted(group)}}
         with open(os.path.join(stage, HF_INDEX), "w") as f:
             json.dump(index, f, indent=2, sort_keys=False)
             f.write("\n")
-        return [*files, HF_INDEX]
+        return [*files, HF_INDEX, *extra]
 
     result.files = _staged(result.path, overwrite, _HF_FILES, write)
 
