@@ -259,7 +259,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     reader = _open(args)
     step = reader.step(args.step)
     res = reader.export(step, args.to, keys=args.keys, strip_prefix=args.strip_prefix, rank=args.rank,
-                        overwrite=args.force, format=args.format, dtype=args.dtype, max_shard_size=args.max_shard_size)
+                        overwrite=args.force, format=args.format, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                        config=args.config)
+    if res.default_keys:
+        print(f"ckpt: note: --format hf exported the model's tensors ({res.default_keys}, prefix stripped); "
+              "pass --keys PREFIX to choose others", file=sys.stderr)
+    if res.config:
+        print(f"ckpt: note: config.json written from {res.config}", file=sys.stderr)
     note = per_rank_note(reader.manifest(step), args.rank, res)
     if note:
         print(f"ckpt: note: {note}", file=sys.stderr)

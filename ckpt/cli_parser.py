@@ -91,10 +91,15 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]]) -> ar
     exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
                      help="cast floating tensors (float64/32/16, bfloat16) to this dtype; others stay as saved")
     exp.add_argument("--keys", action="append", metavar="PREFIX",
-                     help="export only keys starting with PREFIX (repeatable), e.g. --keys model/")
+                     help="export only keys starting with PREFIX (repeatable), e.g. --keys model/; --format hf "
+                          "without it exports the model's keys (model/, prefix stripped)")
     exp.add_argument("--strip-prefix", action="store_true",
                      help="take the --keys prefix off each name (model/0.weight -> 0.weight), so that "
                           "model.load_state_dict(load_file(FILE)) works as it is")
+    exp.add_argument("--config", metavar="FILE|KEY",
+                     help="--format hf: the model's config.json to write beside the shards, or the key of the "
+                          "model's config saved in the step (default: a 'config' value of the step, if any; "
+                          "without one from_pretrained(DIR) would build a default model, and a warning says so)")
     exp.add_argument("--rank", type=int, default=0, metavar="R",
                      help="saved rank whose per-rank state to export (default 0)")
     exp.add_argument("--force", action="store_true",

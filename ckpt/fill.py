@@ -46,6 +46,7 @@ from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
 from .load_checks import check_fit, check_writable
 from .sharding import is_dtensor
 from .storage import Storage
+from .tied import unresolved
 from .tree import DTYPES
 
 log = logging.getLogger("ckpt")
@@ -134,7 +135,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
                 src = torch.from_numpy(stage).view(local.dtype).view(rows_shape)
                 local[_slices(in_d)].copy_(src[_slices(in_stage)])
             _copy_back(dests.copy_back)
-    apply(state, decoded)
+    apply(state, decoded, strict=strict)
     return stats
 
 
@@ -171,7 +172,8 @@ def _match(m: mf.Manifest, state: dict[str, Any], target: Any, rank: int, world:
             wanted.append((key, owner, target_key.get(path)))
     found = {tk for _, _, tk in wanted if tk is not None}
     missing_top = [k for k in state if k not in saved_nodes]
-    missing_tensors = [k for k in target.tensors if k not in found and k.split("/", 1)[0] in saved_nodes]
+    missing_tensors = _untied([k for k in target.tensors if k not in found and k.split("/", 1)[0] in saved_nodes],
+                              found, target)
     return _Match(wanted_top, nodes, entries, wanted, [k for k in m.top_keys if k not in state],
                   missing_top + missing_tensors)
 
@@ -190,6 +192,18 @@ def _module_states(node: Any, live: Any) -> Any:
     values = [_module_states(v, live[k]) if isinstance(k, str) and k in live else v
               for k, v in zip(node["k"], node["v"])]
     return node if all(a is b for a, b in zip(values, node["v"])) else {**node, "v": values}
+
+
+def _untied(missing: list[str], found: set[str], target: Any) -> list[str]:
+    """``missing`` without the modules' tied keys whose partner the step holds (:mod:`ckpt.tied`)."""
+    for where, obj in target.statefuls.items() if missing else ():
+        if isinstance(obj, torch.nn.Module):
+            mine = {k[len(where) + 1:] for k in missing if k.startswith(where + "/")}
+            if mine:
+                have = {k[len(where) + 1:] for k in found if k.startswith(where + "/")}
+                left = set(unresolved(obj, have, mine))
+                missing = [k for k in missing if not k.startswith(where + "/") or k[len(where) + 1:] in left]
+    return missing
 
 
 @dataclass

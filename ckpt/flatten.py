@@ -28,6 +28,7 @@ from . import tree as st
 from .errors import CheckpointError, ConfigError, StateMismatchError, UnsupportedValueError
 from .format.boxes import Box
 from .sharding import LocalShard, dtensor_box, is_dtensor
+from .tied import fit_module_state
 
 
 def is_stateful(obj: Any) -> bool:
@@ -79,6 +80,20 @@ _VALUE_NODES: tuple[tuple[type | tuple[type, ...], Callable[[Any], dict]], ...] 
 )
 
 
+def _text_scalar(obj: np.str_ | np.bytes_) -> dict:
+    """A numpy ``str_``/``bytes_`` value as its raw bytes with its dtype, so that it comes back as
+    the numpy scalar it was (format version 3 readers already rebuild it so). An empty one is stored
+    as one null character (numpy drops trailing nulls, and a dtype of itemsize 0 cannot be read)."""
+    dtype = obj.dtype if obj.dtype.itemsize else np.dtype((type(obj), 1))
+    return st.npscalar_bytes_node(dtype, np.array(obj, dtype=dtype).tobytes())
+
+
+def _plain_text(key: Any) -> Any:
+    if isinstance(key, np.str_):
+        return str(key)
+    return bytes(key) if isinstance(key, np.bytes_) else key
+
+
 class _Flattener:
     def __init__(self, allow_pickle: bool, for_target: bool):
         self.allow_pickle = allow_pickle
@@ -107,6 +122,8 @@ class _Flattener:
             self.depth -= 1
 
     def _node(self, obj: Any, path: tuple, tpath: tuple[str, ...]) -> Any:
+        if isinstance(obj, (np.str_, np.bytes_)):  # before str and bytes, which they also are
+            return _text_scalar(obj)
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, np.generic) and not isinstance(obj, (np.bytes_, np.object_, np.void)):
@@ -149,7 +166,8 @@ class _Flattener:
     def mapping(self, obj: dict, path: tuple, tpath: tuple[str, ...]) -> dict:
         """A dict node; its keys are nodes too, and each value's typed path holds its key's node."""
         keys = list(obj.keys())
-        knodes = [self.node(k, path + ("<key>",), tpath + ("<key>",)) for k in keys]
+        # numpy text keys stay plain str/bytes keys, as they always were: tensors' typed paths hold key nodes
+        knodes = [self.node(_plain_text(k), path + ("<key>",), tpath + ("<key>",)) for k in keys]
         return st.dict_node(knodes, [self.node(obj[k], path + (k,), tpath + (st.path_component(kn),))
                                      for k, kn in zip(keys, knodes)])
 
@@ -268,22 +286,27 @@ def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False
     return f.flat
 
 
-def apply(state: dict, decoded: dict) -> None:
+def apply(state: dict, decoded: dict, strict: bool = True) -> None:
     """Put decoded values into ``state`` in place: stateful objects get ``load_state_dict``,
-    tensors that were not loaded in place are copied into, everything else is assigned."""
+    tensors that were not loaded in place are copied into, everything else is assigned. A module's
+    saved state_dict is completed first (:func:`ckpt.tied.fit_module_state`): tied keys from their
+    partners, and with ``strict=False`` the keys the step lacks from the module itself."""
     for key, value in decoded.items():
-        _apply_into(state, key, value, key)
+        _apply_into(state, key, value, key, strict)
 
 
-def _apply_into(container: Any, key: Any, value: Any, where: str) -> None:
+def _apply_into(container: Any, key: Any, value: Any, where: str, strict: bool = True) -> None:
     current = container[key] if _has(container, key) else None
     if isinstance(value, st.StatefulValue):
         if current is None or not is_stateful(current):
             raise StateMismatchError(
                 f"{where!r} was saved from an object with state_dict(); the state passed to load has "
                 f"{type(current).__name__} there. Pass the same kind of object (model, optimizer, …).")
+        sd = _unwrap(value.state_dict)
+        if isinstance(current, torch.nn.Module) and isinstance(sd, dict):
+            sd = fit_module_state(current, sd, strict)
         try:
-            current.load_state_dict(_unwrap(value.state_dict))
+            current.load_state_dict(sd)
         except CheckpointError:
             raise
         except Exception as e:  # the object's own check: typed, with the object named
@@ -297,7 +320,7 @@ def _apply_into(container: Any, key: Any, value: Any, where: str) -> None:
         return
     if isinstance(current, dict) and isinstance(value, dict) and not is_stateful(current):
         for k, v in value.items():
-            _apply_into(current, k, v, f"{where}/{_component(k)}")
+            _apply_into(current, k, v, f"{where}/{_component(k)}", strict)
         return
     container[key] = _unwrap(value)
 

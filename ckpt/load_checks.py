@@ -15,6 +15,7 @@ import torch
 from . import tree as st
 from .errors import StateMismatchError
 from .format import manifest as mf
+from .tied import unresolved
 
 if TYPE_CHECKING:
     from .fill import _Match
@@ -85,10 +86,14 @@ def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: 
             return
         have, want = set(saved["v"]["k"]), set(target["v"]["k"])
         if have != want:
-            miss, extra = sorted(want - have, key=str), sorted(have - want, key=str)
-            more = (" …" if len(miss) > 4 else "", " …" if len(extra) > 4 else "")
-            out.append(f"{where} ({type(live).__name__}): missing from the checkpoint {miss[:4]}{more[0]}, "
-                       f"not in the module {extra[:4]}{more[1]}")
+            # tied weights (lm_head.weight as embed_tokens.weight) are not missing; with strict=False
+            # nothing missing is refused (load_state_dict then keeps those as they are)
+            miss = sorted(unresolved(live, have, want - have), key=str) if strict else []
+            extra = sorted(have - want, key=str)
+            if miss or extra:
+                more = (" …" if len(miss) > 4 else "", " …" if len(extra) > 4 else "")
+                out.append(f"{where} ({type(live).__name__}): missing from the checkpoint {miss[:4]}{more[0]}, "
+                           f"not in the module {extra[:4]}{more[1]}")
         return
     if isinstance(live, torch.optim.Optimizer):
         groups = _param_groups(saved)

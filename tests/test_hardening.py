@@ -533,12 +533,13 @@ def test_a_save_that_fills_the_disk_removes_what_it_wrote(ckdir):
     assert ckpt.open(ckdir).steps() == [1]
 
 
-# -- 15. export to a folder that does not exist -------------------------------------------------------------------
+# -- 15. export to a folder that does not exist (issue 33.10: it is created) -------------------------------------
 
 @pytest.mark.multiprocess
-def test_export_into_a_missing_folder_says_so(ckdir, tmp_path):
+def test_export_into_a_missing_folder_creates_it(ckdir, tmp_path):
     with ckpt.Checkpointer(ckdir) as c:
         c.save(1, {"w": torch.ones(3)})
     r = subprocess.run([sys.executable, "-m", "ckpt.cli", "export", ckdir, "--to", str(tmp_path / "no" / "x.pt")],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    assert torch.equal(torch.load(tmp_path / "no" / "x.pt", weights_only=True)["w"], torch.ones(3))

@@ -77,7 +77,8 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_hf_export_of_two_ranks_is_sharded_indexed_and_bit_exact(two_ranks, run, tmp_path):
     out = tmp_path / "hf"
     full = full_tensors()
-    rc, stdout, _ = run("export", two_ranks, "--to", out, "--format", "hf", "--max-shard-size", "30KB")
+    rc, stdout, _ = run("export", two_ranks, "--to", out, "--format", "hf", "--max-shard-size", "30KB",
+                        "--keys", "model/", "--keys", "optim/")
     assert rc == 0 and "file(s)" in stdout
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
@@ -174,7 +175,7 @@ def test_export_arguments_are_checked_before_anything_is_written(ckdir, tmp_path
         c.save(1, {"w": torch.ones(3), "z": torch.zeros(2, dtype=torch.complex128)})
     r = ckpt.open(ckdir)
     cases = [dict(format="hf", max_shard_size="5 parsecs", keys="w"), dict(format="hf", dtype="int3", keys="w"),
-             dict(format="xyz"), dict(format="hf"),  # complex128: safetensors cannot hold it
+             dict(format="xyz"), dict(format="hf", keys="z"),  # complex128: safetensors cannot hold it
              dict(format="safetensors", max_shard_size="1GB", keys="w")]
     for i, kw in enumerate(cases):
         with pytest.raises(ckpt.CheckpointError) as e:
@@ -183,6 +184,60 @@ def test_export_arguments_are_checked_before_anything_is_written(ckdir, tmp_path
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ckpt.ConfigError, match="is a file"):
         r.export(1, tmp_path / "afile", format="dcp")
+
+
+def test_hf_export_holds_the_model_and_its_config_json(ckdir, run, tmp_path, caplog):
+    """Issue 33.6: an hf export held the optimizer's state too and no config.json, so that
+    from_pretrained(dir) built a default model; now the model's keys and its config, or a warning."""
+    net = make_net(3)
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    cfg = {"model_type": "tiny", "hidden_size": 16, "layers": [8, 16, 4], "tie_word_embeddings": False}
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(1, {"model": net, "optim": opt, "config": cfg, "meta": {"hf": {"model_type": "other"}}})
+    rc, _, err = run("export", ckdir, "--to", tmp_path / "hf", "--format", "hf")
+    assert rc == 0 and "model's tensors (model/, prefix stripped)" in err and "config.json written" in err
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == cfg
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(net.state_dict())  # no optimizer state, names as the model has them
+    fresh = make_net(4)
+    fresh.load_state_dict(got)
+    assert all(same(fresh.state_dict()[k], v) for k, v in net.state_dict().items())
+
+    # --config: a file, or the key of a config saved in the step; either replaces one kept with --force
+    (tmp_path / "given.json").write_text(json.dumps({"model_type": "given"}))
+    assert run("export", ckdir, "--to", tmp_path / "hf", "--format", "hf", "--force",
+               "--config", tmp_path / "given.json")[0] == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "given"}
+    assert run("export", ckdir, "--to", tmp_path / "hf2", "--format", "hf", "--config", "meta/hf")[0] == 0
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text()) == {"model_type": "other"}
+    for bad in ("no/such/value", "model", tmp_path / "given.json.missing"):
+        rc, _, err = run("export", ckdir, "--to", tmp_path / "bad", "--format", "hf", "--config", bad)
+        assert rc == 2 and "--config" in err and not (tmp_path / "bad").exists(), err
+    (tmp_path / "list.json").write_text("[1, 2]")
+    rc, _, err = run("export", ckdir, "--to", tmp_path / "bad", "--format", "hf", "--config", tmp_path / "list.json")
+    assert rc == 2 and "JSON object" in err and not (tmp_path / "bad").exists()
+    rc, _, err = run("export", ckdir, "--to", tmp_path / "x.safetensors", "--config", tmp_path / "given.json")
+    assert rc == 2 and "--config is for --format hf" in err
+
+    # no config anywhere: exported, and a warning says what from_pretrained would do
+    other = tmp_path / "ck2"
+    with ckpt.Checkpointer(other) as c:
+        c.save(1, {"model": net, "optim": opt})
+    with caplog.at_level("WARNING", logger="ckpt"):
+        assert run("export", other, "--to", tmp_path / "noconf", "--format", "hf")[0] == 0
+    assert "no config.json written" in caplog.text and "from_pretrained" in caplog.text
+    assert os.listdir(tmp_path / "noconf") == ["model.safetensors"]
+
+    # several candidates, none named model: refused, not guessed
+    with ckpt.Checkpointer(tmp_path / "ck3") as c:
+        c.save(1, {"net": net, "optim": opt})
+    rc, _, err = run("export", tmp_path / "ck3", "--to", tmp_path / "guess", "--format", "hf")
+    assert rc == 2 and "--keys net/ --strip-prefix" in err and not (tmp_path / "guess").exists()
+    assert run("export", tmp_path / "ck3", "--to", tmp_path / "guess", "--format", "hf", "--keys", "net/",
+               "--strip-prefix", "--config", tmp_path / "given.json")[0] == 0
 
 
 # -- import -------------------------------------------------------------------------------------------
@@ -295,3 +350,74 @@ def test_import_top_level_torch_save_and_key_prefix_selection(ckdir, tmp_path):
     save_file(sd, tmp_path / "p.safetensors")
     ckpt.import_checkpoint(tmp_path / "p.safetensors", ckdir, step=1, keys="transformer.", strip_prefix=True)
     assert sorted(ckpt.open(ckdir).tensors(1)) == sorted(f"model/{k}" for k in net.state_dict())
+
+
+# -- tied weights and strict=False (issue 33.5) ---------------------------------------------------------
+
+class TiedLM(nn.Module):
+    """What GPT-2, Llama-3.2 and small Qwen models are to a load: an output layer that is the input
+    embedding (one Parameter), declared in ``_tied_weights_keys``; ``save_pretrained`` leaves it out."""
+
+    _tied_weights_keys = ["lm_head.weight"]
+
+    def __init__(self, seed: int, tie: bool = True, extra: bool = False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed_tokens = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed_tokens.weight
+        if extra:
+            self.adapter = nn.Linear(8, 8)  # in the module, in no checkpoint
+
+
+def save_pretrained_like(model: nn.Module, folder) -> dict[str, torch.Tensor]:
+    """A Hugging Face model directory as save_pretrained writes it: the tied name left out."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    folder.mkdir()
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    return sd
+
+
+def test_tied_embedding_models_load_from_a_hugging_face_import(ckdir, tmp_path, run):
+    saved = save_pretrained_like(TiedLM(1), tmp_path / "hf")
+    assert run("import", tmp_path / "hf", ckdir, "--step", 0)[0] == 0
+    for strict in (True, False):
+        model = TiedLM(2)
+        with ckpt.Checkpointer(ckdir) as c:
+            c.load(0, {"model": model}, strict=strict)  # raised: missing from the checkpoint ['lm_head.weight']
+        assert model.lm_head.weight is model.embed_tokens.weight  # still tied
+        assert same(model.lm_head.weight.detach(), saved["embed_tokens.weight"])
+        assert all(same(model.state_dict()[k], v) for k, v in saved.items())
+
+    # tied by the same tensor only (nothing declared), and declared only ({tied: source}, untied in memory)
+    class Undeclared(TiedLM):
+        _tied_weights_keys: list[str] = []
+
+    class Declared(TiedLM):
+        _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}  # type: ignore[assignment]
+
+    for model in (Undeclared(3), Declared(3, tie=False)):
+        with ckpt.Checkpointer(ckdir) as c:
+            c.load(0, {"model": model})
+        assert same(model.lm_head.weight.detach(), saved["embed_tokens.weight"]), type(model).__name__
+
+
+def test_strict_false_loads_what_the_step_has_and_leaves_the_rest(ckdir, tmp_path):
+    saved = save_pretrained_like(TiedLM(1), tmp_path / "hf")
+    ckpt.import_checkpoint(tmp_path / "hf", ckdir, step=0)
+    model = TiedLM(4, extra=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckpt.StateMismatchError, match=r"missing from the checkpoint.*adapter\.weight") as e:
+        with ckpt.Checkpointer(ckdir) as c:
+            c.load(0, {"model": model})  # strict: a key that is really missing is refused, before any change
+    assert "lm_head" not in str(e.value)
+    assert all(same(model.state_dict()[k], v) for k, v in before.items())
+    with ckpt.Checkpointer(ckdir) as c:
+        c.load(0, {"model": model}, strict=False)  # raised the same, though strict=False was passed
+    assert all(same(model.state_dict()[k], v) for k, v in saved.items())
+    assert same(model.lm_head.weight.detach(), saved["embed_tokens.weight"])
+    assert same(model.adapter.weight.detach(), before["adapter.weight"])  # left as it was
+    assert same(model.adapter.bias.detach(), before["adapter.bias"])

@@ -39,6 +39,22 @@ def test_numpy_0d_arrays_round_trip_as_0d(tmp_path):
     assert tensors["np/f"].shape == () and tensors["np/i"].shape == ()
 
 
+
+def test_numpy_text_scalars_keep_their_type(tmp_path):
+    """Issue 32.17: np.str_ and np.bytes_ came back as plain str and bytes, unlike other numpy scalars."""
+    saved = {"s": np.str_("héllo"), "e": np.str_(""), "b": np.bytes_(b"x\x00y"), "eb": np.bytes_(b""),
+             "f": np.float32(1.5), "plain": "text", "raw": b"\x01", "keyed": {np.str_("k"): np.str_("v")}}
+    _save(tmp_path, 0, {"v": saved})
+    got: dict = {"v": {}}
+    ckpt.Checkpointer(str(tmp_path)).load(0, got)
+    for k in ("s", "e", "b", "eb", "f"):
+        assert type(got["v"][k]) is type(saved[k]) and got["v"][k] == saved[k], k
+    assert got["v"]["s"] == np.str_("héllo") and got["v"]["b"].dtype == np.dtype("S3")
+    assert type(got["v"]["plain"]) is str and type(got["v"]["raw"]) is bytes
+    assert got["v"]["keyed"] == {"k": np.str_("v")} and type(got["v"]["keyed"]["k"]) is np.str_
+    assert ckpt.open(str(tmp_path)).values(0)["v/s"] == np.str_("héllo")
+
+
 @pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 @pytest.mark.parametrize("make,hint", [
     (lambda: np.ma.masked_array([1.0, 2.0], mask=[False, True]), "getmaskarray(m)"),

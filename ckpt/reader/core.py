@@ -287,7 +287,8 @@ class Reader:
 
     def export(self, step: Step, path: str | os.PathLike, *, keys: str | Sequence[str] | None = None,
                strip_prefix: bool = False, rank: int = 0, overwrite: bool = False, format: str | None = None,
-               dtype: str | None = None, max_shard_size: int | str | None = None) -> ExportResult:
+               dtype: str | None = None, max_shard_size: int | str | None = None,
+               config: str | os.PathLike | None = None) -> ExportResult:
         """Write one step whole, resharded from any world size, every chunk verified:
 
         * ``format=None``: one file, the format from its suffix (``.safetensors``, ``.pt``);
@@ -298,7 +299,10 @@ class Reader:
 
         With ``keys`` and ``strip_prefix``, the matched prefix is taken off each name, so that
         ``model.load_state_dict(safetensors.torch.load_file(path))`` works as it is; ``dtype``
-        (``"bf16"``, ``"fp16"``, ``"fp32"``) casts the floating tensors::
+        (``"bf16"``, ``"fp16"``, ``"fp32"``) casts the floating tensors. ``format="hf"`` without
+        ``keys`` exports the model's tensors (``model/``, prefix stripped), and writes ``config.json``
+        from ``config`` (a JSON file, or the key of the model's config saved in the step; by
+        default a ``config`` value of the step, else a warning)::
 
             ck.export("latest", "hf-out", format="hf", keys="model/", strip_prefix=True, dtype="bf16")
         """
@@ -306,7 +310,8 @@ class Reader:
 
         return export(self, self.step(step), os.fspath(path), prefixes=_prefixes(keys),
                       strip_prefix=strip_prefix, rank=rank, overwrite=overwrite, threads=self.threads,
-                      format=format, dtype=dtype, max_shard_size=max_shard_size)
+                      format=format, dtype=dtype, max_shard_size=max_shard_size,
+                      config=None if config is None else os.fspath(config))
 
     def close(self) -> None:
         self.storage.close()

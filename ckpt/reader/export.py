@@ -46,6 +46,7 @@ FORMAT_NAMES = {"safetensors": "safetensors", "torch": "torch", "pt": "torch", "
 CASTS = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
          "fp32": torch.float32, "float32": torch.float32}
 CASTABLE = {"float64", "float32", "float16", "bfloat16"}  # what --dtype converts; other dtypes stay as saved
+RESERVED = "__metadata__"  # a safetensors header's metadata, not a tensor name
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -64,6 +65,8 @@ class ExportResult:
     per_rank_keys: list[str] = field(default_factory=list)  # the step's per-rank keys this export holds
     files: list[str] = field(default_factory=list)  # what a directory export wrote, in its directory
     dtype: str | None = None  # the --dtype floating tensors were cast to
+    config: str | None = None  # hf: where config.json came from (a file, a value of the step), if written
+    default_keys: str | None = None  # hf without keys: the model's prefix exported (and stripped)
 
 
 def format_of(path: str, format: str | None = None) -> str:
@@ -173,11 +176,78 @@ def _check_target(path: str, fmt: str, overwrite: bool) -> None:
         if os.path.exists(path) and not overwrite:
             raise ConfigError(f"{path} exists; pass --force to overwrite it")
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"cannot write {path}: the directory {folder} does not exist (create it first)")
-    if not os.access(folder, os.W_OK):  # as root this passes; the write itself then fails, reported alike
-        raise StorageError(f"cannot write {path}: {folder} is not writable (choose another --to, or fix its "
+    existing = folder  # missing parent directories are created when the export writes: check where they go
+    while not os.path.isdir(existing):
+        if os.path.lexists(existing):
+            raise ConfigError(f"cannot write {path}: {existing} is not a directory (choose another --to)")
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK):  # as root this passes; the write itself then fails, reported alike
+        raise StorageError(f"cannot write {path}: {existing} is not writable (choose another --to, or fix its "
                            "permissions)")
+
+
+def make_parents(path: str) -> list[str]:
+    """Create the missing parent directories of ``path`` (as ``mkdir -p``, modes from the umask);
+    the ones created, outermost first, for :func:`remove_parents` to take back if the export fails."""
+    created: list[str] = []
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder):
+        created.insert(0, folder)
+        folder = os.path.dirname(folder)
+    for d in created:
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            remove_parents(created)
+            raise StorageError(f"cannot write {path}: cannot create the directory {d} ({e.strerror})") from e
+    return created
+
+
+def remove_parents(created: list[str]) -> None:
+    """Take back the directories :func:`make_parents` created, innermost first, where still empty."""
+    for d in reversed(created):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str) -> None:
+    """Give a written file the mode a plain ``open`` gives (0666 less the umask): safetensors
+    writes 0600, which other users, and a serving process, cannot read."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _check_names(fmt: str, entries: list[mf.TensorEntry], names: list[str], values: list[str]) -> None:
+    """Refuse names the target format cannot hold, before anything is read or written: safetensors
+    reserves ``__metadata__`` (a tensor of that name makes a file nothing reads back), and DCP joins
+    nested names with ``.`` (``model/a.b`` and ``model/a/b`` would both be ``model.a.b``)."""
+    if fmt in ("safetensors", "hf") and RESERVED in names:
+        key = entries[names.index(RESERVED)].key
+        raise UnsupportedValueError(
+            f"tensor {key!r} would be named {RESERVED!r} in the safetensors file, the name its header keeps "
+            "metadata under: the file could not be read back. Leave it out with --keys, or export to a .pt file "
+            "(or --format dcp) instead")
+    if fmt == "dcp":
+        from .export_dirs import check_dcp_names
+
+        check_dcp_names(names, values)
 
 
 def _values(m: mf.Manifest, rank: int, wanted: Callable[[str], bool], fmt: str, result: ExportResult
@@ -199,21 +269,32 @@ def _values(m: mf.Manifest, rank: int, wanted: Callable[[str], bool], fmt: str, 
 
 def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None = None, strip_prefix: bool = False,
            rank: int = 0, overwrite: bool = False, threads: int = 8, format: str | None = None,
-           dtype: str | None = None, max_shard_size: int | str | None = None) -> ExportResult:
+           dtype: str | None = None, max_shard_size: int | str | None = None, config: str | None = None
+           ) -> ExportResult:
     """Write step ``step`` to ``path``; see the module docstring. With ``strip_prefix``, the prefix
     a key matched is taken off its name (``model/0.weight`` with ``--keys model/`` becomes
     ``0.weight``): what ``model.load_state_dict`` expects. ``dtype`` (``bf16``, ``fp16``, ``fp32``)
-    casts the floating tensors; ``max_shard_size`` is for ``format="hf"`` only."""
+    casts the floating tensors; ``max_shard_size`` and ``config`` are for ``format="hf"`` only
+    (:mod:`.export_hf`: the model's keys by default, and its ``config.json``)."""
     if strip_prefix and not prefixes:
         raise ConfigError("--strip-prefix needs --keys PREFIX: the prefix to take off each name (e.g. --keys model/)")
     fmt = format_of(path, format)
     cast = cast_to(dtype)
     if max_shard_size is not None and fmt != "hf":
         raise ConfigError("--max-shard-size is for --format hf (the single-file and DCP exports are not split)")
+    if config is not None and fmt != "hf":
+        raise ConfigError("--config is for --format hf: it is written as config.json beside the shards")
     limit = parse_size(max_shard_size if max_shard_size is not None else "5GB")
     _check_target(path, fmt, overwrite)
     m = reader.manifest(step)
     check_rank(m, rank)
+    default_keys = None
+    if fmt == "hf" and not prefixes:
+        from .export_hf import model_prefix
+
+        default_keys = model_prefix(m)
+        if default_keys is not None:
+            prefixes, strip_prefix = [default_keys], True
 
     def wanted(key: str) -> bool:
         return not prefixes or any(key.startswith(p) for p in prefixes)
@@ -225,7 +306,8 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
         return key[len(prefix):].lstrip("/") or key
 
     entries = [t for t in m.tensors if wanted(t.key) and (t.rank is None or t.rank == rank)]
-    result = ExportResult(path=path, step=step, format=fmt, rank=rank if m.per_rank_keys else None, dtype=dtype)
+    result = ExportResult(path=path, step=step, format=fmt, rank=rank if m.per_rank_keys else None, dtype=dtype,
+                          default_keys=default_keys)
     if not entries:
         raise ConfigError(f"step {step} has no tensor whose key starts with {' or '.join(map(repr, prefixes or []))}"
                           if prefixes else f"step {step} holds no tensors to export")
@@ -244,20 +326,43 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
     if clashes:
         raise ConfigError(f"with --strip-prefix, several tensors would be named {clashes[:4]}; export them "
                           "separately (one --keys prefix each) or without --strip-prefix")
+    _check_names(fmt, entries, names, result.values)
     written = [e.key for e in entries if e.rank is not None] + result.values
     result.per_rank_keys = [k for k in m.per_rank_keys if any(w == k or w.startswith(k + "/") for w in written)]
     dtypes = [out_dtype(e.dtype, cast) for e in entries]
     result.tensors = {n: (dtype_name(d), list(e.shape)) for n, e, d in zip(names, entries, dtypes)}
     result.bytes = sum(math.prod(e.shape) * d.itemsize for e, d in zip(entries, dtypes))
+    hf_config = None
+    if fmt == "hf":
+        from .export_hf import find_config
+
+        hf_config, result.config = find_config(config, m, rank, prefixes or [])
+    created = make_parents(path)
+    try:
+        _export_to(reader, m, fmt, entries, names, dtypes, limit, values, result, overwrite, threads, hf_config)
+    except BaseException:
+        remove_parents(created)
+        raise
+    if fmt == "hf" and hf_config is None:
+        from .export_hf import warn_without_config
+
+        warn_without_config(path)
+    return result
+
+
+def _export_to(reader: Reader, m: mf.Manifest, fmt: str, entries: list[mf.TensorEntry], names: list[str],
+               dtypes: list[torch.dtype], limit: int, values: dict[str, object], result: ExportResult,
+               overwrite: bool, threads: int, hf_config: dict | None = None) -> None:
+    path, step = result.path, result.step
     if fmt in DIR_FORMATS:
         from .export_dirs import write_dcp, write_hf
 
         if fmt == "hf":
             write_hf(reader, m, entries, names, dtypes, limit, values_metadata(step, reader, values, result), result,
-                     overwrite=overwrite, threads=threads)
+                     overwrite=overwrite, threads=threads, config=hf_config)
         else:
             write_dcp(reader, m, entries, names, dtypes, values, result, overwrite=overwrite, threads=threads)
-        return result
+        return
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-export") as io:
         tensors = read_tensors(reader.storage, m, entries, io)
@@ -271,7 +376,6 @@ def export(reader: Reader, step: int, path: str, *, prefixes: list[str] | None =
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return result
 
 
 def _write(fmt: str, out: dict, tmp: str, path: str, step: int, reader: Reader, values: dict,
@@ -281,6 +385,7 @@ def _write(fmt: str, out: dict, tmp: str, path: str, step: int, reader: Reader, 
         save_file(out, tmp, metadata=values_metadata(step, reader, values, result))
     else:
         torch.save(out, tmp)
+    follow_umask(tmp)
     os.replace(tmp, path)
 
 

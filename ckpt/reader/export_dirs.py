@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError, StorageError, UnsupportedValueError
 from ..format import manifest as mf
 from ..tree import has_pickle
-from .export import writing
+from .export import follow_umask, writing
 from .tensors import read_tensors
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+HF_CONFIG = "config.json"
 _HF_FILES = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
 _DCP_FILES = re.compile(r"^(\.metadata|.*\.distcp)$")
 
@@ -81,7 +82,7 @@ def hf_names(count: int) -> list[str]:
 
 def write_hf(reader: Reader, m: mf.Manifest, entries: list[mf.TensorEntry], names: list[str],
              dtypes: list[torch.dtype], limit: int, metadata: dict[str, str], result: ExportResult, *,
-             overwrite: bool, threads: int) -> None:
+             overwrite: bool, threads: int, config: dict | None = None) -> None:
     sizes = [int(torch.Size(e.shape).numel()) * d.itemsize for e, d in zip(entries, dtypes)]
     groups = shard_groups(sizes, limit)
     files = hf_names(len(groups))
@@ -95,14 +96,20 @@ def write_hf(reader: Reader, m: mf.Manifest, entries: list[mf.TensorEntry], name
                 with writing(result.path, result.bytes, result.path):
                     save_file(out, os.path.join(stage, file), metadata=metadata)
                 del out
+        extra = []
+        if config is not None:  # what from_pretrained builds the model from
+            with open(os.path.join(stage, HF_CONFIG), "w") as f:
+                json.dump(config, f, indent=2, allow_nan=False)
+                f.write("\n")
+            extra.append(HF_CONFIG)
         if len(files) == 1:
-            return files
+            return files + extra
         index = {"metadata": {"total_size": sum(sizes), "ckpt.step": m.step, "ckpt.source": metadata["ckpt.source"]},
                  "weight_map": {names[i]: file for file, group in zip(files, groups) for i in sorted(group)}}
         with open(os.path.join(stage, HF_INDEX), "w") as f:
             json.dump(index, f, indent=2, sort_keys=False)
             f.write("\n")
-        return [*files, HF_INDEX]
+        return [*files, HF_INDEX, *extra]
 
     result.files = _staged(result.path, overwrite, _HF_FILES, write)
 
@@ -116,12 +123,31 @@ def _nest(items: dict[str, Any]) -> dict[str, Any]:
         for p in parts[:-1]:
             child = node.setdefault(p, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"cannot export {key!r} to DCP: {p!r} is also a tensor or value of its own")
+                raise UnsupportedValueError(f"cannot export {key!r} to DCP: {p!r} is also a tensor or value of its "
+                                            "own. Export them separately (one --keys prefix each), or to a "
+                                            ".safetensors or .pt file")
             node = child
         if parts[-1] in node:
-            raise ConfigError(f"cannot export {key!r} to DCP: another name nests under it")
+            raise UnsupportedValueError(f"cannot export {key!r} to DCP: another name nests under it. Export them "
+                                        "separately (one --keys prefix each), or to a .safetensors or .pt file")
         node[parts[-1]] = value
     return out
+
+
+def check_dcp_names(tensors: list[str], values: list[str]) -> None:
+    """Refuse names DCP cannot keep apart, before anything is read: DCP names a nested item by its
+    path joined with ``.``, so ``model/a.b`` and ``model/a/b`` would both be ``model.a.b``; and a
+    name cannot be an item and hold others (``a`` and ``a/b``)."""
+    seen: dict[str, str] = {}
+    for name in [*tensors, *values]:
+        dotted = name.replace("/", ".")
+        if dotted in seen:
+            raise UnsupportedValueError(
+                f"cannot export {seen[dotted]!r} and {name!r} to DCP: DCP joins nested names with '.', so both "
+                f"would be {dotted!r}. Export them separately (one --keys prefix each), or to a .safetensors or .pt "
+                "file, which keep the names as they are")
+        seen[dotted] = name
+    _nest(dict.fromkeys([*tensors, *values]))
 
 
 def write_dcp(reader: Reader, m: mf.Manifest, entries: list[mf.TensorEntry], names: list[str],
@@ -166,6 +192,7 @@ def _staged(path: str, overwrite: bool, ours: re.Pattern, write: Callable[[str],
                 if ours.match(old) and os.path.isfile(os.path.join(path, old)):
                     os.unlink(os.path.join(path, old))
         for f in files:
+            follow_umask(os.path.join(stage, f))
             os.replace(os.path.join(stage, f), os.path.join(path, f))
         return files
     except OSError as e:
