@@ -15,10 +15,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckpt
 import ckpt.dcp
-from ckpt.encode import CodecSpec
+from ckpt.encode import CodecSpec, encode
 from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from ckpt.format import manifest as mf
 from ckpt.format import paths
+from ckpt.format.chunk import HEADER_SIZE, Base, decode, parse_header
 from ckpt.storage import LocalStorage
 from ckpt.testing import run_ranks
 from ckpt.writer import Writer
@@ -93,3 +94,87 @@ def test_a_merged_step_that_would_not_load_is_not_committed(ckdir):
     assert mf.committed_steps(storage) == [1]
     got = {"w": torch.zeros(8)}
     assert ckpt.Checkpointer(ckdir).load("latest", got) == 1 and got["w"].tolist() == list(range(8))
+
+
+# -- 32.7 / 32.8: a chunk found under its key is adopted only when verified ------------------------
+
+STATE1 = {"w": torch.arange(4096, dtype=torch.float32)}
+STATE2 = {"w": torch.arange(4096, dtype=torch.float32) * 3 + 1}
+
+
+def the_chunk(tmp_path, state: dict, name: str) -> tuple[str, bytes]:
+    """Save ``state`` into a root of its own: its one chunk's hash and raw bytes."""
+    root = str(tmp_path / name)
+    with ckpt.Checkpointer(root) as c:
+        c.save(1, state).wait()
+    (f,) = chunk_files(root)
+    h = os.path.basename(f)
+    with open(f, "rb") as fh:
+        return h, bytes(decode(fh.read(), name=f, expect_hash=h))
+
+
+def plant(root: str, h: str, blob: bytes) -> str:
+    f = os.path.join(root, paths.chunk_key(h))
+    os.makedirs(os.path.dirname(f), exist_ok=True)
+    with open(f, "wb") as fh:
+        fh.write(blob)
+    return f
+
+
+def random_payload(tmp_path, h: str, raw: bytes) -> bytes:
+    """A valid header for chunk ``h`` over a random payload of the length it declares."""
+    codec, (header, *parts) = encode(memoryview(raw), h, CodecSpec())
+    n = sum(len(memoryview(p).cast("B")) for p in parts)
+    return bytes(header) + os.urandom(n)
+
+
+def fake_delta(tmp_path, h: str, raw: bytes, base: tuple[str, bytes]) -> bytes:
+    """An XOR delta named ``h`` on a good stored base, its 32-bit check right, decoding to other bytes."""
+    other = bytearray(base[1])
+    other[100] ^= 0xFF
+    codec, buffers = encode(memoryview(bytes(other)), h, CodecSpec(), width=4, base=Base(memoryview(base[1]), base[0]))
+    assert codec == "xor"
+    return b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+
+
+@pytest.mark.parametrize("make", [random_payload, fake_delta])
+def test_a_planted_chunk_is_not_adopted(tmp_path, make):
+    h1, raw1 = the_chunk(tmp_path, STATE1, "a")
+    h2, raw2 = the_chunk(tmp_path, STATE2, "b")
+    root = str(tmp_path / "ck")
+    with ckpt.Checkpointer(root, keep_last=1) as c:
+        c.save(1, STATE1).wait()
+        plant(root, h2, make(tmp_path, h2, raw2, (h1, raw1)) if make is fake_delta else make(tmp_path, h2, raw2))
+        c.save(2, STATE2).wait()
+    got = {"w": torch.zeros(4096)}
+    assert ckpt.Checkpointer(root).load("latest", got) == 2
+    assert torch.equal(got["w"], STATE2["w"])
+    assert ckpt.open(root).verify(2).ok
+
+
+def damage(f: str, how: str) -> None:
+    with open(f, "r+b") as fh:
+        if how == "half-written":
+            fh.truncate(HEADER_SIZE + 100)
+        else:  # a flipped bit in the payload: the header still says all is well
+            fh.seek(-7, os.SEEK_END)
+            b = fh.read(1)
+            fh.seek(-7, os.SEEK_END)
+            fh.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("how", ["damaged", "half-written"])
+def test_a_chunk_another_job_stored_badly_is_not_adopted_blindly(tmp_path, how):
+    root = str(tmp_path / "ck")
+    with ckpt.Checkpointer(root) as other_job:  # another job in the same root, before this one
+        other_job.save(100, STATE2).wait()
+    (f,) = chunk_files(root)
+    parse_header(open(f, "rb").read(HEADER_SIZE), name=f)
+    damage(f, how)
+    with ckpt.Checkpointer(root) as c:
+        c.save(1, STATE1).wait()
+        c.save(2, STATE2).wait()  # the same bytes as the other job's damaged chunk
+    got = {"w": torch.zeros(4096)}
+    assert ckpt.Checkpointer(root).load(2, got) == 2
+    assert torch.equal(got["w"], STATE2["w"])
+    assert ckpt.open(root).verify(2).ok
