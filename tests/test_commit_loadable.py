@@ -121,14 +121,14 @@ def plant(root: str, h: str, blob: bytes) -> str:
     return f
 
 
-def random_payload(tmp_path, h: str, raw: bytes) -> bytes:
+def random_payload(h: str, raw: bytes, base: tuple[str, bytes]) -> bytes:
     """A valid header for chunk ``h`` over a random payload of the length it declares."""
     codec, (header, *parts) = encode(memoryview(raw), h, CodecSpec())
     n = sum(len(memoryview(p).cast("B")) for p in parts)
     return bytes(header) + os.urandom(n)
 
 
-def fake_delta(tmp_path, h: str, raw: bytes, base: tuple[str, bytes]) -> bytes:
+def fake_delta(h: str, raw: bytes, base: tuple[str, bytes]) -> bytes:
     """An XOR delta named ``h`` on a good stored base, its 32-bit check right, decoding to other bytes."""
     other = bytearray(base[1])
     other[100] ^= 0xFF
@@ -144,7 +144,7 @@ def test_a_planted_chunk_is_not_adopted(tmp_path, make):
     root = str(tmp_path / "ck")
     with ckpt.Checkpointer(root, keep_last=1) as c:
         c.save(1, STATE1).wait()
-        plant(root, h2, make(tmp_path, h2, raw2, (h1, raw1)) if make is fake_delta else make(tmp_path, h2, raw2))
+        plant(root, h2, make(h2, raw2, (h1, raw1)))
         c.save(2, STATE2).wait()
     got = {"w": torch.zeros(4096)}
     assert ckpt.Checkpointer(root).load("latest", got) == 2
