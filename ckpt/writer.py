@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from . import _ext
+from . import _ext, adopt
 from ._tasks import run_all
 from .buffer_layout import ChunkSlot
 from .encode import CodecSpec, encode
@@ -163,30 +163,26 @@ class Writer:
                 job.created.append(h)  # nothing was stored under this name: this save alone wrote it
         return _Put(h, info, "created" if create else "written", cpu)
 
-    def _probe(self, job: SaveJob, h: str, size: int, links: int = 0) -> tuple[mf.ChunkInfo | None, bool]:
-        """Is chunk ``h`` already stored (by an earlier run)? Read its header to describe it, and for
-        a delta its base's, down its chain. Returns (what is stored or None, whether a damaged copy,
-        or a delta whose chain is broken, is there: then a whole copy is written over it)."""
-        key = paths.chunk_key(h)
-        try:
-            storage = self.over(job)
-            hdr = parse_header(storage.head(key, HEADER_SIZE), name=key)
-            stored = storage.size(key)
-            check_header(hdr, name=key, expect_hash=h, expect_len=size, object_len=stored)
-        except FileNotFoundError:
-            return None, False
-        except CorruptCheckpointError:
-            return None, True  # a damaged copy: write a good one over it
-        if hdr.base is not None:
-            with self._lock:
-                have = hdr.base in self.known
-            if not have:
-                found = self._probe(job, hdr.base, size, links + 1)[0] if links < mf.MAX_CHAIN else None
-                if found is None:
-                    return None, True
-                with self._lock:
-                    self.known[hdr.base] = found
-        return mf.ChunkInfo(size, stored, hdr.label, hdr.base), False
+    def _probe(self, job: SaveJob, h: str, size: int) -> tuple[mf.ChunkInfo | None, bool]:
+        """Is chunk ``h`` already stored (by an earlier run, another rank or another job)? It is
+        adopted only once read and verified, down its delta chain (:mod:`ckpt.adopt`). Returns
+        (what is stored or None, whether a damaged copy, or a delta whose chain is broken, is
+        there: then a whole copy is written over it)."""
+        table, damaged = adopt.adoptable(self.over(job), h, size, self._known_chain)
+        if table is None:
+            return None, damaged
+        with self._lock:  # every link was verified: a base is as good as a chunk this writer wrote
+            for x, info in table.items():
+                if x != h:
+                    self.known.setdefault(x, info)
+        return table[h], False
+
+    def _known_chain(self, h: str) -> dict[str, mf.ChunkInfo] | None:
+        """Chunk ``h``'s chain as the dedup table knows it, if it trusts ``h``; else None."""
+        with self._lock:
+            if h not in self.known:
+                return None
+            return {x: self.known[x] for x in mf.chain(self.known, h) if x in self.known}
 
     def _table(self, puts: list[_Put]) -> tuple[dict[str, mf.ChunkInfo], set[str]]:
         """The chunk table of a rank report: the chunks written or reused and every base their chains
@@ -395,8 +391,9 @@ class Writer:
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
                                          f"({e})") from e
+        data = _loadable(step, step_manifest)
         try:
-            storage.commit(paths.manifest_key(step), step_manifest.to_json())
+            storage.commit(paths.manifest_key(step), data)
         except FileExistsError:
             raise StepExistsError(
                 f"step {step} is already committed in {storage.describe()}; committed steps are never "
@@ -474,6 +471,23 @@ class _BaseRef:
             return None
         room = int(writer.delta_budget * len(self.view)) - sum(i.stored for i in infos if i is not None)
         return Base(self.view, self.digest, room) if room > 0 else None
+
+
+def _loadable(step: int, m: mf.Manifest) -> bytes:
+    """The manifest's bytes, once they pass the parse every reader runs on them (every field
+    checked, each tensor's shards tiling its shape, chunk sizes bounded): a step that could never
+    load is not committed, so retention never drops a good step for it."""
+    data = m.to_json()
+    key = paths.manifest_key(step)
+    try:
+        back = mf.parse(data, name=key)
+    except CheckpointError as e:
+        raise CorruptCheckpointError(f"step {step} was not committed: its manifest would not load ({e}). Nothing "
+                                     "was changed; the committed steps are as they were") from e
+    if back.step != step or back.kind != "step":  # what read_step checks too
+        raise CorruptCheckpointError(f"step {step} was not committed: its manifest describes step {back.step} "
+                                     f"({back.kind}). This is a bug: please report it")
+    return data
 
 
 # `ckpt gc` removes only what failed saves left, never a committed step: it cannot make room for a save.

@@ -28,6 +28,27 @@ def tensor_key(path: Path) -> str:
     return "/".join(p if isinstance(p, str) else repr(p) for p in path)
 
 
+def check_keys(plans: Sequence[Any]) -> None:
+    """Refuse, before anything is written, two tensor items of DCP save plans whose paths join to
+    one ckpt key (``{"a/b": t1, "a": {"b": t2}}``: both ``a/b``): their shards would be stored as
+    one tensor's, a step that never loads. Raises :class:`UnsupportedValueError` naming both."""
+    seen: dict[str, str] = {}
+    for plan in plans:
+        mappings = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+        for item in plan.items:
+            if item.tensor_data is None:  # a value (BYTE_IO): stored in the structure tree, not under a key
+                continue
+            fqn = item.index.fqn
+            key = tensor_key(mappings.get(fqn, (fqn,)))
+            other = seen.setdefault(key, fqn)
+            if other != fqn:
+                raise UnsupportedValueError(
+                    f"state items {other!r} and {fqn!r} (paths {list(mappings.get(other, (other,)))!r} and "
+                    f"{list(mappings.get(fqn, (fqn,)))!r}) both become ckpt key {key!r}: ckpt.dcp.Writer joins key "
+                    "paths with '/', so a key holding '/' must not repeat a nested path. Rename one of them; "
+                    "nothing was written")
+
+
 def value_node(fqn: str, obj: Any, allow_pickle: bool) -> st.Node:
     """The structure node of a non-tensor item of DCP's state: a plain value as its node, anything
     else a pickle node with ``allow_pickle`` (else :class:`ConfigError` naming the item)."""

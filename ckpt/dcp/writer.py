@@ -46,7 +46,7 @@ from ..storage.base import Storage
 from ..writer import STEP_EXISTS_ADVICE, SaveJob
 from ..writer import Writer as ChunkWriter
 from . import _pairs, _serial
-from ._structure import build_structure, tensor_key, value_node
+from ._structure import build_structure, check_keys, tensor_key, value_node
 from .stager import DONE, READING, SEQ, Header, release_pending
 
 log = logging.getLogger("ckpt")
@@ -162,9 +162,11 @@ class Writer(StorageWriter):
             raise
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._check_keys([plan])
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._check_keys(plans)  # items that collide only across ranks
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -194,6 +196,15 @@ class Writer(StorageWriter):
         return False  # chosen explicitly (storage_writer=), never guessed from a path
 
     # -- the work -------------------------------------------------------------------------------
+    def _check_keys(self, plans: list[SavePlan]) -> None:
+        try:
+            check_keys(plans)
+        except BaseException:
+            release_pending()
+            if self._run is not None:
+                self._run.close()
+            raise
+
     def _need_run(self) -> _Run:
         if self._run is None or self._run.closed:
             raise CheckpointError("ckpt.dcp.Writer was not set up by DCP (use it once, as dcp.save's storage_writer)")
