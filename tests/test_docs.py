@@ -73,6 +73,37 @@ def test_setup_commands_match_ci():
     assert second.strip().splitlines()[-1] == ci_tests.strip() == "python -m pytest -q tests"
 
 
+def test_the_torch_line_gives_up_on_an_unreachable_index_fast_and_falls_back_to_plain_pip():
+    """Issue 33 item 11: without PyTorch's index the torch line waited two minutes and stopped. Its
+    first command, pointed at an index that accepts connections and never answers, must fail within
+    seconds (pip's own timeout and retries: about 100 s), and the command after ``||`` is the plain
+    install of the same torch."""
+    import shlex
+    import socket
+    import time
+
+    [line] = [ln for ln in blocks(section("Try it"), "bash")[0].splitlines() if "torch==" in ln]
+    first, _, fallback = line.partition(" || ")
+    pin = re.search(r"torch==\S+", first)
+    assert pin and fallback == f"pip install {pin.group(0)}", line
+    args = shlex.split(first)
+    assert args[:2] == ["pip", "install"] and "https://download.pytorch.org/whl/cpu" in args
+    with socket.socket() as silent:  # the kernel accepts connections to it; nothing ever answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/whl/cpu"
+        args = [url if a == "https://download.pytorch.org/whl/cpu" else a for a in args[2:]]
+        quiet = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+        quiet.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INPUT="1")  # no machine's local wheels or mirrors
+        start = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps",
+                            "--no-cache-dir", "--disable-pip-version-check", *args], env=quiet,
+                           capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - start
+    assert p.returncode != 0, p.stdout
+    assert took < 45, f"pip waited {took:.0f} s for an index that does not answer"
+
+
 def test_example_command_runs(tmp_path):
     """The first setup command past its installs: train, stop, resume, list, inspect."""
     first = blocks(section("Try it"), "bash")[0]
