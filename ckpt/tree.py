@@ -337,6 +337,7 @@ def preview(node: Node, limit: int = 80) -> str:
 # -- what a tensor is: model, optimizer state, other -----------------------------------------------------
 
 GROUPS = ("model", "optimizer", "other")
+MODEL_KEYS = ("model", "module", "state_dict")  # top-level keys that hold a model's tensors (Lightning: state_dict)
 
 
 def _is_optimizer_state(n: Node) -> bool:
@@ -352,7 +353,7 @@ def _is_module_state(n: Node) -> bool:
 
 def tensor_groups(root: Node) -> tuple[dict[str, str], dict[str, str]]:
     """For each tensor key of a structure tree, its group (``optimizer``: in an optimizer's state;
-    ``model``: in a module's ``state_dict()`` (tensors by name) or under a top-level key ``model``;
+    ``model``: in a module's ``state_dict()`` (tensors by name) or under a top-level key of MODEL_KEYS;
     ``other``: the rest, random states included),
     and for optimizer state the tensor key of its parameter where the step recorded it (the
     optimizer node's ``params``; a state entry is ``<optimizer>/state/<index>/...``)."""
@@ -378,7 +379,7 @@ def tensor_groups(root: Node) -> tuple[dict[str, str], dict[str, str]]:
         elif t == "dict":
             opt = _is_optimizer_state(n)
             for k, v in zip(n["k"], n["v"]):
-                g = "optimizer" if opt else "model" if not path and k == "model" and group == "other" else group
+                g = "optimizer" if opt else "model" if not path and k in MODEL_KEYS and group == "other" else group
                 stack.append((v, path + (str(k),), g))
         elif t == "tuple" or t == "per_rank" or isinstance(n, list):
             stack.extend((v, path + (str(i),), group) for i, v in enumerate(n["v"] if t else n))
