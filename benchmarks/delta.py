@@ -124,16 +124,17 @@ def workloads(args, data: torch.Tensor):
     """(name, state, an iterator of steps) for each training, built when its turn comes."""
     total = args.every * (args.saves - 1)
     g = torch.Generator().manual_seed(0)
+    dims = {"d": 64, "layers": 2} if args.quick else {}  # --quick, a smoke test: a GPT a tenth the size
 
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT(**dims)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     yield "gpt-fp32", {"model": model, "optim": opt}, gpt_steps(model, opt, data, total + args.warmup, 1e-3, g), \
         args.warmup
     pretrained = {k: v.clone() for k, v in model.state_dict().items()}
 
     torch.manual_seed(0)
-    m16 = GPT().to(torch.bfloat16)
+    m16 = GPT(**dims).to(torch.bfloat16)
     o16 = torch.optim.AdamW(m16.parameters(), lr=1e-3, weight_decay=0.1)
     yield "gpt-bf16", {"model": m16, "optim": o16}, gpt_steps(m16, o16, data, total + args.warmup, 1e-3, g), \
         args.warmup
@@ -152,7 +153,7 @@ def workloads(args, data: torch.Tensor):
             yield 0.0
     yield "embedding", {"embedding": emb, "optim": sgd}, sparse_steps(), 0
 
-    ft = GPT()
+    ft = GPT(**dims)
     ft.load_state_dict(pretrained)
     params = sorted(ft.named_parameters(), key=lambda kv: -kv[1].numel())
     frozen, budget = 0, 0.9 * sum(p.numel() for _, p in params)
@@ -432,13 +433,15 @@ def main() -> None:
     ap.add_argument("--first", action="store_true", help="also compare codecs on the first save")
     ap.add_argument("--fast-width", type=int, default=2048, help="the /dev/shm run's MLP width")
     ap.add_argument("--no-s3", action="store_true", help="leave out the loads over S3 (rclone serve s3)")
-    ap.add_argument("--quick", action="store_true", help="3 saves, 2 steps apart, 5 warm-up steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke test: 3 saves, 2 steps apart, 2 warm-up steps, a smaller GPT (d 64, 2 layers)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     print(banner(), flush=True)
     if args.quick:
-        args.saves, args.every, args.warmup, args.load_repeats, args.fast_width = 3, 2, 5, 1, 512
-    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
+        args.saves, args.every, args.warmup, args.load_repeats, args.fast_width = 3, 2, 2, 1, 512
+    # every core, unless OMP_NUM_THREADS says otherwise (the smoke test's: on a busy machine threads spin)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 2)))
     data = corpus(8 << 20)
     root = tempfile.mkdtemp(prefix="ckpt-bench-delta-")
     doc: dict = {"command": "python benchmarks/delta.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),

@@ -1,7 +1,7 @@
 """The ``ckpt`` command line: look at, check, compare, clean up and export checkpoints.
 
     ckpt ls      URL [--verify] [--local DIR ...] [--json]
-    ckpt inspect URL [--step S] [--json]
+    ckpt inspect URL [--step S] [--keys PATTERN ...] [--tsv] [--json]
     ckpt verify  URL [--step S | --all] [--json]
     ckpt diff    URL A B [--max-diff] [--exit-code] [--json]
     ckpt gc      URL [--dry-run] [--grace 1h] [--keep-last N] [--local DIR --keep-local N] [--json]
@@ -12,7 +12,8 @@
 
 URL is a directory or any fsspec URL (``--storage-option KEY=VALUE`` passes options). It needs no
 process group and never unpickles. Tables are aligned on a terminal and tab-separated (sizes in
-bytes) when piped; ``--json`` prints one document with a ``schema`` field.
+bytes) when piped (``inspect``: aligned, at full width, unless ``--tsv``); ``--json`` prints one
+document with a ``schema`` field.
 """
 
 from __future__ import annotations
@@ -102,12 +103,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     reader = _open(args)
-    ins = reader.inspect(args.step)
+    ins = reader.inspect(args.step, keys=args.keys)
     m, step, summary, tensors, values = ins.manifest, ins.manifest.step, ins.summary, ins.tensors, ins.values
     if args.json:
         _dump(ins.to_json())
         return EXIT_OK
-    out = Out()
+    out = Out(aligned=not args.tsv)  # piped too, unless --tsv: a table is what people pipe to less or grep
     out.write(f"{args.url}: {len(reader.committed)} committed step(s); step {step}")
     out.write(f"  created {summary.created}, {m.world_size} rank(s), {len(m.tensors)} tensor(s)")
     out.write(f"  raw {human_bytes(m.raw_bytes)}, stored {human_bytes(m.stored_bytes)}, "
@@ -116,15 +117,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out.write(f"  per-rank keys: {', '.join(m.per_rank_keys)}")
     if ins.damaged:
         out.write(f"  damaged steps: {', '.join(map(str, ins.damaged))} (ckpt ls shows why)")
+    if args.keys:
+        out.write(f"  --keys {' '.join(args.keys)}: {len(tensors)} of {ins.total_tensors} tensor(s), "
+                  f"{len(values)} value(s)")
     if tensors:
-        out.write(f"\nstep {step}: tensors")
-        rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else ""), t["kind"], fmt_dtype(t["dtype"]),
-                 fmt_shape(t["shape"]), out.size(t["bytes"]), len(t["shards"]), t["new_chunks"], t["reused_chunks"],
-                 ",".join(sorted({c.split("/")[0] for c in t["codecs"]})) or "-",
-                 fmt_ratio(t["ratio"]), fmt_base_steps(t["base_steps"]), t["chain"]]
+        total = sum(t["bytes"] for t in tensors) or 1
+        out.write(f"\nstep {step}: size by group")
+        out.table(["group", "tensors", "size", "share"],
+                  [[g["group"], g["tensors"], out.size(g["bytes"]), f"{g['bytes'] / total:.0%}"] for g in ins.groups],
+                  {1, 2, 3})
+        named = any(t["param"] for t in tensors)
+        out.write(f"\nstep {step}: tensors" + (" (parameter: what an optimizer state entry is for)" if named else ""))
+        rows = [[t["key"] + (f" [rank {t['rank']}]" if t["rank"] is not None else "")]
+                + ([t["param"] or "-"] if named else [])
+                + [t["kind"], fmt_dtype(t["dtype"]), fmt_shape(t["shape"]), out.size(t["bytes"]), len(t["shards"]),
+                   t["new_chunks"], t["reused_chunks"], ",".join(sorted({c.split("/")[0] for c in t["codecs"]})) or "-",
+                   fmt_ratio(t["ratio"]), fmt_base_steps(t["base_steps"]), t["chain"]]
                 for t in tensors]
-        out.table(["key", "kind", "dtype", "shape", "size", "shards", "new", "reused", "codec", "ratio", "base",
-                   "chain"], rows, {4, 5, 6, 7, 9, 11}, fit={0: "middle", 8: "end"}, drop=[11, 10, 5, 7, 1, 6])
+        header = ["key"] + (["parameter"] if named else []) + ["kind", "dtype", "shape", "size", "shards", "new",
+                                                                "reused", "codec", "ratio", "base", "chain"]
+        p = 1 if named else 0  # columns after the key move one right with the parameter's
+        out.table(header, rows, {4 + p, 5 + p, 6 + p, 7 + p, 9 + p, 11 + p},
+                  fit={0: "middle", 8 + p: "end"} | ({1: "middle"} if named else {}),
+                  drop=[11 + p, 10 + p, 5 + p, 7 + p, 1 + p] + ([1] if named else []) + [6 + p])
     sharded = [t for t in tensors if t["kind"] == "sharded"]
     if sharded:
         out.write(f"\nstep {step}: shards (box of the global tensor, saving rank, chunks)")
@@ -133,8 +148,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out.table(["key", "box", "rank", "chunks"], rows, {2, 3}, fit={0: "middle", 1: "end"})
     if values:
         out.write(f"\nstep {step}: values")
-        for p, n in values:
-            out.write(f"  {p} = {preview(n)}")
+        for path, n in values:
+            out.write(f"  {path} = {preview(n)}")
     return EXIT_OK
 
 
@@ -193,7 +208,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
             rows = [[c.name, c.status, c.how, c.detail or "-"] +
                     ([f"{c.max_abs_diff:.6g}" if c.max_abs_diff is not None else "-"] if args.max_diff else [])
                     for c in differ]
-            out.table(header, rows, {4}, fit={0: "middle", 3: "end"}, drop=[2])
+            # the names keep their width while "decided by" and the detail are hidden (--json has them)
+            out.table(header, rows, {4}, fit={0: "middle", 3: "end"}, drop=[2, 3], whole={0})
         if values:
             if differ and out.tty:
                 out.write()  # the two tables apart

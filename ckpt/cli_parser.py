@@ -46,6 +46,12 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]]) -> ar
 
     ins = add("inspect", "one step in depth: tensors, shards, codecs, new/reused chunks, values")
     ins.add_argument("--step", type=cli_types.step, help="step to show (default: the latest)")
+    ins.add_argument("--keys", action="append", metavar="PATTERN",
+                     help="only tensors and values whose key starts with PATTERN, or matches it where it holds * ? "
+                          "or [ (repeatable), e.g. --keys model/ --keys '*.bias'; optimizer state matches by its "
+                          "parameter's key too")
+    ins.add_argument("--tsv", action="store_true",
+                     help="tab-separated rows with exact byte counts (default: aligned tables, piped too)")
     ins.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
 
     ver = add("verify", "re-read and re-hash every chunk of a step; name each corrupt or missing object")

@@ -62,8 +62,10 @@ class Cell(str):
 
 
 GAP = 2  # spaces between columns
+PIPED_WIDTH = 1 << 16  # an aligned table piped (to less, grep, a file): as wide as its rows, nothing cut
 KEEP = {"middle": 30, "end": 16}  # a shortened column is kept this wide while other columns can be hidden
 FLOOR = {"middle": 10, "end": 6}  # ... and never narrower
+WHOLE: dict[str, int] = {}  # layout's stage marker: ``whole`` columns untouched, the other ``fit`` ones at KEEP
 
 
 @dataclass
@@ -160,18 +162,25 @@ def _widths(shown: list[int], natural: dict[int, int], least: dict[int, int], wi
 
 
 def layout(header: list[str], rows: list[list[Any]], right: set[int] | frozenset[int], fit: dict[int, str],
-           drop: Sequence[int], width: int) -> Layout:
+           drop: Sequence[int], width: int, whole: set[int] | frozenset[int] = frozenset()) -> Layout:
     """Lines of a table at most ``width`` cells wide, each row on one line. Relaxed step by step until
     it fits: headers wrapped at spaces, short forms of :class:`Cell` cells, ``fit`` columns shortened
     to ``KEEP``, ``drop`` columns hidden one by one, ``fit`` columns down to ``FLOOR``; past that
-    (a very narrow terminal) the lines are cropped."""
+    (a very narrow terminal) the lines are cropped. ``whole``: ``fit`` columns (names) that keep their
+    full width while other columns are shortened and ``drop`` columns hidden, before they are cut."""
     n = len(header)
     stages: list[tuple[bool, bool, dict[str, int] | None, int]] = [
         (False, False, None, 0), (True, False, None, 0), (True, True, None, 0)]
+    if whole:
+        stages += [(True, True, WHOLE, k) for k in range(len(drop) + 1)]
     stages += [(True, True, KEEP, k) for k in range(len(drop) + 1)] + [(True, True, FLOOR, len(drop))]
     kept: dict[int, int] = {}
     for wrap, short, floor, k in stages:
-        if floor is KEEP and not kept:  # only once the table does not fit with every name whole
+        if floor is WHOLE:
+            floor = KEEP
+            kept = {i: 1 << 30 if i in whole else KEEP[how] for i, how in fit.items()}  # names at their natural width
+        elif floor is KEEP and (not kept or any(kept[i] >= 1 << 30 for i in kept)):
+            # only once the table does not fit with every name whole
             kept = {i: _distinct_width([_text(r[i], True) for r in rows], KEEP[how]) if how == "middle"
                     else KEEP[how] for i, how in fit.items()}
         texts = [[_text(r[i], short) for r in rows] for i in range(n)]
@@ -207,10 +216,12 @@ class Out:
     sizes for humans; piped, tab-separated rows with exact byte counts (so ``cut``/``awk`` and
     spreadsheets read them)."""
 
-    def __init__(self, stream: TextIO | None = None, tty: bool | None = None, width: int | None = None):
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None, width: int | None = None,
+                 aligned: bool | None = None):
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
-        self.width = width or (terminal_width(self.stream) if self.tty else 200)
+        self.aligned = self.tty if aligned is None else aligned  # piped and aligned: tables for people, full width
+        self.width = width or (terminal_width(self.stream) if self.tty else PIPED_WIDTH if self.aligned else 200)
         real = self.tty and hasattr(self.stream, "fileno") and not isinstance(self.stream, io.StringIO)
         self.console = Console(file=self.stream, width=self.width, highlight=False, soft_wrap=False,
                                color_system="auto" if real else None, emoji=False)
@@ -228,23 +239,29 @@ class Out:
             self.write(line)
 
     def size(self, n: int | None) -> str:
-        """A size cell: exact bytes when piped, ``250.0 KiB`` (or ``250K`` if narrow) on a terminal."""
+        """A size cell: exact bytes in TSV, ``250.0 KiB`` (or ``250K`` if narrow) in an aligned table."""
         if n is None:
             return "-"
-        return Cell(human_bytes(n), compact_bytes(n)) if self.tty else str(n)
+        return Cell(human_bytes(n), compact_bytes(n)) if self.aligned else str(n)
 
     def table(self, header: list[str], rows: list[list[Any]], right: set[int] | frozenset[int] = frozenset(), *,
-              fit: dict[int, str] | None = None, drop: Sequence[int] = ()) -> None:
+              fit: dict[int, str] | None = None, drop: Sequence[int] = (),
+              whole: set[int] | frozenset[int] = frozenset()) -> None:
         """One row per line, always. ``fit``: columns that may be shortened on a narrow terminal,
         ``"middle"`` (names: ``model/layers.11.…q_proj.weight``, kept distinct) or ``"end"`` (prose);
         ``drop``: columns to hide, first ones first, before a name would get too short to read.
-        Cells that are :class:`Cell` show their short form when the full one does not fit."""
-        if not self.tty:
+        Cells that are :class:`Cell` show their short form when the full one does not fit. ``whole``:
+        name columns that keep their width while ``drop`` columns are hidden, before they are cut.
+        Piped: tab-separated, or (``aligned``) the table at its full width."""
+        if not self.aligned:
             for r in [header] + [[str(c) for c in r] for r in rows]:
                 self.stream.write("\t".join(c.replace("\t", " ").replace("\n", " ") for c in r) + "\n")
             return
-        lay = layout(header, rows, right, fit or {}, drop, self.width)
+        lay = layout(header, rows, right, fit or {}, drop, self.width, whole)
         for i, line in enumerate(lay.lines):
+            if not self.tty:
+                self.stream.write(line + "\n")
+                continue
             self.console.print(Text(line, style="bold" if i < lay.header_lines else ""), no_wrap=True,
                                overflow="crop", crop=True, markup=False)
         notes = ([f"hidden: {', '.join(header[i] for i in lay.hidden)}"] if lay.hidden else []) + (

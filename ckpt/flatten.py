@@ -100,6 +100,7 @@ class _Flattener:
         self.for_target = for_target  # walking the caller's state on load: never refuse a value
         self.flat = Flat(structure={})
         self.depth = 0
+        self.optimizers: list[tuple[dict, dict, Any]] = []  # (node, its state_dict, the optimizer)
 
     def tensor_key(self, path: tuple) -> str:
         key = "/".join(_component(p) for p in path)
@@ -180,7 +181,32 @@ class _Flattener:
         if getattr(obj, "ckpt_per_rank", False) and path:
             self.flat.per_rank.add(path[0])
         self.flat.statefuls["/".join(_component(p) for p in path)] = obj
-        return st.stateful_node(obj, self.node(obj.state_dict(), path, tpath))
+        sd = obj.state_dict()
+        node = st.stateful_node(obj, self.node(sd, path, tpath))
+        if isinstance(obj, torch.optim.Optimizer) and not self.for_target:
+            self.optimizers.append((node, sd, obj))
+        return node
+
+    def name_params(self) -> None:
+        """Each optimizer's node gets ``params``: its state's parameter indices with the tensor keys of
+        the parameters they are, where a module of the same state holds them (so ``ckpt inspect`` can
+        say ``optim/state/3`` is ``model/0.weight``). Found by identity, one pass over the modules."""
+        if not self.optimizers:
+            return
+        names: dict[int, str] = {}
+        for where, obj in self.flat.statefuls.items():
+            if isinstance(obj, torch.nn.Module):
+                for name, p in obj.named_parameters():
+                    if f"{where}/{name}" in self.flat.tensors:
+                        names.setdefault(id(p), f"{where}/{name}")
+        for node, sd, opt in self.optimizers:
+            saved = sd.get("param_groups") if isinstance(sd, dict) else None
+            if not isinstance(saved, list) or len(saved) != len(opt.param_groups):
+                continue
+            pairs = [[i, names[id(p)]] for g, live in zip(saved, opt.param_groups)
+                     for i, p in zip(g.get("params", ()), live["params"]) if id(p) in names and type(i) is int]
+            if pairs:
+                node["params"] = pairs
 
     def npscalar(self, obj: np.generic, path: tuple, tpath: tuple[str, ...]) -> Any:
         value = obj.item()
@@ -277,6 +303,7 @@ def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False
         nodes.append(f.node(v, (k,), (st.path_component(k),)))
         spans[k] = (before, len(f.flat.tensors))  # a span, not a list per key: many top-level keys stay linear
     f.flat.structure = st.dict_node(list(state.keys()), nodes)
+    f.name_params()
     order = list(f.flat.tensors) if f.flat.per_rank else []
     for k in f.flat.per_rank:  # every tensor under a per-rank key is this rank's own
         for key in order[spans[k][0]:spans[k][1]]:

@@ -15,7 +15,9 @@ field naming its kind:
 ``device``      ``{"t": "device", "v": "cuda:0"}``
 ``bytes``       ``{"t": "bytes", "v": base64}``
 ``stateful``    ``{"t": "stateful", "type": "pkg.Class", "v": node}``: ``state_dict()`` of an
-                object; the type name is informational only, nothing is ever built from it
+                object; the type name is informational only, nothing is ever built from it.
+                An optimizer's may hold ``"params": [[index, "model/0.weight"], ...]``: which
+                parameter each index of its state is (informational: for ``ckpt inspect``)
 ``pickle``      ``{"t": "pickle", "v": base64}``: only with ``allow_pickle`` on both sides
 ``per_rank``    ``{"t": "per_rank", "v": [node per rank]}``: a top-level key saved per rank
 ==============  ======================================================================
@@ -330,3 +332,58 @@ def preview(node: Node, limit: int = 80) -> str:
         return f"<{t}>"
     s = render(node)
     return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+# -- what a tensor is: model, optimizer state, other -----------------------------------------------------
+
+GROUPS = ("model", "optimizer", "other")
+MODEL_KEYS = ("model", "module", "state_dict")  # top-level keys that hold a model's tensors (Lightning: state_dict)
+
+
+def _is_optimizer_state(n: Node) -> bool:
+    """A dict node holding an optimizer's ``state_dict()``: ``state`` and ``param_groups``."""
+    return kind(n) == "dict" and {"state", "param_groups"} <= {k for k in n["k"] if isinstance(k, str)}
+
+
+def _is_module_state(n: Node) -> bool:
+    """A dict node shaped like a module's ``state_dict()``: tensors by name (and extra states)."""
+    return kind(n) == "dict" and bool(n["v"]) and all(
+        kind(v) == "tensor" or (isinstance(k, str) and k.endswith("_extra_state")) for k, v in zip(n["k"], n["v"]))
+
+
+def tensor_groups(root: Node) -> tuple[dict[str, str], dict[str, str]]:
+    """For each tensor key of a structure tree, its group (``optimizer``: in an optimizer's state;
+    ``model``: in a module's ``state_dict()`` (tensors by name) or under a top-level key of MODEL_KEYS;
+    ``other``: the rest, random states included),
+    and for optimizer state the tensor key of its parameter where the step recorded it (the
+    optimizer node's ``params``; a state entry is ``<optimizer>/state/<index>/...``)."""
+    groups: dict[str, str] = {}
+    params: dict[str, str] = {}
+    stack: list[tuple[Node, tuple[str, ...], str]] = [(root, (), "other")]
+    while stack:
+        n, path, group = stack.pop()
+        t = kind(n)
+        if t == "stateful":
+            v = n.get("v")
+            opt = _is_optimizer_state(v)
+            if opt and isinstance(n.get("params"), list):
+                names = {i: name for i, name in (x for x in n["params"] if isinstance(x, list) and len(x) == 2)
+                         if type(i) is int and isinstance(name, str)}
+                for tpath, key in tensor_paths(v):
+                    if len(tpath) >= 2 and tpath[0] == '"state"':
+                        idx = json.loads(tpath[1])
+                        if type(idx) is int and idx in names:
+                            params[key] = names[idx]
+            module = group == "other" and _is_module_state(v)
+            stack.append((v, path, "optimizer" if opt else "model" if module else group))
+        elif t == "dict":
+            opt = _is_optimizer_state(n)
+            for k, v in zip(n["k"], n["v"]):
+                g = "optimizer" if opt else "model" if not path and k in MODEL_KEYS and group == "other" else group
+                stack.append((v, path + (str(k),), g))
+        elif t == "tuple" or t == "per_rank" or isinstance(n, list):
+            stack.extend((v, path + (str(i),), group) for i, v in enumerate(n["v"] if t else n))
+        elif t == "tensor":
+            groups[n["key"]] = group
+    return groups, params
+

@@ -212,7 +212,7 @@ def test_inspect_shows_shards_kinds_codecs_and_new_versus_reused_chunks(two_rank
     assert doc["detail"]["per_rank_keys"] == ["pos"]
     assert doc["detail"]["value_nodes"]["step"] == 2 and doc["detail"]["values"]["pos[rank 1]/seed"] == "11"
 
-    rc, out, _ = run("inspect", two_ranks, "--step", 1)
+    rc, out, _ = run("inspect", two_ranks, "--step", 1, "--tsv")
     assert rc == 0 and "step 1" in out
     shards = [r for r in rows(out) if r[0] == "emb"]
     assert ["emb", "[0:40, 0:1000]", "0"] == shards[-2][:3] and ["emb", "[40:64, 0:1000]", "1"] == shards[-1][:3]
@@ -653,7 +653,8 @@ def test_tables_fit_the_terminal_one_line_a_row(ckdir, tmp_path, monkeypatch, ca
     ins, diff, gc = json_of("inspect", ckdir), json_of("diff", ckdir, 1, 2), json_of("gc", ckdir, "--dry-run",
                                                                                       "--grace", 0)
     assert [t["key"] for t in ins["detail"]["tensors"]] == keys  # --json: every key whole
-    expected = {("ls",): [2], ("inspect",): [len(keys)], ("diff", 1, 2, "--max-diff"): [len(keys), 2],
+    # inspect: the size by group, then the tensors
+    expected = {("ls",): [2], ("inspect",): [1, len(keys)], ("diff", 1, 2, "--max-diff"): [len(keys), 2],
                 ("gc", "--dry-run", "--grace", 0): [len(gc["would_remove"])]}
     assert len(diff["tensors"]) == len(keys) and expected[("gc", "--dry-run", "--grace", 0)] == [2]
 
@@ -665,7 +666,7 @@ def test_tables_fit_the_terminal_one_line_a_row(ckdir, tmp_path, monkeypatch, ca
             # one line a row: each table has exactly its rows
             assert [len(t) for t in tables(lines)] == counts, (cmd, width, lines)
         rc, lines = on_terminal(monkeypatch, width, "inspect", ckdir)
-        rows = tables(lines)[0]
+        rows = tables(lines)[1]
         names = [r.split()[0] for r in rows]
         assert len(set(names)) == len(keys)  # shortened or not, every key still distinct
         if width == 200:

@@ -17,8 +17,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # spawns processes an
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The example's and the benchmarks' models are tiny: on a busy machine torch's intra-op threads spin against
+# each other (examples/train.py: 44 s for 300 steps on 2 loaded cores, 3.4 s on one thread, same weights).
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
 def run(*args, cwd=ROOT, check=True):
-    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300, env=ENV)
     if check:
         assert p.returncode == 0, p.stderr
     return p

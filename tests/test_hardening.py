@@ -259,6 +259,54 @@ def test_a_grown_chunk_is_never_read_whole(ckdir):
 
 
 
+PADDED_LOAD = """
+import resource, sys, torch, ckpt
+target = {"w": torch.zeros(1024)}
+c = ckpt.Checkpointer(sys.argv[1])
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak RSS from here on
+before = int(next(ln for ln in open("/proc/self/status") if ln.startswith("VmRSS")).split()[1])
+try:
+    c.load(1, target)
+    print("loaded", bool(torch.equal(target["w"], torch.arange(1024, dtype=torch.float32))))
+except ckpt.CorruptCheckpointError as e:
+    print("refused", type(e).__name__, e.chunk, str(e).replace(chr(10), " "))
+peak = int(next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")).split()[1])
+print("grew_kib", peak - before)
+"""
+
+
+def test_a_chunk_padded_far_past_what_its_codec_needs_is_refused_without_reading_it(ckdir):
+    """Issue 32 item 15: a 4 KiB tensor's zstd chunk padded to 256 MiB with a skippable zstd frame (its
+    header's payload length and the manifest's stored size saying so) loaded at +259 MiB RSS: the
+    reader trusted the manifest's claim. What it reads is bounded by what the codec can need for the
+    chunk's raw size; the load is refused, typed and naming the chunk, and memory hardly grows."""
+    with ckpt.Checkpointer(ckdir, codec="zstd") as c:
+        c.save(1, {"w": torch.arange(1024, dtype=torch.float32)}).wait()
+        [(h, info)] = c.manifest(1).chunks.items()
+    assert info.codec == "zstd/1" and info.size == 4096
+    path = os.path.join(ckdir, paths.chunk_key(h))
+    with open(path, "rb") as f:
+        header, frame = f.read(64), f.read()
+    pad = (256 << 20) - len(frame) - 8  # a skippable frame: zstd's own padding, which a decoder passes over
+    fields = list(HEADER.unpack(header))
+    fields[-1] = len(frame) + 8 + pad
+    with open(path, "wb") as f:
+        f.write(HEADER.pack(*fields) + frame + (0x184D2A50).to_bytes(4, "little") + pad.to_bytes(4, "little"))
+    os.truncate(path, 64 + fields[-1])  # sparse: costs no disk
+    mpath = os.path.join(ckdir, paths.manifest_key(1))
+    with open(mpath) as f:
+        doc = json.load(f)
+    doc["chunks"][h][1] = 64 + fields[-1]  # the manifest claims the padded size too
+    with open(mpath, "w") as f:
+        json.dump(doc, f)
+    p = subprocess.run([sys.executable, "-c", PADDED_LOAD, ckdir], capture_output=True, text=True, timeout=120,
+                       check=True)
+    first, grew = p.stdout.splitlines()[0], int(p.stdout.split("grew_kib")[1])
+    assert first.startswith(f"refused CorruptCheckpointError {h}") and "larger than any form" in first, p.stdout
+    assert grew < 32 << 10, p.stdout  # KiB: far from the 256 MiB object
+
+
 HUGE = 1 << 34  # 16 GiB: the most a manifest's chunk table may claim for one chunk
 
 

@@ -25,7 +25,7 @@ from ..storage.base import Storage
 from . import manifest as mf
 from . import spans
 from .chain_core import decode_chain
-from .chunk import HEADER_SIZE, MAX_WIDTH, Base, check_header, decode, parse_header
+from .chunk import HEADER_SIZE, Base, check_header, decode, max_stored, parse_header
 from .paths import chunk_key
 from .planes import scratch
 
@@ -33,10 +33,12 @@ MAX_READ_FACTOR = 64  # a chain may hold at most this times its chunk's size (th
 
 
 def read_limit(info: mf.ChunkInfo) -> int:
-    """The most bytes the object of a chunk described by ``info`` may hold: its entry's stored size,
-    or a copy written again whole by another writer (a chunk's name is its raw bytes' hash, however
-    it is stored), which is at most a little more than raw."""
-    return max(info.stored, info.size + HEADER_SIZE + 8 * (MAX_WIDTH + 1) + info.size // 128 + (64 << 10))
+    """The most bytes the object of a chunk described by ``info`` may hold: what any codec may need
+    for its raw size (:func:`~ckpt.format.chunk.max_stored`; a copy written again by another writer
+    may be stored another way than the entry says, as a chunk's name is its raw bytes' hash), never
+    the entry's own stored size where that claims more: a manifest cannot make a reader take in a
+    padded object."""
+    return max_stored(info.size)
 
 
 class MissingChunkError(CorruptCheckpointError):

@@ -76,6 +76,15 @@ ROTATED = 0x80  # header flags bit: the planes are of elements rotated left one 
 
 MAX_RAW = 1 << 34  # no chunk holds more (manifest.MAX_CHUNK_BYTES): a header that says so is damaged
 
+
+def max_stored(raw_len: int) -> int:
+    """The most bytes the object of a chunk of ``raw_len`` raw bytes may hold, header included, whatever
+    its codec: raw; planes and xor, whose sections are never stored larger than their plane (an encoder
+    keeps a plane that would not shrink as it is) behind a table of at most MAX_WIDTH + 1 entries; zstd,
+    kept only where smaller, and at worst zstd's own bound (n + n/256 + 64 KiB is above it). A reader
+    reads no more than this, whatever a manifest claims: a padded object is refused before it is read."""
+    return HEADER_SIZE + raw_len + 8 * (MAX_WIDTH + 1) + raw_len // 128 + (64 << 10)
+
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 
 def chunk_hash(data) -> str:
@@ -130,9 +139,10 @@ def parse_header(blob, *, name: str) -> ChunkHeader:
     magic, version, codec_id, flags, check, raw_len, digest, base, payload_len = HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptCheckpointError(f"{name} is not a ckpt chunk (bad magic)", object=name)
-    if raw_len > MAX_RAW or payload_len > MAX_RAW + (1 << 20):
+    if raw_len > MAX_RAW or HEADER_SIZE + payload_len > max_stored(raw_len):
         raise CorruptCheckpointError(f"chunk object {name} claims {raw_len} raw bytes in a payload of {payload_len}: "
-                                     "more than any chunk holds; it is damaged", object=name)
+                                     "more than any chunk holds, or than any codec stores its raw bytes in; it is "
+                                     "damaged", object=name)
     if version > CHUNK_VERSION:
         raise IncompatibleFormatError(
             f"chunk {name} uses chunk format v{version}; this ckpt reads v{CHUNK_VERSION}. "

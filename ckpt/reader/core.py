@@ -189,10 +189,12 @@ class Reader:
         committed only there and where each step is held. ``.to_json()``: what ``ckpt ls --json`` prints."""
         return listing.ls(self, verify=verify, local=local, progress=progress)
 
-    def inspect(self, step: Step = None) -> listing.Inspection:
-        """One step in depth: tensors (shards, codecs, new and reused chunks, delta bases), values.
-        ``.to_json()``: what ``ckpt inspect --json`` prints."""
-        return listing.inspect(self, self.step(step))
+    def inspect(self, step: Step = None, *, keys: str | Sequence[str] | None = None) -> listing.Inspection:
+        """One step in depth: tensors (group, shards, codecs, new and reused chunks, delta bases, and for
+        optimizer state its parameter's key where the step recorded it), values, bytes per group.
+        ``keys``: only tensors and values matching one (a glob with ``*?[``, else a prefix; optimizer
+        state also by its parameter's key). ``.to_json()``: what ``ckpt inspect --json`` prints."""
+        return listing.inspect(self, self.step(step), [keys] if isinstance(keys, str) else keys)
 
     def gc(self, *, grace_s: float = 3600.0, keep_last: int | None = None, dry_run: bool = True) -> collect.GcReport:
         """Garbage older than ``grace_s`` seconds (orphan chunks, temp files, incomplete steps) and,

@@ -5,6 +5,7 @@ is the command's ``--json`` document."""
 from __future__ import annotations
 
 import datetime as dt
+import fnmatch
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from ..errors import CheckpointError, ConfigError
 from ..format import manifest as mf
 from ..format import paths
 from ..format.chunk import is_chunk_hash
-from ..tree import preview, strip_pickles, value_nodes
+from ..tree import GROUPS, preview, strip_pickles, tensor_groups, value_nodes
 from .verify import Problem
 
 if TYPE_CHECKING:
@@ -206,16 +207,19 @@ def tensor_kind(t: mf.TensorEntry) -> str:
     return "sharded" if boxes else "tensor"
 
 
-def _tensor_doc(m: mf.Manifest, t: mf.TensorEntry, earlier: set[str], holder: dict[str, int]) -> dict:
+def _tensor_doc(m: mf.Manifest, t: mf.TensorEntry, earlier: set[str], holder: dict[str, int], group: str,
+                param: str | None) -> dict:
     """One tensor of step ``m``: its chunks, codecs, ratio (raw ÷ stored, for this step's own chunks;
     a delta's base is not counted) and, for deltas, the steps holding their bases (``holder``: the
-    newest earlier step that holds each chunk) and the longest chain a load of it resolves."""
+    newest earlier step that holds each chunk) and the longest chain a load of it resolves; its
+    ``group`` (model, optimizer, other) and, for optimizer state, the key of its ``param``."""
     chunks = list(dict.fromkeys(g.chunk for s in t.shards for g in s.segments))
     new = [h for h in chunks if h not in earlier]
     raw = sum(m.chunks[h].size for h in chunks)
     stored = sum(m.chunks[h].stored for h in chunks)
     bases = {m.chunks[h].base for h in chunks} - {None}
-    return {"key": t.key, "rank": t.rank, "kind": tensor_kind(t), "dtype": t.dtype, "shape": t.shape,
+    return {"key": t.key, "rank": t.rank, "group": group, "param": param, "kind": tensor_kind(t), "dtype": t.dtype,
+            "shape": t.shape,
             "bytes": t.nbytes,
             "shards": [{"rank": s.rank, "offsets": s.offsets, "lengths": s.lengths,
                         "chunks": list(dict.fromkeys(g.chunk for g in s.segments))} for s in t.shards],
@@ -230,7 +234,9 @@ def _tensor_doc(m: mf.Manifest, t: mf.TensorEntry, earlier: set[str], holder: di
 class Inspection:
     """What ``ckpt inspect`` shows of one step: ``summary`` (its ``ls`` row), ``tensors`` (one
     document per tensor: kind, shards, chunks new and reused, codecs, ratio, delta bases, chain),
-    ``values`` (key path -> typed JSON node), and the root's other steps for context."""
+    ``values`` (key path -> typed JSON node), and the root's other steps for context. ``keys``: the
+    patterns they were filtered by (None: all); ``groups``: tensors and bytes of those shown, per
+    group (model, optimizer, other), in that order."""
 
     url: str
     manifest: mf.Manifest
@@ -240,6 +246,17 @@ class Inspection:
     committed: list[StepInfo]  # every committed step, without new-byte counts
     incomplete: list[int]
     damaged: dict[int, str]
+    keys: list[str] | None = None
+    total_tensors: int = 0  # in the step, before the keys filter
+
+    @property
+    def groups(self) -> list[dict]:
+        out = []
+        for g in GROUPS:
+            mine = [t for t in self.tensors if t["group"] == g]
+            if mine:
+                out.append({"group": g, "tensors": len(mine), "bytes": sum(t["bytes"] for t in mine)})
+        return out
 
     def to_json(self) -> dict:
         m = self.manifest
@@ -252,16 +269,36 @@ class Inspection:
                 "steps": [d for d in steps if d["status"] == "committed"],
                 "incomplete_steps": self.incomplete,
                 "damaged_steps": {str(s): e for s, e in self.damaged.items()},
-                "detail": {**self.summary.to_json(), "per_rank_keys": m.per_rank_keys, "tensors": self.tensors,
+                "detail": {**self.summary.to_json(), "per_rank_keys": m.per_rank_keys, "keys": self.keys,
+                           "groups": self.groups, "tensors": self.tensors,
                            "values": {p: preview(n) for p, n in self.values},
                            "value_nodes": {p: strip_pickles(n) for p, n in self.values}}}
 
 
-def inspect(reader: Reader, step: int) -> Inspection:
+def key_matcher(keys: Sequence[str] | None) -> Callable[[str], bool]:
+    """Does a key match any of ``keys``: a glob where it has ``*``, ``?`` or ``[``, else a prefix."""
+    if not keys:
+        return lambda key: True
+    globs = [k for k in keys if any(c in k for c in "*?[")]
+    prefixes = tuple(k for k in keys if k not in globs)
+    return lambda key: key.startswith(prefixes) or any(fnmatch.fnmatchcase(key, g) for g in globs)
+
+
+def inspect(reader: Reader, step: int, keys: Sequence[str] | None = None) -> Inspection:
+    """:meth:`Reader.inspect`. ``keys``: only the tensors whose key (or, for optimizer state, whose
+    parameter's key) and the values whose path match one of them, globs or prefixes."""
     m = reader.manifest(step)
+    match = key_matcher(keys)
+    groups, params = tensor_groups(m.structure)
+    shown = [t for t in m.tensors if match(t.key) or (t.key in params and match(params[t.key]))]
+    values = [(p, n) for p, n in value_nodes(m.structure) if match(p)]
+    if keys and not shown and not values:
+        raise ConfigError(f"--keys {' '.join(keys)}: no tensor or value of step {step} matches (a prefix such as "
+                          "model/, or a glob such as '*.bias'; ckpt inspect without --keys lists them all)")
     earlier = reader.earlier_chunks(step)
     summary = step_info(reader, step, earlier)
     holder = reader.chunk_holders(step)
     committed = [step_info(reader, s, set()) for s in reader.committed]
-    return Inspection(reader.url, m, summary, [_tensor_doc(m, t, earlier, holder) for t in m.tensors],
-                      list(value_nodes(m.structure)), committed, list(reader.incomplete), dict(reader.errors))
+    docs = [_tensor_doc(m, t, earlier, holder, groups.get(t.key, "other"), params.get(t.key)) for t in shown]
+    return Inspection(reader.url, m, summary, docs, values, committed, list(reader.incomplete), dict(reader.errors),
+                      list(keys) if keys else None, len(m.tensors))
