@@ -29,6 +29,7 @@ from .errors import (
     NotACheckpointError,
     PartialStateError,
     ReshardError,
+    RootInUseError,
     StateMismatchError,
     StepExistsError,
     StorageError,
@@ -71,6 +72,6 @@ __all__ = [
     "PerRank", "fence", "open", "import_checkpoint", "Reader", "Pickled", "Replicas", "Parity",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "DistributedSaveError", "IncompatibleFormatError", "NonFiniteStateError", "NotACheckpointError",
-    "PartialStateError", "ReshardError", "StateMismatchError", "StepExistsError", "StorageError",
+    "PartialStateError", "ReshardError", "RootInUseError", "StateMismatchError", "StepExistsError", "StorageError",
     "UnsupportedValueError",
 ]

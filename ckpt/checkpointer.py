@@ -103,7 +103,7 @@ class Checkpointer:
         manifests = mf.ManifestCache(self.storage, maxsize=64)
         self._manifests = manifests
         # Held from the first save to close(), so other processes' deletions keep out of the way.
-        self._leases = Leases(self.storage.durable_tier(), wait_s=options.timeout)
+        self._leases = Leases(self.storage.durable_tier(), wait_s=options.timeout, alone=not options.shared_root)
         self._writer = Writer(self.storage, options.codec, self._io, self._leases, options.delta_chain,
                               options.delta_budget)
         self._tiers = self._open_tiers(process_group) if options.tiered_commits else None
@@ -111,7 +111,7 @@ class Checkpointer:
         self._retention = Retention(durable if self._tiers else self.storage, manifests, options.keep_last,
                                     options.keep_every, lambda keys: run_all(self._io, durable.delete, keys)
                                     if self._tiers else run_all(self._io, self.storage.delete, keys), self._leases,
-                                    in_use=self._writer.in_use)
+                                    in_use=self._writer.in_use, shared=options.shared_root)
         self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
                                         self._after_commit, self._leases, self._tiers)
         self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads,

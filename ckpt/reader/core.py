@@ -194,11 +194,13 @@ class Reader:
         ``.to_json()``: what ``ckpt inspect --json`` prints."""
         return listing.inspect(self, self.step(step))
 
-    def gc(self, *, grace_s: float = 3600.0, keep_last: int | None = None, dry_run: bool = True) -> collect.GcReport:
+    def gc(self, *, grace_s: float = 3600.0, keep_last: int | None = None, dry_run: bool = True,
+           drop_after: int | None = None) -> collect.GcReport:
         """Garbage older than ``grace_s`` seconds (orphan chunks, temp files, incomplete steps) and,
-        with ``keep_last``, the steps retention removes; deleted only with ``dry_run=False``.
+        with ``keep_last``, the steps retention removes; with ``drop_after``, every step above it (a
+        rollback's abandoned steps); deleted only with ``dry_run=False``.
         ``.to_json()``: what ``ckpt gc --json`` prints."""
-        plan = collect.plan(self, grace_s=grace_s, keep_last=keep_last)
+        plan = collect.plan(self, grace_s=grace_s, keep_last=keep_last, drop_after=drop_after)
         removed = plan.remove if dry_run else collect.run(self, plan)
         return collect.GcReport(self.url, plan, removed, dry_run)
 
