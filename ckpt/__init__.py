@@ -27,6 +27,7 @@ from .errors import (
     IncompatibleFormatError,
     NonFiniteStateError,
     NotACheckpointError,
+    NotARootError,
     PartialStateError,
     ReshardError,
     RootInUseError,
@@ -72,6 +73,6 @@ __all__ = [
     "PerRank", "fence", "open", "import_checkpoint", "Reader", "Pickled", "Replicas", "Parity",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "DistributedSaveError", "IncompatibleFormatError", "NonFiniteStateError", "NotACheckpointError",
-    "PartialStateError", "ReshardError", "RootInUseError", "StateMismatchError", "StepExistsError", "StorageError",
-    "UnsupportedValueError",
+    "NotARootError", "PartialStateError", "ReshardError", "RootInUseError", "StateMismatchError", "StepExistsError",
+    "StorageError", "UnsupportedValueError",
 ]

@@ -37,6 +37,7 @@ from .loader import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
 from .ranks import make_comm
 from .retention import Retention
+from .root_level import check_root_level
 from .schedule import Interval, Schedule
 from .snapshot import Snapshotter
 from .storage import open_tiered
@@ -97,6 +98,7 @@ class Checkpointer:
         self.storage = storage if storage is not None else open_tiered(
             self.path, options.local_dir, options.storage_options, verify=verify_object,
             upload_threads=options.threads, local_commits=options.tiered_commits)
+        check_root_level(self.storage.durable_tier(), self.path)  # not runs/exp1/steps, nor runs/
         # The threads every stage runs on, owned here and handed to the stages.
         self._io = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-io")
         self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")

@@ -66,6 +66,15 @@ class RootInUseError(CheckpointError):
         self.holder = holder
 
 
+class NotARootError(NotACheckpointError):
+    """The path is a level of a checkpoint root (its ``steps/``, a step directory, …) or a directory
+    holding several roots, not a root. ``roots`` names the root(s) probably meant."""
+
+    def __init__(self, message: str, *, roots: list[str] | None = None):
+        super().__init__(message)
+        self.roots = list(roots or [])
+
+
 class DistributedSaveError(CheckpointError):
     """A save failed on one or more ranks; ``ranks`` lists them."""
 

@@ -31,6 +31,7 @@ from .. import tree as st
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, NotACheckpointError
 from ..format import manifest as mf
 from ..format import paths
+from ..root_level import check_root_level
 from ..storage import Storage, open_storage
 from . import collect, listing
 from .verify import VerifyResult, verify
@@ -111,6 +112,7 @@ class Reader:
         self.committed: list[int] = mf.committed_steps(storage)
         self.incomplete: list[int] = [s for s in mf.step_candidates(storage) if s not in set(self.committed)]
         if not self.committed and not self.incomplete and not storage.list(paths.CHUNKS):
+            check_root_level(storage, self.url)  # a level of a root, or a directory of roots: name the root meant
             raise NotACheckpointError(f"{storage.describe()} holds no ckpt checkpoint (no steps, no chunks)")
         self.manifests = mf.ManifestCache(storage)
 
