@@ -79,10 +79,22 @@ class LeaseInfo:
                 return False  # its process is gone: the lease died with it
             except PermissionError:
                 pass  # another user's process: alive
+            if _zombie(self.pid):
+                return False  # it has exited; only its parent has not reaped it yet
         return True
 
     def describe(self) -> str:
         return f"{self.kind} lease {self.id} (pid {self.pid} on {self.host})"
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited but is not reaped yet (Linux; elsewhere: not known, so False)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] == b"Z"
 
 
 def list_leases(storage: Storage) -> list[LeaseInfo]:

@@ -159,17 +159,24 @@ def test_a_second_job_saving_into_a_live_jobs_root_is_refused_naming_the_holder(
 
 
 @pytest.mark.multiprocess
-def test_a_job_killed_while_holding_its_lease_does_not_block_its_restart(tmp_path):
+@pytest.mark.parametrize("reaped", [True, False])
+def test_a_job_killed_while_holding_its_lease_does_not_block_its_restart(tmp_path, reaped):
+    """Killed on this host, its lease dies with it: also while its parent has not reaped it yet (a
+    zombie still answers kill(pid, 0))."""
     root = str(tmp_path / "ck")
     other, _ = second_job(root, load=None, save=1)
     other.send_signal(signal.SIGKILL)
-    other.communicate(timeout=60)
+    if reaped:
+        other.communicate(timeout=60)
+    else:
+        os.waitid(os.P_PID, other.pid, os.WEXITED | os.WNOWAIT)  # exited, and left unreaped
     assert os.listdir(os.path.join(root, "leases"))  # the dead job's lease is still there
     with ckpt.Checkpointer(root, keep_last=1) as c:
         state = {"w": torch.zeros(64)}
         assert c.load("latest", state) == 1
         c.save(2, state)
     assert ckpt.open(root).steps() == [1, 2]  # 1: resumed from, so retention keeps it
+    other.communicate(timeout=60)
 
 
 def test_a_lease_left_by_an_earlier_process_with_this_pid_does_not_block(tmp_path):
