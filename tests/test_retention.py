@@ -20,8 +20,9 @@ import torch.distributed.checkpoint as dcp
 import ckpt
 import ckpt.dcp
 from ckpt import cli
-from ckpt.errors import RootInUseError
+from ckpt.errors import CheckpointError, RootInUseError
 from ckpt.format import paths
+from ckpt.testing import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -156,6 +157,34 @@ def test_a_second_job_saving_into_a_live_jobs_root_is_refused_naming_the_holder(
     with ckpt.Checkpointer(root) as c:  # the other job closed: the root is free again
         c.save(4, {"w": torch.ones(64)})
     assert ckpt.open(root).steps() == [1, 3, 4]
+
+
+def refused_body(rank: int, world: int, root: str) -> tuple[str, str]:
+    c = ckpt.Checkpointer(root, timeout=60)
+    try:
+        c.save(2, {"w": torch.ones(64)}).wait()
+    except CheckpointError as e:
+        return type(e).__name__, str(e)
+    finally:
+        c.close()
+    return "saved", ""
+
+
+@pytest.mark.multiprocess
+def test_every_rank_of_a_job_beside_a_live_job_is_refused_before_writing(tmp_path):
+    """The coordinator's refusal reaches every rank (through its go), so no rank writes a chunk; a
+    job of two ranks in its own root is no second job to itself (test_distributed saves many)."""
+    root = str(tmp_path / "ck")
+    other, info = second_job(root, load=None, save=1)
+    try:
+        chunks = set(os.listdir(os.path.join(root, "chunks")))
+        (k0, m0), (k1, m1) = run_ranks(2, refused_body, root)
+        for kind, msg in ((k0, m0), (k1, m1)):  # several ranks: the save's error names rank 0's
+            assert kind == "DistributedSaveError" and "RootInUseError" in msg and f"pid {info['pid']}" in msg
+        assert set(os.listdir(os.path.join(root, "chunks"))) == chunks
+        assert not os.path.exists(os.path.join(root, paths.step_dir(2)))
+    finally:
+        end(other)
 
 
 @pytest.mark.multiprocess
