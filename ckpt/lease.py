@@ -142,7 +142,7 @@ class Leases:
         now = time.time()
         expires = now + self.ttl
         doc: dict = {"id": lease_id, "kind": kind, "pid": os.getpid(), "host": socket.gethostname(),
-                     "expires": expires, "proc": _PROC, "since": now}
+                     "expires": expires, "proc": _PROC}
         if lease_id == self.writer_id:
             doc["since"] = self._since or now
             doc["protect"] = sorted(self.protected)
