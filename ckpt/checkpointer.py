@@ -37,6 +37,7 @@ from .loader import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
 from .ranks import make_comm
 from .retention import Retention
+from .root_level import check_root_level
 from .schedule import Interval, Schedule
 from .snapshot import Snapshotter
 from .storage import open_tiered
@@ -97,13 +98,14 @@ class Checkpointer:
         self.storage = storage if storage is not None else open_tiered(
             self.path, options.local_dir, options.storage_options, verify=verify_object,
             upload_threads=options.threads, local_commits=options.tiered_commits)
+        check_root_level(self.storage.durable_tier(), self.path)  # not runs/exp1/steps, nor runs/
         # The threads every stage runs on, owned here and handed to the stages.
         self._io = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-io")
         self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
         manifests = mf.ManifestCache(self.storage, maxsize=64)
         self._manifests = manifests
         # Held from the first save to close(), so other processes' deletions keep out of the way.
-        self._leases = Leases(self.storage.durable_tier(), wait_s=options.timeout)
+        self._leases = Leases(self.storage.durable_tier(), wait_s=options.timeout, alone=not options.shared_root)
         self._writer = Writer(self.storage, options.codec, self._io, self._leases, options.delta_chain,
                               options.delta_budget)
         self._tiers = self._open_tiers(process_group) if options.tiered_commits else None
@@ -111,7 +113,7 @@ class Checkpointer:
         self._retention = Retention(durable if self._tiers else self.storage, manifests, options.keep_last,
                                     options.keep_every, lambda keys: run_all(self._io, durable.delete, keys)
                                     if self._tiers else run_all(self._io, self.storage.delete, keys), self._leases,
-                                    in_use=self._writer.in_use)
+                                    in_use=self._writer.in_use, shared=options.shared_root)
         self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
                                         self._after_commit, self._leases, self._tiers)
         self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads,

@@ -4,7 +4,7 @@
     ckpt inspect URL [--step S] [--keys PATTERN ...] [--tsv] [--json]
     ckpt verify  URL [--step S | --all] [--json]
     ckpt diff    URL A B [--max-diff] [--exit-code] [--json]
-    ckpt gc      URL [--dry-run] [--grace 1h] [--keep-last N] [--local DIR --keep-local N] [--json]
+    ckpt gc      URL [--dry-run] [--grace 1h] [--keep-last N] [--drop-after STEP] [--local DIR --keep-local N] [--json]
     ckpt export  URL [--step S] --to FILE.safetensors|FILE.pt [--keys PREFIX] [--rank R]
     ckpt export  URL [--step S] --to DIR --format hf|dcp [--max-shard-size 5GB] [--dtype bf16] [--keys P --strip-prefix]
     ckpt import  SRC URL --step N [--key model | --top-level] [--keys PREFIX --strip-prefix]
@@ -226,7 +226,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     """``ckpt gc URL``; with ``--local DIR`` also each node's local tier, with its own ``--keep-local``."""
     roots = [(_open(args), args.keep_last)] + [(r, args.keep_local) for r in local_tiers(args.local or [])]
-    reports = [r.gc(grace_s=args.grace, keep_last=keep, dry_run=args.dry_run) for r, keep in roots]
+    reports = [r.gc(grace_s=args.grace, keep_last=keep, dry_run=args.dry_run,
+                    drop_after=args.drop_after if i == 0 else None) for i, (r, keep) in enumerate(roots)]
     docs = [rep.to_json() for rep in reports]
     if args.json:
         if args.local:

@@ -75,6 +75,9 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]]) -> ar
                           "90s, 30m, 1h (default), 2d, 0")
     gcp.add_argument("--keep-last", type=cli_types.positive, metavar="N",
                      help="also delete all but the newest N committed steps (and chunks only they use)")
+    gcp.add_argument("--drop-after", type=cli_types.new_step, metavar="STEP",
+                     help="also delete every committed step above STEP: those a rollback abandoned (resumed from an "
+                          "older step, a run's retention keeps them and names them in a warning)")
     gcp.add_argument("--local", action="append", metavar="DIR",
                      help="also collect a node's local_dir (repeatable), as its own checkpoint: replicas and parity "
                           "blocks of committed steps are kept")

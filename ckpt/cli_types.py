@@ -44,7 +44,7 @@ def step(s: str) -> int | str:
 def new_step(s: str) -> int:
     n = step(s)
     if not isinstance(n, int):
-        raise argparse.ArgumentTypeError("the step to import into is a number, not 'latest'")
+        raise argparse.ArgumentTypeError("a step number is needed here, not 'latest'")
     return n
 
 

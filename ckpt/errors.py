@@ -56,6 +56,25 @@ class StorageError(CheckpointError):
     """The storage backend failed; the original error is kept as ``__cause__``."""
 
 
+class RootInUseError(CheckpointError):
+    """Another job holds a live writer lease on the checkpoint root this one was about to save into.
+    ``holder`` is that lease (:class:`ckpt.lease.LeaseInfo`: host, pid, since when). Save into another
+    root, or pass ``shared_root=True`` to every Checkpointer that writes there on purpose."""
+
+    def __init__(self, message: str, *, holder: object = None):
+        super().__init__(message)
+        self.holder = holder
+
+
+class NotARootError(NotACheckpointError):
+    """The path is a level of a checkpoint root (its ``steps/``, a step directory, …) or a directory
+    holding several roots, not a root. ``roots`` names the root(s) probably meant."""
+
+    def __init__(self, message: str, *, roots: list[str] | None = None):
+        super().__init__(message)
+        self.roots = list(roots or [])
+
+
 class DistributedSaveError(CheckpointError):
     """A save failed on one or more ranks; ``ranks`` lists them."""
 

@@ -17,6 +17,12 @@ filesystem; S3 since 2020), so at least one of them sees the other: chunks are n
 writer that could reuse them is choosing what to write. A lease is live until it expires (plus a
 margin for clocks that disagree); a lease of a process on this host that no longer runs is dead at
 once, so a killed job's restart is not held up.
+
+A writer lease also says which steps its run resumed from (``protect``): no retention, in any
+process, deletes them while the lease is live. A Checkpointer (not ``shared_root``) taking its
+writer lease refuses to write beside another job's live writer lease (:class:`~ckpt.errors.RootInUseError`):
+two jobs in one root interleave their steps and each one's ``keep_last`` deletes the other's.
+Leases of this very process never count against it (two Checkpointers of one program).
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .errors import StorageError
+from .errors import RootInUseError, StorageError
 from .format.paths import LEASES, lease_key
 from .storage import Storage
 
@@ -40,6 +47,7 @@ log = logging.getLogger("ckpt")
 
 TTL_S = 60.0  # a lease is renewed every TTL_S / 4 seconds while it is held
 SKEW_S = 30.0  # clocks of two hosts may disagree this much
+_PROC = uuid.uuid4().hex  # this process, told apart from an earlier one that had its pid (a restarted container)
 
 
 @dataclass(frozen=True)
@@ -49,22 +57,44 @@ class LeaseInfo:
     pid: int
     host: str
     expires: float  # seconds since the epoch, on the holder's clock
+    since: float | None = None  # when it was first taken (None: written by an older ckpt)
+    protect: tuple[int, ...] = ()  # steps its run resumed from: no retention deletes them
+    proc: str = ""  # the holder process's token (see ``_PROC``)
+
+    def ours(self) -> bool:
+        """Held by this very process."""
+        return self.host == socket.gethostname() and self.pid == os.getpid() and self.proc in ("", _PROC)
 
     def live(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
         if now > self.expires + SKEW_S:
             return False
-        if self.host == socket.gethostname() and self.pid != os.getpid():
+        here = self.host == socket.gethostname()
+        if here and self.pid == os.getpid() and self.proc not in ("", _PROC):
+            return False  # an earlier process with this pid (a restarted container): it is gone
+        if here and self.pid != os.getpid():
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:
                 return False  # its process is gone: the lease died with it
             except PermissionError:
                 pass  # another user's process: alive
+            if _zombie(self.pid):
+                return False  # it has exited; only its parent has not reaped it yet
         return True
 
     def describe(self) -> str:
         return f"{self.kind} lease {self.id} (pid {self.pid} on {self.host})"
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited but is not reaped yet (Linux; elsewhere: not known, so False)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] == b"Z"
 
 
 def list_leases(storage: Storage) -> list[LeaseInfo]:
@@ -75,8 +105,10 @@ def list_leases(storage: Storage) -> list[LeaseInfo]:
             continue
         try:
             doc = json.loads(storage.read(f"{LEASES}/{name}", 0, 4096))
+            since = doc.get("since")
             out.append(LeaseInfo(str(doc["id"]), str(doc["kind"]), int(doc["pid"]), str(doc["host"]),
-                                 float(doc["expires"])))
+                                 float(doc["expires"]), None if since is None else float(since),
+                                 tuple(int(s) for s in doc.get("protect", ())), str(doc.get("proc", ""))))
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             continue  # removed meanwhile, or not one of ours
     return out
@@ -84,14 +116,21 @@ def list_leases(storage: Storage) -> list[LeaseInfo]:
 
 class Leases:
     """This process's leases on one root. ``own`` holds the ids that count as this job's (the
-    coordinator's writer lease, learnt by the other ranks), which never stand in its own way."""
+    coordinator's writer lease, learnt by the other ranks), which never stand in its own way.
 
-    def __init__(self, storage: Storage, *, ttl: float = TTL_S, wait_s: float = 600.0):
+    ``alone``: taking the writer lease refuses (:class:`RootInUseError`) while another process holds
+    a live writer lease on the root (a Checkpointer without ``shared_root``)."""
+
+    def __init__(self, storage: Storage, *, ttl: float = TTL_S, wait_s: float = 600.0, alone: bool = False):
         self.storage = storage
         self.ttl = ttl
         self.wait_s = wait_s  # the longest a writer waits for another process's deletion
+        self.alone = alone
         self.writer_id = uuid.uuid4().hex
         self.own: set[str] = {self.writer_id}
+        self.protected: set[int] = set()  # steps this run resumed from, written into the writer lease
+        self._since = 0.0  # when the writer lease was taken
+        _OPEN.add(self)
         self._held: dict[str, str] = {}  # lease id -> kind, for the heartbeat
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -100,8 +139,13 @@ class Leases:
 
     # -- writing and renewing ------------------------------------------------------------------------
     def _write(self, lease_id: str, kind: str) -> float:
-        expires = time.time() + self.ttl
-        doc = {"id": lease_id, "kind": kind, "pid": os.getpid(), "host": socket.gethostname(), "expires": expires}
+        now = time.time()
+        expires = now + self.ttl
+        doc: dict = {"id": lease_id, "kind": kind, "pid": os.getpid(), "host": socket.gethostname(),
+                     "expires": expires, "proc": _PROC}
+        if lease_id == self.writer_id:
+            doc["since"] = self._since or now
+            doc["protect"] = sorted(self.protected)
         self.storage.write(lease_key(lease_id), [json.dumps(doc).encode()])
         return expires
 
@@ -144,8 +188,13 @@ class Leases:
         chunks this writer believes stored."""
         if self.writer_id in self._held and time.time() < self._valid_until - self.ttl / 2:
             return False
+        fresh = self.writer_id not in self._held
+        if fresh:
+            self._since = time.time()
         self._valid_until = self._write(self.writer_id, "writer")
         self._track(self.writer_id, "writer")
+        if fresh and self.alone:
+            self._refuse_others()
         deadline = time.monotonic() + self.wait_s
         delay = 0.05
         while True:
@@ -161,8 +210,31 @@ class Leases:
             time.sleep(delay)  # polling a lease held by another process: nothing to wait on here
             delay = min(1.0, delay * 2)
 
+    def _refuse_others(self) -> None:
+        """Just after writing this writer lease: give it up and raise if another job writes here."""
+        other = next((x for x in self.others() if x.kind == "writer" and not x.ours()), None)
+        if other is None:
+            return
+        self._give_up()
+        raise RootInUseError(in_use_message(self.storage, other), holder=other)
+
+    def protect(self, step: int) -> None:
+        """Record ``step`` (this run resumed from it) in the writer lease, so that no retention of
+        another process deletes it while the lease is live; this process's retention asks
+        :func:`protected_here`. Written at once if the lease is held, else when it is taken."""
+        self.protected.add(step)
+        if self.writer_id in self._held:
+            try:
+                self._valid_until = self._write(self.writer_id, "writer")
+            except Exception as e:  # the next heartbeat writes it
+                log.warning("recording protected step %d in %s failed: %s", step, self.storage.describe(), e)
+
     def release(self) -> None:
         """Drop the writer lease (at close)."""
+        _OPEN.discard(self)
+        self._give_up()
+
+    def _give_up(self) -> None:
         if self.writer_id not in self._held:
             return
         self._untrack(self.writer_id)
@@ -199,9 +271,46 @@ class Leases:
             except Exception as e:  # it expires on its own
                 log.warning("removing a deletion lease from %s failed: %s", self.storage.describe(), e)
 
+    def protected_steps(self) -> set[int]:
+        """Steps no retention may delete now: those runs resumed from, by an open Checkpointer of this
+        process on this root or by another process's live writer lease."""
+        out = protected_here(self.storage)
+        for x in list_leases(self.storage):
+            if x.protect and x.kind == "writer" and x.live():
+                out.update(x.protect)
+        return out
+
     def sweep(self) -> None:
         """Delete leases that are dead (their process ended without removing them)."""
         now = time.time()
         for x in list_leases(self.storage):
             if x.id not in self.own and not x.live(now):
                 self.storage.delete(lease_key(x.id))
+
+
+_OPEN: weakref.WeakSet[Leases] = weakref.WeakSet()  # this process's Leases not yet released
+
+
+def protected_here(storage: Storage) -> set[int]:
+    """Steps an open Checkpointer of this process resumed from, on the root ``storage`` names."""
+    root = storage.describe()
+    out: set[int] = set()
+    for leases in list(_OPEN):
+        if leases.protected and leases.storage.describe() == root:
+            out |= leases.protected
+    return out
+
+
+def in_use_message(storage: Storage, other: LeaseInfo) -> str:
+    """What a job refused beside ``other``'s live writer lease is told: who holds it, and what to do."""
+    def utc(t: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+    since = f" since {utc(other.since)}" if other.since is not None else ""
+    lapse = other.expires + SKEW_S
+    return (f"{storage.describe()} is being written by another job: pid {other.pid} on {other.host} has held a "
+            f"writer lease there{since} ({lease_key(other.id)}). Two jobs saving into one root interleave their "
+            "steps and each one's keep_last deletes the other's, so this job writes nothing there. Save this run "
+            "into another directory; or, if that job is gone (killed on another host), wait until its lease "
+            f"lapses at {utc(lapse)} or delete {lease_key(other.id)}; to share the root on purpose, pass "
+            "shared_root=True to every Checkpointer writing there.")

@@ -133,11 +133,12 @@ class _Record:
 @dataclass(frozen=True)
 class RetentionOptions(_Record):
     """Which committed steps are kept: ``keep_last``, ``keep_every`` (the checkpoint path) and ``keep_local``
-    (each node's local tier)."""
+    (each node's local tier); ``shared_root``: whether other jobs may save into the same root."""
 
     keep_last: int | None = _option(None, _count)
     keep_every: int | None = _option(None, _count)
     keep_local: int = _option(2, _int_in(1, 1 << 30, "of at least 1 (steps each local tier keeps)"))
+    shared_root: bool = _option(False, _flag)
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,8 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         from is never deleted.
     keep_every: also keep, for good, every step whose number is a multiple of K (with or without
         ``keep_last``). Retention runs after each commit, in the background.
+    shared_root: let other jobs save into the same root at the same time (default: the first save
+        refuses with RootInUseError while another job holds a live writer lease there).
     local_dir: a fast local directory (NVMe) staged in front of the checkpoint path: chunks are
         written and fsynced there first, then uploaded; restores read a chunk there when its hash
         matches. Beside the checkpoint path: neither may be inside the other.
@@ -365,6 +368,7 @@ class OptionArgs(TypedDict, total=False):
     keep_last: int | None
     keep_every: int | None
     keep_local: int
+    shared_root: bool
     codec: str | CodecSpec
     chunk_size: int
     delta_chain: int

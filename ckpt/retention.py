@@ -32,19 +32,32 @@ DeleteMany = Callable[[list[str]], Any]  # deletes every key given; what it retu
 
 
 def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int],
-              keep_every: int | None = None) -> list[int]:
+              keep_every: int | None = None, newest: int | None = None) -> list[int]:
     """The committed steps retention removes: all but the newest ``keep_last``, the protected, and
     (with ``keep_every=K``) every step whose number is a multiple of K. Without ``keep_last`` only
-    ``keep_every`` decides, and then every step but the newest that is not a multiple is removed."""
+    ``keep_every`` decides, and then every step but the newest that is not a multiple is removed.
+
+    ``newest``: the step just committed. Steps above it (abandoned by a rollback, or another
+    writer's) are never removed here, and the newest ``keep_last`` are counted back from it, so the
+    step just committed is always kept."""
+    if newest is not None:
+        steps = [s for s in steps if s <= newest]
     if not steps or (keep_last is None and keep_every is None):
         return []
     n = keep_last if keep_last is not None else 1
     if keep_every is None and len(steps) <= n:
         return []
     keep = set(steps[-n:]) | set(protected)
+    if newest is not None:
+        keep.add(newest)
     if keep_every is not None:
         keep |= {s for s in steps if s % keep_every == 0}
     return [s for s in steps if s not in keep]
+
+
+def abandoned(steps: list[int], newest: int) -> list[int]:
+    """Committed steps above the one just committed: after a rollback, the run's abandoned future."""
+    return [s for s in steps if s > newest]
 
 
 def _references(cache: mf.ManifestCache, steps: Iterable[int]) -> set[str]:
@@ -130,12 +143,16 @@ class Retention:
     """What follows each commit on the coordinator: ``keep_last`` / ``keep_every``, and deleting
     chunks that other processes retired while this writer held its lease.
 
-    Steps passed to :meth:`protect` (the step a run resumed from) are never deleted; chunks
-    ``in_use()`` returns (what the writer may reuse without asking storage) are never deleted."""
+    Never deleted: the step just committed; steps above it (after a rollback, the abandoned ones:
+    kept, and named in a warning, until ``ckpt gc`` or the user removes them); steps passed to
+    :meth:`protect` (the step a run resumed from), and those other open runs resumed from (their
+    writer leases say: :meth:`ckpt.lease.Leases.protected_steps`); chunks ``in_use()`` returns
+    (what the writer may reuse without asking storage). ``shared``: the root is shared on purpose,
+    so newer steps are another job's, not abandoned (no warning)."""
 
     def __init__(self, storage: Storage, manifests: mf.ManifestCache, keep_last: int | None,
                  keep_every: int | None, delete_many: DeleteMany, leases: Leases,
-                 in_use: Callable[[], Iterable[str]] = frozenset):
+                 in_use: Callable[[], Iterable[str]] = frozenset, shared: bool = False):
         self.storage = storage
         self.manifests = manifests
         self.keep_last = keep_last
@@ -144,9 +161,12 @@ class Retention:
         self.leases = leases
         self._delete_many = delete_many
         self._in_use = in_use
+        self.shared = shared
+        self._warned: set[int] = set()  # abandoned steps already named in a warning
 
     def protect(self, step: int) -> None:
         self.protected.add(step)
+        self.leases.protect(step)  # other processes' retention, and this process's other writers, keep it too
 
     def after_commit(self, committed: mf.Manifest) -> None:
         """Apply retention now that ``committed`` is; a failure is logged, never raised (the save
@@ -165,12 +185,14 @@ class Retention:
     def _apply(self, step: int) -> None:
         retains = self.keep_last is not None or self.keep_every is not None
         steps = mf.committed_steps(self.storage) if retains else []
-        victims = to_delete(steps, self.keep_last, self.protected, self.keep_every)
+        self._warn_abandoned(abandoned(steps, step), step)
+        victims = to_delete(steps, self.keep_last, self.protected, self.keep_every, newest=step)
         if not victims and not self.storage.list(RETIRED):
             return
         with self.leases.deleting() as writers:
             steps = mf.committed_steps(self.storage)
-            victims = [s for s in victims if s in steps]
+            spared = self.leases.protected_steps() if victims else set()  # steps open runs resumed from
+            victims = [s for s in victims if s in steps and s not in spared]
             remaining = [s for s in steps if s not in victims]
             keep = set(self._in_use())
             _, chunks = delete_steps(self.storage, self.manifests, victims, remaining, self._delete_many,
@@ -184,3 +206,13 @@ class Retention:
             if victims or collected:
                 log.info("retention removed step(s) %s and %d unreferenced chunk(s)", victims,
                          len(chunks) + len(collected))
+
+    def _warn_abandoned(self, newer: list[int], step: int) -> None:
+        fresh = [s for s in newer if s not in self._warned]
+        if not fresh or self.shared:
+            return
+        self._warned.update(fresh)
+        log.warning("%s holds step(s) %s, newer than step %d just committed (abandoned by a rollback?): retention "
+                    "counts keep_last back from the step just committed and leaves these alone, but "
+                    "load('latest') would pick them; remove them with `ckpt gc --drop-after %d` when sure",
+                    self.storage.describe(), fresh, step, step)

@@ -29,7 +29,7 @@ def train(root: str, first: int, stride: int, count: int, keep_last: int | None,
     frozen = torch.randn(5 * CHUNK // 4, generator=torch.Generator().manual_seed(7))  # the same in every writer
     moving = torch.randn(3 * CHUNK // 4, generator=torch.Generator().manual_seed(first))
     start = moving.clone()
-    c = ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw", keep_last=keep_last, timeout=60)
+    c = ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw", keep_last=keep_last, timeout=60, shared_root=True)
     digests = {}
     failures = []
     for i in range(count):

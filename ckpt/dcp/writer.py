@@ -60,6 +60,7 @@ REFUSED = {
     "busy": "ckpt.dcp.Stager decides when the buffer is free",
     "check_finite": "DCP's flat state does not say which tensors are parameters; use the Checkpointer",
     "strict": "it is a load option",
+    "shared_root": "each rank of a DCP save holds its own lease, so ckpt.dcp.Writer never refuses a shared root",
 }
 
 

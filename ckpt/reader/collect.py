@@ -93,12 +93,15 @@ def _old(age: float | None, grace_s: float) -> bool:
     return grace_s <= 0 or (age is not None and age >= grace_s)
 
 
-def plan(reader: Reader, *, grace_s: float, keep_last: int | None = None, now: float | None = None) -> GcPlan:
-    """What :func:`run` would remove (nothing is deleted here)."""
+def plan(reader: Reader, *, grace_s: float, keep_last: int | None = None, now: float | None = None,
+         drop_after: int | None = None) -> GcPlan:
+    """What :func:`run` would remove (nothing is deleted here). ``drop_after``: also every committed
+    step above it (abandoned by a rollback); ``keep_last`` then counts back from it. Steps a live
+    writer resumed from (its lease says) are kept."""
     storage = reader.storage
     now = time.time() if now is None else now
     p = GcPlan(grace_s=grace_s, writers=[x for x in list_leases(storage) if x.kind == "writer" and x.live(now)])
-    referenced = _retention(reader, p, keep_last, now)
+    referenced = _retention(reader, p, keep_last, now, drop_after)
     if p.writers:  # a live writer: its chunks and unfinished work are not ours to judge
         return p
     _unfinished(reader, p, now)
@@ -106,7 +109,7 @@ def plan(reader: Reader, *, grace_s: float, keep_last: int | None = None, now: f
     return p
 
 
-def _retention(reader: Reader, p: GcPlan, keep_last: int | None, now: float) -> set[str]:
+def _retention(reader: Reader, p: GcPlan, keep_last: int | None, now: float, drop_after: int | None) -> set[str]:
     """Plan retention (decided by the committed steps alone) and the chunks it frees, with those of
     lists parked by retention elsewhere; returns every chunk that is not an orphan."""
     storage = reader.storage
@@ -116,7 +119,15 @@ def _retention(reader: Reader, p: GcPlan, keep_last: int | None, now: float) -> 
             p.unreadable[s] = reader.errors[s]
     # A damaged manifest hides which chunks its step needs: then neither retention nor orphan removal
     # can tell what is safe, and both are skipped (the report names the step).
-    p.retention = [] if p.unreadable else to_delete(steps, keep_last, ())
+    protected = {s for x in p.writers for s in x.protect}  # steps live runs resumed from
+    if p.unreadable:
+        p.retention = []
+    elif drop_after is None:
+        p.retention = to_delete(steps, keep_last, protected)
+    else:
+        older = [s for s in steps if s <= drop_after]
+        p.retention = (to_delete(older, keep_last, protected)
+                       + [s for s in steps if s > drop_after and s not in protected])
     referenced: set[str] = set()
     for s in steps:
         m = reader.find(s) if s not in p.retention else None

@@ -31,6 +31,7 @@ from .. import tree as st
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, NotACheckpointError
 from ..format import manifest as mf
 from ..format import paths
+from ..root_level import check_root_level
 from ..storage import Storage, open_storage
 from . import collect, listing
 from .verify import VerifyResult, verify
@@ -111,6 +112,7 @@ class Reader:
         self.committed: list[int] = mf.committed_steps(storage)
         self.incomplete: list[int] = [s for s in mf.step_candidates(storage) if s not in set(self.committed)]
         if not self.committed and not self.incomplete and not storage.list(paths.CHUNKS):
+            check_root_level(storage, self.url)  # a level of a root, or a directory of roots: name the root meant
             raise NotACheckpointError(f"{storage.describe()} holds no ckpt checkpoint (no steps, no chunks)")
         self.manifests = mf.ManifestCache(storage)
 
@@ -196,11 +198,13 @@ class Reader:
         state also by its parameter's key). ``.to_json()``: what ``ckpt inspect --json`` prints."""
         return listing.inspect(self, self.step(step), [keys] if isinstance(keys, str) else keys)
 
-    def gc(self, *, grace_s: float = 3600.0, keep_last: int | None = None, dry_run: bool = True) -> collect.GcReport:
+    def gc(self, *, grace_s: float = 3600.0, keep_last: int | None = None, dry_run: bool = True,
+           drop_after: int | None = None) -> collect.GcReport:
         """Garbage older than ``grace_s`` seconds (orphan chunks, temp files, incomplete steps) and,
-        with ``keep_last``, the steps retention removes; deleted only with ``dry_run=False``.
+        with ``keep_last``, the steps retention removes; with ``drop_after``, every step above it (a
+        rollback's abandoned steps); deleted only with ``dry_run=False``.
         ``.to_json()``: what ``ckpt gc --json`` prints."""
-        plan = collect.plan(self, grace_s=grace_s, keep_last=keep_last)
+        plan = collect.plan(self, grace_s=grace_s, keep_last=keep_last, drop_after=drop_after)
         removed = plan.remove if dry_run else collect.run(self, plan)
         return collect.GcReport(self.url, plan, removed, dry_run)
 
