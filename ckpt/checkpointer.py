@@ -114,6 +114,7 @@ class Checkpointer:
                                     in_use=self._writer.in_use)
         self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
                                         self._after_commit, self._leases, self._tiers)
+        self._protocol.log_failures = options.on_save_error == "log"
         self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads,
                                       options.check_finite, pair=options.deltas)
         self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead)
@@ -200,7 +201,8 @@ class Checkpointer:
         tensor is copied (later in-place changes are not saved). With several ranks, every rank calls
         it with the same step and writes its own shard; the step commits once all parts are durable.
         With ``persist_every``, ``persist=True`` also uploads this save (``False``: local tiers only;
-        every rank must pass the same)."""
+        every rank must pass the same). With ``on_save_error="raise"`` (the default) it first raises
+        the error of an earlier save that failed in the background, unseen (nothing is saved then)."""
         started = time.perf_counter()
         self._check_open()
         self._loader.check_whole(step)
@@ -210,6 +212,8 @@ class Checkpointer:
         metrics = SaveMetrics(step=step)
         emergency = step == self._schedule.emergency_step  # never skipped
         try:
+            if self.options.on_save_error == "raise":
+                self._raise_failed_save(step)
             with paused():  # while the caller waits: a state of many small tensors is mostly GC work (ckpt._gc)
                 flat = flatten(state, allow_pickle=self.options.allow_pickle)
                 snap = self._snapshots.take(seq, flat, state,
@@ -238,6 +242,18 @@ class Checkpointer:
         if emergency:
             self._emergency = handle
         return handle
+
+    def _raise_failed_save(self, step: int) -> None:
+        """on_save_error="raise": an earlier save that failed in the background, and whose error nobody
+        has seen, fails this one (before it takes anything), so training does not go on unsaved."""
+        found = self._ledger.finished_failure()
+        if found is None:
+            return
+        failed, err = found
+        err.args = (f"{err} (the save of step {failed.step} failed in the background, so step {step} was not "
+                    "saved either: fix the cause and save again, or pass on_save_error='log' to only log such "
+                    "failures)", *err.args[1:])
+        raise err
 
     def _persists(self, seq: int, emergency: bool, asked: bool | None) -> bool:
         """Whether save number ``seq`` goes to the checkpoint path (the same answer on every rank)."""

@@ -168,8 +168,8 @@ class SaveHandle:
         return self.metrics.skipped
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else ("done" if self.done() else "writing")
-        return f"<SaveHandle step={self.step} {state}>"
+        stage = self.stage  # "failed" and "committed" say how it ended
+        return f"<SaveHandle step={self.step} {'writing' if stage in ('snapshot', 'local') else stage}>"
 
 
 class SaveLedger:
@@ -218,6 +218,17 @@ class SaveLedger:
         for h in handles:
             h.settle()
         return handles
+
+    def finished_failure(self) -> tuple[SaveHandle, CheckpointError] | None:
+        """The first save that has already failed and whose failure nobody has looked at, with its
+        error (marked seen now); never waits for a save still running."""
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            err = h.failure_unseen() if h.done() else None
+            if err is not None:
+                return h, err
+        return None
 
     def unseen_failure(self) -> CheckpointError | None:
         """The first failure of a finished save nobody has looked at (marked seen now)."""

@@ -182,9 +182,11 @@ class IOOptions(_Record):
 
 @dataclass(frozen=True)
 class SnapshotOptions(_Record):
-    """The copy into the host buffer: ``busy``, ``native``, ``snapshot_threads``, ``check_finite``."""
+    """The copy into the host buffer and what a save does when it cannot go on: ``busy``, ``native``,
+    ``snapshot_threads``, ``check_finite``, ``on_save_error``."""
 
     busy: Literal["wait", "skip"] = _option("wait", _one_of("wait", "skip"))
+    on_save_error: Literal["raise", "log"] = _option("raise", _one_of("raise", "log"))  # a failed background save
     native: bool = _option(True, _flag)
     snapshot_threads: int | None = _option(None, _count)
     check_finite: bool | Literal["all"] = _option(True, _one_of(True, False, "all"))
@@ -231,6 +233,10 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         instead (default 1.3). Raise it for fewer bytes per save, lower it for faster loads.
     busy: what a save does while the previous one is still writing from the host buffer: ``"wait"``
         for it, or ``"skip"`` this save (logged; the handle says ``skipped``).
+    on_save_error: what becomes of a save that fails in the background: ``"raise"`` (default) its
+        error at the next ``save()`` (which then saves nothing: call it again to retry), or at
+        ``wait()``/``close()``, whichever comes first; ``"log"`` logs it when it happens and goes on
+        (``close()`` still raises the first one nobody looked at through its handle).
     strict: default for ``load``: refuse keys missing on either side (and, for an optimizer, state
         saved by another kind of optimizer).
     staged_load: a load reads and verifies every chunk into staging memory (the idle host buffer
@@ -334,7 +340,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
 
     @property
     def snapshot(self) -> SnapshotOptions:
-        """``busy``, ``native``, ``snapshot_threads``, ``check_finite``."""
+        """``busy``, ``native``, ``snapshot_threads``, ``check_finite``, ``on_save_error``."""
         return self._group(SnapshotOptions)
 
     @property
@@ -381,6 +387,7 @@ class OptionArgs(TypedDict, total=False):
     io_threads: int | None
     timeout: float
     busy: Literal["wait", "skip"]
+    on_save_error: Literal["raise", "log"]
     native: bool
     snapshot_threads: int | None
     check_finite: bool | Literal["all"]
