@@ -115,15 +115,16 @@ class Checkpointer:
         self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
                                         self._after_commit, self._leases, self._tiers)
         self._protocol.log_failures = options.on_save_error == "log"
+        self._ledger = SaveLedger()  # steps taken, saves in flight, failures nobody has seen yet
         self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads,
                                       options.check_finite, pair=options.deltas)
-        self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead)
+        self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead,
+                                  options.preemption_deadline, finish=self._ledger.settle)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
         self._loader = Loader(self.storage, self._comm, self._io, manifests, self._tiers,
                               staged=options.staged_load, lend=self._lend_buffer)
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
-        self._ledger = SaveLedger()  # steps taken, saves in flight, failures nobody has seen yet
         self._closed = False
         at_exit.track(self)
 
@@ -291,6 +292,11 @@ class Checkpointer:
         save (read-only; ``should_save`` is what acts on it)."""
         return self._schedule.preemption_pending
 
+    def _take_preemption(self) -> None:
+        """For a front end that makes the emergency save itself (Lightning's callback): the signal is
+        acted on, so it is not passed on after ``preemption_deadline`` or at ``close()``."""
+        self._schedule.taken()
+
     @property
     def interval(self) -> Interval:
         """The save interval in force (for ``every="auto"``: as last chosen, and why)."""
@@ -382,7 +388,8 @@ class Checkpointer:
             raise err
 
     def close(self) -> None:
-        """Wait for in-flight saves, stop the background threads, and raise if a save failed."""
+        """Wait for in-flight saves, stop the background threads, and raise if a save failed. A preemption
+        signal that no ``should_save()`` acted on is then passed on (by default it ends the process)."""
         if self._closed:
             return
         try:
@@ -398,6 +405,7 @@ class Checkpointer:
             if self._tiers is not None:
                 self._tiers.close()
             self.storage.close()  # the host buffer goes with this object (adopt_buffer may still take it)
+        self._schedule.pass_on()  # a preemption signal that no should_save() took: the process gets it now
 
     def _check_open(self) -> None:
         if self._closed:

@@ -23,7 +23,14 @@ from . import _cpus
 from .encode import CodecSpec
 from .errors import ConfigError
 from .redundancy_config import Parity, Replicas
-from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, parse_every, parse_signals, positive
+from .schedule import (
+    DEFAULT_MAX_OVERHEAD,
+    DEFAULT_MTBF,
+    DEFAULT_PREEMPTION_DEADLINE,
+    parse_every,
+    parse_signals,
+    positive,
+)
 
 if TYPE_CHECKING:
     from .storage.base import Storage
@@ -153,12 +160,13 @@ class EncodingOptions(_Record):
 
 @dataclass(frozen=True)
 class ScheduleOptions(_Record):
-    """When to save: ``every``, ``preemption``, ``mtbf``, ``max_overhead``."""
+    """When to save: ``every``, ``preemption``, ``mtbf``, ``max_overhead``, ``preemption_deadline``."""
 
     every: int | float | str | None = _option(None, lambda _, v: parse_every(v))  # steps, seconds or "auto"
     preemption: tuple[int, ...] = _option((), lambda _, v: parse_signals(v))  # signal numbers, once made
     mtbf: float = _option(DEFAULT_MTBF, _seconds)
     max_overhead: float = _option(DEFAULT_MAX_OVERHEAD, _share)
+    preemption_deadline: float = _option(DEFAULT_PREEMPTION_DEADLINE, _seconds)  # for the loop to reach should_save()
 
 
 @dataclass(frozen=True)
@@ -266,7 +274,11 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         for preemption.
     preemption: install handlers that make ``should_save`` ask for an emergency save when the job is
         told to stop: ``True`` for SIGTERM, or a list of signals (e.g. ``[signal.SIGTERM,
-        signal.SIGUSR1]`` on SLURM). The handlers only set a flag.
+        signal.SIGUSR1]`` on SLURM). The handlers only set a flag; that the signal arrived is logged at once.
+    preemption_deadline: seconds after such a signal for the loop to reach ``should_save`` (default 10,
+        a third of the usual 30 s grace). Past it, ckpt finishes the saves in flight and passes the
+        signal on to the handler it would have had without ckpt (by default: the process ends), rather
+        than keep the job running until the scheduler's SIGKILL.
     mtbf: the mean time between failures, in seconds, ``every="auto"`` plans for (default 4 hours).
     max_overhead: the share of training time saves may stall it under ``every="auto"`` (default 0.02).
     redundancy: protect the local tiers against node loss: :class:`~ckpt.Replicas` ``(r)`` (each
@@ -325,7 +337,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
 
     @property
     def schedule(self) -> ScheduleOptions:
-        """``every``, ``preemption``, ``mtbf``, ``max_overhead``."""
+        """``every``, ``preemption``, ``mtbf``, ``max_overhead``, ``preemption_deadline``."""
         return self._group(ScheduleOptions)
 
     @property
@@ -379,6 +391,7 @@ class OptionArgs(TypedDict, total=False):
     preemption: bool | Sequence[int]
     mtbf: float
     max_overhead: float
+    preemption_deadline: float
     redundancy: Replicas | Parity | None
     persist_every: int | None
     failure_domain: str | None

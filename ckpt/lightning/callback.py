@@ -218,6 +218,7 @@ class AsyncCheckpoint(CheckpointBase):
     def _emergency(self, trainer: Any) -> None:
         """Save this step (unless a trigger just did), wait until it is committed, stop the fit."""
         assert self.checkpointer is not None
+        self.checkpointer._take_preemption()  # acted on here: ckpt must not pass the signal on
         started = time.monotonic()
         if self._last_step != trainer.global_step:
             self._save(trainer, persist=True)  # the node may not come back: upload it (persist_every)
