@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import at_exit, events
+from ._args import flag, flags
 from ._gc import paused
 from ._tasks import run_all
 from .commit import CommitProtocol
@@ -205,6 +206,7 @@ class Checkpointer:
         every rank must pass the same). With ``on_save_error="raise"`` (the default) it first raises
         the error of an earlier save that failed in the background, unseen (nothing is saved then)."""
         started = time.perf_counter()
+        flag("persist", persist, none=True)
         self._check_open()
         self._loader.check_whole(step)
         self._ledger.claim(step)
@@ -328,6 +330,8 @@ class Checkpointer:
         ``rank_map`` (this rank -> saved rank, e.g. ``lambda r: r % 4``). Everything checkable is
         checked before the state changes; a later failure leaves saves refused
         (:class:`~ckpt.PartialStateError`) until a load succeeds or :meth:`accept_state`."""
+        flags(none=True, strict=strict, allow_pickle=allow_pickle)
+        flag("fallback", fallback)
         self._check_open()
         self._wait_pending()
         strict = self.options.strict if strict is None else strict

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 
 from . import _cpus
+from ._args import flag
 from .encode import CodecSpec
 from .errors import ConfigError
 from .redundancy_config import Parity, Replicas
@@ -44,9 +45,7 @@ Check = Callable[[str, Any], Any]  # (option name, value as given) -> value as k
 # -- the checks: each returns the value as kept, or raises ConfigError naming the option ------------------
 
 def _flag(name: str, v: Any) -> bool:
-    if not isinstance(v, bool):  # "no" and 0 are not False: say so instead of guessing
-        raise ConfigError(f"{name} must be True or False, got {v!r}")
-    return v
+    return flag(name, v)  # "no" and 0 are not False: say so instead of guessing
 
 
 def _count(name: str, v: Any) -> int | None:
