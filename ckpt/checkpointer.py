@@ -411,6 +411,10 @@ class Checkpointer:
             self.storage.close()  # the host buffer goes with this object (adopt_buffer may still take it)
         self._schedule.pass_on()  # a preemption signal that no should_save() took: the process gets it now
 
+    def _in_flight(self) -> list[int]:
+        """The steps whose saves are still being written (what the exit hook finishes)."""
+        return self._ledger.in_flight()
+
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")

@@ -230,6 +230,11 @@ class SaveLedger:
                 return h, err
         return None
 
+    def in_flight(self) -> list[int]:
+        """The steps of the saves still being written."""
+        with self._lock:
+            return [h.step for h in self._handles if not h.done()]
+
     def unseen_failure(self) -> CheckpointError | None:
         """The first failure of a finished save nobody has looked at (marked seen now)."""
         for h in self.settle():

@@ -38,6 +38,9 @@ def test_a_save_in_flight_at_exit_is_committed(tmp_path, how):
         assert "cannot schedule" not in r.stderr
         if how == "closed":  # closed, nothing in flight: nothing to finish, nothing to say
             assert "interpreter is exiting" not in r.stderr, r.stderr
+        if how == "sigint":  # issue 33 item 10: said at once after the traceback, not seconds of silence
+            said = r.stderr.find("WARNING:ckpt:the interpreter is exiting: finishing the save of step 1 of ")
+            assert 0 < r.stderr.find("KeyboardInterrupt") < said, r.stderr
         got = {"w": torch.zeros(16 << 20)}
         assert ckpt.Checkpointer(root).load("latest", got) == 1
         assert torch.equal(got["w"], torch.arange(16 << 20, dtype=torch.float32))
