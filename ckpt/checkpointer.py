@@ -32,7 +32,7 @@ from .fill import staging_memory
 from .flatten import flatten
 from .format import manifest as mf
 from .format.chunk import verify_object
-from .handle import SaveHandle, SaveLedger, SaveMetrics
+from .handle import REFUSED_FOR_EARLIER, SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
@@ -253,9 +253,8 @@ class Checkpointer:
         if found is None:
             return
         failed, err = found
-        err.args = (f"{err} (the save of step {failed.step} failed in the background, so step {step} was not "
-                    "saved either: fix the cause and save again, or pass on_save_error='log' to only log such "
-                    "failures)", *err.args[1:])
+        err.args = (f"{err} (the save of step {failed.step} {REFUSED_FOR_EARLIER} {step} was not saved either: fix "
+                    "the cause and save again, or pass on_save_error='log' to only log such failures)", *err.args[1:])
         raise err
 
     def _persists(self, seq: int, emergency: bool, asked: bool | None) -> bool:

@@ -12,6 +12,7 @@ from .errors import CheckpointError, ConfigError, StepExistsError, StorageError
 from .format.manifest import MAX_STEP
 
 Stage = Literal["snapshot", "local", "committed"]
+REFUSED_FOR_EARLIER = "failed in the background, so step"  # in the error of a save refused for an earlier failure
 
 
 @dataclass
@@ -226,8 +227,10 @@ class SaveLedger:
             handles = list(self._handles)
         for h in handles:
             err = h.failure_unseen() if h.done() else None
-            if err is not None:
+            if err is not None and REFUSED_FOR_EARLIER not in str(err):
                 return h, err
+            # (one that only says another rank refused it for an earlier failure is not raised again: this
+            # rank raises that failure itself, and raising each refusal would make the ranks refuse in turn)
         return None
 
     def in_flight(self) -> list[int]:
