@@ -26,6 +26,8 @@ log = logging.getLogger("ckpt")
 class _Closable(Protocol):
     def close(self) -> None: ...
 
+    def _in_flight(self) -> list[int]: ...
+
 
 _open: weakref.WeakSet = weakref.WeakSet()  # every Checkpointer not closed (not kept alive by this)
 _saving: dict[int, tuple[_Closable, int]] = {}  # those with saves in flight, kept alive until they end
@@ -76,8 +78,11 @@ def _finish() -> None:
         pending = list({id(c): c for c in [*(c for c, _ in _saving.values()), *_open]}.values())
     for c in pending:
         try:
-            if id(c) in saving:  # the others have nothing in flight: closed without a word
-                log.info("the interpreter is exiting: finishing the saves of %r before it does", c)
+            steps = c._in_flight() if id(c) in saving else []
+            if steps:  # said at once (after a Ctrl-C's traceback the wait would be silent); the others: not a word
+                what = f"save of step {steps[0]}" if len(steps) == 1 else f"saves of steps {', '.join(map(str, steps))}"
+                log.warning("the interpreter is exiting: finishing the %s of %r first (Ctrl-C again gives up on "
+                            "it; the steps committed before it are whole)", what, c)
             c.close()
         except KeyboardInterrupt:
             log.error("interrupted while finishing the saves of %r at exit; a save in flight is lost "

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import at_exit, events
+from ._args import flag, flags
 from ._gc import paused
 from ._tasks import run_all
 from .commit import CommitProtocol
@@ -31,7 +32,7 @@ from .fill import staging_memory
 from .flatten import flatten
 from .format import manifest as mf
 from .format.chunk import verify_object
-from .handle import SaveHandle, SaveLedger, SaveMetrics
+from .handle import REFUSED_FOR_EARLIER, SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
 from .loader import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
@@ -116,15 +117,17 @@ class Checkpointer:
                                     in_use=self._writer.in_use, shared=options.shared_root)
         self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
                                         self._after_commit, self._leases, self._tiers)
+        self._protocol.log_failures = options.on_save_error == "log"
+        self._ledger = SaveLedger()  # steps taken, saves in flight, failures nobody has seen yet
         self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads,
                                       options.check_finite, pair=options.deltas)
-        self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead)
+        self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead,
+                                  options.preemption_deadline, finish=self._ledger.settle)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
         self._loader = Loader(self.storage, self._comm, self._io, manifests, self._tiers,
                               staged=options.staged_load, lend=self._lend_buffer)
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
-        self._ledger = SaveLedger()  # steps taken, saves in flight, failures nobody has seen yet
         self._closed = False
         at_exit.track(self)
 
@@ -202,8 +205,10 @@ class Checkpointer:
         tensor is copied (later in-place changes are not saved). With several ranks, every rank calls
         it with the same step and writes its own shard; the step commits once all parts are durable.
         With ``persist_every``, ``persist=True`` also uploads this save (``False``: local tiers only;
-        every rank must pass the same)."""
+        every rank must pass the same). With ``on_save_error="raise"`` (the default) it first raises
+        the error of an earlier save that failed in the background, unseen (nothing is saved then)."""
         started = time.perf_counter()
+        flag("persist", persist, none=True)
         self._check_open()
         self._loader.check_whole(step)
         self._ledger.claim(step)
@@ -212,6 +217,8 @@ class Checkpointer:
         metrics = SaveMetrics(step=step)
         emergency = step == self._schedule.emergency_step  # never skipped
         try:
+            if self.options.on_save_error == "raise":
+                self._raise_failed_save(step)
             with paused():  # while the caller waits: a state of many small tensors is mostly GC work (ckpt._gc)
                 flat = flatten(state, allow_pickle=self.options.allow_pickle)
                 snap = self._snapshots.take(seq, flat, state,
@@ -240,6 +247,17 @@ class Checkpointer:
         if emergency:
             self._emergency = handle
         return handle
+
+    def _raise_failed_save(self, step: int) -> None:
+        """on_save_error="raise": an earlier save that failed in the background, and whose error nobody
+        has seen, fails this one (before it takes anything), so training does not go on unsaved."""
+        found = self._ledger.finished_failure()
+        if found is None:
+            return
+        failed, err = found
+        err.args = (f"{err} (the save of step {failed.step} {REFUSED_FOR_EARLIER} {step} was not saved either: fix "
+                    "the cause and save again, or pass on_save_error='log' to only log such failures)", *err.args[1:])
+        raise err
 
     def _persists(self, seq: int, emergency: bool, asked: bool | None) -> bool:
         """Whether save number ``seq`` goes to the checkpoint path (the same answer on every rank)."""
@@ -277,6 +295,11 @@ class Checkpointer:
         save (read-only; ``should_save`` is what acts on it)."""
         return self._schedule.preemption_pending
 
+    def _take_preemption(self) -> None:
+        """For a front end that makes the emergency save itself (Lightning's callback): the signal is
+        acted on, so it is not passed on after ``preemption_deadline`` or at ``close()``."""
+        self._schedule.taken()
+
     @property
     def interval(self) -> Interval:
         """The save interval in force (for ``every="auto"``: as last chosen, and why)."""
@@ -308,6 +331,8 @@ class Checkpointer:
         ``rank_map`` (this rank -> saved rank, e.g. ``lambda r: r % 4``). Everything checkable is
         checked before the state changes; a later failure leaves saves refused
         (:class:`~ckpt.PartialStateError`) until a load succeeds or :meth:`accept_state`."""
+        flags(none=True, strict=strict, allow_pickle=allow_pickle)
+        flag("fallback", fallback)
         self._check_open()
         self._wait_pending()
         strict = self.options.strict if strict is None else strict
@@ -368,7 +393,8 @@ class Checkpointer:
             raise err
 
     def close(self) -> None:
-        """Wait for in-flight saves, stop the background threads, and raise if a save failed."""
+        """Wait for in-flight saves, stop the background threads, and raise if a save failed. A preemption
+        signal that no ``should_save()`` acted on is then passed on (by default it ends the process)."""
         if self._closed:
             return
         try:
@@ -384,6 +410,11 @@ class Checkpointer:
             if self._tiers is not None:
                 self._tiers.close()
             self.storage.close()  # the host buffer goes with this object (adopt_buffer may still take it)
+        self._schedule.pass_on()  # a preemption signal that no should_save() took: the process gets it now
+
+    def _in_flight(self) -> list[int]:
+        """The steps whose saves are still being written (what the exit hook finishes)."""
+        return self._ledger.in_flight()
 
     def _check_open(self) -> None:
         if self._closed:

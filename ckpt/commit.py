@@ -132,6 +132,7 @@ class CommitProtocol:
         self.commit_thread = commit_thread
         self.after_commit = after_commit
         self.leases = leases
+        self.log_failures = True  # a failed save is logged as an error (False: its error reaches the caller)
 
     # -- entry points, from save() --------------------------------------------------------------------
     def submit(self, job: SaveJob, future: Future) -> None:
@@ -168,7 +169,10 @@ class CommitProtocol:
         try:
             committed = self._save(job)
         except BaseException as e:
-            log.error("saving step %d failed: %s", job.step, e)
+            if self.log_failures:  # else the error is raised to the caller: said once, not twice
+                log.error("saving step %d failed: %s", job.step, e)
+            else:
+                log.info("saving step %d failed (raised at the next save(), wait() or close()): %s", job.step, e)
             future.set_exception(e)
             return
         finally:

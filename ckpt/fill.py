@@ -43,7 +43,7 @@ from .flatten import apply, flatten
 from .format import manifest as mf
 from .format import paths
 from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
-from .load_checks import check_fit, check_writable
+from .load_checks import check_fit, check_writable, keep_hyperparameters
 from .sharding import is_dtensor
 from .storage import Storage
 from .tied import unresolved
@@ -97,7 +97,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
         on_change()
     target = flatten(state, for_target=True)
     match = _match(m, state, target, rank, world, rank_map)
-    check_fit(m, match, state, target, strict)
+    foreign = check_fit(m, match, state, target, strict)  # optimizers taking another kind's state
     check_writable(m, match, target)
     structure = st.dict_node(match.tops, [match.nodes[k] for k in match.tops])
     if st.has_pickle(structure) and not allow_pickle:
@@ -135,7 +135,9 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
                 src = torch.from_numpy(stage).view(local.dtype).view(rows_shape)
                 local[_slices(in_d)].copy_(src[_slices(in_stage)])
             _copy_back(dests.copy_back)
+    restore = keep_hyperparameters(foreign)
     apply(state, decoded, strict=strict)
+    restore()  # AdamW's state into SGD leaves SGD's lr and momentum as they were
     return stats
 
 

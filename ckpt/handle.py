@@ -12,6 +12,7 @@ from .errors import CheckpointError, ConfigError, StepExistsError, StorageError
 from .format.manifest import MAX_STEP
 
 Stage = Literal["snapshot", "local", "committed"]
+REFUSED_FOR_EARLIER = "failed in the background, so step"  # in the error of a save refused for an earlier failure
 
 
 @dataclass
@@ -168,8 +169,8 @@ class SaveHandle:
         return self.metrics.skipped
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else ("done" if self.done() else "writing")
-        return f"<SaveHandle step={self.step} {state}>"
+        stage = self.stage  # "failed" and "committed" say how it ended
+        return f"<SaveHandle step={self.step} {'writing' if stage in ('snapshot', 'local') else stage}>"
 
 
 class SaveLedger:
@@ -218,6 +219,24 @@ class SaveLedger:
         for h in handles:
             h.settle()
         return handles
+
+    def finished_failure(self) -> tuple[SaveHandle, CheckpointError] | None:
+        """The first save that has already failed and whose failure nobody has looked at, with its
+        error (marked seen now); never waits for a save still running."""
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            err = h.failure_unseen() if h.done() else None
+            if err is not None and REFUSED_FOR_EARLIER not in str(err):
+                return h, err
+            # (one that only says another rank refused it for an earlier failure is not raised again: this
+            # rank raises that failure itself, and raising each refusal would make the ranks refuse in turn)
+        return None
+
+    def in_flight(self) -> list[int]:
+        """The steps of the saves still being written."""
+        with self._lock:
+            return [h.step for h in self._handles if not h.done()]
 
     def unseen_failure(self) -> CheckpointError | None:
         """The first failure of a finished save nobody has looked at (marked seen now)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ._args import flag
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -293,6 +294,7 @@ def import_checkpoint(src: str | os.PathLike, url: str | os.PathLike, step: int,
     (:class:`~ckpt.CorruptCheckpointError`), before anything is written. Memory: safetensors files
     are read one at a time, but the whole step is held in memory for its one ``save()``.
     """
+    flag("strip_prefix", strip_prefix)
     src, url = os.fspath(src), os.fspath(url)
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
         raise ConfigError(f"step must be an integer from 0 to {MAX_STEP}, got {step!r}")

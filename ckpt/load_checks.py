@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,8 +24,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckpt")
 
 
-def check_fit(m: mf.Manifest, match: _Match, state: dict[str, Any], target: Any, strict: bool) -> None:
-    """The keys (``strict``) and what modules' and optimizers' ``load_state_dict`` would refuse."""
+def check_fit(m: mf.Manifest, match: _Match, state: dict[str, Any], target: Any,
+              strict: bool) -> list[torch.optim.Optimizer]:
+    """The keys (``strict``) and what modules' and optimizers' ``load_state_dict`` would refuse.
+    Returns the optimizers that take another kind's state (``strict=False``): they keep their own
+    hyperparameters (:func:`keep_hyperparameters`)."""
     unexpected, miss = match.unexpected, match.missing
     if strict and (unexpected or miss):
         parts = []
@@ -37,9 +41,10 @@ def check_fit(m: mf.Manifest, match: _Match, state: dict[str, Any], target: Any,
             f"step {m.step} does not match the state: " + "; ".join(parts) +
             ". Pass strict=False to load what matches and leave the rest as it is.")
     misfits: list[str] = []
+    foreign: list[torch.optim.Optimizer] = []
     mine = dict(st.top_items(target.structure))  # once: a lookup per key keeps many top-level keys linear
     for top in match.tops:
-        _misfits(match.nodes[top], mine[top], state[top], top, strict, misfits)
+        _misfits(match.nodes[top], mine[top], state[top], top, strict, misfits, foreign)
     if misfits:
         raise StateMismatchError(
             f"step {m.step} does not fit the state: " + "; ".join(misfits[:6]) + (" …" if len(misfits) > 6 else "") +
@@ -48,6 +53,22 @@ def check_fit(m: mf.Manifest, match: _Match, state: dict[str, Any], target: Any,
     if unexpected or miss:
         log.warning("loading step %d non-strictly: %d key(s) not in the state, %d missing from the checkpoint",
                     m.step, len(unexpected), len(miss))
+    return foreign
+
+
+def keep_hyperparameters(optimizers: list[torch.optim.Optimizer]) -> Callable[[], None]:
+    """Before a load: what puts back each optimizer's own hyperparameters (every ``param_groups``
+    entry but its parameters) once ``load_state_dict`` has replaced them with another kind's."""
+    kept = [(o, [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in o.param_groups])
+            for o in optimizers]
+
+    def restore() -> None:
+        for o, groups in kept:
+            for g, mine in zip(o.param_groups, groups):
+                for k in [k for k in g if k not in ("params", "param_names")]:
+                    del g[k]
+                g.update(mine)
+    return restore
 
 
 def _unwritable(t: torch.Tensor) -> str | None:
@@ -77,7 +98,8 @@ def check_writable(m: mf.Manifest, match: _Match, target: Any) -> None:
             "; nothing was changed.")
 
 
-def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: list[str]) -> None:
+def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: list[str],
+             foreign: list[torch.optim.Optimizer]) -> None:
     """What would make ``load_state_dict`` fail, or (``strict``) leave nested keys unloaded, found
     by comparing the saved structure with the state's own, before anything is changed."""
     if isinstance(live, torch.nn.Module):
@@ -109,7 +131,9 @@ def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: 
                 out.append(f"{where}: {other}; load it into the optimizer that saved it, or pass strict=False to "
                            "load it anyway")
             else:
-                log.warning("%s: %s; loading it anyway (strict=False)", where, other)
+                log.warning("%s: %s; loading its per-parameter state anyway (strict=False), and keeping this "
+                            "optimizer's own hyperparameters (param_groups: lr, ...)", where, other)
+                foreign.append(live)
         return
     if strict and isinstance(live, dict) and live and st.kind(saved) == "dict" and st.kind(target) == "dict":
         saved_keys = {st.path_component(k): (k, v) for k, v in zip(saved["k"], saved["v"])}
@@ -121,7 +145,7 @@ def _misfits(saved: Any, target: Any, live: Any, where: str, strict: bool, out: 
                        f"keys not in the state {extra[:4]}")
         for (c, tv), lv in zip(mine.items(), live.values()):
             if c in saved_keys:
-                _misfits(saved_keys[c][1], tv, lv, f"{where}/{st.preview(json.loads(c), 40)}", strict, out)
+                _misfits(saved_keys[c][1], tv, lv, f"{where}/{st.preview(json.loads(c), 40)}", strict, out, foreign)
 
 
 def _other_kind(saved: Any, live: torch.optim.Optimizer) -> str | None:

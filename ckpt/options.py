@@ -20,10 +20,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 
 from . import _cpus
+from ._args import flag
 from .encode import CodecSpec
 from .errors import ConfigError
 from .redundancy_config import Parity, Replicas
-from .schedule import DEFAULT_MAX_OVERHEAD, DEFAULT_MTBF, parse_every, parse_signals, positive
+from .schedule import (
+    DEFAULT_MAX_OVERHEAD,
+    DEFAULT_MTBF,
+    DEFAULT_PREEMPTION_DEADLINE,
+    parse_every,
+    parse_signals,
+    positive,
+)
 
 if TYPE_CHECKING:
     from .storage.base import Storage
@@ -37,9 +45,7 @@ Check = Callable[[str, Any], Any]  # (option name, value as given) -> value as k
 # -- the checks: each returns the value as kept, or raises ConfigError naming the option ------------------
 
 def _flag(name: str, v: Any) -> bool:
-    if not isinstance(v, bool):  # "no" and 0 are not False: say so instead of guessing
-        raise ConfigError(f"{name} must be True or False, got {v!r}")
-    return v
+    return flag(name, v)  # "no" and 0 are not False: say so instead of guessing
 
 
 def _count(name: str, v: Any) -> int | None:
@@ -154,12 +160,13 @@ class EncodingOptions(_Record):
 
 @dataclass(frozen=True)
 class ScheduleOptions(_Record):
-    """When to save: ``every``, ``preemption``, ``mtbf``, ``max_overhead``."""
+    """When to save: ``every``, ``preemption``, ``mtbf``, ``max_overhead``, ``preemption_deadline``."""
 
     every: int | float | str | None = _option(None, lambda _, v: parse_every(v))  # steps, seconds or "auto"
     preemption: tuple[int, ...] = _option((), lambda _, v: parse_signals(v))  # signal numbers, once made
     mtbf: float = _option(DEFAULT_MTBF, _seconds)
     max_overhead: float = _option(DEFAULT_MAX_OVERHEAD, _share)
+    preemption_deadline: float = _option(DEFAULT_PREEMPTION_DEADLINE, _seconds)  # for the loop to reach should_save()
 
 
 @dataclass(frozen=True)
@@ -183,9 +190,11 @@ class IOOptions(_Record):
 
 @dataclass(frozen=True)
 class SnapshotOptions(_Record):
-    """The copy into the host buffer: ``busy``, ``native``, ``snapshot_threads``, ``check_finite``."""
+    """The copy into the host buffer and what a save does when it cannot go on: ``busy``, ``native``,
+    ``snapshot_threads``, ``check_finite``, ``on_save_error``."""
 
     busy: Literal["wait", "skip"] = _option("wait", _one_of("wait", "skip"))
+    on_save_error: Literal["raise", "log"] = _option("raise", _one_of("raise", "log"))  # a failed background save
     native: bool = _option(True, _flag)
     snapshot_threads: int | None = _option(None, _count)
     check_finite: bool | Literal["all"] = _option(True, _one_of(True, False, "all"))
@@ -234,6 +243,10 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         instead (default 1.3). Raise it for fewer bytes per save, lower it for faster loads.
     busy: what a save does while the previous one is still writing from the host buffer: ``"wait"``
         for it, or ``"skip"`` this save (logged; the handle says ``skipped``).
+    on_save_error: what becomes of a save that fails in the background: ``"raise"`` (default) its
+        error at the next ``save()`` (which then saves nothing: call it again to retry), or at
+        ``wait()``/``close()``, whichever comes first; ``"log"`` logs it when it happens and goes on
+        (``close()`` still raises the first one nobody looked at through its handle).
     strict: default for ``load``: refuse keys missing on either side (and, for an optimizer, state
         saved by another kind of optimizer).
     staged_load: a load reads and verifies every chunk into staging memory (the idle host buffer
@@ -263,7 +276,11 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         for preemption.
     preemption: install handlers that make ``should_save`` ask for an emergency save when the job is
         told to stop: ``True`` for SIGTERM, or a list of signals (e.g. ``[signal.SIGTERM,
-        signal.SIGUSR1]`` on SLURM). The handlers only set a flag.
+        signal.SIGUSR1]`` on SLURM). The handlers only set a flag; that the signal arrived is logged at once.
+    preemption_deadline: seconds after such a signal for the loop to reach ``should_save`` (default 10,
+        a third of the usual 30 s grace). Past it, ckpt finishes the saves in flight and passes the
+        signal on to the handler it would have had without ckpt (by default: the process ends), rather
+        than keep the job running until the scheduler's SIGKILL.
     mtbf: the mean time between failures, in seconds, ``every="auto"`` plans for (default 4 hours).
     max_overhead: the share of training time saves may stall it under ``every="auto"`` (default 0.02).
     redundancy: protect the local tiers against node loss: :class:`~ckpt.Replicas` ``(r)`` (each
@@ -322,7 +339,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
 
     @property
     def schedule(self) -> ScheduleOptions:
-        """``every``, ``preemption``, ``mtbf``, ``max_overhead``."""
+        """``every``, ``preemption``, ``mtbf``, ``max_overhead``, ``preemption_deadline``."""
         return self._group(ScheduleOptions)
 
     @property
@@ -337,7 +354,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
 
     @property
     def snapshot(self) -> SnapshotOptions:
-        """``busy``, ``native``, ``snapshot_threads``, ``check_finite``."""
+        """``busy``, ``native``, ``snapshot_threads``, ``check_finite``, ``on_save_error``."""
         return self._group(SnapshotOptions)
 
     @property
@@ -377,6 +394,7 @@ class OptionArgs(TypedDict, total=False):
     preemption: bool | Sequence[int]
     mtbf: float
     max_overhead: float
+    preemption_deadline: float
     redundancy: Replicas | Parity | None
     persist_every: int | None
     failure_domain: str | None
@@ -385,6 +403,7 @@ class OptionArgs(TypedDict, total=False):
     io_threads: int | None
     timeout: float
     busy: Literal["wait", "skip"]
+    on_save_error: Literal["raise", "log"]
     native: bool
     snapshot_threads: int | None
     check_finite: bool | Literal["all"]

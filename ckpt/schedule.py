@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import signal
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,7 @@ log = logging.getLogger("ckpt")
 
 DEFAULT_MTBF = 4 * 3600.0  # seconds: a job on a few hundred GPUs sees an interruption every few hours
 DEFAULT_MAX_OVERHEAD = 0.02
+DEFAULT_PREEMPTION_DEADLINE = 10.0  # seconds: a third of the usual 30 s grace (Kubernetes, SLURM, torchrun)
 _UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "mins": 60, "minute": 60,
           "minutes": 60, "h": 3600, "hr": 3600, "hour": 3600, "hours": 3600}
 
@@ -148,6 +151,7 @@ def auto_interval(stall_s: float, mtbf_s: float, max_overhead: float, commit_s: 
 
 _listeners: weakref.WeakSet[Schedule] = weakref.WeakSet()
 _previous: dict[int, Any] = {}  # the handler each signal had before ckpt's
+_wake: tuple[int, int, int] | None = None  # (read fd, write fd, pid): the handler tells the watcher thread
 
 
 def _on_signal(signum: int, frame: Any) -> None:
@@ -155,12 +159,18 @@ def _on_signal(signum: int, frame: Any) -> None:
     two bytecodes of the main thread, possibly inside ckpt's own code). With nobody listening any
     more (a handler left behind by a framework that restored it after ckpt closed), the signal gets
     what it would have got without ckpt."""
-    listening = [s for s in list(_listeners) if signum in s.signals]
+    listening = [s for s in list(_listeners) if signum in s.signals and not s.gave_up]
     now = time.monotonic()
     for s in listening:
         if s.signalled is None:
             s.signalled, s.signalled_at = signum, now
     if listening:
+        wake = _wake
+        if wake is not None and wake[2] == os.getpid():  # not a forked child's copy of the pipe
+            try:
+                os.write(wake[1], bytes([signum]))  # lock-free: the watcher thread logs and keeps the deadline
+            except OSError:
+                pass
         return
     prev = _previous.get(signum, signal.SIG_DFL)
     if callable(prev):
@@ -170,10 +180,31 @@ def _on_signal(signum: int, frame: Any) -> None:
         signal.raise_signal(signum)
 
 
+def _watch(fd: int) -> None:
+    """The watcher thread: what the handler may not do (log, start the deadline) for each signal it saw."""
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            for s in list(_listeners):
+                if signum in s.signals:
+                    s.heard()
+
+
 def _install(sched: Schedule) -> None:
+    global _wake
     if sched.signals and threading.current_thread() is not threading.main_thread():
         raise ConfigError("preemption=... installs signal handlers, which Python allows only in the main thread; "
                           "create this Checkpointer there (or pass preemption=False)")
+    if sched.signals and (_wake is None or _wake[2] != os.getpid()):
+        r, w = os.pipe()
+        os.set_blocking(w, False)  # a full pipe never blocks the handler
+        _wake = (r, w, os.getpid())
+        threading.Thread(target=_watch, args=(r,), name="ckpt-signals", daemon=True).start()
     for s in sched.signals:
         current = signal.getsignal(s)
         if current is not _on_signal:
@@ -198,8 +229,14 @@ class Schedule:
     """Decides, the same on every rank, which steps are saved (see the module docstring)."""
 
     def __init__(self, comm: Comm, every: int | float | str | None, signals: tuple[int, ...],
-                 mtbf: float = DEFAULT_MTBF, max_overhead: float = DEFAULT_MAX_OVERHEAD):
+                 mtbf: float = DEFAULT_MTBF, max_overhead: float = DEFAULT_MAX_OVERHEAD,
+                 deadline: float = DEFAULT_PREEMPTION_DEADLINE, finish: Callable[[], Any] = lambda: None):
         self.comm = comm
+        self.deadline = deadline  # seconds after a signal for the loop to reach should_save()
+        self._finish = finish  # waits for the saves in flight, before a signal nobody asked for is passed on
+        self.gave_up = False  # the deadline passed: the signal was passed on to the handler before ckpt's
+        self.closed = False
+        self._timer: threading.Timer | None = None
         self.every = every
         self.signals = signals
         self.mtbf = mtbf
@@ -225,7 +262,63 @@ class Schedule:
         _install(self)
 
     def close(self) -> None:
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         _uninstall(self)
+
+    def taken(self) -> None:
+        """The caller acts on the signal itself (an emergency save of its own, as the Lightning callback
+        makes): neither the deadline nor close() passes it on."""
+        self.preempting = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def heard(self) -> None:
+        """On the watcher thread, at once after the handler: say that the signal arrived and what ckpt
+        does, and start the deadline for the loop to reach should_save()."""
+        signum = self.signalled
+        if signum is None or self._timer is not None or self.preempting or self.closed:
+            return  # not this process's, said already, or should_save() took it (and said so)
+        name = _signal_name(signum)
+        log.warning("%s received: ckpt saves at the next should_save() call, and `preempted` then ends the loop; "
+                    "if should_save() is not called within %gs, ckpt finishes the saves in flight and lets %s end "
+                    "the process", name, self.deadline, name)
+        left = self.deadline - (time.monotonic() - (self.signalled_at or time.monotonic()))
+        self._timer = threading.Timer(max(0.0, left), self._unheard)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _unheard(self) -> None:
+        """The deadline passed and no should_save() took the signal: finish the saves in flight, then
+        pass the signal on (its default ends the process, as it would have without ckpt)."""
+        signum = self.signalled
+        if signum is None or self.preempting or self.closed:
+            return
+        name = _signal_name(signum)
+        log.error("%s arrived %gs ago and should_save() was not called since, so no emergency save is made "
+                  "(call ckptr.should_save(step) at every step for one); finishing the saves in flight, then "
+                  "passing %s on", name, self.deadline, name)
+        try:
+            self._finish()
+        except BaseException:  # a failed save says so itself; the signal goes on regardless
+            pass
+        if self.preempting or self.closed:
+            return
+        self.gave_up = True
+        os.kill(os.getpid(), signum)  # ckpt's handler, on the main thread, passes it to the previous one
+
+    def pass_on(self) -> None:
+        """After close(): a signal that arrived and that no should_save() acted on is not kept from the
+        process; it goes to the handler it would have reached without ckpt (by default: the process ends)."""
+        signum = self.signalled
+        if signum is None or self.preempting or self.gave_up or \
+                threading.current_thread() is not threading.main_thread():
+            return
+        self.gave_up = True
+        log.warning("%s arrived and no should_save() acted on it: passing it on now that the saves are finished",
+                    _signal_name(signum))
+        signal.raise_signal(signum)
 
     @property
     def preemption_pending(self) -> bool:

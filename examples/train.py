@@ -51,6 +51,13 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def report_committed(writing: list[ckpt.SaveHandle]) -> None:
+    """Say which saves have committed; one that failed is left to raise at the next save() or close()."""
+    for h in [h for h in writing if h.stage == "committed"]:
+        writing.remove(h)
+        print(f"step {h.step:5d}  committed ({h.metrics.duration_s or 0:.2f}s after its save())")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="runs/example", help="checkpoint directory (or fsspec URL)")
@@ -81,6 +88,7 @@ def main() -> None:
         ckptr.close()
         return
     stalls = []
+    writing: list[ckpt.SaveHandle] = []  # saves still in the background: said to be committed once they are
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         x, y = data.next()
@@ -91,18 +99,24 @@ def main() -> None:
         sched.step()
         state["step"] = step
         if ckptr.should_save(step) or step == args.steps:  # the interval, or a preemption signal
-            h = ckptr.save(step, state)
+            h = ckptr.save(step, state)  # raises the error of an earlier save that failed in the background
             stalls.append(h.metrics.stall_s)
-            print(f"step {step:5d}  loss {loss.item():.5f}  saved (blocked {h.metrics.stall_s * 1e3:.1f} ms)")
+            writing.append(h)
+            print(f"step {step:5d}  loss {loss.item():.5f}  snapshot taken (blocked {h.metrics.stall_s * 1e3:.1f} ms), "
+                  "writing in the background")
+        report_committed(writing)
         if ckptr.preempted:  # the emergency save is committed
             ckptr.close()
+            report_committed(writing)
             print(f"preempted: step {step} is committed; run again to resume")
             return
         if args.stop_after is not None and step >= args.stop_after:
             ckptr.close()
+            report_committed(writing)
             print(f"stopping after step {step} (--stop-after); run again to resume")
             return
-    ckptr.close()  # waits for the last save to be committed
+    ckptr.close()  # waits for the last save to be committed; raises its error if it failed
+    report_committed(writing)
     print(f"done: {args.steps} steps in {time.perf_counter() - t0:.1f}s, final loss {loss.item():.5f}, "
           f"committed steps {ckptr.steps()}, weights {weights_digest(model)}")
     if stalls:

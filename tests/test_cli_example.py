@@ -98,6 +98,21 @@ def test_example_trains_and_resumes_identically(tmp_path):
     assert digest(straight) == digest(resumed)
 
 
+def test_example_says_committed_only_for_saves_that_committed(tmp_path):
+    """Issue 33 item 2: the example printed "saved" for every save(), including saves that then failed
+    in the background, and trained on. Now it says a step is committed only once it is, and a failed
+    save stops it at the next save() with the error."""
+    ok = run("examples/train.py", "--dir", str(tmp_path / "ok"), "--steps", "30", "--every", "10").stdout
+    assert "saved (" not in ok and all(f"step {s:5d}  committed" in ok for s in (10, 20, 30)), ok
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "chunks").write_text("a file where the chunk directory goes: every chunk write fails")
+    p = run("examples/train.py", "--dir", str(tmp_path / "bad"), "--steps", "30", "--every", "10", check=False)
+    assert p.returncode == 1 and "  committed (" not in p.stdout and "saved (" not in p.stdout, p.stdout
+    assert "StorageError" in p.stderr and "the save of step 10 failed in the background, so step 20 was not saved" \
+        in p.stderr, p.stderr
+    assert p.stderr.count("Not a directory") <= 2  # the error once (its message and its cause), not logged again
+
+
 def test_benchmark_script_runs_and_checks_what_it_loaded(tmp_path):
     """Smoke test of benchmarks/save_load.py at 64 MiB, so the published table's script stays runnable."""
     p = run("benchmarks/save_load.py", "--quick", "--only", "memcpy,torch.save,dcp.async_save,ckpt",

@@ -327,6 +327,36 @@ def test_a_failure_on_one_rank_reaches_every_rank(tmp_path):
     assert state["step"] == 3
 
 
+def unseen_failure_body(rank: int, world: int, root: str):
+    disk = FaultyStorage(LocalStorage(root))
+    c = ckpt.Checkpointer(root, timeout=30, chunk_size=CHUNK, storage=disk)
+    c.save(1, small_state(rank, world, 1)).wait()
+    if rank == 1:  # rank 1's disk fails one chunk write of step 2
+        disk.fail("write", key=r"^chunks/", nth=1, exc=lambda op, key: OSError(errno.ENOSPC, "No space left on device"))
+    h2 = c.save(2, small_state(rank, world, 2))  # nobody waits for it
+    if rank == 0:
+        h2.settle()  # rank 0 knows of the failure at its next save; the others may not yet
+    raised = []
+    for step in range(3, 9):
+        try:
+            c.save(step, small_state(rank, world, step))
+        except ckpt.CheckpointError as e:
+            raised.append((step, str(e)))
+    c.wait()
+    c.close()
+    return {"raised": raised, "steps": ckpt.open(root).steps()}
+
+
+def test_a_failure_nobody_waited_for_is_raised_once_per_rank_and_the_ranks_agree_again(tmp_path):
+    """Issue 33 item 2 with several ranks: the failure is raised at a later save() on each rank (when
+    that rank learns of it), a save refused for it fails on the other ranks without being raised again
+    there, and the ranks save together again within a few steps (no ping-pong of refusals, no hang)."""
+    out = run_ranks(3, unseen_failure_body, str(tmp_path))
+    for r in out:
+        assert len(r["raised"]) == 1 and "No space left" in r["raised"][0][1], r
+        assert set(r["steps"]) >= {1, 7, 8} and 2 not in r["steps"], r
+
+
 def wide_state(rank: int, world: int, step: int) -> dict:
     """64 x 1024 float32 split by rows: each rank's rows fill chunks of their own."""
     r0, nr = rows_of(64, world, rank)

@@ -254,12 +254,47 @@ def test_storage_failure_reaches_handle_and_close(tmp_path):
 def test_close_raises_a_failure_nobody_looked_at(tmp_path):
     disk = FaultyStorage(LocalStorage(tmp_path / "ck"))
     disk.fail("write", key=r"^chunks/", nth=1)
-    c = ckpt.Checkpointer(str(tmp_path / "ck"), storage=disk)
+    c = ckpt.Checkpointer(str(tmp_path / "ck"), storage=disk, on_save_error="log")
     c.save(1, {"w": torch.ones(10)}).settle()  # let save 1 finish (and fail) without looking at its error
-    c.save(2, {"w": torch.ones(10) * 2})  # a later save must not swallow the earlier failure
+    c.save(2, {"w": torch.ones(10) * 2})  # a later save must not swallow the earlier failure (only logged here)
     with pytest.raises(ckpt.StorageError, match="injected"):
         c.close()
     assert ckpt.Checkpointer(str(tmp_path / "ck")).steps() == [2]
+
+
+def test_a_failed_background_save_is_raised_at_the_next_save_and_said_once(tmp_path, caplog):
+    """Issue 33 item 2: a save that failed in the background reached the caller only at close(), days
+    later; every save() in between returned as if all was well. Now the next save() raises it (saving
+    nothing), the caller retries, and the failure is printed once (raised, not also logged as an error)."""
+    disk = FaultyStorage(LocalStorage(tmp_path / "ck"))
+    disk.fail("write", key=r"^chunks/", nth=1)
+    c = ckpt.Checkpointer(str(tmp_path / "ck"), storage=disk)
+    h1 = c.save(1, {"w": torch.ones(10)})
+    h1.settle()  # it failed in the background; nobody looked
+    assert h1.stage == "failed" and "failed" in repr(h1)
+    with caplog.at_level(logging.INFO, logger="ckpt"):
+        with pytest.raises(ckpt.StorageError, match=r"injected.*step 1 failed in the background.*step 2 was not saved"):
+            c.save(2, {"w": torch.ones(10) * 2})
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text  # raised: not logged too
+    h2 = c.save(2, {"w": torch.ones(10) * 2})  # the retry saves
+    assert h2.wait().step == 2 and "committed" in repr(h2)
+    c.close()  # the failure was seen: nothing left to raise
+    assert ckpt.Checkpointer(str(tmp_path / "ck")).steps() == [2]
+
+
+def test_on_save_error_log_goes_on_and_logs_each_failure_once(tmp_path, caplog):
+    with pytest.raises(ckpt.ConfigError, match="on_save_error"):
+        ckpt.Checkpointer(str(tmp_path / "x"), on_save_error="ignore")
+    disk = FaultyStorage(LocalStorage(tmp_path / "ck"))
+    disk.fail("write", key=r"^chunks/", nth=1)
+    c = ckpt.Checkpointer(str(tmp_path / "ck"), storage=disk, on_save_error="log")
+    with caplog.at_level(logging.INFO, logger="ckpt"):
+        c.save(1, {"w": torch.ones(10)}).settle()
+        c.save(2, {"w": torch.ones(10) * 2}).wait()  # goes on
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("saving step 1 failed"), errors
+    with pytest.raises(ckpt.StorageError, match="injected"):
+        c.close()
 
 
 def test_a_failed_save_does_not_block_the_next(tmp_path):

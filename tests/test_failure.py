@@ -38,6 +38,9 @@ def test_a_save_in_flight_at_exit_is_committed(tmp_path, how):
         assert "cannot schedule" not in r.stderr
         if how == "closed":  # closed, nothing in flight: nothing to finish, nothing to say
             assert "interpreter is exiting" not in r.stderr, r.stderr
+        if how == "sigint":  # issue 33 item 10: said at once after the traceback, not seconds of silence
+            said = r.stderr.find("WARNING:ckpt:the interpreter is exiting: finishing the save of step 1 of ")
+            assert 0 < r.stderr.find("KeyboardInterrupt") < said, r.stderr
         got = {"w": torch.zeros(16 << 20)}
         assert ckpt.Checkpointer(root).load("latest", got) == 1
         assert torch.equal(got["w"], torch.arange(16 << 20, dtype=torch.float32))
@@ -218,6 +221,53 @@ def test_sigterm_saves_the_next_step_after_the_one_in_flight_and_stops(tmp_path)
     assert got["step"] == 4
     c.close()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # this process never installed one
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sigterm_in_a_loop_that_never_asks_is_said_at_once_and_not_swallowed(tmp_path):
+    """Issue 33 item 1: with preemption=True and a loop that never calls should_save(), SIGTERM was
+    swallowed: no log line, the job trained on and exited 0 (to be SIGKILLed by the scheduler). Now
+    the arrival is logged at once; past preemption_deadline ckpt finishes the save in flight and
+    lets SIGTERM end the process."""
+    root = str(tmp_path / "ck")
+    child = subprocess.Popen([sys.executable, os.path.join(HERE, "preempt_child.py"), root, "--hold-at", "3",
+                              "--never-ask", "--deadline", "1"], env=child_env(), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().split() == ["holding", "3"]
+        child.send_signal(signal.SIGTERM)  # the save of step 3 may still be writing
+        said = child.stderr.readline()  # before the loop goes on: the child waits for our line below
+        try:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        except BrokenPipeError:  # this process was descheduled past the deadline: the child ended already
+            pass
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert said.startswith("ckpt: SIGTERM received: ckpt saves at the next should_save() call"), said + err
+    assert "within 1s, ckpt finishes the saves in flight and lets SIGTERM end the process" in said
+    assert "SIGTERM arrived 1s ago and should_save() was not called since" in err
+    assert child.returncode == -signal.SIGTERM, (out, err)  # ended as SIGTERM ends it, not trained on to exit 0
+    assert "stopped" not in out
+    assert ckpt.open(root).steps() == [3]  # the save in flight was finished first
+
+
+def test_a_signal_nobody_acted_on_is_passed_on_at_close(tmp_path):
+    """The loop ended before the deadline without asking should_save(): close() still lets the signal
+    reach the handler it would have reached without ckpt, once the saves are finished."""
+    seen = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        c = ckpt.Checkpointer(tmp_path, preemption=[signal.SIGUSR1])
+        c.save(1, {"w": torch.ones(4)})
+        signal.raise_signal(signal.SIGUSR1)
+        assert seen == [] and c.preemption_pending  # ckpt took it
+        c.close()
+        assert seen == [signal.SIGUSR1] and ckpt.open(tmp_path).steps() == [1]
+    finally:
+        signal.signal(signal.SIGUSR1, old)
 
 
 def test_without_a_listener_the_signal_gets_its_old_behaviour(tmp_path):

@@ -207,6 +207,26 @@ def test_strict_refuses_another_kind_of_optimizer_before_changing_anything(ckdir
     assert "AdamW optimizer, this is a torch.optim.adam.Adam" in caplog.text
 
 
+def test_another_kind_of_optimizer_loaded_non_strictly_keeps_its_own_hyperparameters(ckdir, caplog):
+    """Issue 33 item 10: AdamW's state loaded into SGD with strict=False replaced SGD's param groups
+    (lr 0.1 -> 0.01, momentum gone, betas added) with only a log line, and SGD's next step failed or
+    trained at AdamW's settings. The target keeps its hyperparameters, and the log says so."""
+    net, opt = _adamw_step()
+    with ckpt.Checkpointer(ckdir) as c:
+        c.save(1, {"model": net, "optim": opt})
+    net2 = _model(1)
+    sgd = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    before = [{k: v for k, v in g.items() if k != "params"} for g in sgd.param_groups]
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert ckpt.Checkpointer(ckdir).load(1, {"model": net2, "optim": sgd}, strict=False) == 1
+    assert [{k: v for k, v in g.items() if k != "params"} for g in sgd.param_groups] == before
+    assert sgd.param_groups[0]["params"] == list(net2.parameters())
+    assert "keeping this optimizer's own hyperparameters" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters()))  # the model loaded
+    net2(torch.randn(4, 8)).sum().backward()
+    sgd.step()  # trains on with SGD's own settings
+
+
 def test_the_fallback_hint_is_given_once(ckdir):
     state = _two_steps(ckdir)
     with pytest.raises(ckpt.CorruptCheckpointError) as e:

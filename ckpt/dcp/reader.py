@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import tree as st
+from .._args import flag
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnsupportedValueError
 from ..format import manifest as mf
 from ..reader.tensors import load_into
@@ -55,8 +56,7 @@ class Reader(StorageReader):
             raise ConfigError(f"ckpt.dcp.Reader needs a checkpoint path or URL, got {url!r}")
         if step != "latest" and (type(step) is not int or not 0 <= step <= mf.MAX_STEP):
             raise ConfigError(f"step must be 'latest' or an integer from 0 to {mf.MAX_STEP}, got {step!r}")
-        if not isinstance(allow_pickle, bool):
-            raise ConfigError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+        flag("allow_pickle", allow_pickle)
         if type(io_threads) is not int or io_threads < 1:
             raise ConfigError(f"io_threads must be a positive integer, got {io_threads!r}")
         if storage is not None and storage_options is not None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from .._args import flag
 from ..buffer_layout import BufferLayout, TensorSlot, make_layout
 from ..errors import CheckpointError, ConfigError
 from ..sharding import is_dtensor
@@ -136,11 +137,8 @@ class Stager(AsyncStager):
 
     def __init__(self, *, native: bool = True, threads: int | None = None, wait_s: float = 60.0,
                  shared: bool = True):
-        if not isinstance(shared, bool):
-            raise ConfigError(f"shared must be True or False, got {shared!r}")
-        self.shared = shared
-        if not isinstance(native, bool):
-            raise ConfigError(f"native must be True or False, got {native!r}")
+        self.shared = flag("shared", shared)
+        flag("native", native)
         if threads is not None and (type(threads) is not int or threads < 1):
             raise ConfigError(f"threads must be a positive integer or None, got {threads!r}")
         if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or wait_s < 0:

@@ -55,6 +55,8 @@ log = logging.getLogger("ckpt")
 REFUSED = {
     "every": "DCP saves when you call dcp.save", "preemption": "DCP saves when you call dcp.save",
     "mtbf": "DCP saves when you call dcp.save", "max_overhead": "DCP saves when you call dcp.save",
+    "preemption_deadline": "DCP saves when you call dcp.save",
+    "on_save_error": "dcp.save raises a failed save, and async_save's future",
     "redundancy": "local commits need the Checkpointer", "persist_every": "local commits need the Checkpointer",
     "failure_domain": "local commits need the Checkpointer", "keep_local": "local commits need the Checkpointer",
     "busy": "ckpt.dcp.Stager decides when the buffer is free",

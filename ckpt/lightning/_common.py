@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from .._args import flag
 from ..errors import CheckpointError, UnsupportedValueError
 from ..flatten import RNGState
 from ..format import manifest as mf
@@ -94,6 +95,7 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False) -> d
         sd = ckpt.lightning.load_checkpoint("runs/exp1")["state_dict"]
         model.load_state_dict(sd)
     """
+    flag("allow_pickle", allow_pickle)
     where = locate(path)
     if where is None:
         raise CheckpointError(f"{os.fspath(path)} is not a ckpt checkpoint (a directory with committed steps, "

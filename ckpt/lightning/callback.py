@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from .._args import flags
 from ..checkpointer import Checkpointer
 from ..cuda_snapshot import guarding
 from ..errors import CheckpointError, ConfigError, StepExistsError, UnsupportedValueError
@@ -93,6 +94,7 @@ class AsyncCheckpoint(CheckpointBase):
         **checkpointer_options: Any,
     ):
         super().__init__()
+        flags(resume=resume, save_rng=save_rng, save_on_train_end=save_on_train_end)
         for name, n in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if n is not None and (type(n) is not int or n < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {n!r}")
@@ -218,6 +220,7 @@ class AsyncCheckpoint(CheckpointBase):
     def _emergency(self, trainer: Any) -> None:
         """Save this step (unless a trigger just did), wait until it is committed, stop the fit."""
         assert self.checkpointer is not None
+        self.checkpointer._take_preemption()  # acted on here: ckpt must not pass the signal on
         started = time.monotonic()
         if self._last_step != trainer.global_step:
             self._save(trainer, persist=True)  # the node may not come back: upload it (persist_every)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import tree as st
+from .._args import flag, flags
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, NotACheckpointError
 from ..format import manifest as mf
 from ..format import paths
@@ -189,6 +190,7 @@ class Reader:
         """Every step: committed (time, world size, raw / stored / new bytes), damaged, incomplete;
         with ``verify`` every chunk re-read; with ``local`` (nodes' ``local_dir``) also the steps
         committed only there and where each step is held. ``.to_json()``: what ``ckpt ls --json`` prints."""
+        flag("verify", verify)
         return listing.ls(self, verify=verify, local=local, progress=progress)
 
     def inspect(self, step: Step = None, *, keys: str | Sequence[str] | None = None) -> listing.Inspection:
@@ -204,6 +206,7 @@ class Reader:
         with ``keep_last``, the steps retention removes; with ``drop_after``, every step above it (a
         rollback's abandoned steps); deleted only with ``dry_run=False``.
         ``.to_json()``: what ``ckpt gc --json`` prints."""
+        flag("dry_run", dry_run)
         plan = collect.plan(self, grace_s=grace_s, keep_last=keep_last, drop_after=drop_after)
         removed = plan.remove if dry_run else collect.run(self, plan)
         return collect.GcReport(self.url, plan, removed, dry_run)
@@ -261,6 +264,7 @@ class Reader:
         ``allow_pickle=True`` unpickles pickled values: only for checkpoints you trust.
         ``staged=False`` reads straight into the tensors (no staging copy, but a damaged chunk then
         leaves them half-loaded)."""
+        flags(strict=strict, allow_pickle=allow_pickle, staged=staged)
         for name, n in (("world", world), ("rank", rank)):
             if isinstance(n, bool) or not isinstance(n, int):
                 raise ConfigError(f"{name} must be an int, got {n!r}")
@@ -281,12 +285,14 @@ class Reader:
         """Re-read and re-hash every chunk of a step (default: the newest) or of ``all`` committed
         steps; ``result.ok``, and ``result.problems`` name each damaged or missing object.
         ``progress(chunks_done, bytes_done)`` is called as chunks finish (of :meth:`chunk_count`)."""
+        flag("all", all)
         steps = self.steps() if all else [self.step(step)]
         return verify(self, steps, threads=self.threads, progress=progress)
 
     def diff(self, a: Step, b: Step, *, max_diff: bool = False) -> Diff:
         """Tensors and values that differ between steps ``a`` and ``b`` (by chunk hashes where they
         decide it, else by bytes; ``max_diff`` reads changed tensors for the largest difference)."""
+        flag("max_diff", max_diff)
         from .diff import diff
 
         return diff(self, self.step(a), self.step(b), max_diff=max_diff, threads=self.threads)
@@ -312,6 +318,7 @@ class Reader:
 
             ck.export("latest", "hf-out", format="hf", keys="model/", strip_prefix=True, dtype="bf16")
         """
+        flags(strip_prefix=strip_prefix, overwrite=overwrite)
         from .export import export
 
         return export(self, self.step(step), os.fspath(path), prefixes=_prefixes(keys),
