@@ -272,7 +272,7 @@ class _Flattener:
     def tensor(self, t: torch.Tensor, path: tuple, tpath: tuple[str, ...], numpy: bool | str,
                shard: LocalShard | LocalShards | None = None) -> dict:
         where = _where(path)
-        if t.is_nested:
+        if not is_sharded_tensor(t) and t.is_nested:  # a ShardedTensor answers no tensor attribute
             raise UnsupportedValueError(
                 f"{where}: nested tensors (torch.nested) are not supported; store their pieces as a list of "
                 "tensors (list(t.unbind())), or t.to_padded_tensor(0) with the lengths")
