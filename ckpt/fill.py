@@ -174,7 +174,7 @@ def _match(m: mf.Manifest, state: dict[str, Any], target: Any, rank: int, world:
             wanted.append((key, owner, target_key.get(path)))
     found = {tk for _, _, tk in wanted if tk is not None}
     missing_top = [k for k in state if k not in saved_nodes]
-    missing_tensors = _untied([k for k in target.tensors if k not in found and k.split("/", 1)[0] in saved_nodes],
+    missing_tensors = _untied([k for k in target.paths if k not in found and k.split("/", 1)[0] in saved_nodes],
                               found, target)
     return _Match(wanted_top, nodes, entries, wanted, [k for k in m.top_keys if k not in state],
                   missing_top + missing_tensors)

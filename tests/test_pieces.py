@@ -88,17 +88,18 @@ def checkpointer_body(rank: int, world: int, path: str) -> dict:
     """LocalShards of 2 and 3 pieces, a ShardedTensor of two local chunks and a BytesIO through the
     Checkpointer, loaded back onto other layouts in the same job."""
     warnings.filterwarnings("ignore", category=FutureWarning)
-    state = {"rows": _cut(ROWS, SAVE_ROWS[rank], False), "grid": _cut(GRID, SAVE_GRID[rank], False),
+    state = {"rows": _cut(ROWS, SAVE_ROWS[rank], False), "nested": {"grid": _cut(GRID, SAVE_GRID[rank], False)},
              "table": _sharded([0, 1, 1, 0]), "blob": io.BytesIO(b"\x00raw\xff" * 5), "bias": torch.arange(3.0)}
     c = ckpt.Checkpointer(path)
     c.save(1, state).wait()
-    into = {"rows": _cut(ROWS, LOAD_ROWS[rank], True), "grid": _cut(GRID, LOAD_GRID[rank], True),
+    into = {"rows": _cut(ROWS, LOAD_ROWS[rank], True), "nested": {"grid": _cut(GRID, LOAD_GRID[rank], True)},
             "table": _sharded([1, 0, 1], zeros=True), "blob": None, "bias": torch.zeros(3)}
-    c.load(1, into)
+    c.load(1, into)  # strict: every piece is loaded, none is a tensor the step lacks
     c.close()
+    got = {"rows": into["rows"], "grid": into["nested"]["grid"]}
     exact = {k: all(torch.equal(p.tensor, full[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.tensor.shape))])
-                    for p in into[k].pieces) for k, full in (("rows", ROWS), ("grid", GRID))}
-    return {"exact": exact, "pieces": [len(into["rows"].pieces), len(into["grid"].pieces)],
+                    for p in got[k].pieces) for k, full in (("rows", ROWS), ("grid", GRID))}
+    return {"exact": exact, "pieces": [len(got["rows"].pieces), len(got["grid"].pieces)],
             "table": _placed(into["table"]) == _want(into["table"]), "bias": into["bias"].tolist(),
             "blob": (type(into["blob"]).__name__, into["blob"].getvalue())}
 
@@ -140,11 +141,11 @@ def test_checkpointer_saves_2_and_3_pieces_per_rank_and_loads_them_onto_other_la
         assert g["blob"] == ("BytesIO", b"\x00raw\xff" * 5)
     assert _count_pieces(path) == [3, 3]  # another world size: one process
     tensors = ckpt.open(path).tensors(1)
-    assert torch.equal(tensors["rows"], ROWS) and torch.equal(tensors["grid"], GRID)
+    assert torch.equal(tensors["rows"], ROWS) and torch.equal(tensors["nested/grid"], GRID)
     assert torch.equal(tensors["table"], TABLE)
     m = ckpt.open(path).manifest(1)
     shards = {t.key: sorted(s.rank for s in t.shards) for t in m.tensors}
-    assert shards["rows"] == shards["grid"] == [0, 0, 1, 1, 1] and shards["table"] == [0, 0, 1, 1]
+    assert shards["rows"] == shards["nested/grid"] == [0, 0, 1, 1, 1] and shards["table"] == [0, 0, 1, 1]
     assert cli.main(["inspect", path]) == 0
     out = capsys.readouterr().out
     assert "blob = <BytesIO of 25 bytes>" in out and "[10:12, 0:4]" in out
@@ -153,14 +154,15 @@ def test_checkpointer_saves_2_and_3_pieces_per_rank_and_loads_them_onto_other_la
 def _count_pieces(path: str) -> list[int]:
     """This process alone loads the 2-rank step into 3 pieces per tensor, and checks them."""
     into = {"rows": _cut(ROWS, [((0, 0), (5, 4)), ((5, 0), (1, 4)), ((6, 0), (6, 4))], True),
-            "grid": _cut(GRID, [((0, 0), (6, 3)), ((0, 3), (4, 3)), ((4, 3), (2, 3))], True)}
+            "nested": {"grid": _cut(GRID, [((0, 0), (6, 3)), ((0, 3), (4, 3)), ((4, 3), (2, 3))], True)}}
     c = ckpt.Checkpointer(path)
     c.load(1, into, strict=False)
     c.close()
+    got = {"rows": into["rows"], "grid": into["nested"]["grid"]}
     for k, full in (("rows", ROWS), ("grid", GRID)):
-        for p in into[k].pieces:
+        for p in got[k].pieces:
             assert torch.equal(p.tensor, full[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.tensor.shape))]), k
-    return [len(into["rows"].pieces), len(into["grid"].pieces)]
+    return [len(got["rows"].pieces), len(got["grid"].pieces)]
 
 
 def test_bytesio_saves_through_dcp_without_pickle_as_dcps_own_storage_does(tmp_path):
