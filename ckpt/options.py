@@ -413,6 +413,7 @@ class OptionArgs(TypedDict, total=False):
     snapshot_threads: int | None
     check_finite: bool | Literal["all"]
     allow_pickle: bool
+    reduce_partial: bool
     strict: bool
     staged_load: bool
 

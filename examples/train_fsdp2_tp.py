@@ -1,8 +1,8 @@
 """Train a small transformer-like model with FSDP2 over tensor parallelism, checkpointing with ckpt;
 stop on 4 ranks (dp=2 × tp=2) and resume on 2 (dp=1 × tp=2).
 
-    torchrun --nproc-per-node 4 examples/train_fsdp2_tp.py --dir runs/2d --tp 2 --steps 8 --every 2 --stop-after 4
-    torchrun --nproc-per-node 2 examples/train_fsdp2_tp.py --dir runs/2d --tp 2 --steps 8 --every 2  # resumes at 4
+    torchrun --nproc-per-node 4 examples/train_fsdp2_tp.py --dir runs/2d --tp 2 --steps 6 --every 2 --stop-after 3
+    torchrun --nproc-per-node 2 examples/train_fsdp2_tp.py --dir runs/2d --tp 2 --steps 6 --every 2  # resumes at 3
 
 The model is parallelised as torchtitan does it: each block's projections with ``ColwiseParallel`` /
 ``RowwiseParallel`` on the ``tp`` dimension of a ``dp × tp`` mesh, then ``fully_shard`` on ``dp``. Its
