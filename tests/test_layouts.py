@@ -217,6 +217,12 @@ def _load_on_2(rank: int, world: int, root: str, want: dict[str, torch.Tensor]) 
                                                              r"blocks.*redistribute"):
             c.save(1, {"t": two})
         assert c.steps() == []
+    # Nor is a load into a Partial DTensor (its local tensors are addends): refused before anything is read.
+    partial = DTensor.from_local(torch.zeros(EXPERTS, 2, 2), mesh, [Partial()])
+    with ckpt.Checkpointer(f"{root}/ck", timeout=60) as c:
+        with pytest.raises(ckpt.UnsupportedValueError, match=r"cannot load into a DTensor with a Partial"):
+            c.load(1, {"other": {"experts": partial}}, strict=False)
+    assert not partial.to_local().any()
 
 
 @pytest.mark.multiprocess

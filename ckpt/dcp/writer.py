@@ -232,7 +232,8 @@ class Writer(StorageWriter):
             key = tensor_key(mappings.get(fqn, (fqn,)))
             if key in tensors:
                 raise UnsupportedValueError(f"{fqn!r}: this rank holds two pieces of it; ckpt.dcp.Writer stores one "
-                                            "box per tensor and rank (DTensor Shard/Replicate placements)")
+                                            "box per tensor and rank (DTensor Shard/Replicate placements, and "
+                                            "_StridedShard as FSDP2 over tensor parallelism makes it)")
             t = planner.resolve_data(item)
             assert isinstance(t, torch.Tensor)
             tensors[key] = t.detach()
