@@ -15,6 +15,7 @@ Three things in a state become boxes:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -108,31 +109,56 @@ def _placement_args(p: Any) -> list[tuple[str, Any]]:
     return args + ([("split_factor", p.split_factor)] if hasattr(p, "split_factor") else [])
 
 
-def _shard_indices(n: int, placements: Sequence[tuple[Any, int, int]]) -> list[int]:
-    """The global indices, in local order, that the given (placement, mesh size, coordinate) shardings of
-    one tensor dimension of size ``n`` leave on a rank, applied left to right as DTensor does.
+Runs = list[tuple[int, int]]  # (global start, length) of runs of consecutive global indices, in local order
 
-    ``Shard`` keeps the ``coord``-th of ``torch.chunk(..., size)`` (empty past the last chunk);
+
+def _take(runs: Runs, lo: int, hi: int) -> Runs:
+    """Positions ``lo:hi`` of the indices ``runs`` list, as runs."""
+    out, pos = [], 0
+    for g, n in runs:
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            out.append((g + a - pos, b - a))
+        pos += n
+    return out
+
+
+def _chunk(m: int, k: int, i: int) -> tuple[int, int]:
+    """Positions (lo, hi) of the ``i``-th of ``torch.chunk`` of ``m`` items into ``k`` (empty past the last)."""
+    c = -(-m // k) if m else 0
+    return min(m, i * c), min(m, (i + 1) * c)
+
+
+def _shard_runs(n: int, placements: Sequence[tuple[Any, int, int]]) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive global indices that the given
+    (placement, mesh size, coordinate) shardings of one tensor dimension of size ``n`` leave on a rank,
+    in local order, applied left to right as DTensor does; an empty list for an empty shard.
+
+    ``Shard`` keeps the ``coord``-th of ``torch.chunk(..., size)`` (nothing past the last chunk);
     ``_StridedShard(split_factor=f)`` first chunks into ``f`` pieces, chunks each into ``size`` and keeps
     the ``coord``-th of every one, concatenated: the right-to-left sharding FSDP2 over tensor
-    parallelism does (torch's ``_StridedShard._split_tensor``)."""
-    idx = torch.arange(n)
+    parallelism does (torch's ``_StridedShard._split_tensor``). Works on runs, never on indices: a save
+    calls it per DTensor dimension, and dimensions reach 10^5."""
+    runs: Runs = [(0, n)] if n else []
     for p, size, coord in placements:
-        groups = torch.chunk(idx, int(getattr(p, "split_factor", 1))) if idx.numel() else (idx,)
-        kept = [torch.chunk(g, size) for g in groups]
-        idx = torch.cat([c[coord] if coord < len(c) else g[:0] for c, g in zip(kept, groups)])
-    return idx.tolist()
-
-
-def _runs(idx: list[int]) -> list[tuple[int, int, int]]:
-    """(local start, global start, length) of each run of consecutive global indices in ``idx``."""
-    runs: list[tuple[int, int, int]] = []
-    for i, g in enumerate(idx):
-        if runs and runs[-1][1] + runs[-1][2] == g:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((i, g, 1))
-    return runs
+        m = sum(r[1] for r in runs)
+        f = int(getattr(p, "split_factor", 1))
+        kept: Runs = []
+        for j in range(f):
+            g0, g1 = _chunk(m, f, j)
+            lo, hi = _chunk(g1 - g0, size, coord)
+            kept += _take(runs, g0 + lo, g0 + hi)
+        runs = []
+        for g, k in kept:  # join runs that continue one another
+            if runs and runs[-1][0] + runs[-1][1] == g:
+                runs[-1] = (runs[-1][0], runs[-1][1] + k)
+            else:
+                runs.append((g, k))
+    out, pos = [], 0
+    for g, k in runs:
+        out.append((pos, g, k))
+        pos += k
+    return out
 
 
 def layout_pieces(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
@@ -144,33 +170,38 @@ def layout_pieces(global_shape: Sequence[int], mesh_shape: Sequence[int], coordi
     as torchtitan's FSDP2 over tensor parallelism makes it); several where the rank holds rows that are
     not next to each other (e.g. ``_StridedShard`` alone). ``Replicate`` and ``Partial`` keep every index.
     Cross-checked against torch's own ``compute_local_shape_and_global_offset``."""
+    return list(_layout_pieces(tuple(int(d) for d in global_shape), tuple(int(d) for d in mesh_shape),
+                               tuple(int(c) for c in coordinate), tuple(placements)))
+
+
+@functools.lru_cache(maxsize=4096)  # a save asks again for every DTensor; torch's check costs ms for _StridedShard
+def _layout_pieces(gshape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+                   placements: tuple[Any, ...]) -> tuple[tuple[tuple[slice, ...], Box], ...]:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    gshape = tuple(int(d) for d in global_shape)
     per_dim: dict[int, list[tuple[Any, int, int]]] = {}
     for p, size, coord in zip(placements, mesh_shape, coordinate):
         if isinstance(p, (Shard, _StridedShard)):
             per_dim.setdefault(p.dim, []).append((p, int(size), int(coord)))
-    idx = [_shard_indices(n, per_dim.get(d, ())) if d in per_dim else list(range(n)) for d, n in enumerate(gshape)]
+    runs = [_shard_runs(n, per_dim.get(d, ())) for d, n in enumerate(gshape)]
+    shape = tuple(sum(r[2] for r in dim) for dim in runs)
+    firsts = tuple(dim[0][1] if dim else n for dim, n in zip(runs, gshape))  # torch's offset of an empty shard: n
     want_shape, want_offsets = _compute_local_shape_and_global_offset(gshape, list(mesh_shape), list(coordinate),
                                                                       list(placements))
-    if (tuple(len(i) for i in idx) != tuple(want_shape)
-            or any(i and i[0] != o for i, o in zip(idx, want_offsets))):
+    if shape != tuple(want_shape) or any(dim and f != o for dim, f, o in zip(runs, firsts, want_offsets)):
         raise UnsupportedValueError(
             f"DTensor placements {[_placement_name(p) for p in placements]} on a {tuple(mesh_shape)} mesh: the "
-            f"local shape and offsets ckpt computes ({tuple(len(i) for i in idx)}, first indices "
-            f"{tuple(i[0] if i else 0 for i in idx)}) differ from torch's ({tuple(want_shape)}, "
-            f"{tuple(want_offsets)}); redistribute to Shard/Replicate placements before saving")
-    if any(not i for i in idx):  # an empty shard: one empty box, kept inside the tensor
-        offs = tuple(i[0] if i else n for i, n in zip(idx, gshape))
-        return [(tuple(slice(0, len(i)) for i in idx), (offs, tuple(len(i) for i in idx)))]
+            f"local shape and offsets ckpt computes ({shape}, first indices {firsts}) differ from torch's "
+            f"({tuple(want_shape)}, {tuple(want_offsets)}); redistribute to Shard/Replicate placements before saving")
+    if 0 in shape:  # an empty shard: one empty box, kept inside the tensor
+        return ((tuple(slice(0, n) for n in shape), (firsts, shape)),)
     pieces: list[tuple[tuple[slice, ...], Box]] = [((), ((), ()))]
-    for runs in (_runs(i) for i in idx):  # the cartesian product of each dimension's runs
+    for dim in runs:  # the cartesian product of each dimension's runs
         pieces = [((*sl, slice(lo, lo + n)), ((*offs, g), (*lens, n)))
-                  for sl, (offs, lens) in pieces for lo, g, n in runs]
-    return pieces
+                  for sl, (offs, lens) in pieces for lo, g, n in dim]
+    return tuple(pieces)
 
 
 def _refuse_partial(t: DTensor, where: str) -> None:
