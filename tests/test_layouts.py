@@ -5,7 +5,8 @@ Saved on 4 gloo ranks: a small transformer block as torchtitan parallelises it (
 ``tp`` mesh, then FSDP2 on ``dp`` of a 2×2 mesh: ``_StridedShard`` placements) with its AdamW state;
 an HSDP tensor (``Replicate, Shard(0)``); experts ``[E, d, d]`` sharded on dim 0. Loaded on 2 ranks
 (the block as dp=1×tp=2 and as dp=2×tp=1, HSDP on ``Shard(0)`` alone and on another replicate degree,
-the experts), on 1 process (plain tensors, and the experts box by box as 8 ranks hold them). The placement arithmetic
+the experts), on 1 process (plain tensors, and the experts box by box as 8 ranks hold them), and the
+block back on 4. The placement arithmetic
 (:func:`ckpt.sharding.layout_pieces`) is checked alone, without a process group, against torch's own
 splitting.
 """
@@ -30,7 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import ckpt
 import ckpt.dcp
-from ckpt.sharding import layout_pieces
+from ckpt.sharding import dtensor_pieces, layout_pieces
 from ckpt.testing import run_ranks
 
 D, H, EXPERTS = 6, 10, 6  # uneven on purpose: 6 rows over dp=2 of tp=2 split 2+1, 6 experts over 4 split 2,2,2,0
@@ -194,24 +195,30 @@ def _save_on_4(rank: int, world: int, root: str) -> dict:
     full = full_tensors(state)
     if rank == 0:  # through a file: tensors in a result queue outlive the rank that sent them only in shared memory
         torch.save(full, f"{root}/want.pt")
+    load_block(2, 2, root, full)  # and back onto the layout it was saved from
     return strided
+
+
+def load_block(dp: int, tp: int, root: str, want: dict[str, torch.Tensor]) -> None:
+    """Load step 1 into the block on dp×tp, through Checkpointer and through dcp.load; compare it whole."""
+    for how in ("ckpt", "dcp"):
+        block, opt, state = block_state(dp, tp, seed=1)
+        if tp == 2:  # loading into the _StridedShard layout itself
+            assert any(isinstance(p, _StridedShard) for t in state["model"].values() for p in t.placements)
+        if how == "ckpt":
+            with ckpt.Checkpointer(f"{root}/ck", timeout=60) as c:
+                assert c.load(1, state, strict=False) == 1  # the step holds "other" too
+        else:
+            dcp.load(state, storage_reader=ckpt.dcp.Reader(f"{root}/dcp", step=1))
+        set_state_dict(block, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        msd, osd = get_state_dict(block, opt)
+        got = full_tensors({"model": msd, "optim": osd})
+        assert_equal(got, {k: v for k, v in want.items() if not k.startswith("other/")}, (dp, tp, how))
 
 
 def _load_on_2(rank: int, world: int, root: str, want: dict[str, torch.Tensor]) -> None:
     for dp, tp in ((1, 2), (2, 1)):
-        for how in ("ckpt", "dcp"):
-            block, opt, state = block_state(dp, tp, seed=1)
-            if (dp, tp) == (1, 2):  # loading into the _StridedShard layout itself
-                assert any(isinstance(p, _StridedShard) for t in state["model"].values() for p in t.placements)
-            if how == "ckpt":
-                with ckpt.Checkpointer(f"{root}/ck", timeout=60) as c:
-                    assert c.load(1, state, strict=False) == 1  # the step holds "other" too
-            else:
-                dcp.load(state, storage_reader=ckpt.dcp.Reader(f"{root}/dcp", step=1))
-            set_state_dict(block, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            msd, osd = get_state_dict(block, opt)
-            got = full_tensors({"model": msd, "optim": osd})
-            assert_equal(got, {k: v for k, v in want.items() if not k.startswith("other/")}, (dp, tp, how))
+        load_block(dp, tp, root, want)
     layouts = [((1, 2), [Replicate(), Shard(0)]),  # HSDP with another replicate degree
                ((2, 1), [Shard(0), Replicate()]),  # Shard(0) alone (over both ranks)
                ((2, 1), [Replicate(), Shard(0)])]
@@ -227,6 +234,9 @@ def _load_on_2(rank: int, world: int, root: str, want: dict[str, torch.Tensor]) 
     # A layout that leaves a rank two blocks of a tensor is refused, naming the placement, before any write.
     mesh = init_device_mesh("cpu", (world,))
     two = DTensor.from_local(torch.zeros(4, 2), mesh, [_StridedShard(0, split_factor=2)], shape=(8, 2), stride=(2, 1))
+    pieces, gshape = dtensor_pieces(two, "t")  # views of the local tensor, rows {0,1,4,5} or {2,3,6,7}
+    assert gshape == (8, 2) and [box for _, box in pieces] == [((2 * rank, 0), (2, 2)), ((4 + 2 * rank, 0), (2, 2))]
+    assert all(p.data_ptr() == two.to_local()[2 * i:].data_ptr() for i, (p, _) in enumerate(pieces))
     with ckpt.Checkpointer(f"{root}/refused", timeout=60) as c:
         with pytest.raises(ckpt.UnsupportedValueError, match=r"_StridedShard\(dim=0, split_factor=2\).*2 separate "
                                                              r"blocks.*redistribute"):
