@@ -20,7 +20,7 @@ import io
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,8 +28,11 @@ import torch
 from . import tree as st
 from .errors import CheckpointError, ConfigError, StateMismatchError, UnsupportedValueError
 from .format.boxes import Box
-from .sharding import LocalShard, LocalShards, dtensor_box, is_dtensor, is_sharded_tensor, sharded_tensor_pieces
+from .sharding import LocalShard, LocalShards, dtensor_pieces, is_dtensor, is_sharded_tensor, sharded_tensor_pieces
 from .tied import fit_module_state
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def is_stateful(obj: Any) -> bool:
@@ -118,8 +121,9 @@ def _plain_text(key: Any) -> Any:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool, for_target: bool):
+    def __init__(self, allow_pickle: bool, for_target: bool, reduce_partial: bool = False):
         self.allow_pickle = allow_pickle
+        self.reduce_partial = reduce_partial  # a Partial DTensor is summed (redistributed) rather than refused
         self.for_target = for_target  # walking the caller's state on load: never refuse a value
         self.flat = Flat(structure={})
         self.depth = 0
@@ -277,6 +281,8 @@ class _Flattener:
                 f"{where}: nested tensors (torch.nested) are not supported; store their pieces as a list of "
                 "tensors (list(t.unbind())), or t.to_padded_tensor(0) with the lengths")
         target: Any = t if shard is None else shard
+        if is_dtensor(t) and any(p.is_partial() for p in t.placements):
+            t = self.reduced(t, where)
         pieces, gshape, kind = _pieces(t, shard, where)
         if not self.for_target:
             for piece, _ in pieces:
@@ -300,6 +306,18 @@ class _Flattener:
         self.flat.paths[key] = tpath
         return st.tensor_node(key, numpy)
 
+    def reduced(self, t: DTensor, where: str) -> DTensor:
+        """``t`` with its Partial placements reduced to Replicate, where the save was asked to."""
+        if self.for_target:
+            raise UnsupportedValueError(
+                f"{where}: cannot load into a DTensor with a Partial placement {list(t.placements)} (its local "
+                "tensors are addends of a sum, not its value); load into one with Shard or Replicate placements, "
+                "e.g. t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])")
+        if not self.reduce_partial:
+            return t  # dtensor_pieces refuses it, saying how to reduce it
+        from torch.distributed.tensor import Replicate
+        return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+
     def other(self, obj: Any, path: tuple) -> Any:
         if self.for_target:
             return None
@@ -317,9 +335,8 @@ def _pieces(t: torch.Tensor, shard: LocalShard | LocalShards | None, where: str
     """This rank's share of the tensor found at ``where``: its pieces (local tensor, box in the global
     tensor), the global shape and the leaf kind."""
     if is_dtensor(t):
-        # One piece per DTensor until the strided-shard layouts come: dtensor_pieces(t, where) then.
-        local, box, gshape = dtensor_box(t, where)
-        return [(local, box)], gshape, "shard"
+        pieces, gshape = dtensor_pieces(t, where)
+        return pieces, gshape, "shard"
     if is_sharded_tensor(t):
         pieces, gshape = sharded_tensor_pieces(t, where)
         return pieces, gshape, "shard"
@@ -335,14 +352,15 @@ def _where(path: tuple) -> str:
     return "/".join(_component(p) for p in path) or "<root>"
 
 
-def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False) -> Flat:
-    """Walk ``state`` once; see the module docstring."""
+def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False, reduce_partial: bool = False) -> Flat:
+    """Walk ``state`` once; see the module docstring. ``reduce_partial``: sum a DTensor's Partial
+    placements (a collective) rather than refuse it."""
     if not isinstance(state, dict):
         raise ConfigError(f"state must be a dict (e.g. {{'model': model, 'optim': opt}}), got {type(state).__name__}")
     bad = [k for k in state if not isinstance(k, str)]
     if bad:
         raise ConfigError(f"state keys must be strings; got {bad[:3]!r}")
-    f = _Flattener(allow_pickle, for_target)
+    f = _Flattener(allow_pickle, for_target, reduce_partial)
     nodes, spans = [], {}
     for k, v in state.items():
         before = len(f.flat.tensors)

@@ -4,7 +4,9 @@ A saved shard is a box (``offsets``, ``lengths``) of its tensor's global shape, 
 These things in a state become boxes:
 
 * a ``DTensor`` (what FSDP2's ``fully_shard`` and tensor parallelism produce): its local tensor is
-  the box its placements give this rank (``Shard`` and ``Replicate`` on 1-D and 2-D meshes);
+  the box its placements give this rank (``Shard``, ``Replicate`` and the ``_StridedShard`` FSDP2
+  over tensor parallelism gives, on meshes of any dimension; :func:`dtensor_pieces` says which
+  boxes, and whether the local tensor is one);
 * a :class:`LocalShard`: a plain tensor the caller declares to be a box of a global tensor;
 * :class:`LocalShards`, or a ``ShardedTensor`` (``torch.distributed._shard``): several pieces of one
   global tensor on one rank, each its own box (a chunk spec placing chunks 0 and 3 on rank 0);
@@ -18,6 +20,7 @@ for these.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -146,25 +149,152 @@ def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
 
 
-def dtensor_box(t: DTensor, where: str) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
-    """(local tensor, box of it in the global tensor, global shape) of a DTensor."""
-    from torch.distributed.tensor import Replicate, Shard  # only when DTensors are used
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def _placement_name(p: Any) -> str:
+    return f"{type(p).__name__}({', '.join(f'{k}={v}' for k, v in _placement_args(p))})"
 
+
+def _placement_args(p: Any) -> list[tuple[str, Any]]:
+    args = [("dim", p.dim)] if hasattr(p, "dim") else []
+    return args + ([("split_factor", p.split_factor)] if hasattr(p, "split_factor") else [])
+
+
+Runs = list[tuple[int, int]]  # (global start, length) of runs of consecutive global indices, in local order
+
+
+def _take(runs: Runs, lo: int, hi: int) -> Runs:
+    """Positions ``lo:hi`` of the indices ``runs`` list, as runs."""
+    out, pos = [], 0
+    for g, n in runs:
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            out.append((g + a - pos, b - a))
+        pos += n
+    return out
+
+
+def _chunk(m: int, k: int, i: int) -> tuple[int, int]:
+    """Positions (lo, hi) of the ``i``-th of ``torch.chunk`` of ``m`` items into ``k`` (empty past the last)."""
+    c = -(-m // k) if m else 0
+    return min(m, i * c), min(m, (i + 1) * c)
+
+
+def _shard_runs(n: int, placements: Sequence[tuple[Any, int, int]]) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive global indices that the given
+    (placement, mesh size, coordinate) shardings of one tensor dimension of size ``n`` leave on a rank,
+    in local order, applied left to right as DTensor does; an empty list for an empty shard.
+
+    ``Shard`` keeps the ``coord``-th of ``torch.chunk(..., size)`` (nothing past the last chunk);
+    ``_StridedShard(split_factor=f)`` first chunks into ``f`` pieces, chunks each into ``size`` and keeps
+    the ``coord``-th of every one, concatenated: the right-to-left sharding FSDP2 over tensor
+    parallelism does (torch's ``_StridedShard._split_tensor``). Works on runs, never on indices: a save
+    calls it per DTensor dimension, and dimensions reach 10^5."""
+    runs: Runs = [(0, n)] if n else []
+    for p, size, coord in placements:
+        m = sum(r[1] for r in runs)
+        f = int(getattr(p, "split_factor", 1))
+        kept: Runs = []
+        for j in range(f):
+            g0, g1 = _chunk(m, f, j)
+            lo, hi = _chunk(g1 - g0, size, coord)
+            kept += _take(runs, g0 + lo, g0 + hi)
+        runs = []
+        for g, k in kept:  # join runs that continue one another
+            if runs and runs[-1][0] + runs[-1][1] == g:
+                runs[-1] = (runs[-1][0], runs[-1][1] + k)
+            else:
+                runs.append((g, k))
+    out, pos = [], 0
+    for g, k in runs:
+        out.append((pos, g, k))
+        pos += k
+    return out
+
+
+def layout_pieces(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+                  placements: Sequence[Any]) -> list[tuple[tuple[slice, ...], Box]]:
+    """The pieces of the local tensor a rank at mesh ``coordinate`` holds: (slices of the local
+    tensor, its box in the global tensor), row-major over the pieces. Pure: no process group.
+
+    One piece when the placements nest into one box (``Shard``/``Replicate`` always; ``_StridedShard``
+    as torchtitan's FSDP2 over tensor parallelism makes it); several where the rank holds rows that are
+    not next to each other (e.g. ``_StridedShard`` alone). ``Replicate`` and ``Partial`` keep every index.
+    Cross-checked against torch's own ``compute_local_shape_and_global_offset``."""
+    return list(_layout_pieces(tuple(int(d) for d in global_shape), tuple(int(d) for d in mesh_shape),
+                               tuple(int(c) for c in coordinate), tuple(placements)))
+
+
+@functools.lru_cache(maxsize=4096)  # a save asks again for every DTensor; torch's check costs ms for _StridedShard
+def _layout_pieces(gshape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+                   placements: tuple[Any, ...]) -> tuple[tuple[tuple[slice, ...], Box], ...]:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    per_dim: dict[int, list[tuple[Any, int, int]]] = {}
+    for p, size, coord in zip(placements, mesh_shape, coordinate):
+        if isinstance(p, (Shard, _StridedShard)):
+            per_dim.setdefault(p.dim, []).append((p, int(size), int(coord)))
+    runs = [_shard_runs(n, per_dim.get(d, ())) for d, n in enumerate(gshape)]
+    shape = tuple(sum(r[2] for r in dim) for dim in runs)
+    firsts = tuple(dim[0][1] if dim else n for dim, n in zip(runs, gshape))  # torch's offset of an empty shard: n
+    want_shape, want_offsets = _compute_local_shape_and_global_offset(gshape, list(mesh_shape), list(coordinate),
+                                                                      list(placements))
+    if shape != tuple(want_shape) or any(dim and f != o for dim, f, o in zip(runs, firsts, want_offsets)):
+        raise UnsupportedValueError(
+            f"DTensor placements {[_placement_name(p) for p in placements]} on a {tuple(mesh_shape)} mesh: the "
+            f"local shape and offsets ckpt computes ({shape}, first indices {firsts}) differ from torch's "
+            f"({tuple(want_shape)}, {tuple(want_offsets)}); redistribute to Shard/Replicate placements before saving")
+    if 0 in shape:  # an empty shard: one empty box, kept inside the tensor
+        return ((tuple(slice(0, n) for n in shape), (firsts, shape)),)
+    pieces: list[tuple[tuple[slice, ...], Box]] = [((), ((), ()))]
+    for dim in runs:  # the cartesian product of each dimension's runs
+        pieces = [((*sl, slice(lo, lo + n)), ((*offs, g), (*lens, n)))
+                  for sl, (offs, lens) in pieces for lo, g, n in dim]
+    return tuple(pieces)
+
+
+def _refuse_partial(t: DTensor, where: str) -> None:
+    if any(p.is_partial() for p in t.placements):
+        names = [_placement_name(p) for p in t.placements]
+        raise UnsupportedValueError(
+            f"{where}: DTensor placements {names} hold a pending reduction (Partial): its local tensors are "
+            "addends, not the value. Reduce it first with t = t.redistribute(t.device_mesh, "
+            "[Replicate() if p.is_partial() else p for p in t.placements]) (or to a Shard), or pass "
+            "Options(reduce_partial=True) to let the save do that reduction (a collective on the mesh)")
+
+
+def dtensor_pieces(t: DTensor, where: str) -> tuple[list[tuple[torch.Tensor, Box]], tuple[int, ...]]:
+    """The pieces of a DTensor's local tensor (views of it), each with its box of the global tensor,
+    and the global shape; see :func:`layout_pieces`. One piece for ``Shard``/``Replicate`` placements
+    and for torchtitan's FSDP2 over tensor parallelism (``_StridedShard``).
+
+    Raises UnsupportedValueError for a ``Partial`` placement, a placement of an unknown kind, or a
+    local tensor whose shape is not the one its placements give (a padded local tensor)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    _refuse_partial(t, where)
     for p in t.placements:
-        if type(p) not in (Shard, Replicate):
+        if not isinstance(p, (Shard, _StridedShard, Replicate)):
             raise UnsupportedValueError(
-                f"{where}: DTensor placement {p} is not supported (only Shard and Replicate); "
-                "redistribute it first, e.g. t.redistribute(placements=[Shard(0)]) or t.full_tensor()")
-    local = t.to_local()
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    if tuple(local.shape) != tuple(shape):
-        raise UnsupportedValueError(f"{where}: DTensor local shape {tuple(local.shape)} does not match its "
-                                    f"placements (expected {tuple(shape)}); padded DTensors are not supported")
-    # An empty shard may report an offset past the end; clamp so the box stays inside the tensor.
+                f"{where}: DTensor placement {_placement_name(p)} is not supported (Shard, _StridedShard, "
+                "Replicate are); redistribute it first, e.g. t.redistribute(placements=[Shard(0)]) or "
+                "t.full_tensor()")
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
     gshape = tuple(t.shape)
-    offsets = tuple(min(o, d) for o, d in zip(offsets, gshape))
-    return local, (offsets, tuple(shape)), gshape
+    local = t.to_local()
+    if coordinate is None:  # this rank is outside the mesh: it holds nothing of the tensor
+        return [(local.reshape((0,) * len(gshape)), ((0,) * len(gshape), (0,) * len(gshape)))], gshape
+    try:
+        slices = layout_pieces(gshape, tuple(mesh.shape), coordinate, t.placements)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"{where}: {e}") from None
+    shape = tuple(max(sl[d].stop for sl, _ in slices) for d in range(len(gshape)))
+    if tuple(local.shape) != shape:
+        raise UnsupportedValueError(f"{where}: DTensor local shape {tuple(local.shape)} does not match its "
+                                    f"placements (expected {shape}); padded DTensors are not supported")
+    return [(local[sl], box) for sl, box in slices], gshape
 
 
 def is_sharded_tensor(t: Any) -> bool:
