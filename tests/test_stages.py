@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 import ckpt
 import ckpt.dcp
+from ckpt.flatten import flatten
+from ckpt.planning import Inventory, assign
 from ckpt.testing import run_ranks
-
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # spawns processes and takes more than a few seconds
 
 V, D, LAYERS = 6, 4, 4
 SPLITS = {4: [[0], [1], [2], [3]], 2: [[0, 1], [2, 3]]}  # the layers (one stage each) every rank runs
@@ -133,6 +133,8 @@ def load_on_two(rank: int, root: str, group) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow  # spawns processes and takes more than a few seconds
 def test_pipeline_stages_save_one_state_that_loads_on_another_split_and_one_process(tmp_path):
     root = str(tmp_path / "ck")
     results = run_ranks(4, stages_body, root)
@@ -167,3 +169,29 @@ def test_pipeline_stages_save_one_state_that_loads_on_another_split_and_one_proc
             with pytest.raises(ckpt.StateMismatchError, match=r"this process does not hold: \['model/layers.3"):
                 c.load(step, state)
             assert all(not p.any() for p in part.parameters())
+
+
+def test_the_plan_unites_different_keys_and_keeps_differing_values_per_rank():
+    """Without processes: each of 4 stages' inventory, planned as the coordinator plans them."""
+    parts = [make(layers, True) for layers in SPLITS[4]]
+    invs = [Inventory.of(flatten({"model": p, "optim": Optim(p, o), "pos": {"n": r}, "rng": ckpt.RNGState()}))
+            for r, (p, o) in enumerate(parts)]
+    plans = assign(invs)
+    assert plans[0].error is None and plans[0].per_rank == ["pos", "rng"]  # a value differs; declared per-rank
+    written = [invs[r].tensors[i].key for r, p in enumerate(plans) for i in p.write]
+    shared = [k for k in written if k.startswith(("model/", "optim/"))]
+    assert sorted(shared) == sorted(set(shared)) and "model/embed.weight" in shared  # each once, the tied one too
+    assert len(shared) == len({k for inv in invs for k in (r.key for r in inv.tensors)
+                               if k.startswith(("model/", "optim/"))})
+    # where two stages hold the same key, they must hold the same thing there
+    other = make([3], True)[0]
+    other.embed = nn.Embedding(V + 1, D)
+    bad = Inventory.of(flatten({"model": other, "optim": Optim(*parts[3]), "pos": {"n": 3},
+                                "rng": ckpt.RNGState()}))
+    plans = assign(invs[:3] + [bad])
+    assert plans[0].mismatch and "'model/embed.weight' differs between ranks" in plans[0].error
+    # a key held by some ranks only must tile its shape among them (two halves of one tensor held by one rank)
+    half = [Inventory.of(flatten({"model": {"a": ckpt.LocalShard(torch.zeros(2), (0,), (4,))}})),
+            Inventory.of(flatten({"model": {"b": torch.zeros(1)}}))]
+    plans = assign(half)
+    assert plans[0].mismatch and "among the ranks holding it, [0]" in plans[0].error
