@@ -1,7 +1,7 @@
 """What each loading rank holds of a step, and whether the loading ranks together hold all of it.
 
 A step saved by ranks that held different keys (pipeline stages) is one state, the union of theirs
-(:mod:`ckpt.tree_union`). A rank that loads it takes only the entries its own state holds
+(:mod:`ckpt.format.tree_union`). A rank that loads it takes only the entries its own state holds
 (:func:`held_part`): a module's keys, a non-empty dict's or ``Stateful``'s entries; an optimizer's
 state is taken whole (one without state yet holds nothing to compare with), and so is an empty dict.
 The ``strict`` check of what the rank asks for that the step lacks stays on the rank

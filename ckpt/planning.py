@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from . import tree as st
-from . import tree_union
 from .errors import DistributedSaveError, StateMismatchError
 from .flatten import Flat
+from .format import tree_union
 from .format.boxes import Box, intersect, volume
 
 # -- the planner's records -------------------------------------------------------------------------
@@ -34,7 +34,7 @@ class Inventory:
 
     ``tops`` maps each top-level key to a digest of its structure node (plain values that differ
     between ranks make a key per-rank); ``layouts`` each top-level key not declared per-rank to its
-    :func:`ckpt.tree_union.layout` (read only where the digests differ: ranks holding different
+    :func:`ckpt.format.tree_union.layout` (read only where the digests differ: ranks holding different
     keys); ``error`` is set instead when the rank failed before planning."""
 
     tops: dict[str, str] = field(default_factory=dict)
@@ -107,7 +107,7 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
     * A top-level key is per-rank when some rank declares it (``PerRank``, ``RNGState``) or its
       plain values differ between ranks; every tensor under it is written by its own rank.
     * A top-level key whose ranks hold different entries, and the same thing where they hold the
-      same path (pipeline stages: :mod:`ckpt.tree_union`), is one state: their union. A tensor
+      same path (pipeline stages: :mod:`ckpt.format.tree_union`), is one state: their union. A tensor
       under it may be held by some ranks only.
     * Every other tensor must exist on every rank; every tensor has the same dtype and global shape
       wherever it is held. Distinct boxes must not overlap and must cover the tensor. A box held by

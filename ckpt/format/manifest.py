@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .. import tree as st
-from .. import tree_union
 from .._gc import paused
 from .._version import __version__
 from ..errors import (
@@ -27,7 +26,7 @@ from ..errors import (
     NotACheckpointError,
     StateMismatchError,
 )
-from . import spans
+from . import spans, tree_union
 from .entries import MAX_CHAIN as MAX_CHAIN
 from .entries import MAX_CHUNK_BYTES as MAX_CHUNK_BYTES
 from .entries import (
@@ -225,7 +224,7 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
 
     A top-level key of the state is stored once when every rank's value is the same and it is not
     per-rank state, or as the union of the ranks' values when they differ only in the entries they
-    hold (pipeline stages: :func:`ckpt.tree_union.unite`); otherwise as a ``per_rank`` node holding
+    hold (pipeline stages: :func:`ckpt.format.tree_union.unite`); otherwise as a ``per_rank`` node holding
     each rank's value (nothing is dropped)."""
     parts = sorted(parts, key=lambda p: p.rank or 0)
     by_key: dict[tuple[str, int | None], TensorEntry] = {}

@@ -19,7 +19,7 @@ import json
 import zlib
 from typing import Any
 
-from . import tree as st
+from .. import tree as st
 
 
 def _describe(node: st.Node) -> str:
