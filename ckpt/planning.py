@@ -10,14 +10,15 @@ from typing import NamedTuple
 
 from . import tree as st
 from .errors import DistributedSaveError, StateMismatchError
-from .flatten import Flat
+from .flatten import Flat, tensor_of
 from .format import tree_union
 from .format.boxes import Box, intersect, volume
 
 # -- the planner's records -------------------------------------------------------------------------
 
 class InventoryRow(NamedTuple):
-    """One tensor of a rank's state, as the planner sees it."""
+    """One tensor of a rank's state, as the planner sees it: or one piece of it, where the rank holds
+    several (rows of the same key, each with its own box)."""
 
     key: str
     kind: str  # "replicated", "shard" or "rank" (see state.Leaf)
@@ -48,8 +49,9 @@ class Inventory:
         rows = []
         for key, t in flat.tensors.items():
             leaf = flat.leaves[key]
-            rows.append(InventoryRow(key, leaf.kind, str(t.dtype).removeprefix("torch."), list(leaf.global_shape),
-                                     list(leaf.box[0]), list(leaf.box[1]), t.numel() * t.element_size()))
+            rows.append(InventoryRow(tensor_of(key, leaf), leaf.kind, str(t.dtype).removeprefix("torch."),
+                                     list(leaf.global_shape), list(leaf.box[0]), list(leaf.box[1]),
+                                     t.numel() * t.element_size()))
         tops = st.top_items(flat.structure)
         return cls({k: st.digest(v) for k, v in tops}, sorted(flat.per_rank), rows,
                    layouts={k: tree_union.layout(v) for k, v in tops if k not in flat.per_rank})
@@ -110,9 +112,10 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
       same path (pipeline stages: :mod:`ckpt.format.tree_union`), is one state: their union. A tensor
       under it may be held by some ranks only.
     * Every other tensor must exist on every rank; every tensor has the same dtype and global shape
-      wherever it is held. Distinct boxes must not overlap and must cover the tensor. A box held by
-      several ranks (replicated tensors, ``Replicate`` placements) is written once, by the candidate
-      with the fewest bytes so far, largest boxes first, so the bytes to write are balanced across ranks.
+      wherever it is held. Distinct boxes (a rank may hold several: pieces) must not overlap and
+      must cover the tensor. A box held by several ranks (replicated tensors, ``Replicate``
+      placements) is written once, by the candidate with the fewest bytes so far, largest boxes
+      first, so the bytes to write are balanced across ranks.
     """
     world = len(invs)
     bad = [r for r, inv in enumerate(invs) if inv.error is not None]

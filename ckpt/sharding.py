@@ -1,12 +1,17 @@
 """Shards as N-d boxes of a global tensor, and the box arithmetic resharding needs.
 
 A saved shard is a box (``offsets``, ``lengths``) of its tensor's global shape, stored row-major.
-Three things in a state become boxes:
+These things in a state become boxes:
 
 * a ``DTensor`` (what FSDP2's ``fully_shard`` and tensor parallelism produce): its local tensor is
   the box its placements give this rank (``Shard`` and ``Replicate`` on 1-D and 2-D meshes);
 * a :class:`LocalShard`: a plain tensor the caller declares to be a box of a global tensor;
+* :class:`LocalShards`, or a ``ShardedTensor`` (``torch.distributed._shard``): several pieces of one
+  global tensor on one rank, each its own box (a chunk spec placing chunks 0 and 3 on rank 0);
 * a plain tensor: the whole tensor, replicated on every rank (written once, by one owner).
+
+A rank's share of a tensor is a list of (local tensor, box) pieces: one for most tensors, several
+for these.
 
 :class:`PerRank` marks state that belongs to one rank and cannot be resharded.
 """
@@ -19,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 
 from .errors import ConfigError, UnsupportedValueError
-from .format.boxes import Box
+from .format.boxes import Box, intersect, volume
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -50,8 +55,52 @@ class LocalShard:
                               f"the global shape {global_shape}")
         self.tensor, self.offsets, self.global_shape = tensor, offsets, global_shape
 
+    @property
+    def box(self) -> Box:
+        """This piece's box in the global tensor: (offsets, lengths)."""
+        return self.offsets, tuple(self.tensor.shape)
+
     def __repr__(self) -> str:
         return f"LocalShard(shape={tuple(self.tensor.shape)}, offsets={self.offsets}, global_shape={self.global_shape})"
+
+
+class LocalShards:
+    """Declares several pieces of one global tensor held by this rank, each a :class:`LocalShard`
+    of the same global shape and dtype (pieces that do not nest into one box: rows 0-2 and 9-11 of 12)::
+
+        rows = [(0, 3), (9, 12)] if rank == 0 else [(3, 6), (6, 9)]
+        state = {"table": ckpt.LocalShards([ckpt.LocalShard(table[a:b], offsets=(a, 0), global_shape=(12, 64))
+                                            for a, b in rows])}
+
+    The pieces of every rank together tile the global tensor; pieces of one rank must not overlap.
+    Saving stores each piece as a box of its own; loading fills each piece in place with that box of
+    the saved tensor, whatever layout it was saved with. A rank holding none of the tensor passes
+    one empty piece (``LocalShard(torch.empty(0, 64), offsets=(0, 0), global_shape=(12, 64))``)."""
+
+    __slots__ = ("pieces", "global_shape")
+
+    def __init__(self, pieces: Sequence[LocalShard]):
+        pieces = list(pieces) if isinstance(pieces, (list, tuple)) else pieces
+        if not isinstance(pieces, list) or not pieces or not all(isinstance(p, LocalShard) for p in pieces):
+            raise ConfigError("LocalShards needs a non-empty list of ckpt.LocalShard pieces, got "
+                              f"{pieces!r}"[:200] + "; a rank holding none of the tensor passes one empty piece")
+        first = pieces[0]
+        for p in pieces[1:]:
+            if p.global_shape != first.global_shape or p.tensor.dtype != first.tensor.dtype:
+                raise ConfigError(
+                    f"LocalShards: every piece must be of the same global tensor; {first!r} ({first.tensor.dtype}) "
+                    f"and {p!r} ({p.tensor.dtype}) differ in global shape or dtype")
+        boxes = [p.box for p in pieces if volume(p.box[1]) > 0]
+        if len(boxes) <= 512:
+            for i, a in enumerate(boxes):
+                for b in boxes[i + 1:]:
+                    if intersect(a, b) is not None:
+                        raise ConfigError(f"LocalShards: pieces {list(a[0])}+{list(a[1])} and {list(b[0])}+"
+                                          f"{list(b[1])} overlap; each element of the tensor belongs to one piece")
+        self.pieces, self.global_shape = pieces, first.global_shape
+
+    def __repr__(self) -> str:
+        return f"LocalShards({self.pieces!r})"
 
 
 class PerRank:
@@ -116,3 +165,28 @@ def dtensor_box(t: DTensor, where: str) -> tuple[torch.Tensor, Box, tuple[int, .
     gshape = tuple(t.shape)
     offsets = tuple(min(o, d) for o, d in zip(offsets, gshape))
     return local, (offsets, tuple(shape)), gshape
+
+
+def is_sharded_tensor(t: Any) -> bool:
+    """A ``torch.distributed._shard`` ``ShardedTensor`` (told by its class, without importing it)."""
+    cls = type(t)
+    return cls.__name__ == "ShardedTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def sharded_tensor_pieces(t: Any, where: str) -> tuple[list[tuple[torch.Tensor, Box]], tuple[int, ...]]:
+    """(local tensors with their boxes, global shape) of a ``ShardedTensor``: each local shard is a
+    piece as its metadata places it. A rank holding no shard gives one empty piece."""
+    md = t.metadata()
+    gshape = tuple(int(d) for d in md.size)
+    pieces: list[tuple[torch.Tensor, Box]] = []
+    for s in t.local_shards():
+        offs = tuple(int(o) for o in s.metadata.shard_offsets)
+        lens = tuple(int(n) for n in s.metadata.shard_sizes)
+        if tuple(s.tensor.shape) != lens:
+            raise UnsupportedValueError(f"{where}: a ShardedTensor shard of shape {tuple(s.tensor.shape)} whose "
+                                        f"metadata says {lens}; the ShardedTensor is inconsistent")
+        pieces.append((s.tensor, (offs, lens)))
+    if not pieces:
+        empty = (0,) * len(gshape)
+        pieces.append((torch.empty(empty, dtype=md.tensor_properties.dtype), (empty, empty)))
+    return pieces, gshape
