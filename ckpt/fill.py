@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _cpus, _ext
+from . import _cpus, _ext, held
 from . import tree as st
 from ._tasks import run_all
 from .buffer_layout import aligned
@@ -81,7 +81,8 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
               io: Executor, rank: int = 0, world: int = 1, rank_map: RankMap | None = None,
               on_change: Callable[[], None] | None = None,
               before_read: Callable[[set[str]], None] | None = None,
-              staged: bool = True, lend: Lend | None = None, ready: Callable[[], None] | None = None) -> LoadStats:
+              staged: bool = True, lend: Lend | None = None,
+              ready: Callable[[dict], list[dict]] | None = None) -> LoadStats:
     """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
 
     Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
@@ -90,14 +91,20 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     the reads land in staging memory (``lend``'s, else allocated here) and reach the caller's tensors
     only once every chunk has checked out. ``on_change`` is called just before the state is first
     changed (so a failure after it means a half-loaded state); ``before_read(chunks)`` before the
-    first chunk is read, with every chunk the reads need; ``ready()`` once, just before the reads
+    first chunk is read, with every chunk the reads need; ``ready(note)`` once, just before the reads
     first write into the state (staged: after every chunk checked out; in place: before the
-    reads): it may raise to stop the load there (other ranks failed), the state still unchanged."""
+    reads): it may raise to stop the load there (other ranks failed), the state still unchanged,
+    and returns every loading rank's ``note`` (what each took of the step: :mod:`ckpt.held`), so
+    that ``strict`` refuses a key no rank holds. Alone (``world`` 1) that is checked before any read."""
     if _init_optimizers(state, m) and on_change is not None:
         on_change()
     target = flatten(state, for_target=True)
     match = _match(m, state, target, rank, world, rank_map)
     foreign = check_fit(m, match, state, target, strict)  # optimizers taking another kind's state
+    note = held.taken(m, {k: match.nodes[k] for k in match.tops if k not in match.per_rank})
+    if strict and world == 1:
+        held.check_all_taken(m, [note])
+    checked = strict and world > 1 and ready is not None
     check_writable(m, match, target)
     structure = st.dict_node(match.tops, [match.nodes[k] for k in match.tops])
     if st.has_pickle(structure) and not allow_pickle:
@@ -124,12 +131,12 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
         if before_read is not None:
             before_read(set(feeds))
         if not staged:
-            _changing(ready, on_change)
+            _changing(ready, on_change, m, note, checked)
         reads = run_all(io, lambda item: read_chunk(storage, m, item[0], item[1]), list(feeds.items()),
                         width=storage.read_width)
         stats.bytes_read = sum(reads)
-        if staged:
-            _changing(ready, on_change)  # every chunk checked out: from here on the state changes
+        if staged:  # every chunk checked out: from here on the state changes
+            _changing(ready, on_change, m, note, checked)
         with torch.no_grad():
             for local, in_d, stage, rows_shape, in_stage in strided:
                 src = torch.from_numpy(stage).view(local.dtype).view(rows_shape)
@@ -144,9 +151,11 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
 @dataclass
 class _Match:
     """How the saved step meets the state: the top-level keys loaded, their saved nodes (per-rank ones
-    from the source rank), and per saved tensor (saved key, saved rank, the state's key or None)."""
+    from the source rank; the others as far as the state holds them: :func:`ckpt.held.held_part`),
+    and per saved tensor (saved key, saved rank, the state's key or None)."""
 
     tops: list[str]
+    per_rank: list[str]
     nodes: dict[str, Any]
     entries: dict[tuple[str, int | None], mf.TensorEntry]
     wanted: list[tuple[str, int | None, str | None]]
@@ -163,6 +172,8 @@ def _match(m: mf.Manifest, state: dict[str, Any], target: Any, rank: int, world:
     src_rank = _source_rank(m, per_rank, rank, world, rank_map) if per_rank else None
     nodes = {k: saved_nodes[k]["v"][src_rank] if k in per_rank else saved_nodes[k] for k in wanted_top}
     nodes = {k: _module_states(v, state[k]) for k, v in nodes.items()}
+    mine = dict(st.top_items(target.structure))
+    nodes = {k: v if k in per_rank else held.held_part(v, mine[k], state[k]) for k, v in nodes.items()}
     entries = {(t.key, t.rank): t for t in m.tensors}
     # Saved tensors meet the state's by their path in the structure (keys with their types), never
     # by their printed names: {"a/b": x, "a": {"b": y}} or {0: x, "0": y} cannot be swapped.
@@ -176,7 +187,7 @@ def _match(m: mf.Manifest, state: dict[str, Any], target: Any, rank: int, world:
     missing_top = [k for k in state if k not in saved_nodes]
     missing_tensors = _untied([k for k in target.paths if k not in found and k.split("/", 1)[0] in saved_nodes],
                               found, target)
-    return _Match(wanted_top, nodes, entries, wanted, [k for k in m.top_keys if k not in state],
+    return _Match(wanted_top, per_rank, nodes, entries, wanted, [k for k in m.top_keys if k not in state],
                   missing_top + missing_tensors)
 
 
@@ -292,9 +303,12 @@ def staging_memory(nbytes: int) -> torch.Tensor:
                               "load with staged_load=False to read straight into the tensors") from e
 
 
-def _changing(ready: Callable[[], None] | None, on_change: Callable[[], None] | None) -> None:
+def _changing(ready: Callable[[dict], list[dict]] | None, on_change: Callable[[], None] | None,
+              m: mf.Manifest, note: dict, strict: bool) -> None:
     if ready is not None:
-        ready()
+        notes = ready(note)
+        if strict:
+            held.check_all_taken(m, notes)
     if on_change is not None:
         on_change()
 

@@ -21,6 +21,7 @@ from .errors import (
     CorruptCheckpointError,
     NotACheckpointError,
     PartialStateError,
+    StateMismatchError,
 )
 from .fill import Lend, LoadStats, RankMap, load_into
 from .format import manifest as mf
@@ -162,12 +163,16 @@ class Loader:
         changed = [False]
         agreed = [False]
 
-        def ready() -> None:
+        def ready(note: dict) -> list[dict]:
             """Every chunk this rank needs has checked out (staged), or its reads are about to write into
-            the state (in place): with several ranks, nobody changes its state unless every rank got here."""
+            the state (in place): with several ranks, nobody changes its state unless every rank got here.
+            Returns every rank's ``note`` (what it took of the step: :mod:`ckpt.held`)."""
             agreed[0] = True
-            if self.comm.world > 1:
-                self._refuse_if_any_failed(step, self.comm.agree(_outcome(None)))
+            if self.comm.world == 1:
+                return [note]
+            views = self.comm.agree({**_outcome(None), **note})
+            self._refuse_if_any_failed(step, views)
+            return views
 
         try:
             done = self._load_step(step, state, strict, allow_pickle, rank_map, changed, manifest, before_read,
@@ -200,7 +205,7 @@ class Loader:
     def _load_step(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool,
                    rank_map: RankMap | None, changed: list[bool], manifest: mf.Manifest | None = None,
                    before_read: Callable[[set[str]], None] | None = None,
-                   ready: Callable[[], None] | None = None) -> LoadResult:
+                   ready: Callable[[dict], list[dict]] | None = None) -> LoadResult:
         m = manifest if manifest is not None else mf.read_step(self.storage, step)
         self.storage.reset_tier_counters()
         try:
@@ -225,11 +230,15 @@ class Loader:
 def _outcome(err: CheckpointError | None) -> dict:
     """What a rank tells the others about its load attempt."""
     return {"ok": err is None, "corrupt": isinstance(err, CorruptCheckpointError),
-            "message": str(err)[:2000] if err is not None else ""}
+            "mismatch": isinstance(err, StateMismatchError), "message": str(err)[:2000] if err is not None else ""}
 
 
 def _failed_on(step: int, bad: list[int], views: list[dict]) -> CheckpointError:
-    cls = CorruptCheckpointError if all(views[r]["corrupt"] for r in bad) else CheckpointError
+    cls: type[CheckpointError] = CheckpointError
+    if all(views[r]["corrupt"] for r in bad):
+        cls = CorruptCheckpointError
+    elif all(views[r].get("mismatch") for r in bad):  # the state does not fit on some rank: the same on every rank
+        cls = StateMismatchError
     return cls(f"rank(s) {bad} could not load step {step}: {views[bad[0]]['message']}")
 
 

@@ -11,6 +11,7 @@ from typing import NamedTuple
 from . import tree as st
 from .errors import DistributedSaveError, StateMismatchError
 from .flatten import Flat, tensor_of
+from .format import tree_union
 from .format.boxes import Box, intersect, volume
 
 # -- the planner's records -------------------------------------------------------------------------
@@ -33,12 +34,15 @@ class Inventory:
     """What the coordinator needs to know about one rank's state to plan the save.
 
     ``tops`` maps each top-level key to a digest of its structure node (plain values that differ
-    between ranks make a key per-rank); ``error`` is set instead when the rank failed before planning."""
+    between ranks make a key per-rank); ``layouts`` each top-level key not declared per-rank to its
+    :func:`ckpt.format.tree_union.layout` (read only where the digests differ: ranks holding different
+    keys); ``error`` is set instead when the rank failed before planning."""
 
     tops: dict[str, str] = field(default_factory=dict)
     per_rank: list[str] = field(default_factory=list)
     tensors: list[InventoryRow] = field(default_factory=list)
     error: str | None = None
+    layouts: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, flat: Flat) -> Inventory:
@@ -48,15 +52,18 @@ class Inventory:
             rows.append(InventoryRow(tensor_of(key, leaf), leaf.kind, str(t.dtype).removeprefix("torch."),
                                      list(leaf.global_shape), list(leaf.box[0]), list(leaf.box[1]),
                                      t.numel() * t.element_size()))
-        return cls({k: st.digest(v) for k, v in st.top_items(flat.structure)}, sorted(flat.per_rank), rows)
+        tops = st.top_items(flat.structure)
+        return cls({k: st.digest(v) for k, v in tops}, sorted(flat.per_rank), rows,
+                   layouts={k: tree_union.layout(v) for k, v in tops if k not in flat.per_rank})
 
     def to_json(self) -> dict:
         return {"tops": self.tops, "per_rank": self.per_rank, "tensors": [list(r) for r in self.tensors],
-                "error": self.error}
+                "error": self.error, "layouts": self.layouts}
 
     @classmethod
     def from_json(cls, doc: dict) -> Inventory:
-        return cls(doc["tops"], doc["per_rank"], [InventoryRow(*r) for r in doc["tensors"]], doc.get("error"))
+        return cls(doc["tops"], doc["per_rank"], [InventoryRow(*r) for r in doc["tensors"]], doc.get("error"),
+                   doc.get("layouts", {}))
 
 
 @dataclass(frozen=True)
@@ -101,11 +108,14 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
 
     * A top-level key is per-rank when some rank declares it (``PerRank``, ``RNGState``) or its
       plain values differ between ranks; every tensor under it is written by its own rank.
-    * Every other tensor must exist on every rank with the same dtype and global shape. Distinct
-      boxes (a rank may hold several: pieces) must not overlap and must cover the tensor. A box held
-      by several ranks (replicated tensors, ``Replicate`` placements) is written once, by the
-      candidate with the fewest bytes so far, largest boxes first, so the bytes to write are
-      balanced across ranks.
+    * A top-level key whose ranks hold different entries, and the same thing where they hold the
+      same path (pipeline stages: :mod:`ckpt.format.tree_union`), is one state: their union. A tensor
+      under it may be held by some ranks only.
+    * Every other tensor must exist on every rank; every tensor has the same dtype and global shape
+      wherever it is held. Distinct boxes (a rank may hold several: pieces) must not overlap and
+      must cover the tensor. A box held by several ranks (replicated tensors, ``Replicate``
+      placements) is written once, by the candidate with the fewest bytes so far, largest boxes
+      first, so the bytes to write are balanced across ranks.
     """
     world = len(invs)
     bad = [r for r, inv in enumerate(invs) if inv.error is not None]
@@ -123,9 +133,13 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
             return mismatch(f"the state's top-level keys differ between ranks: rank 0 has {sorted(tops0)}, "
                             f"rank {r} has {sorted(inv.tops)}")
     per_rank = set().union(*(set(inv.per_rank) for inv in invs))
+    united = set()  # top-level keys whose ranks hold different entries of one state
     for k in tops0:
         if len({inv.tops[k] for inv in invs}) > 1:
-            per_rank.add(k)
+            if k not in per_rank and tree_union.unionable([inv.layouts.get(k) for inv in invs]):
+                united.add(k)
+            else:
+                per_rank.add(k)
 
     loads = [0] * world
     writes: list[list[int]] = [[] for _ in range(world)]
@@ -147,7 +161,7 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
 
     items = []
     for key, ent in shared.items():
-        if len(ent.ranks) != world:
+        if len(ent.ranks) != world and _top(key, invs[0].tops) not in united:
             lacking = sorted(set(range(world)) - ent.ranks)
             return mismatch(f"tensor {key!r} is missing on rank(s) {lacking}")
         boxes = [b for b in ent.boxes if volume(b[1]) > 0]
@@ -155,7 +169,8 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
         if sum(volume(b[1]) for b in boxes) != volume(shape) or (
                 len(boxes) <= 512 and any(intersect(a, b) for a, b in itertools.combinations(boxes, 2))):
             desc = ", ".join(f"{list(o)}+{list(n)}" for o, n in sorted(boxes)[:6])
-            return mismatch(f"the shards of {key!r} do not tile its global shape {list(shape)} exactly "
+            held = "" if len(ent.ranks) == world else f" among the ranks holding it, {sorted(ent.ranks)}"
+            return mismatch(f"the shards of {key!r} do not tile its global shape {list(shape)} exactly{held} "
                             f"(boxes {desc}{' …' if len(boxes) > 6 else ''})")
         for box, holders in ent.boxes.items():
             items.append((holders[0][2], key, box, holders))
