@@ -124,8 +124,7 @@ class Loader:
             return done
         steps = self.steps()
         if self.comm.world > 1:  # every rank must pick the same step, even if listings lag
-            views = [v["latest"] for v in self.comm.agree({"latest": steps[-1] if steps else None})]
-            newest = None if any(v is None for v in views) else min(views)
+            newest = self.comm.agree(steps[-1] if steps else None, _oldest)
             steps = [s for s in steps if newest is not None and s <= newest]
         if not steps:
             if self.storage.root_state() == "missing":  # a typo in the path must not pass for a new run
@@ -167,7 +166,7 @@ class Loader:
             the state (in place): with several ranks, nobody changes its state unless every rank got here."""
             agreed[0] = True
             if self.comm.world > 1:
-                self._refuse_if_any_failed(step, self.comm.agree(_outcome(None)))
+                self._refuse_if_any_failed(step, dict(self.comm.agree(_outcome(None), _failures)))
 
         try:
             done = self._load_step(step, state, strict, allow_pickle, rank_map, changed, manifest, before_read,
@@ -184,16 +183,16 @@ class Loader:
         elif changed[0]:
             self.partial = step
         if self.comm.world > 1:
-            views = self.comm.agree(_outcome(err))
-            bad = [r for r, v in enumerate(views) if not v["ok"]]
+            views = dict(self.comm.agree(_outcome(err), _failures))
+            bad = sorted(views)
             if bad and err is None:
                 if changed[0]:  # this rank loaded the step, another failed after changing its state
                     self.partial = step
                 done, err = None, _failed_on(step, bad, views)
         return done, err
 
-    def _refuse_if_any_failed(self, step: int, views: list[dict]) -> None:
-        bad = [r for r, v in enumerate(views) if not v["ok"]]
+    def _refuse_if_any_failed(self, step: int, views: dict[int, dict]) -> None:
+        bad = sorted(views)
         if bad:
             raise _failed_on(step, bad, views)
 
@@ -228,7 +227,17 @@ def _outcome(err: CheckpointError | None) -> dict:
             "message": str(err)[:2000] if err is not None else ""}
 
 
-def _failed_on(step: int, bad: list[int], views: list[dict]) -> CheckpointError:
+def _oldest(views: list[int | None]) -> int | None:
+    """The newest step every rank sees (None when some rank sees none)."""
+    return None if any(v is None for v in views) else min(v for v in views if v is not None)
+
+
+def _failures(views: list[dict]) -> list[tuple[int, dict]]:
+    """The outcomes of the ranks that failed, all the others need to know (not N outcomes for each)."""
+    return [(r, v) for r, v in enumerate(views) if not v["ok"]]
+
+
+def _failed_on(step: int, bad: list[int], views: dict[int, dict]) -> CheckpointError:
     cls = CorruptCheckpointError if all(views[r]["corrupt"] for r in bad) else CheckpointError
     return cls(f"rank(s) {bad} could not load step {step}: {views[bad[0]]['message']}")
 
