@@ -18,11 +18,15 @@ group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each
 5. on the coordinator, what comes after a commit (retention) runs before the next save's ``go``.
    A save that was not committed deletes the chunks each rank alone created for it.
 
+``go`` and ``commit`` are rounds (:meth:`ckpt.ranks.Round.run`): ``go`` the coordinator's
+announcement, ``commit`` every rank's report in, :meth:`CommitProtocol._coordinate` as the
+reduction, the decision out.
+
 A save runs over the storage its job carries (``Storage.view(persist)``). With local commits
 (``redundancy`` / ``persist_every``), the protocol is handed :class:`SaveHooks`
 (:mod:`ckpt.peers.local_commits`) and knows nothing else of tiers: between 2 and 3 every rank calls
 ``protect`` (the peer exchange, also when it failed or skipped, so nobody waits for it); rank
-reports travel through the store; the decision carries the manifest, which every rank's
+reports travel with the commit round's reports; the decision carries the manifest, which every rank's
 ``committed`` hook commits to its own tier; ``after_commit`` applies the tiers' retention.
 
 A process saving alone runs exactly this, with a :class:`~ckpt.ranks.LocalComm`; its own error is
@@ -292,7 +296,8 @@ class CommitProtocol:
                 decision = Decision(Status.NONFINITE, tuple(poisoned), first + also)
             elif failed or missing:
                 why = [f"rank {r}: {reports[r].message or 'failed'}" for r in failed]
-                why += [f"rank {r} did not report within {comm.timeout:.0f}s (died or hung?)" for r in missing]
+                why += [f"rank {r} did not report within {comm.timeout:.0f}s of the last report (died or hung?)"
+                        for r in missing]
                 decision = Decision(Status.FAIL, tuple(failed + missing), "; ".join(why))
             elif skipped:
                 decision = Decision(Status.SKIP, tuple(skipped))
