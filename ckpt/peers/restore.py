@@ -108,6 +108,7 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
                                  f"the newest failed: {first_error}",
                                  object=first_error.object, chunk=first_error.chunk) from first_error
 
+
 def _where_held(views: list[dict]) -> dict:
     """The coordinator's summary of every rank's steps: the lowest rank holding each step in its tier,
     and the steps every rank sees in the checkpoint path."""
