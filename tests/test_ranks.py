@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckpt.errors import DistributedSaveError
+from ckpt.planning import Inventory, InventoryRow, exchange_plan, fail_plan
 from ckpt.ranks import Comm, Gathered, LocalComm
 
 
@@ -185,3 +186,19 @@ def test_a_process_alone_answers_itself():
     alone = LocalComm()
     assert alone.round("r", 0).run(7, lambda got: got.ordered(), what="r") == [7]
     assert alone._store == {}  # nobody to answer: nothing written
+
+
+def test_a_coordinator_that_fails_before_the_plan_tells_the_ranks_waiting_for_one_at_once():
+    inv = Inventory({"m": "d"}, [], [InventoryRow("m/w", "replicated", "float32", [4], [0], [4], 16)])
+
+    def rank(c: BoardComm) -> Any:
+        if c.rank == 0:
+            return fail_plan(c, 3, ValueError("an unsupported value"))
+        return exchange_plan(c, 3, inv)
+
+    started = time.monotonic()
+    out, raised, _ = in_threads(3, rank, timeout=30.0)  # the others would wait a minute for a plan
+    assert out == {0: None} and time.monotonic() - started < 10
+    for r in (1, 2):
+        assert isinstance(raised[r], DistributedSaveError) and raised[r].ranks == [0]  # type: ignore[attr-defined]
+        assert "save 3's plan failed on rank 0: ValueError: an unsupported value" in str(raised[r])
