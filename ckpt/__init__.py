@@ -47,13 +47,13 @@ if TYPE_CHECKING:
     from .options import Options
     from .reader import Pickled, Reader, open
     from .redundancy_config import Parity, Replicas
-    from .sharding import LocalShard, PerRank
+    from .sharding import LocalShard, LocalShards, PerRank
 
 # Everything is imported when first named: reading (ckpt.open, the ckpt command line) never imports
 # the writer, the commit protocol, the peers or their process groups, and `ckpt --help`, `--version`,
 # `ls` and `inspect` never import torch (most of a second, several on a busy machine).
 _LAZY = {"RNGState": "flatten", "open": "reader", "Reader": "reader", "Pickled": "reader", "LocalShard": "sharding",
-         "PerRank": "sharding",
+         "LocalShards": "sharding", "PerRank": "sharding",
          "Checkpointer": "checkpointer", "SaveHandle": "handle", "SaveMetrics": "handle", "LoadStats": "loader",
          "Options": "options", "Parity": "redundancy_config", "Replicas": "redundancy_config", "fence": "cuda_snapshot",
          "import_checkpoint": "importer"}
@@ -70,7 +70,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",
-    "PerRank", "fence", "open", "import_checkpoint", "Reader", "Pickled", "Replicas", "Parity",
+    "LocalShards", "PerRank", "fence", "open", "import_checkpoint", "Reader", "Pickled", "Replicas", "Parity",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "DistributedSaveError", "IncompatibleFormatError", "NonFiniteStateError", "NotACheckpointError",
     "NotARootError", "PartialStateError", "ReshardError", "RootInUseError", "StateMismatchError", "StepExistsError",

@@ -220,7 +220,8 @@ class Checkpointer:
             if self.options.on_save_error == "raise":
                 self._raise_failed_save(step)
             with paused():  # while the caller waits: a state of many small tensors is mostly GC work (ckpt._gc)
-                flat = flatten(state, allow_pickle=self.options.allow_pickle)
+                flat = flatten(state, allow_pickle=self.options.allow_pickle,
+                               reduce_partial=self.options.reduce_partial)
                 snap = self._snapshots.take(seq, flat, state,
                                             skip_if_busy=self.options.busy == "skip" and not emergency)
         except BaseException as e:

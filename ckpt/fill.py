@@ -174,7 +174,7 @@ def _match(m: mf.Manifest, state: dict[str, Any], target: Any, rank: int, world:
             wanted.append((key, owner, target_key.get(path)))
     found = {tk for _, _, tk in wanted if tk is not None}
     missing_top = [k for k in state if k not in saved_nodes]
-    missing_tensors = _untied([k for k in target.tensors if k not in found and k.split("/", 1)[0] in saved_nodes],
+    missing_tensors = _untied([k for k in target.paths if k not in found and k.split("/", 1)[0] in saved_nodes],
                               found, target)
     return _Match(wanted_top, nodes, entries, wanted, [k for k in m.top_keys if k not in state],
                   missing_top + missing_tensors)
@@ -208,16 +208,24 @@ def _untied(missing: list[str], found: set[str], target: Any) -> list[str]:
     return missing
 
 
+Piece = tuple[str, int]  # (saved key, piece index): a destination; a rank may hold a tensor in several pieces
+
+
 @dataclass
 class _Dests:
-    """Where each saved tensor goes: (tensor, box) by saved key; the values by saved key (for
-    rebuilding the structure); (the state's tensor, its CPU stand-in) pairs copied back at the end."""
+    """Where each saved tensor goes: (tensor, box) by piece of saved key (one piece for most tensors,
+    several for a tensor the rank holds in pieces); the values by saved key (for rebuilding the
+    structure); (the state's tensor, its CPU stand-in) pairs copied back at the end."""
 
-    tensors: dict[str, tuple[torch.Tensor, Box]] = field(default_factory=dict)
+    tensors: dict[Piece, tuple[torch.Tensor, Box]] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    own: list[str] = field(default_factory=list)  # saved keys whose destination is the caller's CPU tensor
-    elsewhere: list[str] = field(default_factory=list)  # ... a tensor on a device, or strided: read via the CPU
+    own: list[Piece] = field(default_factory=list)  # pieces whose destination is the caller's CPU tensor
+    elsewhere: list[Piece] = field(default_factory=list)  # ... a tensor on a device, or strided: read via the CPU
+    pieces: dict[str, int] = field(default_factory=dict)  # saved key -> how many pieces it goes to
+
+    def of(self, key: str) -> list[Piece]:
+        return [(key, i) for i in range(self.pieces.get(key, 1))]
 
 
 def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
@@ -233,28 +241,33 @@ def _destinations(m: mf.Manifest, match: _Match, target: Any) -> _Dests:
         t = target.tensors.get(tkey) if tkey is not None else None
         if t is None:
             local = torch.empty(shape, dtype=dtype)
-            out.tensors[key] = (local, ((0,) * len(shape), shape))
+            out.tensors[(key, 0)] = (local, ((0,) * len(shape), shape))
             out.values[key] = local
             continue
         assert tkey is not None
         leaf = target.leaves[tkey]
         gshape = tuple(t.shape) if owner is not None else tuple(leaf.global_shape)
-        if gshape != shape or t.dtype != dtype:
+        pieces = target.piece_keys(tkey)
+        if gshape != shape or any(target.tensors[pk].dtype != dtype for pk in pieces):
             what = "" if gshape == tuple(t.shape) else " (global)"
             mismatches.append(f"{key}: checkpoint has {e.dtype}{_shape_str(shape)}, state has "
                               f"{str(t.dtype).removeprefix('torch.')}{_shape_str(gshape)}{what}")
             continue
-        if t.device.type == "meta":
+        if any(target.tensors[pk].device.type == "meta" for pk in pieces):
             on_meta.append(tkey)
             continue
-        box = ((0,) * len(shape), shape) if owner is not None else leaf.box
-        if t.device.type == "cpu" and t.is_contiguous():
-            local = t.detach() if t.requires_grad else t
-            out.own.append(key)
-        else:
-            local = t  # given a CPU stand-in before any read (_stand_ins)
-            out.elsewhere.append(key)
-        out.tensors[key] = (local, box)
+        for i, pk in enumerate(pieces):
+            t = target.tensors[pk]
+            box = ((0,) * len(shape), shape) if owner is not None else target.leaves[pk].box
+            if t.device.type == "cpu" and t.is_contiguous():
+                local = t.detach() if t.requires_grad else t
+                out.own.append((key, i))
+            else:
+                local = t  # given a CPU stand-in before any read (_stand_ins)
+                out.elsewhere.append((key, i))
+            out.tensors[(key, i)] = (local, box)
+        if len(pieces) > 1:
+            out.pieces[key] = len(pieces)
         out.values[key] = target.targets[tkey]
     if mismatches:
         raise StateMismatchError(
@@ -298,7 +311,7 @@ def _places(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return places, pos
 
 
-def _stand_ins(dests: _Dests, keys: list[str], places: list[int], space: torch.Tensor) -> None:
+def _stand_ins(dests: _Dests, keys: list[Piece], places: list[int], space: torch.Tensor) -> None:
     """Point the destinations of ``keys`` at CPU stand-ins in ``space`` (at ``places``), each copied
     into its tensor (``copy_back``) once every chunk has checked out."""
     for key, pos in zip(keys, places):
@@ -320,12 +333,15 @@ def _feeds(m: mf.Manifest, match: _Match, dests: _Dests) -> tuple[Feeds, Strided
     strided: Strided = []
     for key, owner, _ in match.wanted:
         e = match.entries[(key, owner)]
-        local, dbox = dests.tensors[key]
-        need = volume(dbox[1])
-        if need == 0:
-            continue
-        covered = sum(_feed_shard(shard, DTYPES[e.dtype].itemsize, local, dbox, feeds, strided) for shard in e.shards)
-        if covered != need:
+        for piece in dests.of(key):
+            local, dbox = dests.tensors[piece]
+            need = volume(dbox[1])
+            if need == 0:
+                continue
+            covered = sum(_feed_shard(shard, DTYPES[e.dtype].itemsize, local, dbox, feeds, strided)
+                          for shard in e.shards)
+            if covered == need:
+                continue
             raise CorruptCheckpointError(
                 f"step {m.step}: the saved shards of {key!r} cover {covered} of the {need} elements this rank "
                 "needs; the manifest is damaged",

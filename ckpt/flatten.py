@@ -16,10 +16,11 @@ into the caller's state.
 
 from __future__ import annotations
 
+import io
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,8 +28,11 @@ import torch
 from . import tree as st
 from .errors import CheckpointError, ConfigError, StateMismatchError, UnsupportedValueError
 from .format.boxes import Box
-from .sharding import LocalShard, dtensor_box, is_dtensor
+from .sharding import LocalShard, LocalShards, dtensor_pieces, is_dtensor, is_sharded_tensor, sharded_tensor_pieces
 from .tied import fit_module_state
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def is_stateful(obj: Any) -> bool:
@@ -51,11 +55,27 @@ key_component = _component  # the public name: snapshot builds key paths the sam
 class Leaf:
     """Where a tensor leaf sits in its global tensor. ``kind`` is ``"replicated"`` (a plain tensor:
     every rank holds all of it), ``"shard"`` (a DTensor's or :class:`LocalShard`'s box) or ``"rank"``
-    (per-rank state: this rank's own tensor)."""
+    (per-rank state: this rank's own tensor). ``key``: the tensor this leaf is a piece of, for every
+    piece after the first of a tensor the rank holds in several pieces (None: the leaf's own key)."""
 
     box: Box
     global_shape: tuple[int, ...]
     kind: str
+    key: str | None = None
+
+
+def tensor_of(key: str, leaf: Leaf) -> str:
+    """The tensor key a leaf stored under ``key`` belongs to (its own key, or the one it is a piece of)."""
+    return key if leaf.key is None else leaf.key
+
+
+def piece_key(key: str, i: int, taken: dict) -> str:
+    """The key piece ``i`` (from 1; piece 0 is ``key`` itself) of tensor ``key`` is held under, not in ``taken``."""
+    out, n = f"{key} (piece {i})", 1
+    while out in taken:
+        n += 1
+        out = f"{key} (piece {i}#{n})"
+    return out
 
 
 @dataclass
@@ -63,12 +83,17 @@ class Flat:
     """The result of :func:`flatten`."""
 
     structure: dict
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> the local data to copy
-    leaves: dict[str, Leaf] = field(default_factory=dict)  # key -> its box in the global tensor
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # key (or piece key) -> the local data to copy
+    leaves: dict[str, Leaf] = field(default_factory=dict)  # key (or piece key) -> its box in the global tensor
+    pieces: dict[str, list[str]] = field(default_factory=dict)  # key -> its piece keys, where a rank holds several
     targets: dict[str, Any] = field(default_factory=dict)  # key -> the object found (DTensor, LocalShard)
     statefuls: dict[str, Any] = field(default_factory=dict)  # key path -> object, for load
     paths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> its typed path (tree.path_component)
     per_rank: set[str] = field(default_factory=set)  # top-level keys holding per-rank state
+
+    def piece_keys(self, key: str) -> list[str]:
+        """The keys of tensor ``key``'s pieces on this rank (``[key]`` for a tensor held in one piece)."""
+        return self.pieces.get(key) or [key]
 
 
 # Values stored by a node of their own with nothing under it: (the types it takes, its constructor).
@@ -77,6 +102,7 @@ _VALUE_NODES: tuple[tuple[type | tuple[type, ...], Callable[[Any], dict]], ...] 
     (torch.dtype, st.dtype_node),
     (torch.device, st.device_node),
     ((bytes, bytearray), st.bytes_node),
+    (io.BytesIO, st.bytesio_node),  # DCP's own item type: its bytes, given back as a BytesIO
 )
 
 
@@ -95,8 +121,9 @@ def _plain_text(key: Any) -> Any:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool, for_target: bool):
+    def __init__(self, allow_pickle: bool, for_target: bool, reduce_partial: bool = False):
         self.allow_pickle = allow_pickle
+        self.reduce_partial = reduce_partial  # a Partial DTensor is summed (redistributed) rather than refused
         self.for_target = for_target  # walking the caller's state on load: never refuse a value
         self.flat = Flat(structure={})
         self.depth = 0
@@ -137,6 +164,8 @@ class _Flattener:
             return self.tensor(obj, path, tpath, numpy=False)
         if isinstance(obj, LocalShard):
             return self.tensor(obj.tensor, path, tpath, numpy=False, shard=obj)
+        if isinstance(obj, LocalShards):
+            return self.tensor(obj.pieces[0].tensor, path, tpath, numpy=False, shard=obj)
         if isinstance(obj, np.ndarray):
             return self.array(obj, path, tpath)
         if isinstance(obj, dict):
@@ -245,33 +274,49 @@ class _Flattener:
             "(or pass allow_pickle=True to the Checkpointer to pickle it; loading will need allow_pickle=True too)")
 
     def tensor(self, t: torch.Tensor, path: tuple, tpath: tuple[str, ...], numpy: bool | str,
-               shard: LocalShard | None = None) -> dict:
+               shard: LocalShard | LocalShards | None = None) -> dict:
         where = _where(path)
-        if t.is_nested:
+        if not is_sharded_tensor(t) and t.is_nested:  # a ShardedTensor answers no tensor attribute
             raise UnsupportedValueError(
                 f"{where}: nested tensors (torch.nested) are not supported; store their pieces as a list of "
                 "tensors (list(t.unbind())), or t.to_padded_tensor(0) with the lengths")
         target: Any = t if shard is None else shard
-        if is_dtensor(t):
-            t, box, gshape = dtensor_box(t, where)
-            leaf = Leaf(box, gshape, "shard")
-        elif shard is not None:
-            leaf = Leaf((shard.offsets, tuple(t.shape)), shard.global_shape, "shard")
-        else:
-            shape = tuple(t.shape)
-            leaf = Leaf(((0,) * len(shape), shape), shape, "replicated")
+        if is_dtensor(t) and any(p.is_partial() for p in t.placements):
+            t = self.reduced(t, where)
+        pieces, gshape, kind = _pieces(t, shard, where)
         if not self.for_target:
-            if t.layout != torch.strided:
-                raise UnsupportedValueError(f"{where}: {t.layout} tensors are not supported; convert with .to_dense()")
-            if t.device.type == "meta":
-                raise UnsupportedValueError(f"{where}: meta tensors hold no data to save")
-            st.dtype_name(t.dtype)
+            for piece, _ in pieces:
+                if piece.layout != torch.strided:
+                    raise UnsupportedValueError(
+                        f"{where}: {piece.layout} tensors are not supported; convert with .to_dense()")
+                if piece.device.type == "meta":
+                    raise UnsupportedValueError(f"{where}: meta tensors hold no data to save")
+                st.dtype_name(piece.dtype)
         key = self.tensor_key(path)
-        self.flat.tensors[key] = t
-        self.flat.leaves[key] = leaf
+        names = [key]
+        for i, (piece, box) in enumerate(pieces):
+            name = key if i == 0 else piece_key(key, i, self.flat.tensors)
+            if i:
+                names.append(name)
+            self.flat.tensors[name] = piece
+            self.flat.leaves[name] = Leaf(box, gshape, kind, None if i == 0 else key)
+        if len(pieces) > 1:
+            self.flat.pieces[key] = names
         self.flat.targets[key] = target
         self.flat.paths[key] = tpath
         return st.tensor_node(key, numpy)
+
+    def reduced(self, t: DTensor, where: str) -> DTensor:
+        """``t`` with its Partial placements reduced to Replicate, where the save was asked to."""
+        if self.for_target:
+            raise UnsupportedValueError(
+                f"{where}: cannot load into a DTensor with a Partial placement {list(t.placements)} (its local "
+                "tensors are addends of a sum, not its value); load into one with Shard or Replicate placements, "
+                "e.g. t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])")
+        if not self.reduce_partial:
+            return t  # dtensor_pieces refuses it, saying how to reduce it
+        from torch.distributed.tensor import Replicate
+        return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
 
     def other(self, obj: Any, path: tuple) -> Any:
         if self.for_target:
@@ -285,18 +330,37 @@ class _Flattener:
         return st.pickle_node(obj)
 
 
+def _pieces(t: torch.Tensor, shard: LocalShard | LocalShards | None, where: str
+            ) -> tuple[list[tuple[torch.Tensor, Box]], tuple[int, ...], str]:
+    """This rank's share of the tensor found at ``where``: its pieces (local tensor, box in the global
+    tensor), the global shape and the leaf kind."""
+    if is_dtensor(t):
+        pieces, gshape = dtensor_pieces(t, where)
+        return pieces, gshape, "shard"
+    if is_sharded_tensor(t):
+        pieces, gshape = sharded_tensor_pieces(t, where)
+        return pieces, gshape, "shard"
+    if isinstance(shard, LocalShards):
+        return [(p.tensor, p.box) for p in shard.pieces], shard.global_shape, "shard"
+    if shard is not None:
+        return [(t, shard.box)], shard.global_shape, "shard"
+    shape = tuple(t.shape)
+    return [(t, ((0,) * len(shape), shape))], shape, "replicated"
+
+
 def _where(path: tuple) -> str:
     return "/".join(_component(p) for p in path) or "<root>"
 
 
-def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False) -> Flat:
-    """Walk ``state`` once; see the module docstring."""
+def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False, reduce_partial: bool = False) -> Flat:
+    """Walk ``state`` once; see the module docstring. ``reduce_partial``: sum a DTensor's Partial
+    placements (a collective) rather than refuse it."""
     if not isinstance(state, dict):
         raise ConfigError(f"state must be a dict (e.g. {{'model': model, 'optim': opt}}), got {type(state).__name__}")
     bad = [k for k in state if not isinstance(k, str)]
     if bad:
         raise ConfigError(f"state keys must be strings; got {bad[:3]!r}")
-    f = _Flattener(allow_pickle, for_target)
+    f = _Flattener(allow_pickle, for_target, reduce_partial)
     nodes, spans = [], {}
     for k, v in state.items():
         before = len(f.flat.tensors)
@@ -307,6 +371,11 @@ def flatten(state: dict, *, allow_pickle: bool = False, for_target: bool = False
     order = list(f.flat.tensors) if f.flat.per_rank else []
     for k in f.flat.per_rank:  # every tensor under a per-rank key is this rank's own
         for key in order[spans[k][0]:spans[k][1]]:
+            if f.flat.leaves[key].key is not None or key in f.flat.pieces:
+                raise UnsupportedValueError(
+                    f"{tensor_of(key, f.flat.leaves[key])}: a tensor held in several pieces is a shard of a global "
+                    f"tensor, and {k!r} is per-rank state (each rank's own, whole); keep it out of ckpt.PerRank, or "
+                    "store each piece as a tensor of its own")
             t = f.flat.tensors[key]
             shape = tuple(t.shape)
             f.flat.leaves[key] = Leaf(((0,) * len(shape), shape), shape, "rank")

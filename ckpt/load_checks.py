@@ -89,8 +89,8 @@ def _unwritable(t: torch.Tensor) -> str | None:
 
 def check_writable(m: mf.Manifest, match: _Match, target: Any) -> None:
     """Every state tensor the load writes into can take the bytes (checked before any tensor is written)."""
-    bad = [(tkey, why) for _, _, tkey in match.wanted if tkey is not None
-           for why in [_unwritable(target.tensors[tkey])] if why is not None]
+    bad = [(pk, why) for _, _, tkey in match.wanted if tkey is not None for pk in target.piece_keys(tkey)
+           for why in [_unwritable(target.tensors[pk])] if why is not None]
     if bad:
         raise StateMismatchError(
             f"step {m.step} cannot be loaded into {len(bad)} tensor(s) of the state: " +

@@ -202,9 +202,11 @@ class SnapshotOptions(_Record):
 
 @dataclass(frozen=True)
 class ValueOptions(_Record):
-    """What a save may store and a load expects: ``allow_pickle``, ``strict``, ``staged_load``."""
+    """What a save may store and a load expects: ``allow_pickle``, ``reduce_partial``, ``strict``,
+    ``staged_load``."""
 
     allow_pickle: bool = _option(False, _flag)
+    reduce_partial: bool = _option(False, _flag)
     strict: bool = _option(True, _flag)
     staged_load: bool = _option(True, _flag)
 
@@ -256,6 +258,9 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         steps, and saves are refused until a load succeeds (``PartialStateError``).
     allow_pickle: store objects that are not plain values with pickle (off: they are refused).
         Loading such a checkpoint needs ``allow_pickle=True`` too.
+    reduce_partial: a save reduces a DTensor with a ``Partial`` placement (a pending sum) to
+        ``Replicate`` on that mesh dimension before copying it (a collective: every rank of the mesh
+        saves). Off: such a DTensor is refused before anything is written, saying how to reduce it.
     io_threads: threads for hashing, compression and I/O (default: 2 × cores, 8 to 16;
         fsync-bound writes need several in flight to reach the disk's bandwidth).
     storage_options: passed to fsspec for URLs; for ``s3://`` also ckpt's own S3 options
@@ -410,6 +415,7 @@ class OptionArgs(TypedDict, total=False):
     snapshot_threads: int | None
     check_finite: bool | Literal["all"]
     allow_pickle: bool
+    reduce_partial: bool
     strict: bool
     staged_load: bool
 

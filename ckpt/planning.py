@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from . import tree as st
 from .errors import DistributedSaveError, StateMismatchError
-from .flatten import Flat
+from .flatten import Flat, tensor_of
 from .format.boxes import Box, intersect, volume
 
 if TYPE_CHECKING:
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 # -- the planner's records -------------------------------------------------------------------------
 
 class InventoryRow(NamedTuple):
-    """One tensor of a rank's state, as the planner sees it."""
+    """One tensor of a rank's state, as the planner sees it: or one piece of it, where the rank holds
+    several (rows of the same key, each with its own box)."""
 
     key: str
     kind: str  # "replicated", "shard" or "rank" (see state.Leaf)
@@ -47,8 +48,9 @@ class Inventory:
         rows = []
         for key, t in flat.tensors.items():
             leaf = flat.leaves[key]
-            rows.append(InventoryRow(key, leaf.kind, str(t.dtype).removeprefix("torch."), list(leaf.global_shape),
-                                     list(leaf.box[0]), list(leaf.box[1]), t.numel() * t.element_size()))
+            rows.append(InventoryRow(tensor_of(key, leaf), leaf.kind, str(t.dtype).removeprefix("torch."),
+                                     list(leaf.global_shape), list(leaf.box[0]), list(leaf.box[1]),
+                                     t.numel() * t.element_size()))
         return cls({k: st.digest(v) for k, v in st.top_items(flat.structure)}, sorted(flat.per_rank), rows)
 
     def to_json(self) -> dict:
@@ -103,9 +105,10 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
     * A top-level key is per-rank when some rank declares it (``PerRank``, ``RNGState``) or its
       plain values differ between ranks; every tensor under it is written by its own rank.
     * Every other tensor must exist on every rank with the same dtype and global shape. Distinct
-      boxes must not overlap and must cover the tensor. A box held by several ranks (replicated
-      tensors, ``Replicate`` placements) is written once, by the candidate with the fewest bytes so
-      far, largest boxes first, so the bytes to write are balanced across ranks.
+      boxes (a rank may hold several: pieces) must not overlap and must cover the tensor. A box held
+      by several ranks (replicated tensors, ``Replicate`` placements) is written once, by the
+      candidate with the fewest bytes so far, largest boxes first, so the bytes to write are
+      balanced across ranks.
     """
     world = len(invs)
     bad = [r for r, inv in enumerate(invs) if inv.error is not None]

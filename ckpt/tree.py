@@ -13,7 +13,8 @@ field naming its kind:
 ``size``        ``{"t": "size", "v": [ints]}`` (``torch.Size``)
 ``dtype``       ``{"t": "dtype", "v": "float32"}``
 ``device``      ``{"t": "device", "v": "cuda:0"}``
-``bytes``       ``{"t": "bytes", "v": base64}``
+``bytes``       ``{"t": "bytes", "v": base64}``; ``"io": true`` for an ``io.BytesIO`` (its bytes,
+                given back as a new ``BytesIO`` at its start)
 ``stateful``    ``{"t": "stateful", "type": "pkg.Class", "v": node}``: ``state_dict()`` of an
                 object; the type name is informational only, nothing is ever built from it.
                 An optimizer's may hold ``"params": [[index, "model/0.weight"], ...]``: which
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import math
 import pickle
@@ -129,6 +131,11 @@ def bytes_node(data: bytes | bytearray) -> dict:
     return {"t": "bytes", "v": base64.b64encode(bytes(data)).decode("ascii")}
 
 
+def bytesio_node(data: io.BytesIO) -> dict:
+    """An ``io.BytesIO`` (one of DCP's own item types): its whole buffer, never pickled."""
+    return {"t": "bytes", "v": base64.b64encode(data.getvalue()).decode("ascii"), "io": True}
+
+
 def stateful_node(obj: Any, state: Node) -> dict:
     return {"t": "stateful", "type": f"{type(obj).__module__}.{type(obj).__qualname__}", "v": state}
 
@@ -209,7 +216,8 @@ def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool,
         import torch
         return torch.device(node["v"])
     if t == "bytes":
-        return base64.b64decode(node["v"])
+        data = base64.b64decode(node["v"])
+        return io.BytesIO(data) if node.get("io") is True else data
     if t == "stateful":
         return StatefulValue(go(node["v"]))
     if t == "pickle":
@@ -328,7 +336,8 @@ def preview(node: Node, limit: int = 80) -> str:
         if t in ("float", "dtype", "device"):
             return str(n["v"])
         if t == "bytes":
-            return f"<{len(n['v']) * 3 // 4} bytes>"
+            size = len(n["v"]) * 3 // 4 - n["v"][-2:].count("=")  # base64: exact, without decoding
+            return f"<BytesIO of {size} bytes>" if n.get("io") is True else f"<{size} bytes>"
         return f"<{t}>"
     s = render(node)
     return s if len(s) <= limit else s[: limit - 1] + "…"

@@ -22,6 +22,7 @@ from ._tasks import run_all
 from .buffer_layout import ChunkSlot
 from .encode import CodecSpec, encode
 from .errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
+from .flatten import tensor_of
 from .format import manifest as mf
 from .format import paths, spans
 from .format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
@@ -330,21 +331,21 @@ class Writer:
         m.chunks_reused = m.chunks - m.chunks_written
         m.written_bytes = sum(info.stored for info in new.values())
         m.raw_bytes = sum(s.nbytes for s in layout.slots)
-        tensors = []
+        tensors: dict[str, mf.TensorEntry] = {}  # one entry per tensor, a shard per piece this rank holds
         for slot in layout.slots:
             segs = [mf.Segment(hashes[i], off, ln) for i, off, ln in layout.segments(slot)]
-            leaf = snap.leaves[slot.key]
+            leaf, key = snap.leaves[slot.key], tensor_of(slot.key, snap.leaves[slot.key])
             (offs, lens), owner = leaf.box, (rank if leaf.kind == "rank" else None)
-            tensors.append(mf.TensorEntry(slot.key, dtype_name(slot.dtype), list(leaf.global_shape), [
-                mf.Shard(rank, list(offs), list(lens), segs)], owner))
+            tensors.setdefault(key, mf.TensorEntry(key, dtype_name(slot.dtype), list(leaf.global_shape), [], owner)
+                               ).shards.append(mf.Shard(rank, list(offs), list(lens), segs))
         m.chunks_delta = sum(1 for info in new.values() if info.base is not None)
         encoded = {p.hash: p for p in puts if p.how in ("written", "created")}  # a chunk at two places: once
         m.encoded_bytes = sum(p.info.size for p in encoded.values())
         m.encode_cpu_s = sum(p.encode_cpu_s for p in encoded.values())
         stats = {"raw_bytes": m.raw_bytes, "written_bytes": m.written_bytes, "chunks": m.chunks,
                  "chunks_written": m.chunks_written, "chunks_reused": m.chunks_reused, "chunks_delta": m.chunks_delta}
-        return mf.Manifest(step=job.step, kind="rank", rank=rank, structure=job.structure, tensors=tensors,
-                           chunks=chunk_table, stats=stats)
+        return mf.Manifest(step=job.step, kind="rank", rank=rank, structure=job.structure,
+                           tensors=list(tensors.values()), chunks=chunk_table, stats=stats)
 
     def discard(self, job: SaveJob) -> None:
         """A save failed: delete the chunks it alone created (nothing stored had them before it, and

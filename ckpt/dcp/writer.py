@@ -31,8 +31,8 @@ from torch.futures import Future
 from .. import tree as st
 from .._tasks import run_all
 from ..buffer_layout import make_layout
-from ..errors import CheckpointError, ConfigError, StepExistsError, UnsupportedValueError
-from ..flatten import Leaf
+from ..errors import CheckpointError, ConfigError, StepExistsError
+from ..flatten import Leaf, piece_key
 from ..format import manifest as mf
 from ..format import paths
 from ..format.chunk import verify_object
@@ -215,8 +215,9 @@ class Writer(StorageWriter):
 
     def _write(self, run: _Run, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         mappings = plan.planner_data if isinstance(plan.planner_data, dict) else {}
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = {}  # key (or piece key) -> this rank's data
         leaves: dict[str, Leaf] = {}
+        held: dict[str, list[str]] = {}  # key -> its piece keys
         values: dict[str, st.Node] = {}
         results = []
         for item in plan.items:
@@ -230,13 +231,14 @@ class Writer(StorageWriter):
             td = item.tensor_data
             assert td is not None
             key = tensor_key(mappings.get(fqn, (fqn,)))
-            if key in tensors:
-                raise UnsupportedValueError(f"{fqn!r}: this rank holds two pieces of it; ckpt.dcp.Writer stores one "
-                                            "box per tensor and rank (DTensor Shard/Replicate placements)")
+            pieces = held.setdefault(key, [])  # a rank may hold several pieces of one tensor (a chunk spec's)
+            name = piece_key(key, len(pieces), tensors) if pieces else key
+            pieces.append(name)
             t = planner.resolve_data(item)
             assert isinstance(t, torch.Tensor)
-            tensors[key] = t.detach()
-            leaves[key] = Leaf((tuple(td.chunk.offsets), tuple(td.chunk.sizes)), tuple(td.size), "shard")
+            tensors[name] = t.detach()
+            leaves[name] = Leaf((tuple(td.chunk.offsets), tuple(td.chunk.sizes)), tuple(td.size), "shard",
+                                key if name != key else None)
             results.append(WriteResult(item.index, t.numel() * t.element_size(), None))
         structure = st.dict_node(list(values), list(values.values()))
         if not self.options.deltas:

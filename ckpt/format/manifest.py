@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 
 FORMAT = "ckpt"
-FORMAT_VERSION = 4  # 2 adds per-rank entries and nodes, 3 numpy values as raw bytes, 4 the planes and xor
+FORMAT_VERSION = 5  # 2 adds per-rank entries and nodes, 3 numpy values as raw bytes, 4 the planes and xor
 # codecs (delta chains); saves write the lowest that fits
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
 
@@ -216,7 +216,9 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
 # Version 3 only adds numpy values stored as raw bytes (tensor nodes with a numpy dtype string,
 # npscalar nodes with "b"), which a version-2 reader would hand back as bytes.
 # Version 4 only adds the planes and xor codecs and the base of xor entries in the chunk table.
-_PARSERS = {1: _parse_v1, 2: _parse_v1, 3: _parse_v1, 4: _parse_v1}
+# Version 5 only adds io.BytesIO values (bytes nodes with "io": true), which a version-4 reader would
+# hand back as bytes.
+_PARSERS = {1: _parse_v1, 2: _parse_v1, 3: _parse_v1, 4: _parse_v1, 5: _parse_v1}
 
 
 def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = frozenset()) -> Manifest:

@@ -129,6 +129,8 @@ def _check_device(n: dict, depth: int, as_key: bool, walk: _Walk) -> str | None:
 
 def _check_bytes(n: dict, depth: int, as_key: bool, walk: _Walk) -> str | None:
     v: Any = n.get("v")  # untrusted: whatever it is, b64decode says
+    if n.get("io", False) is not True and "io" in n:
+        return "a bytes node whose io flag is not true"
     try:
         base64.b64decode(v, validate=True)
     except (TypeError, ValueError, binascii.Error):
@@ -208,16 +210,20 @@ def problem(root: Node, tensor_keys: set[str] | None, *, max_depth: int = MAX_DE
 
 
 def newest_feature(node: Node) -> int:
-    """The lowest manifest format version that can hold ``node``: 3 for numpy values stored as raw
-    bytes (older readers would return those bytes as they are), else 1."""
+    """The lowest manifest format version that can hold ``node``: 5 for ``io.BytesIO`` values, 3 for
+    numpy values stored as raw bytes (older readers would return those bytes as they are, not as
+    what was saved), else 1."""
     stack = [node]
+    version = 1
     while stack:
         n = stack.pop()
         if isinstance(n, list):
             stack.extend(n)
         elif isinstance(n, dict):
             t = n.get("t")
+            if t == "bytes" and n.get("io") is True:
+                return 5
             if (t == "tensor" and isinstance(n.get("numpy"), str)) or (t == "npscalar" and "b" in n):
-                return 3
+                version = 3
             stack.extend(n.values())
-    return 1
+    return version
