@@ -177,7 +177,7 @@ class Loader:
             err = _naming(CheckpointError(f"{type(e).__name__}: {e}"), step)
             err.__cause__ = e
         if self.comm.world > 1 and not agreed[0]:  # failed before the others' first round: answer it
-            self.comm.agree(_outcome(err))
+            self.comm.agree(_outcome(err), _failures)  # the same reduction as the others' round
         if err is None:
             self.partial = None
         elif changed[0]:
