@@ -325,8 +325,9 @@ class Comm(abc.ABC):
 
     def agree(self, value: Any, reduce: Callable[[list[Any]], Any] = list) -> Any:
         """``reduce`` over every rank's ``value`` (in rank order), on the coordinator; its answer on
-        every rank (all ranks call this in the same order). By default the list of values: give a
-        reduction where every rank needs less, so it is not N values read by each of N ranks."""
+        every rank (all ranks call this in the same order, with the same ``reduce``: whichever rank
+        is the coordinator runs it). By default the list of values: give a reduction where every rank
+        needs less, so it is not N values read by each of N ranks."""
         n = self._agreed
         self._agreed = n + 1
 
