@@ -82,7 +82,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
               on_change: Callable[[], None] | None = None,
               before_read: Callable[[set[str]], None] | None = None,
               staged: bool = True, lend: Lend | None = None,
-              ready: Callable[[dict], list[dict]] | None = None) -> LoadStats:
+              ready: Callable[[dict], dict] | None = None) -> LoadStats:
     """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
 
     Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
@@ -103,7 +103,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     foreign = check_fit(m, match, state, target, strict)  # optimizers taking another kind's state
     note = held.taken(m, {k: match.nodes[k] for k in match.tops if k not in match.per_rank})
     if strict and world == 1:
-        held.check_all_taken(m, [note])
+        held.check_all_taken(m, {**note, "ranks": 1})
     checked = strict and world > 1 and ready is not None
     check_writable(m, match, target)
     structure = st.dict_node(match.tops, [match.nodes[k] for k in match.tops])
@@ -303,12 +303,12 @@ def staging_memory(nbytes: int) -> torch.Tensor:
                               "load with staged_load=False to read straight into the tensors") from e
 
 
-def _changing(ready: Callable[[dict], list[dict]] | None, on_change: Callable[[], None] | None,
+def _changing(ready: Callable[[dict], dict] | None, on_change: Callable[[], None] | None,
               m: mf.Manifest, note: dict, strict: bool) -> None:
     if ready is not None:
-        notes = ready(note)
+        together = ready(note)
         if strict:
-            held.check_all_taken(m, notes)
+            held.check_all_taken(m, together)
     if on_change is not None:
         on_change()
 

@@ -1,18 +1,21 @@
 """Who writes what in a save: the planner's records and :func:`assign`, a pure function of every
 rank's :class:`Inventory` (tested alone, without any process group). The ranks exchange these
-records through one coordination round (:meth:`ckpt.ranks.Comm.exchange_plan`)."""
+records through one coordination round (:func:`exchange_plan`)."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import tree as st
 from .errors import DistributedSaveError, StateMismatchError
 from .flatten import Flat, tensor_of
 from .format import tree_union
 from .format.boxes import Box, intersect, volume
+
+if TYPE_CHECKING:
+    from .ranks import Comm, Gathered
 
 # -- the planner's records -------------------------------------------------------------------------
 
@@ -190,3 +193,40 @@ class _Shared:
     meta: tuple[str, str, tuple[int, ...]]  # kind, dtype, global shape
     boxes: dict[Box, list[tuple[int, int, int]]] = field(default_factory=dict)
     ranks: set[int] = field(default_factory=set)
+
+
+# -- the plan round -------------------------------------------------------------------------------
+
+def exchange_plan(comm: Comm, seq: int, inventory: Inventory) -> WriteAssignment:
+    """Send this rank's inventory; the coordinator answers every rank with its assignment.
+    Raises the assignment's error (the same on every rank) if the save cannot go ahead."""
+
+    def plan(got: Gathered) -> list[dict]:
+        if got.missing:
+            return [WriteAssignment(error=f"rank(s) {got.missing} did not join the save plan within "
+                                          f"{comm.timeout:.0f}s (the state's structure must change on every "
+                                          "rank at the same save)", ranks=got.missing).to_json()] * comm.world
+        invs = [Inventory(error=got.errors[r]) if r in got.errors else Inventory.from_json(got.docs[r])
+                for r in range(comm.world)]
+        return [a.to_json() for a in assign(invs)]
+
+    doc = comm.round("plan", seq).run(inventory.to_json(), plan, what=f"save {seq}'s plan", each=True)
+    answer = WriteAssignment.from_json(doc)
+    answer.raise_error()
+    return answer
+
+
+def fail_plan(comm: Comm, seq: int, error: BaseException) -> None:
+    """This rank failed before or while planning save ``seq``: tell the coordinator at once (the
+    coordinator tells every rank waiting for a plan)."""
+    rnd = comm.round("plan", seq)
+    try:
+        if comm.rank != 0:
+            rnd.post(error)
+        else:
+            rnd.run(error, what=f"save {seq}'s plan", each=True)  # raises ``error`` back
+    except DistributedSaveError:  # the store is gone: the save's own failure says enough
+        pass
+    except BaseException as e:
+        if e is not error:
+            raise
