@@ -27,7 +27,7 @@ from ._args import flag, flags
 from ._gc import paused
 from ._tasks import run_all
 from .commit import CommitProtocol
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, StorageError
 from .fill import staging_memory
 from .flatten import flatten
 from .format import manifest as mf
@@ -99,7 +99,10 @@ class Checkpointer:
         self.storage = storage if storage is not None else open_tiered(
             self.path, options.local_dir, options.storage_options, verify=verify_object,
             upload_threads=options.threads, local_commits=options.tiered_commits)
-        check_root_level(self.storage.durable_tier(), self.path)  # not runs/exp1/steps, nor runs/
+        try:
+            check_root_level(self.storage.durable_tier(), self.path)  # not runs/exp1/steps, nor runs/
+        except StorageError as e:  # unreachable now: the first save or load says so, with its own context
+            log.warning("could not check that %s is a checkpoint root, not a level of one: %s", self.path, e)
         # The threads every stage runs on, owned here and handed to the stages.
         self._io = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-io")
         self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
