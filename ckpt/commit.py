@@ -15,8 +15,10 @@ group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each
 4. the coordinator gathers every report, reads the rank reports, merges them and commits
    ``MANIFEST.json`` create-only: that write is the commit point. It publishes a :class:`Decision`
    (ok, fail naming the ranks, skip, or exists) that every other rank waits for;
-5. on the coordinator, what comes after a commit (retention) runs before the next save's ``go``.
-   A save that was not committed deletes the chunks each rank alone created for it.
+5. on the coordinator, what comes after a commit (retention) is handed to a thread of its own
+   (:mod:`ckpt.retention_thread`): the next save's ``go`` waits only for a delete request in flight,
+   and deletions pause from that ``go`` to the save's decision (``gate``), so nothing a save reuses
+   is deleted under it. A save that was not committed deletes the chunks each rank alone created for it.
 
 ``go`` and ``commit`` are rounds (:meth:`ckpt.ranks.Round.run`): ``go`` the coordinator's
 announcement, ``commit`` every rank's report in, :meth:`CommitProtocol._coordinate` as the
@@ -51,6 +53,7 @@ from .handle import SaveMetrics
 from .lease import Leases
 from .planning import fail_plan
 from .ranks import KEEP_SEQS, Comm, Gathered
+from .retention_thread import DeletionWindow
 from .writer import SaveJob, Writer
 
 log = logging.getLogger("ckpt")
@@ -125,12 +128,15 @@ class CommitProtocol:
     """Runs the background half of each save on ``commit_thread`` (one thread: saves commit in order).
 
     ``after_commit(manifest, persisted)`` runs on the coordinator after a step is committed and its handle has
-    resolved, before other ranks may start the next save's writes (retention goes there)."""
+    resolved, before other ranks may start the next save's writes (retention goes there, or hands its
+    work to a thread that deletes through ``gate``: the coordinator shuts it from before each save's
+    ``go`` to its decision)."""
 
     def __init__(self, comm: Comm, writer: Writer, io: Executor, commit_thread: Executor,
                  after_commit: Callable[[mf.Manifest, bool], None], leases: Leases,
-                 hooks: SaveHooks | None = None):
+                 hooks: SaveHooks | None = None, gate: DeletionWindow | None = None):
         self.hooks = hooks
+        self.gate = gate if comm.rank == 0 else None
         self.comm = comm
         self.writer = writer
         self.io = io
@@ -172,7 +178,7 @@ class CommitProtocol:
     # -- on the commit thread -------------------------------------------------------------------------
     def _run(self, job: SaveJob, future: Future) -> None:
         try:
-            committed = self._save(job)
+            committed = self._gated_save(job)
         except BaseException as e:
             if self.log_failures:  # else the error is raised to the caller: said once, not twice
                 log.error("saving step %d failed: %s", job.step, e)
@@ -187,6 +193,18 @@ class CommitProtocol:
             self.after_commit(committed, job.persist)
         if job.committed and self.hooks is not None:
             self.hooks.after_commit(job)
+
+    def _gated_save(self, job: SaveJob) -> mf.Manifest | None:
+        """:meth:`_save`, with deletions paused from before its ``go`` to its decision (coordinator)."""
+        if self.gate is None:
+            return self._save(job)
+        self.gate.save_begins()
+        committed = None
+        try:
+            committed = self._save(job)
+            return committed
+        finally:
+            self.gate.save_ends(committed)
 
     def _go(self, seq: int) -> None:
         """Every rank, before a save writes anything: the coordinator holds the lease and says go;

@@ -4,7 +4,6 @@ records through one coordination round (:func:`exchange_plan`)."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -12,7 +11,7 @@ from . import tree as st
 from .errors import DistributedSaveError, StateMismatchError
 from .flatten import Flat, tensor_of
 from .format import tree_union
-from .format.boxes import Box, intersect, volume
+from .format.boxes import Box, check_tiles
 
 if TYPE_CHECKING:
     from .ranks import Comm, Gathered
@@ -167,14 +166,14 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
         if len(ent.ranks) != world and _top(key, invs[0].tops) not in united:
             lacking = sorted(set(range(world)) - ent.ranks)
             return mismatch(f"tensor {key!r} is missing on rank(s) {lacking}")
-        boxes = [b for b in ent.boxes if volume(b[1]) > 0]
         shape = ent.meta[2]
-        if sum(volume(b[1]) for b in boxes) != volume(shape) or (
-                len(boxes) <= 512 and any(intersect(a, b) for a, b in itertools.combinations(boxes, 2))):
-            desc = ", ".join(f"{list(o)}+{list(n)}" for o, n in sorted(boxes)[:6])
+        why = check_tiles(list(ent.boxes), shape)
+        if why is not None:
+            boxes = sorted(ent.boxes)
+            desc = ", ".join(f"{list(o)}+{list(n)}" for o, n in boxes[:6])
             held = "" if len(ent.ranks) == world else f" among the ranks holding it, {sorted(ent.ranks)}"
-            return mismatch(f"the shards of {key!r} do not tile its global shape {list(shape)} exactly{held} "
-                            f"(boxes {desc}{' …' if len(boxes) > 6 else ''})")
+            return mismatch(f"the shards of {key!r} do not tile its global shape {list(shape)} exactly{held}: "
+                            f"{why} (boxes {desc}{' …' if len(boxes) > 6 else ''})")
         for box, holders in ent.boxes.items():
             items.append((holders[0][2], key, box, holders))
     # Forced items (one holder) first, then the rest, largest first: greedy balancing.
