@@ -128,8 +128,8 @@ def main() -> None:
 
     with ckpt.Checkpointer(args.dir, keep_last=3) as ckptr:
         resumed = ckptr.load("latest", state)
-        log(f"new run in {args.dir}" if resumed is None else f"resumed from step {resumed} in {args.dir}",
-            f"on dp={dp} x tp={args.tp}")
+        where = f"new run in {args.dir}" if resumed is None else f"resumed from step {resumed} in {args.dir}"
+        log(f"{where} on dp={dp} x tp={args.tp}")  # one string, one write: other ranks' logs share the pipe
         for step in range(state["step"] + 1, args.steps + 1):
             train_step(model, opt, step, rank // args.tp, dp)
             state["step"] = step
