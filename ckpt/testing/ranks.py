@@ -26,12 +26,18 @@ import torch.multiprocessing as mp
 from .s3 import free_port
 
 
-def _entry(fn, rank: int, world: int, port: int, results, args, hard_exit: bool, pg_timeout: float) -> None:
+def _entry(fn, rank: int, world: int, port: int, results, args, hard_exit: bool, pg_timeout: float,
+           hosted: bool) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     status, payload = "ok", None
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout))
+        timeout = timedelta(seconds=pg_timeout)
+        if hosted:  # the caller holds the store: its port was never free for another process to take
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timeout)
         payload = fn(rank, world, *args)
     except BaseException:  # sent to the test
         status, payload = "error", traceback.format_exc()
@@ -51,8 +57,15 @@ def run_ranks(world: int, fn, *args, timeout: float = 180.0, may_die: tuple[int,
               pg_timeout: float = 120.0, daemon: bool = True) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, bool(may_die), pg_timeout),
+    # The store is held here, on a port it binds itself, unless a test kills ranks (rank 0 then hosts
+    # it, so its death is what the others see, as in a real job). A free_port() number handed to rank 0
+    # could be taken by another process before rank 0 bound it: the other ranks then connected to that
+    # process and hung (seen with several test runs on one machine).
+    host = None if may_die else dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                                               timeout=timedelta(seconds=pg_timeout))
+    port = host.port if host is not None else free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, bool(may_die), pg_timeout,
+                                              host is not None),
                          daemon=daemon) for r in range(world)]  # daemon=False: ranks may start processes
     for p in procs:
         p.start()
