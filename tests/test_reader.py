@@ -57,7 +57,7 @@ def test_load_into_a_state_without_a_writer(ckdir):
 
 def test_reading_never_imports_the_writer_side(ckdir, tmp_path):
     # Reading tensor bytes (tensors, values, load_into, export, diff by bytes) goes through
-    # ckpt.loader, which still imports the commit side; everything else stays off it.
+    # ckpt.load, which still imports the commit side; everything else stays off it.
     save_steps(ckdir, steps=(1, 2))
     code = f"""
 import sys

@@ -24,10 +24,13 @@ def imported(module: str) -> set[str]:
 
 
 def test_loader_and_commit_know_no_tiers():
-    for module in ("loader.py", "fill.py", "commit.py", "writer.py"):
+    load = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "load").glob("*.py"))
+    assert "load/step_choice.py" in load and "load/into_state.py" in load
+    for module in (*load, "commit.py", "writer.py"):
         names = imported(module)
         assert not any(n.startswith("peers") or n.startswith("storage.tiered") for n in names), (module, names)
-    assert "commit" not in imported("loader.py")
+    for module in load:
+        assert not {"commit", "writer"} & imported(module), module  # the load knows nothing of the save
 
 
 def test_a_plain_save_and_load_never_load_the_peers(tmp_path):

@@ -1,5 +1,5 @@
 """Whole tensors of a step, read from outside a run, and loading a step into a state: the reader's
-one way into the load path (``ckpt.loader``), imported only when something is read, so that opening
+one way into the load path (``ckpt.load``), imported only when something is read, so that opening
 a checkpoint, listing it or verifying it never imports the writer's side."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from ..tree import DTYPES
 def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict: bool, allow_pickle: bool,
               io: Executor, rank: int = 0, world: int = 1, staged: bool = True) -> Any:
     """Load manifest ``m`` into ``state`` in place, as rank ``rank`` of ``world``, every chunk verified;
-    returns the loader's ``LoadStats``. The only call into ``ckpt.loader`` from the reader."""
-    from ..loader import load_into as load  # the loader module imports the commit side: only when reading
+    returns the loader's ``LoadStats``. The only call into ``ckpt.load`` from the reader."""
+    from ..load.into_state import load_into as load  # the loader module imports the commit side: only when reading
 
     stats = load(storage, m, state, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank, world=world,
                  staged=staged)

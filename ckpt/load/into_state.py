@@ -26,12 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _cpus, _ext, held
-from . import tree as st
-from ._tasks import run_all
-from .buffer_layout import aligned
-from .chunk_reads import read_chunk
-from .errors import (
+from .. import _cpus, _ext
+from .. import tree as st
+from .._tasks import run_all
+from ..buffer_layout import aligned
+from ..errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
@@ -39,15 +38,17 @@ from .errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
-from .flatten import apply, flatten
-from .format import manifest as mf
-from .format import paths
-from .format.boxes import Box, contiguous_run, intersect, next_needed, volume
-from .load_checks import check_fit, check_writable, keep_hyperparameters
-from .sharding import is_dtensor
-from .storage import Storage
-from .tied import unresolved
-from .tree import DTYPES
+from ..flatten import apply, flatten
+from ..format import manifest as mf
+from ..format import paths
+from ..format.boxes import Box, contiguous_run, intersect, next_needed, volume
+from ..sharding import is_dtensor
+from ..storage import Storage
+from ..tied import unresolved
+from ..tree import DTYPES
+from . import held
+from .checks import check_fit, check_writable, keep_hyperparameters
+from .chunk_reads import read_chunk
 
 log = logging.getLogger("ckpt")
 
@@ -94,7 +95,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     first chunk is read, with every chunk the reads need; ``ready(note)`` once, just before the reads
     first write into the state (staged: after every chunk checked out; in place: before the
     reads): it may raise to stop the load there (other ranks failed), the state still unchanged,
-    and returns every loading rank's ``note`` (what each took of the step: :mod:`ckpt.held`), so
+    and returns every loading rank's ``note`` (what each took of the step: :mod:`ckpt.load.held`), so
     that ``strict`` refuses a key no rank holds. Alone (``world`` 1) that is checked before any read."""
     if _init_optimizers(state, m) and on_change is not None:
         on_change()
@@ -151,7 +152,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
 @dataclass
 class _Match:
     """How the saved step meets the state: the top-level keys loaded, their saved nodes (per-rank ones
-    from the source rank; the others as far as the state holds them: :func:`ckpt.held.held_part`),
+    from the source rank; the others as far as the state holds them: :func:`ckpt.load.held.held_part`),
     and per saved tensor (saved key, saved rank, the state's key or None)."""
 
     tops: list[str]

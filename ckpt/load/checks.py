@@ -1,4 +1,4 @@
-"""What a load refuses before it changes anything (:func:`ckpt.fill.load_into`'s check step): keys
+"""What a load refuses before it changes anything (:func:`ckpt.load.into_state.load_into`'s check step): keys
 missing on either side (``strict``), what a module's or optimizer's ``load_state_dict`` would refuse
 or silently get wrong (parameter groups, another kind of optimizer), and destination tensors that
 cannot take bytes (expanded, negated or conjugated views). Each names what to do.
@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import tree as st
-from .errors import StateMismatchError
-from .format import manifest as mf
-from .tied import unresolved
+from .. import tree as st
+from ..errors import StateMismatchError
+from ..format import manifest as mf
+from ..tied import unresolved
 
 if TYPE_CHECKING:
-    from .fill import _Match
+    from .into_state import _Match
 
 log = logging.getLogger("ckpt")
 

@@ -1,7 +1,7 @@
 """Which step a load loads, on every rank: :class:`Loader` takes the one asked for, or the newest
 committed one every rank sees, falling back past damaged steps when asked, with every rank agreeing
 on the outcome (``agree`` rounds, :mod:`ckpt.ranks`). The reading itself, checks first, then
-verified reads into place, is :func:`ckpt.fill.load_into`. Local commits plug in through
+verified reads into place, is :func:`ckpt.load.into_state.load_into`. Local commits plug in through
 :class:`Restore` (:mod:`ckpt.peers` implements it); this module imports nothing of them.
 """
 
@@ -13,8 +13,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from . import events
-from .errors import (
+from .. import events
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
@@ -23,12 +23,12 @@ from .errors import (
     PartialStateError,
     StateMismatchError,
 )
-from .fill import Lend, LoadStats, RankMap, load_into
-from .format import manifest as mf
-from .format import paths
-from .format.planes import trim_scratch
-from .ranks import Comm
-from .storage import Storage
+from ..format import manifest as mf
+from ..format import paths
+from ..format.planes import trim_scratch
+from ..ranks import Comm
+from ..storage import Storage
+from .into_state import Lend, LoadStats, RankMap, load_into
 
 log = logging.getLogger("ckpt")
 
@@ -166,7 +166,7 @@ class Loader:
         def ready(note: dict) -> list[dict]:
             """Every chunk this rank needs has checked out (staged), or its reads are about to write into
             the state (in place): with several ranks, nobody changes its state unless every rank got here.
-            Returns every rank's ``note`` (what it took of the step: :mod:`ckpt.held`)."""
+            Returns every rank's ``note`` (what it took of the step: :mod:`ckpt.load.held`)."""
             agreed[0] = True
             if self.comm.world == 1:
                 return [note]
