@@ -33,7 +33,7 @@ from .format import manifest as mf
 from .format.chunk import verify_object
 from .handle import REFUSED_FOR_EARLIER, SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
-from .load.into_state import staging_memory
+from .load.reads import staging_memory
 from .load.step_choice import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
 from .ranks import make_comm

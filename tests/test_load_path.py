@@ -18,7 +18,7 @@ import ckpt
 from ckpt import _ext
 from ckpt._tasks import run_all
 from ckpt.format import paths
-from ckpt.load.into_state import _copy_back
+from ckpt.load.apply import copy_back as _copy_back
 from ckpt.testing import run_ranks
 
 CORE = _ext.cpu()

@@ -2,7 +2,7 @@
 
 * :mod:`~ckpt.load.step_choice`: which step (the one asked for, or the newest every rank sees, with
   fallback past damaged steps), every rank agreeing on the outcome;
-* :mod:`~ckpt.load.into_state`: loading that step into a state: plan, reads, apply;
+* :mod:`~ckpt.load.into_state`: loading that step into a state: plan, reads, apply (:mod:`~ckpt.load.apply`);
 * :mod:`~ckpt.load.match`, :mod:`~ckpt.load.checks`, :mod:`~ckpt.load.held`: how the saved
   structure meets the state, and what a load refuses before it reads anything;
 * :mod:`~ckpt.load.plan`: ``plan_load`` and ``plan_boxes``, pure: which chunk objects, which byte
@@ -18,9 +18,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .into_state import LoadStats, load_into
+    from .into_state import load_into
+    from .plan import BoxPlan, LoadPlan, plan_boxes, plan_load
+    from .reads import BoxRequest, LoadStats, read_boxes
 
-_LAZY = {"LoadStats": "into_state", "load_into": "into_state"}
+_LAZY = {"LoadStats": "reads", "load_into": "into_state", "BoxPlan": "plan", "LoadPlan": "plan", "plan_boxes": "plan",
+         "plan_load": "plan", "BoxRequest": "reads", "read_boxes": "reads"}
 
 
 def __getattr__(name: str) -> Any:
@@ -33,4 +36,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ckpt.load' has no attribute {name!r}")
 
 
-__all__ = ["LoadStats", "load_into"]
+__all__ = ["BoxPlan", "BoxRequest", "LoadPlan", "LoadStats", "load_into", "plan_boxes", "plan_load", "read_boxes"]
