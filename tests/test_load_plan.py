@@ -64,7 +64,8 @@ def test_plan_load_of_a_resharded_step_is_pure_and_names_only_what_each_rank_nee
         assert bool(local.eq(-1).all()) and bool(state["pos"].eq(-1).all())  # planning changed nothing
     # What a load refuses comes out of the plan, before any read: per-rank state on another world
     # size without a rank_map; a tensor of another dtype.
-    state = {"w": ckpt.LocalShard(torch.empty(rows, COLS), [0, 0], [ROWS, COLS]), "pos": torch.empty(2, dtype=torch.int64)}
+    state = {"w": ckpt.LocalShard(torch.empty(rows, COLS), [0, 0], [ROWS, COLS]),
+             "pos": torch.empty(2, dtype=torch.int64)}
     with pytest.raises(ckpt.ReshardError, match="rank_map"):
         plan_load(m, state, 0, LOADING)
     with pytest.raises(ckpt.StateMismatchError, match="w: checkpoint has float32"):
