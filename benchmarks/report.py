@@ -49,6 +49,7 @@ SECTIONS = [
     Section("distributed", "Several ranks", "python benchmarks/distributed.py"),
     Section("many_keys", "Many small tensors: a state_dict as the state",
             "python benchmarks/many_keys.py"),
+    Section("tiling", "The shard tiling check at every shard count", "python benchmarks/tiling.py"),
     Section("nodeloss", "Node loss", "python benchmarks/nodeloss.py"),
     Section("lightning_fit", "A Lightning fit",
             "python benchmarks/lightning_fit.py --steps 40 --every 5 --repeats 5"),

@@ -1,18 +1,20 @@
 """Who writes what in a save: the planner's records and :func:`assign`, a pure function of every
 rank's :class:`Inventory` (tested alone, without any process group). The ranks exchange these
-records through one coordination round (:meth:`ckpt.ranks.Comm.exchange_plan`)."""
+records through one coordination round (:func:`exchange_plan`)."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import tree as st
 from .errors import DistributedSaveError, StateMismatchError
 from .flatten import Flat, tensor_of
 from .format import tree_union
-from .format.boxes import Box, intersect, volume
+from .format.boxes import Box, check_tiles
+
+if TYPE_CHECKING:
+    from .ranks import Comm, Gathered
 
 # -- the planner's records -------------------------------------------------------------------------
 
@@ -164,14 +166,14 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
         if len(ent.ranks) != world and _top(key, invs[0].tops) not in united:
             lacking = sorted(set(range(world)) - ent.ranks)
             return mismatch(f"tensor {key!r} is missing on rank(s) {lacking}")
-        boxes = [b for b in ent.boxes if volume(b[1]) > 0]
         shape = ent.meta[2]
-        if sum(volume(b[1]) for b in boxes) != volume(shape) or (
-                len(boxes) <= 512 and any(intersect(a, b) for a, b in itertools.combinations(boxes, 2))):
-            desc = ", ".join(f"{list(o)}+{list(n)}" for o, n in sorted(boxes)[:6])
+        why = check_tiles(list(ent.boxes), shape)
+        if why is not None:
+            boxes = sorted(ent.boxes)
+            desc = ", ".join(f"{list(o)}+{list(n)}" for o, n in boxes[:6])
             held = "" if len(ent.ranks) == world else f" among the ranks holding it, {sorted(ent.ranks)}"
-            return mismatch(f"the shards of {key!r} do not tile its global shape {list(shape)} exactly{held} "
-                            f"(boxes {desc}{' …' if len(boxes) > 6 else ''})")
+            return mismatch(f"the shards of {key!r} do not tile its global shape {list(shape)} exactly{held}: "
+                            f"{why} (boxes {desc}{' …' if len(boxes) > 6 else ''})")
         for box, holders in ent.boxes.items():
             items.append((holders[0][2], key, box, holders))
     # Forced items (one holder) first, then the rest, largest first: greedy balancing.
@@ -190,3 +192,40 @@ class _Shared:
     meta: tuple[str, str, tuple[int, ...]]  # kind, dtype, global shape
     boxes: dict[Box, list[tuple[int, int, int]]] = field(default_factory=dict)
     ranks: set[int] = field(default_factory=set)
+
+
+# -- the plan round -------------------------------------------------------------------------------
+
+def exchange_plan(comm: Comm, seq: int, inventory: Inventory) -> WriteAssignment:
+    """Send this rank's inventory; the coordinator answers every rank with its assignment.
+    Raises the assignment's error (the same on every rank) if the save cannot go ahead."""
+
+    def plan(got: Gathered) -> list[dict]:
+        if got.missing:
+            return [WriteAssignment(error=f"rank(s) {got.missing} did not join the save plan within "
+                                          f"{comm.timeout:.0f}s (the state's structure must change on every "
+                                          "rank at the same save)", ranks=got.missing).to_json()] * comm.world
+        invs = [Inventory(error=got.errors[r]) if r in got.errors else Inventory.from_json(got.docs[r])
+                for r in range(comm.world)]
+        return [a.to_json() for a in assign(invs)]
+
+    doc = comm.round("plan", seq).run(inventory.to_json(), plan, what=f"save {seq}'s plan", each=True)
+    answer = WriteAssignment.from_json(doc)
+    answer.raise_error()
+    return answer
+
+
+def fail_plan(comm: Comm, seq: int, error: BaseException) -> None:
+    """This rank failed before or while planning save ``seq``: tell the coordinator at once (the
+    coordinator tells every rank waiting for a plan)."""
+    rnd = comm.round("plan", seq)
+    try:
+        if comm.rank != 0:
+            rnd.post(error)
+        else:
+            rnd.run(error, what=f"save {seq}'s plan", each=True)  # raises ``error`` back
+    except DistributedSaveError:  # the store is gone: the save's own failure says enough
+        pass
+    except BaseException as e:
+        if e is not error:
+            raise

@@ -368,3 +368,19 @@ class ManifestCache:
             with self._lock:
                 self.errors[step] = str(e)
             return None
+
+
+def committable(step: int, m: Manifest) -> bytes:
+    """The manifest's bytes, once they pass the parse every reader runs on them (every field
+    checked, each tensor's shards tiling its shape, chunk sizes bounded): a step that could never
+    load is not committed, so retention never drops a good step for it."""
+    data = m.to_json()
+    try:
+        back = parse(data, name=manifest_key(step))
+    except CheckpointError as e:
+        raise CorruptCheckpointError(f"step {step} was not committed: its manifest would not load ({e}). Nothing "
+                                     "was changed; the committed steps are as they were") from e
+    if back.step != step or back.kind != "step":  # what read_step checks too
+        raise CorruptCheckpointError(f"step {step} was not committed: its manifest describes step {back.step} "
+                                     f"({back.kind}). This is a bug: please report it")
+    return data

@@ -7,7 +7,8 @@ state is taken whole (one without state yet holds nothing to compare with), and 
 The ``strict`` check of what the rank asks for that the step lacks stays on the rank
 (:mod:`ckpt.load.checks`); what the step holds that no rank asks for is found across the ranks:
 each sends which of the step's entries it took (:func:`taken`, nothing when it took all), in the
-load's agreement round, and every rank reads the same answer from them (:func:`check_all_taken`).
+load's agreement round, whose coordinator joins them (:func:`union`): every rank reads that one
+answer (:func:`check_all_taken`).
 """
 
 from __future__ import annotations
@@ -85,20 +86,33 @@ def taken(m: mf.Manifest, loaded: dict[str, st.Node]) -> dict:
     return {"held": base64.b64encode(zlib.compress(np.packbits(bits).tobytes())).decode("ascii")}
 
 
-def check_all_taken(m: mf.Manifest, notes: list[dict]) -> None:
+def union(notes: list[dict]) -> dict:
+    """What the ranks whose :func:`taken` notes are ``notes`` took together: nothing (they took every
+    entry) when some rank took all, else the bitwise OR of their bitmaps. Pure: the coordinator of the
+    load's round runs it, so each rank reads one answer, not every rank's note."""
+    maps = [n.get("held") for n in notes]
+    if not maps or not all(isinstance(b, str) for b in maps):
+        return {}
+    packed = [np.frombuffer(zlib.decompress(base64.b64decode(str(b))), dtype=np.uint8) for b in maps]
+    if len({p.size for p in packed}) != 1:
+        return {}  # notes of different steps cannot be joined: let each rank's own check stand
+    both = np.bitwise_or.reduce(np.stack(packed), axis=0)
+    return {"held": base64.b64encode(zlib.compress(both.tobytes())).decode("ascii")}
+
+
+def check_all_taken(m: mf.Manifest, together: dict) -> None:
     """With ``strict``: raise :class:`StateMismatchError` (the same on every rank) if some entry of
-    the step is taken by none of the loading ranks, whose :func:`taken` notes are ``notes``."""
-    maps = [n["held"] for n in notes if isinstance(n, dict) and "held" in n]
-    if len(maps) < len(notes):
+    the step is taken by none of the loading ranks; ``together`` is their :func:`union`, with
+    ``ranks`` their number."""
+    if "held" not in together:
         return  # some rank took everything
     everything = leaves(shared_tops(m))
-    union = np.zeros(len(everything), dtype=bool)
-    for b in maps:
-        union |= np.unpackbits(np.frombuffer(zlib.decompress(base64.b64decode(b)), dtype=np.uint8),
-                               count=len(everything)).astype(bool)
-    left = [_printed(p) for p, got in zip(everything, union) if not got]
+    got = np.unpackbits(np.frombuffer(zlib.decompress(base64.b64decode(together["held"])), dtype=np.uint8),
+                        count=len(everything)).astype(bool)
+    left = [_printed(p) for p, g in zip(everything, got) if not g]
     if left:
-        who = "this process does not hold" if len(notes) == 1 else f"none of the {len(notes)} loading ranks holds"
+        ranks = int(together.get("ranks", 1))
+        who = "this process does not hold" if ranks == 1 else f"none of the {ranks} loading ranks holds"
         raise StateMismatchError(
             f"step {m.step} holds {len(left)} key(s) {who}: {left[:8]}{' …' if len(left) > 8 else ''}. Every "
             "key of the step must be loaded by some rank: give the ranks together the whole state (e.g. every "

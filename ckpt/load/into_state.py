@@ -35,7 +35,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
               on_change: Callable[[], None] | None = None,
               before_read: Callable[[set[str]], None] | None = None,
               staged: bool = True, lend: Lend | None = None,
-              ready: Callable[[dict], list[dict]] | None = None) -> LoadStats:
+              ready: Callable[[dict], dict] | None = None) -> LoadStats:
     """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
 
     Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
@@ -47,7 +47,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     first chunk is read, with every chunk the reads need; ``ready(note)`` once, just before the reads
     first write into the state (staged: after every chunk checked out; in place: before the
     reads): it may raise to stop the load there (other ranks failed), the state still unchanged,
-    and returns every loading rank's ``note`` (what each took of the step: :mod:`ckpt.load.held`), so
+    and returns what the loading ranks took together (their notes' :func:`ckpt.load.held.union`), so
     that ``strict`` refuses a key no rank holds. Alone (``world`` 1) that is checked before any read."""
     if init_optimizers(state, m) and on_change is not None:
         on_change()
@@ -56,9 +56,9 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
 
     def changing() -> None:
         if ready is not None:
-            notes = ready(plan.note)
+            together = ready(plan.note)
             if checked:
-                held.check_all_taken(m, notes)
+                held.check_all_taken(m, together)
         if on_change is not None:
             on_change()
 

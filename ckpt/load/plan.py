@@ -205,7 +205,7 @@ def plan_load(m: mf.Manifest, state: dict[str, Any], rank: int = 0, world: int =
     foreign = check_fit(m, found, state, target, strict)  # optimizers taking another kind's state
     note = held.taken(m, {k: found.nodes[k] for k in found.tops if k not in found.per_rank})
     if strict and world == 1:
-        held.check_all_taken(m, [note])
+        held.check_all_taken(m, {**note, "ranks": 1})
     check_writable(m, found, target)
     structure = st.dict_node(found.tops, [found.nodes[k] for k in found.tops])
     if st.has_pickle(structure) and not allow_pickle:

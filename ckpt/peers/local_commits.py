@@ -20,7 +20,6 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Literal
 
-from .._tasks import run_all
 from ..errors import CheckpointError
 from ..format import manifest as mf
 from ..format import paths
@@ -115,7 +114,7 @@ def open_local_commits(storage: Any, comm: Comm, options: Options, process_group
     local = storage.local
     lease = Leases(local, wait_s=options.timeout)
     retention = Retention(local, mf.ManifestCache(local, maxsize=64), options.keep_local, None,
-                          lambda keys: run_all(io, local.delete, keys), lease, in_use=in_use)
+                          local.delete_many, lease, in_use=in_use)
     peers = Peers(comm, options.redundancy, options.failure_domain, local, process_group, options.timeout,
                   lease_id=lease.writer_id)
     if options.redundancy is not None:
