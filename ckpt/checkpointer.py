@@ -6,7 +6,7 @@ and tensor leaves (:mod:`ckpt.flatten`), copies the tensors into the host buffer
 (:mod:`ckpt.commit`). On a background thread the writer (:mod:`ckpt.writer`) cuts the buffer into
 chunks, hashes, encodes (:mod:`ckpt.codec`) and stores them (:mod:`ckpt.storage`); the coordinator
 commits the step manifest (:mod:`ckpt.manifest`) and applies retention (:mod:`ckpt.retention`).
-Back again: :mod:`ckpt.loader` reads the manifest, reads and verifies the chunks it needs, and fills
+Back again: :mod:`ckpt.load` reads the manifest, reads and verifies the chunks it needs, and fills
 the caller's tensors in place.
 """
 
@@ -27,13 +27,13 @@ from ._args import flag, flags
 from ._gc import paused
 from .commit import CommitProtocol
 from .errors import CheckpointError, ConfigError, StorageError
-from .fill import staging_memory
 from .flatten import flatten
 from .format import manifest as mf
 from .format.chunk import verify_object
 from .handle import REFUSED_FOR_EARLIER, SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
-from .loader import Loader, LoadStats, RankMap
+from .load.reads import staging_memory
+from .load.step_choice import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
 from .ranks import make_comm
 from .retention import Retention

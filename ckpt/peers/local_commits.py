@@ -6,8 +6,8 @@ save also goes to the checkpoint path.
 (:mod:`ckpt.commit`) calls its save hooks (:class:`ckpt.commit.SaveHooks`): ``begin`` (the tier's
 lease), ``protect`` (the peer exchange, after the rank's chunks are durable), ``absent`` (a rank
 that takes no part still joins the exchange), ``committed`` (the step into this rank's tier) and
-``after_commit`` (the tier's retention). The loader (:mod:`ckpt.loader`) calls its
-:class:`ckpt.loader.Restore` side: ``steps`` and ``load`` (choose the step and where to read, fetch
+``after_commit`` (the tier's retention). The loader (:mod:`ckpt.load.step_choice`) calls its
+:class:`ckpt.load.step_choice.Restore` side: ``steps`` and ``load`` (choose the step and where to read, fetch
 what is missing: :mod:`ckpt.peers.restore`), whose result carries the tier's ``heal``. A save runs
 over its own storage view (``TieredStorage.view(persist)``), which the core asks every storage for.
 """
@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..format import manifest as mf
 from ..format import paths
 from ..lease import Leases
-from ..loader import Attempt, LoadResult
+from ..load.step_choice import Attempt, LoadResult
 from ..options import Options
 from ..ranks import Comm
 from ..retention import Retention

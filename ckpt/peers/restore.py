@@ -17,7 +17,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format import manifest as mf
 from ..format import paths
 from ..format.chunk import verify_object
-from ..loader import Attempt, LoadResult, advise, short_list
+from ..load.step_choice import Attempt, LoadResult, advise, short_list
 from . import recovery
 from .exchange import PeerStats
 from .recovery import Survey

@@ -5,7 +5,7 @@ A step saved by ranks that held different keys (pipeline stages) is one state, t
 (:func:`held_part`): a module's keys, a non-empty dict's or ``Stateful``'s entries; an optimizer's
 state is taken whole (one without state yet holds nothing to compare with), and so is an empty dict.
 The ``strict`` check of what the rank asks for that the step lacks stays on the rank
-(:mod:`ckpt.load_checks`); what the step holds that no rank asks for is found across the ranks:
+(:mod:`ckpt.load.checks`); what the step holds that no rank asks for is found across the ranks:
 each sends which of the step's entries it took (:func:`taken`, nothing when it took all), in the
 load's agreement round, whose coordinator joins them (:func:`union`): every rank reads that one
 answer (:func:`check_all_taken`).
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import tree as st
-from .errors import StateMismatchError
-from .format import manifest as mf
+from .. import tree as st
+from ..errors import StateMismatchError
+from ..format import manifest as mf
 
 Path = tuple[str, ...]
 

@@ -1,7 +1,7 @@
 """Which step a load loads, on every rank: :class:`Loader` takes the one asked for, or the newest
 committed one every rank sees, falling back past damaged steps when asked, with every rank agreeing
 on the outcome (``agree`` rounds, :mod:`ckpt.ranks`). The reading itself, checks first, then
-verified reads into place, is :func:`ckpt.fill.load_into`. Local commits plug in through
+verified reads into place, is :func:`ckpt.load.into_state.load_into`. Local commits plug in through
 :class:`Restore` (:mod:`ckpt.peers` implements it); this module imports nothing of them.
 """
 
@@ -13,8 +13,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from . import events, held
-from .errors import (
+from .. import events
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
@@ -23,12 +23,13 @@ from .errors import (
     PartialStateError,
     StateMismatchError,
 )
-from .fill import Lend, LoadStats, RankMap, load_into
-from .format import manifest as mf
-from .format import paths
-from .format.planes import trim_scratch
-from .ranks import Comm
-from .storage import Storage
+from ..format import manifest as mf
+from ..format import paths
+from ..format.planes import trim_scratch
+from ..ranks import Comm
+from ..storage import Storage
+from . import held
+from .into_state import Lend, LoadStats, RankMap, load_into
 
 log = logging.getLogger("ckpt")
 
@@ -165,7 +166,7 @@ class Loader:
         def ready(note: dict) -> dict:
             """Every chunk this rank needs has checked out (staged), or its reads are about to write into
             the state (in place): with several ranks, nobody changes its state unless every rank got here.
-            Returns what the ranks took of the step together (:func:`ckpt.held.union` of their notes)."""
+            Returns what the ranks took of the step together (:func:`ckpt.load.held.union` of their notes)."""
             agreed[0] = True
             if self.comm.world == 1:
                 return {**note, "ranks": 1}
@@ -244,7 +245,7 @@ def _failures(views: list[dict]) -> list[tuple[int, dict]]:
 
 def _ready(views: list[dict]) -> dict:
     """The answer of the round before a load changes the state: the ranks that failed, and what the
-    ranks took of the step together (:func:`ckpt.held.union`), one answer for every rank."""
+    ranks took of the step together (:func:`ckpt.load.held.union`), one answer for every rank."""
     return {"failures": _failures(views), "held": held.union(views)}
 
 
