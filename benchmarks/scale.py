@@ -10,9 +10,9 @@ N ranks run in one process (benchmarks/scale_sim.py says exactly which of ckpt's
 what is simulated: the tensors are zero-stride stand-ins with the real shapes and boxes, chunks are
 not hashed or written, only their table is); the store and the storage count every request and
 byte. Each case runs in a fresh process (its memory figures are its own). Rows measured at the
-largest N that fits this machine in minutes; larger N are extrapolated (marked ~) from the two
-largest measured by the power law they show (its exponent in the last column), store requests by
-the quadratic through the measured counts, which fits them exactly. Prints the tables, writes
+largest N that fits this machine in minutes; larger N are extrapolated (marked ~) by the
+least-squares line through the measured points (a part independent of N plus a part per rank),
+store requests by the quadratic through the measured counts, which fits them exactly. Prints the tables, writes
 scale.{json,md,png} under --out. :func:`assert_current_laws` checks what holds today;
 :func:`assert_target_laws` what issue 35 asks for (switched on once the fixes land).
 """
@@ -85,25 +85,39 @@ def exponent(points: dict[int, float]) -> float:
     return math.log(v2 / v1) / math.log(n2 / n1)
 
 
-def extend(points: dict[int, float], ns: tuple[int, ...] = TARGET_NS, quadratic: bool = False
-           ) -> dict[int, tuple[float, bool]]:
-    """Value at each N of ``ns``: (measured, True) where measured, else (extrapolated, False): by the
-    quadratic through the points (``quadratic``: exact for request counts), else the power law of the
-    two largest points."""
+def fit(points: dict[int, float], degree: int = 1) -> list[float]:
+    """Least-squares polynomial coefficients through the measured points, highest power first: a
+    line for what a save or load costs (a part independent of N, the chunk table, plus a part per
+    rank, its shards), the quadratic for request counts (exact for them)."""
     import numpy as np
 
+    ns = sorted(points)
+    degree = min(degree, len(ns) - 1)
+    return [float(c) for c in np.polyfit(ns, [points[n] for n in ns], degree)] if degree > 0 else [points[ns[0]]]
+
+
+def extend(points: dict[int, float], ns: tuple[int, ...] = TARGET_NS, degree: int = 1
+           ) -> dict[int, tuple[float, bool]]:
+    """Value at each N of ``ns``: (measured, True) where measured, else (the fit's value, False)."""
+    coeffs = fit(points, degree)
     out: dict[int, tuple[float, bool]] = {}
-    k = exponent(points) if len(points) > 1 else float("nan")
-    top = max(points)
-    fit = np.polyfit(sorted(points), [points[n] for n in sorted(points)], 2) if quadratic and len(points) > 2 else None
     for n in ns:
         if n in points:
             out[n] = (points[n], True)
-        elif fit is not None:
-            out[n] = (float(np.polyval(fit, n)), False)
         else:
-            out[n] = (points[top] * (n / top) ** k if not math.isnan(k) else float("nan"), False)
+            out[n] = (max(0.0, sum(c * n ** (len(coeffs) - 1 - i) for i, c in enumerate(coeffs))), False)
     return out
+
+
+def law(points: dict[int, float], div: float, degree: int = 1) -> str:
+    """The fitted law, for the table's last column: what each added rank adds (line), or a·N² + b·N."""
+    if len(points) < 2:
+        return DASH
+    coeffs = fit(points, degree)
+    if degree == 2 and len(coeffs) == 3:
+        terms = [f"{c:.3g}{x}" for c, x in zip(coeffs, ("·N²", "·N", "")) if abs(c) > 1e-6]
+        return " + ".join(terms).replace("+ -", "- ") or "0"
+    return f"{coeffs[0] / div:+.3g} per rank"
 
 
 # Each row: (label, how to get the value from one case, unit divisor, digits).
@@ -142,10 +156,11 @@ def _cell(v: float, measured: bool, div: float, digits: int) -> str:
 
 def table(res: dict[str, Any]) -> str:
     ns = TARGET_NS
-    head = "| | " + " | ".join(f"N = {n:,}" for n in ns) + " | growth (N^k, measured) |"
+    head = "| | " + " | ".join(f"N = {n:,}" for n in ns) + " | fitted growth |"
     rule = "|---|" + "---:|" * len(ns) + "---:|"
     lines = [f"`{res['command']}`", "",
-             f"{banner(res['machine'])}. Measured N: plain; extrapolated: ~. Chunks of "
+             f"{banner(res['machine'])}. Measured N: plain; beyond them (~) the least-squares line through the "
+             "measured points (store requests: the quadratic, exact for them); the last column is that fit. Chunks of "
              f"{res['chunk_size'] // MiB} MiB; every rank loads on the world size that saved.", ""]
     for model, by_layout in res["cases"].items():
         m = scale_sim.MODELS[model]
@@ -158,19 +173,16 @@ def table(res: dict[str, Any]) -> str:
             for label, get, div, digits in ROWS:
                 pts = {n: float(get({**by_n[str(n)], "n": n})) for n in measured}
                 vals = extend(pts)
-                k = exponent(pts) if len(pts) > 1 else float("nan")
                 lines.append(f"| {label} | " + " | ".join(_cell(*vals[n], div, digits) for n in ns) +
-                             f" | {DASH if math.isnan(k) else f'{k:.2f}'} |")
+                             f" | {law(pts, div)} |")
             lines.append("")
     lines += summary(res)
     rn = sorted(int(n) for n in res["rounds"])
     lines += [f"**Store requests** (any state; measured at N = {', '.join(f'{n:,}' for n in rn)})", "", head, rule]
     for label, which, field in ROUND_ROWS:
         pts = {n: float(res["rounds"][str(n)][which][field]) for n in rn}
-        vals = extend(pts, quadratic=True)
-        k = exponent(pts) if len(pts) > 1 else float("nan")
-        lines.append(f"| {label} | " + " | ".join(_cell(*vals[n], 1, 0) for n in ns) +
-                     f" | {DASH if math.isnan(k) else f'{k:.2f}'} |")
+        vals = extend(pts, degree=2)
+        lines.append(f"| {label} | " + " | ".join(_cell(*vals[n], 1, 0) for n in ns) + f" | {law(pts, 1, 2)} |")
     return "\n".join(lines) + "\n"
 
 
