@@ -74,16 +74,19 @@ def save_and_load(model: Model, layout: str, world: int) -> dict[str, Any]:
     metadata.storage_data = storage
     data = pickle.dumps(metadata)
     del plans, global_plans, metadata, storage
-    t = time.thread_time()
-    md = pickle.loads(data)
-    parse_s = time.thread_time() - t
-    r = world // 2
-    t = time.thread_time()
+    parse_s = match_s = float("inf")  # best of two: DCP leaves the cyclic collector on, which lands anywhere
     reads = 0
-    for it in local_plan(model, layout, r, world).items:
-        fqn = it.index.fqn
-        assert it.tensor_data is not None
-        reads += len(create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn], [it.tensor_data.chunk]))
-    match_s = time.thread_time() - t
+    for _ in range(2):
+        t = time.thread_time()
+        md = pickle.loads(data)
+        parse_s = min(parse_s, time.thread_time() - t)
+        t = time.thread_time()
+        reads = 0
+        for it in local_plan(model, layout, world // 2, world).items:
+            fqn = it.index.fqn
+            assert it.tensor_data is not None
+            reads += len(create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn], [it.tensor_data.chunk]))
+        match_s = min(match_s, time.thread_time() - t)
+        del md
     return {"plan_s": plan_s, "plan_bytes": gathered + scattered, "metadata_bytes": len(data),
             "load_parse_s": parse_s, "load_match_s": match_s, "load_read_items": reads}

@@ -36,6 +36,7 @@ from scale_counting import CountingStorage, comms, on_threads, totals
 import ckpt
 from ckpt.buffer_layout import make_layout
 from ckpt.encode import CodecSpec
+from ckpt.errors import StepExistsError
 from ckpt.flatten import Flat, Leaf, flatten
 from ckpt.format import manifest as mf
 from ckpt.format.chunk import HEADER_SIZE
@@ -200,34 +201,25 @@ class Ranks:
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
-class PeakRSS:
-    """The process's resident memory above where it was on entry: at most (sampled every 10 ms) and on exit."""
+class Traced:
+    """Python's heap above where it was on entry (``tracemalloc``): at most, and still held on exit.
+    Resident memory would not do: what the earlier steps of a case freed is reused without growing it."""
 
-    def __init__(self) -> None:
-        import psutil
-
-        self._proc = psutil.Process()
-        self.peak = self.held = 0
-
-    def __enter__(self) -> PeakRSS:
+    def __enter__(self) -> Traced:
         import gc
+        import tracemalloc
 
         gc.collect()
-        self._base = self._proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        tracemalloc.start()
+        self._base = tracemalloc.get_traced_memory()[0]
         return self
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self._proc.memory_info().rss - self._base)
-
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.held = self._proc.memory_info().rss - self._base
-        self.peak = max(self.peak, self.held)
+        import tracemalloc
+
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        self.held, self.peak = current - self._base, peak - self._base
 
 
 def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: int = 16 * MiB,
@@ -275,15 +267,21 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     coord.reset_counts()
     coord.read_bytes = 0
     writer = make_writer(coord)
-    with PeakRSS() as mem:
-        t = time.thread_time()
-        reports = [parts.pop(0)] + [_read_part(writer, step, r) for r in range(1, world)]
-        writer.commit(step, reports, frozenset(), storage=coord)
-        out["commit_s"] = time.thread_time() - t
-        del reports
-    out.update(commit_peak_rss=mem.peak, commit_read_bytes=coord.read_bytes,
-               commit_requests=sum(coord.calls.values()),
-               commit_report_reads=coord.calls["read_object"], manifest_bytes=inner.size(paths.manifest_key(step)))
+    own = parts.pop(0)
+    t = time.thread_time()
+    reports = [own] + [_read_part(writer, step, r) for r in range(1, world)]
+    writer.commit(step, reports, frozenset(), storage=coord)
+    out["commit_s"] = time.thread_time() - t
+    del reports
+    out.update(commit_read_bytes=coord.read_bytes, commit_requests=sum(coord.calls.values()),
+               commit_report_reads=coord.calls["read_object"])
+    with Traced() as mem:  # the same work again, for its memory: up to the create-only write, which refuses
+        try:
+            writer.commit(step, [own] + [_read_part(writer, step, r) for r in range(1, world)], frozenset(),
+                          storage=coord)
+        except StepExistsError:
+            pass
+    out.update(commit_peak_rss=mem.peak, manifest_bytes=inner.size(paths.manifest_key(step)))
     out.update(load_one_rank(model, layout, world, disks[world // 2], world // 2, step))
     return out
 
@@ -294,12 +292,14 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
     from ckpt.fill import _Dests, _feeds, _match
     from ckpt.load_checks import check_fit
 
+    with Traced() as mem:  # its memory (the parse traced is slower: timed again below)
+        m = mf.read_step(disk, step)
+    del m
     disk.reset_counts()
     disk.read_bytes = 0
-    with PeakRSS() as mem:
-        t = time.thread_time()
-        m = mf.read_step(disk, step)
-        parse_s = time.thread_time() - t
+    t = time.thread_time()
+    m = mf.read_step(disk, step)
+    parse_s = time.thread_time() - t
     state = state_of(model, layout, r, world, step)
     t = time.thread_time()
     target = flatten(state, for_target=True)
