@@ -98,7 +98,10 @@ def fit(points: dict[int, float], degree: int = 1) -> list[float]:
 
 def extend(points: dict[int, float], ns: tuple[int, ...] = TARGET_NS, degree: int = 1
            ) -> dict[int, tuple[float, bool]]:
-    """Value at each N of ``ns``: (measured, True) where measured, else (the fit's value, False)."""
+    """Value at each N of ``ns``: (measured, True) where measured, else (the fit's value, False; NaN
+    where a point is missing, NaN)."""
+    if any(math.isnan(v) for v in points.values()):
+        return {n: (points.get(n, math.nan), n in points) for n in ns}
     coeffs = fit(points, degree)
     out: dict[int, tuple[float, bool]] = {}
     for n in ns:
@@ -111,7 +114,7 @@ def extend(points: dict[int, float], ns: tuple[int, ...] = TARGET_NS, degree: in
 
 def law(points: dict[int, float], div: float, degree: int = 1) -> str:
     """The fitted law, for the table's last column: what each added rank adds (line), or a·N² + b·N."""
-    if len(points) < 2:
+    if len(points) < 2 or any(math.isnan(v) for v in points.values()):
         return DASH
     coeffs = fit(points, degree)
     if degree == 2 and len(coeffs) == 3:
