@@ -55,6 +55,7 @@ SECTIONS = [
             "python benchmarks/lightning_fit.py --steps 40 --every 5 --repeats 5"),
     Section("dcp_backend", "Under DCP's calls: ckpt.dcp against DCP's own storage",
             "python benchmarks/dcp_backend.py"),
+    Section("scale", "At the scale people train: 64 to 16,384 ranks, simulated", "python benchmarks/scale.py"),
 ]
 
 
@@ -83,6 +84,8 @@ HEADLINES = [
              "dcp_backend", "dcp.async_save, ckpt.dcp.Stager + ckpt.dcp.Writer", "durable ÷ DCP"),
     Headline("bytes over ten `dcp.save`s of an fp32 AdamW training, `ckpt.dcp.Writer` ÷ `FileSystemWriter`",
              "dcp_backend", "gpt-fp32", "ckpt ÷ DCP"),
+    Headline("metadata each rank GETs and parses at load, Llama-3-70B FSDP2 on 16,384 ranks (extrapolated), "
+             "ckpt ÷ DCP's `.metadata`", "scale", "metadata every rank GETs and parses at load (MiB)", "ckpt ÷ DCP"),
 ]
 
 
