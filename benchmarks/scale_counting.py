@@ -6,6 +6,7 @@ requests and bytes."""
 from __future__ import annotations
 
 import threading
+import traceback
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -48,6 +49,13 @@ class SharedStore:
             self._events.setdefault(key, threading.Event()).set()
             return out
 
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            n = int(self.data.get(key, b"0")) + amount
+            self.data[key] = str(n).encode()
+            self._events.setdefault(key, threading.Event()).set()
+            return n
+
 
 class CountingComm(LocalComm):
     """Rank ``rank`` of ``world`` over a :class:`SharedStore`, counting its requests and bytes by kind
@@ -83,6 +91,10 @@ class CountingComm(LocalComm):
         self.bytes["set"] += len(value)
         return self.shared.compare_set(key, value)
 
+    def _add(self, key: str, amount: int) -> int:
+        self.requests["add"] += 1
+        return self.shared.add(key, amount)
+
     def reset(self) -> None:
         self.requests.clear()
         self.bytes.clear()
@@ -103,6 +115,7 @@ def on_threads(world: int, fn: Callable[[int], Any]) -> list[Any]:
             out[r] = fn(r)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             errors.append(e)
+            traceback.print_exc()  # at once: the other ranks may wait for this one until their deadline
 
     old = threading.stack_size(256 * 1024)
     try:

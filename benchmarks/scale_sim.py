@@ -41,7 +41,7 @@ from ckpt.flatten import Flat, Leaf, flatten
 from ckpt.format import manifest as mf
 from ckpt.format.chunk import HEADER_SIZE
 from ckpt.handle import SaveMetrics
-from ckpt.planning import Inventory, WriteAssignment
+from ckpt.planning import Inventory, WriteAssignment, exchange_plan
 from ckpt.storage.base import Storage
 from ckpt.writer import Writer, _Put
 
@@ -245,12 +245,12 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
         inv = Inventory.of(ranks.flat(r))
         if r == 0:  # the coordinator's part of the round, once every inventory is posted
             for q in range(1, world):
-                comm.shared.get(f"plan/0/{q}", comm.deadline())
+                comm.shared.get(f"plan/0/{q}", time.monotonic() + comm.timeout)
             t = time.thread_time()
-            answer = comm.exchange_plan(0, inv)
+            answer = exchange_plan(comm, 0, inv)
             plan_s.append(time.thread_time() - t)
         else:
-            answer = comm.exchange_plan(0, inv)
+            answer = exchange_plan(comm, 0, inv)
         del inv
         with one_at_a_time:
             part = rank_report(make_writer(disks[r]), ranks.flat(r), answer, r, step, chunk_size)
@@ -289,8 +289,9 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
 def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, r: int, step: int) -> dict[str, Any]:
     """Rank ``r``'s load up to its first chunk read: the manifest read and checked, its state matched,
     which chunk feeds which bytes (fill's own steps); the reads themselves are not made."""
-    from ckpt.fill import _Dests, _feeds, _match
-    from ckpt.load_checks import check_fit
+    from ckpt.load.checks import check_fit
+    from ckpt.load.match import match as match_state
+    from ckpt.load.plan import Request, plan_boxes
 
     with Traced() as mem:  # its memory (the parse traced is slower: timed again below)
         m = mf.read_step(disk, step)
@@ -303,15 +304,16 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
     state = state_of(model, layout, r, world, step)
     t = time.thread_time()
     target = flatten(state, for_target=True)
-    match = _match(m, state, target, r, world, None)
-    check_fit(m, match, state, target, strict=True)
-    dests = _Dests()
-    for key, _, tkey in match.wanted:  # one-element stand-ins: fill's _destinations refuses zero-stride targets
+    found = match_state(m, state, target, r, world, None)
+    check_fit(m, found, state, target, strict=True)
+    requests = []
+    for key, owner, tkey in found.wanted:  # the boxes alone: plan_load's destinations refuse zero-stride targets
         assert tkey is not None
-        dests.tensors[(key, 0)] = (torch.zeros(1), target.leaves[tkey].box)
-    feeds, strided = _feeds(m, match, dests)
+        requests.append(Request(key, owner, target.leaves[tkey].box))
+    plan = plan_boxes(m, requests, found.entries)
+    feeds = plan.reads
     match_s = time.thread_time() - t
-    assert not strided  # loading on the world size that saved: every box is a saved shard
+    assert not plan.stages  # loading on the world size that saved: every box is a saved shard
     sources = {int(h[:12], 16) for h in feeds}
     return {"load_parse_s": parse_s, "load_match_s": match_s, "load_get_bytes": disk.read_bytes,
             "load_get_requests": sum(disk.calls.values()), "load_manifest_rss": mem.held,
@@ -322,25 +324,24 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
 
 def rounds(world: int) -> dict[str, dict[str, int]]:
     """Store requests of the rounds every save and load runs, on ``world`` threads: a save's ``go``
-    and ``commit`` rounds (as :class:`ckpt.commit.CommitProtocol` calls them) and the three ``agree``
-    rounds of ``load("latest")`` (:class:`ckpt.loader.Loader`), with the documents they post."""
+    and ``commit`` rounds (as :class:`ckpt.commit.CommitProtocol` runs them) and the three ``agree``
+    rounds of ``load("latest")`` (:class:`ckpt.load.step_choice.Loader`), with the documents they post
+    and the reductions they run."""
     from ckpt.commit import Decision, Report, Status
-    from ckpt.loader import _outcome
+    from ckpt.load.step_choice import _failures, _oldest, _outcome, _ready
 
     cs = comms(world)
 
     def save(r: int) -> None:
         comm = cs[r]
-        if r == 0:
-            comm.go(0, {"lease": "job"})
-        elif comm.wait_go(0) is None:
-            raise RuntimeError("no go")
-        comm.report(0, Report(Status.OK, 100).to_json())
-        if r == 0:
-            docs, missing = comm.gather(0)
-            assert len(docs) == world and not missing
-            comm.publish(0, Decision(Status.OK).to_json())
-        elif comm.decision(0) is None:
+        comm.round("go", 0).run({"lease": "job"} if r == 0 else None, what="the start of save 0")
+
+        def decide(got) -> dict:
+            assert len(got.ordered()) == world and not got.missing
+            return Decision(Status.OK).to_json()
+
+        answer = comm.round("commit", 0).run(Report(Status.OK, 100).to_json(), decide, what="the commit of save 0")
+        if Decision.from_json(answer).status is not Status.OK:
             raise RuntimeError("no decision")
 
     on_threads(world, save)
@@ -350,9 +351,9 @@ def rounds(world: int) -> dict[str, dict[str, int]]:
 
     def load(r: int) -> None:
         comm = cs[r]
-        comm.agree({"latest": 100})
-        comm.agree({**_outcome(None), "held": []})
-        comm.agree(_outcome(None))
+        comm.agree(100, _oldest)
+        comm.agree(_outcome(None), _ready)  # a rank that took every entry sends no bitmap
+        comm.agree(_outcome(None), _failures)
 
     on_threads(world, load)
     out["load"] = totals(cs)

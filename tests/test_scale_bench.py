@@ -51,9 +51,10 @@ def test_the_scale_benchmark_measures_every_row_and_the_laws_that_hold_today(res
     # every request of every round went through the counting store, per rank
     for n in (8, 16, 32):
         load = res["rounds"][str(n)]["load"]
-        assert load["requests_set"] == 3 * n and load["requests_get"] >= 3 * n * n  # 3 agree rounds: all read all
+        # 3 agree rounds, each a post per rank and O(N) reads in all (the coordinator's N, one answer each)
+        assert load["requests_set"] == 3 * n and 3 * (n - 1) <= load["requests_get"] <= 3 * 2 * n, load
     case = res["cases"]["tiny"]["fsdp"]["32"]
-    assert case["plan_store"]["requests_set"] >= 2 * 32 and case["dcp"]["load_read_items"] > 0
+    assert case["plan_store"]["requests_set"] >= 2 * (32 - 1) and case["dcp"]["load_read_items"] > 0
 
 
 def test_the_simulated_ranks_hold_what_flatten_gives_each_rank():
