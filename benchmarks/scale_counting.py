@@ -6,8 +6,8 @@ requests and bytes."""
 from __future__ import annotations
 
 import threading
-import traceback
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
