@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .flatten import RNGState
     from .handle import SaveHandle, SaveMetrics
     from .importer import import_checkpoint
-    from .loader import LoadStats
+    from .load import LoadStats
     from .options import Options
     from .reader import Pickled, Reader, open
     from .redundancy_config import Parity, Replicas
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 # `ls` and `inspect` never import torch (most of a second, several on a busy machine).
 _LAZY = {"RNGState": "flatten", "open": "reader", "Reader": "reader", "Pickled": "reader", "LocalShard": "sharding",
          "LocalShards": "sharding", "PerRank": "sharding",
-         "Checkpointer": "checkpointer", "SaveHandle": "handle", "SaveMetrics": "handle", "LoadStats": "loader",
+         "Checkpointer": "checkpointer", "SaveHandle": "handle", "SaveMetrics": "handle", "LoadStats": "load",
          "Options": "options", "Parity": "redundancy_config", "Replicas": "redundancy_config", "fence": "cuda_snapshot",
          "import_checkpoint": "importer"}
 

@@ -6,7 +6,7 @@ and tensor leaves (:mod:`ckpt.flatten`), copies the tensors into the host buffer
 (:mod:`ckpt.commit`). On a background thread the writer (:mod:`ckpt.writer`) cuts the buffer into
 chunks, hashes, encodes (:mod:`ckpt.codec`) and stores them (:mod:`ckpt.storage`); the coordinator
 commits the step manifest (:mod:`ckpt.manifest`) and applies retention (:mod:`ckpt.retention`).
-Back again: :mod:`ckpt.loader` reads the manifest, reads and verifies the chunks it needs, and fills
+Back again: :mod:`ckpt.load` reads the manifest, reads and verifies the chunks it needs, and fills
 the caller's tensors in place.
 """
 
@@ -25,19 +25,19 @@ import torch
 from . import at_exit, events
 from ._args import flag, flags
 from ._gc import paused
-from ._tasks import run_all
 from .commit import CommitProtocol
 from .errors import CheckpointError, ConfigError, StorageError
-from .fill import staging_memory
 from .flatten import flatten
 from .format import manifest as mf
 from .format.chunk import verify_object
 from .handle import REFUSED_FOR_EARLIER, SaveHandle, SaveLedger, SaveMetrics
 from .lease import Leases
-from .loader import Loader, LoadStats, RankMap
+from .load.reads import staging_memory
+from .load.step_choice import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
 from .ranks import make_comm
 from .retention import Retention
+from .retention_thread import DeletionWindow, RetentionThread
 from .root_level import check_root_level
 from .schedule import Interval, Schedule
 from .snapshot import Snapshotter
@@ -114,12 +114,16 @@ class Checkpointer:
                               options.delta_budget)
         self._tiers = self._open_tiers(process_group) if options.tiered_commits else None
         durable = self.storage.durable_tier()  # with local commits, each tier keeps its own steps
-        self._retention = Retention(durable if self._tiers else self.storage, manifests, options.keep_last,
-                                    options.keep_every, lambda keys: run_all(self._io, durable.delete, keys)
-                                    if self._tiers else run_all(self._io, self.storage.delete, keys), self._leases,
-                                    in_use=self._writer.in_use, shared=options.shared_root)
+        # Retention deletes in bulk, on a thread of its own, paused while a save chooses its chunks.
+        retained = durable if self._tiers else self.storage
+        window = DeletionWindow(retained.delete_batch)
+        self._retention_thread = RetentionThread(lambda step: self._retention.apply_after(step), window)
+        self._retention = Retention(retained, manifests, options.keep_last, options.keep_every,
+                                    window.gated(retained.delete_many), self._leases,
+                                    in_use=self._writer.in_use, shared=options.shared_root,
+                                    newest=self._retention_thread.newest)
         self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
-                                        self._after_commit, self._leases, self._tiers)
+                                        self._after_commit, self._leases, self._tiers, window)
         self._protocol.log_failures = options.on_save_error == "log"
         self._ledger = SaveLedger()  # steps taken, saves in flight, failures nobody has seen yet
         self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads,
@@ -172,10 +176,9 @@ class Checkpointer:
 
     def _after_commit(self, committed: mf.Manifest, persisted: bool) -> None:
         """Coordinator, after a commit: the checkpoint path's retention, when the save went there."""
+        self._manifests.put(committed)
         if persisted:
-            self._retention.after_commit(committed)
-        else:
-            self._manifests.put(committed)
+            self._retention_thread.request(committed.step)
 
     # -- saving ---------------------------------------------------------------------------------------
     @property
@@ -387,6 +390,7 @@ class Checkpointer:
         self._ledger.settle()
         if not self._closed:  # and the retention queued behind them
             self._protocol.drain()
+            self._retention_thread.drain()
 
     def wait(self) -> None:
         """Wait for every save so far (and the retention after them); raise the first failure not
@@ -409,6 +413,7 @@ class Checkpointer:
             at_exit.untrack(self)
             self._schedule.close()
             self._commit_thread.shutdown(wait=True)
+            self._retention_thread.close()
             self._io.shutdown(wait=True)
             self._leases.release()
             if self._tiers is not None:

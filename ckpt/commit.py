@@ -15,14 +15,20 @@ group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each
 4. the coordinator gathers every report, reads the rank reports, merges them and commits
    ``MANIFEST.json`` create-only: that write is the commit point. It publishes a :class:`Decision`
    (ok, fail naming the ranks, skip, or exists) that every other rank waits for;
-5. on the coordinator, what comes after a commit (retention) runs before the next save's ``go``.
-   A save that was not committed deletes the chunks each rank alone created for it.
+5. on the coordinator, what comes after a commit (retention) is handed to a thread of its own
+   (:mod:`ckpt.retention_thread`): the next save's ``go`` waits only for a delete request in flight,
+   and deletions pause from that ``go`` to the save's decision (``gate``), so nothing a save reuses
+   is deleted under it. A save that was not committed deletes the chunks each rank alone created for it.
+
+``go`` and ``commit`` are rounds (:meth:`ckpt.ranks.Round.run`): ``go`` the coordinator's
+announcement, ``commit`` every rank's report in, :meth:`CommitProtocol._coordinate` as the
+reduction, the decision out.
 
 A save runs over the storage its job carries (``Storage.view(persist)``). With local commits
 (``redundancy`` / ``persist_every``), the protocol is handed :class:`SaveHooks`
 (:mod:`ckpt.peers.local_commits`) and knows nothing else of tiers: between 2 and 3 every rank calls
 ``protect`` (the peer exchange, also when it failed or skipped, so nobody waits for it); rank
-reports travel through the store; the decision carries the manifest, which every rank's
+reports travel with the commit round's reports; the decision carries the manifest, which every rank's
 ``committed`` hook commits to its own tier; ``after_commit`` applies the tiers' retention.
 
 A process saving alone runs exactly this, with a :class:`~ckpt.ranks.LocalComm`; its own error is
@@ -45,7 +51,9 @@ from .format import manifest as mf
 from .format import paths
 from .handle import SaveMetrics
 from .lease import Leases
-from .ranks import Comm
+from .planning import fail_plan
+from .ranks import KEEP_SEQS, Comm, Gathered
+from .retention_thread import DeletionWindow
 from .writer import SaveJob, Writer
 
 log = logging.getLogger("ckpt")
@@ -120,12 +128,15 @@ class CommitProtocol:
     """Runs the background half of each save on ``commit_thread`` (one thread: saves commit in order).
 
     ``after_commit(manifest, persisted)`` runs on the coordinator after a step is committed and its handle has
-    resolved, before other ranks may start the next save's writes (retention goes there)."""
+    resolved, before other ranks may start the next save's writes (retention goes there, or hands its
+    work to a thread that deletes through ``gate``: the coordinator shuts it from before each save's
+    ``go`` to its decision)."""
 
     def __init__(self, comm: Comm, writer: Writer, io: Executor, commit_thread: Executor,
                  after_commit: Callable[[mf.Manifest, bool], None], leases: Leases,
-                 hooks: SaveHooks | None = None):
+                 hooks: SaveHooks | None = None, gate: DeletionWindow | None = None):
         self.hooks = hooks
+        self.gate = gate if comm.rank == 0 else None
         self.comm = comm
         self.writer = writer
         self.io = io
@@ -141,7 +152,7 @@ class CommitProtocol:
 
     def skip(self, seq: int, step: int) -> None:
         """This rank skipped save ``seq`` (busy="skip"): tell the coordinator, so every rank skips it."""
-        self.comm.report(seq, Report(Status.SKIP, step).to_json())
+        self.comm.round("commit", seq).post(Report(Status.SKIP, step).to_json())
         if self.comm.rank == 0:
             self.commit_thread.submit(self._decide_alone, seq, Decision(Status.SKIP, (0,)))
         else:
@@ -150,9 +161,9 @@ class CommitProtocol:
     def abandon(self, seq: int, step: int, error: BaseException) -> None:
         """``save()`` failed on this rank before its job existed: tell the others at once."""
         msg = f"{type(error).__name__}: {error}"
-        self.comm.fail_plan(seq, msg)
+        fail_plan(self.comm, seq, error)
         try:
-            self.comm.report(seq, Report(Status.FAIL, step, msg).to_json())
+            self.comm.round("commit", seq).post(Report(Status.FAIL, step, msg).to_json())
             if self.comm.rank == 0:
                 self.commit_thread.submit(self._decide_alone, seq, Decision(Status.FAIL, (0,), f"rank 0: {msg}"))
             else:
@@ -167,7 +178,7 @@ class CommitProtocol:
     # -- on the commit thread -------------------------------------------------------------------------
     def _run(self, job: SaveJob, future: Future) -> None:
         try:
-            committed = self._save(job)
+            committed = self._gated_save(job)
         except BaseException as e:
             if self.log_failures:  # else the error is raised to the caller: said once, not twice
                 log.error("saving step %d failed: %s", job.step, e)
@@ -183,25 +194,31 @@ class CommitProtocol:
         if job.committed and self.hooks is not None:
             self.hooks.after_commit(job)
 
+    def _gated_save(self, job: SaveJob) -> mf.Manifest | None:
+        """:meth:`_save`, with deletions paused from before its ``go`` to its decision (coordinator)."""
+        if self.gate is None:
+            return self._save(job)
+        self.gate.save_begins()
+        committed = None
+        try:
+            committed = self._save(job)
+            return committed
+        finally:
+            self.gate.save_ends(committed)
+
     def _go(self, seq: int) -> None:
         """Every rank, before a save writes anything: the coordinator holds the lease and says go;
         the others wait for that."""
-        comm = self.comm
-        if comm.rank == 0:
+        rnd, what = self.comm.round("go", seq), f"the start of save {seq} (after the previous one)"
+        if self.comm.rank == 0:
             try:
                 self.leases.hold()
             except BaseException as e:  # the others must not wait for a go that never comes
-                comm.go(seq, {"error": f"{type(e).__name__}: {e}"})
+                rnd.run(e, what=what)  # tells them, and raises e
                 raise
-            comm.go(seq, {"lease": self.leases.writer_id})
+            rnd.run({"lease": self.leases.writer_id}, what=what)
             return
-        doc = comm.wait_go(seq)
-        if doc is None:
-            raise DistributedSaveError(
-                f"rank 0 did not start save {seq} within {2 * comm.timeout:.0f}s (still busy with the previous "
-                "one, or dead)", ranks=[0])
-        if "error" in doc:
-            raise DistributedSaveError(f"rank 0 could not start save {seq}: {doc['error']}", ranks=[0])
+        doc = rnd.run(None, what=what)
         self.leases.own.add(doc["lease"])  # the job's own lease never stands in its way
 
     def _save(self, job: SaveJob) -> mf.Manifest | None:
@@ -219,22 +236,36 @@ class CommitProtocol:
             error = e
         if hooks is not None:
             error = hooks.protect(job, part if error is None else None) or error
-            if error is None and part is not None:
-                comm.send_part(seq, part.to_json())
         if error is None:
-            comm.report(seq, Report(Status.OK, job.step, persist=job.persist).to_json())
+            report = Report(Status.OK, job.step, persist=job.persist).to_json()
+            if hooks is not None and part is not None:  # its rank report travels with it
+                report["part"] = part.to_json().decode()
         else:
             status = (Status.EXISTS if isinstance(error, StepExistsError) else
                       Status.NONFINITE if isinstance(error, NonFiniteStateError) else Status.FAIL)
-            comm.report(seq, Report(status, job.step, f"{type(error).__name__}: {error}").to_json())
+            report = Report(status, job.step, f"{type(error).__name__}: {error}").to_json()
+        # The commit round: every rank's report in, the coordinator's decision out.
+        rnd, what = comm.round("commit", seq), f"the commit of save {seq}"
+        done: list[tuple[mf.Manifest | None, BaseException | None]] = []
+
+        def decide(got: Gathered) -> dict:
+            decision, committed, commit_error = self._coordinate(job, part, got)
+            done.append((committed, commit_error))
+            return decision.to_json()
+
+        def failed(d: dict) -> bool:
+            return d.get("status") in ("fail", "nonfinite")
+
         committed = None
         if comm.rank == 0:
-            decision, committed, commit_error = self._coordinate(job, part)
+            decision = Decision.from_json(rnd.run(report, decide, what=what, stop_early=failed))
+            committed, commit_error = done[0]
             error = error or commit_error
         else:
-            doc = comm.decision(seq)
-            decision = Decision.from_json(doc) if doc is not None else Decision(
-                Status.FAIL, (0,), f"rank 0 (the coordinator) gave no decision within {2 * comm.timeout:.0f}s")
+            try:
+                decision = Decision.from_json(rnd.run(report, decide, what=what, stop_early=failed))
+            except DistributedSaveError as e:  # no decision came: nothing of this save may be kept
+                decision = Decision(Status.FAIL, tuple(e.ranks or (0,)), str(e))
         self.writer.settle(part if decision.status is Status.OK else None, job)
         if decision.status is not Status.OK:
             self.writer.discard(job)  # this save's own new chunks: nothing committed refers to them
@@ -261,14 +292,14 @@ class CommitProtocol:
             raise NonFiniteStateError(decision.message, ranks=list(decision.ranks), tensors=mine) from error
         raise DistributedSaveError(message, ranks=list(decision.ranks)) from error
 
-    def _coordinate(self, job: SaveJob, part: mf.Manifest | None
+    def _coordinate(self, job: SaveJob, part: mf.Manifest | None, got: Gathered
                     ) -> tuple[Decision, mf.Manifest | None, BaseException | None]:
-        """Rank 0: wait for every rank's report, commit the step if all succeeded, tell everyone."""
-        comm, seq = self.comm, job.seq
+        """Rank 0: from every rank's report, commit the step if all succeeded (the round then tells everyone)."""
+        comm = self.comm
         committed: mf.Manifest | None = None
         error: BaseException | None = None
         try:
-            docs, missing = comm.gather(seq)
+            docs, missing = got.docs, got.missing
             reports = {r: Report.from_json(d) for r, d in docs.items()}
             failed = sorted(r for r, v in reports.items() if v.status in (Status.FAIL, Status.NONFINITE))
             skipped = sorted(r for r, v in reports.items() if v.status is Status.SKIP)
@@ -283,7 +314,8 @@ class CommitProtocol:
                 decision = Decision(Status.NONFINITE, tuple(poisoned), first + also)
             elif failed or missing:
                 why = [f"rank {r}: {reports[r].message or 'failed'}" for r in failed]
-                why += [f"rank {r} did not report within {comm.timeout:.0f}s (died or hung?)" for r in missing]
+                why += [f"rank {r} did not report within {comm.timeout:.0f}s of the last report (died or hung?)"
+                        for r in missing]
                 decision = Decision(Status.FAIL, tuple(failed + missing), "; ".join(why))
             elif skipped:
                 decision = Decision(Status.SKIP, tuple(skipped))
@@ -297,8 +329,11 @@ class CommitProtocol:
                                                      "persist_every decides for all)")
             else:
                 assert part is not None  # this rank reported ok
-                read = _read_part if self.hooks is None else self._sent_part
-                parts = [part] + list(self.io.map(lambda r: read(self.writer, job.step, r, seq), range(1, comm.world)))
+                if self.hooks is None:
+                    parts = [part] + list(self.io.map(lambda r: _read_part(self.writer, job.step, r),
+                                                      range(1, comm.world)))
+                else:
+                    parts = [part] + [_sent_part(docs[r], job.step, r) for r in range(1, comm.world)]
                 committed = self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage)
                 decision = Decision(Status.OK, manifest=committed.to_json().decode() if self.hooks is not None else "")
         except StepExistsError as e:
@@ -306,23 +341,11 @@ class CommitProtocol:
         except BaseException as e:
             ranks = tuple(e.ranks) if isinstance(e, DistributedSaveError) and e.ranks else (0,)
             decision, error = Decision(Status.FAIL, ranks, f"rank 0 could not commit: {type(e).__name__}: {e}"), e
-        comm.publish(seq, decision.to_json())
         return decision, committed, error
 
     def _absent(self) -> None:
         if self.hooks is not None:
             self.hooks.absent()
-
-    def _sent_part(self, writer: Writer, step: int, rank: int, seq: int) -> mf.Manifest:
-        """Rank ``rank``'s report, sent through the store (its local tier is not readable here)."""
-        key = paths.rank_key(step, rank)
-        data = self.comm.part(seq, rank)
-        if data is None:
-            raise DistributedSaveError(f"rank {rank}'s report for step {step} did not arrive", ranks=[rank])
-        try:
-            return mf.parse_rank_part(data, step, rank)
-        except CheckpointError as e:
-            raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
 
     def _decide_alone(self, seq: int, decision: Decision) -> None:
         """Coordinator, for a save it took no part in: let the others run it, and publish its fate."""
@@ -331,20 +354,35 @@ class CommitProtocol:
                 self._go(seq)
             finally:
                 self._absent()
-            self.comm.publish(seq, decision.to_json())
+            self.comm.round("commit", seq).run(decision.to_json(), what=f"the commit of save {seq}")
         except Exception as e:
             log.error("%s", e)
         self._forget(seq)
 
     def _forget(self, seq: int) -> None:
-        if self.comm.rank == 0:
+        """Coordinator: remove the rounds of save ``seq - KEEP_SEQS`` (slow ranks may still read the last few)."""
+        old = seq - KEEP_SEQS
+        if self.comm.rank == 0 and old >= 0:
             try:
-                self.comm.forget(seq)
+                self.comm.round("commit", old).cleanup(("posts", "answer"))
+                self.comm.round("go", old).cleanup(("answer",))
+                self.comm.round("plan", old).cleanup(("posts", "answers"))
             except DistributedSaveError as e:
                 log.error("%s", e)
 
 
-def _read_part(writer: Writer, step: int, rank: int, seq: int = 0) -> mf.Manifest:
+def _sent_part(report: dict, step: int, rank: int) -> mf.Manifest:
+    """Rank ``rank``'s rank report, sent with its commit report (its local tier is not readable here)."""
+    key = paths.rank_key(step, rank)
+    if "part" not in report:
+        raise DistributedSaveError(f"rank {rank}'s report for step {step} did not arrive", ranks=[rank])
+    try:
+        return mf.parse_rank_part(str(report["part"]).encode(), step, rank)
+    except CheckpointError as e:
+        raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
+
+
+def _read_part(writer: Writer, step: int, rank: int) -> mf.Manifest:
     try:
         return mf.read_rank_part(writer.storage, step, rank)
     except (CheckpointError, FileNotFoundError, OSError) as e:

@@ -266,8 +266,10 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
     storage_options: passed to fsspec for URLs; for ``s3://`` also ckpt's own S3 options
         (``multipart_threshold``, ``multipart_chunksize``, ``upload_concurrency``, ``retry_deadline``,
         ``max_attempts``, ``connect_timeout``, ``read_timeout``).
-    timeout: seconds a rank waits for the others (plan, reports, the commit) before the save fails
-        with :class:`~ckpt.DistributedSaveError` naming the ranks that did not answer.
+    timeout: seconds without progress after which the coordinator gives up on the ranks that did
+        not answer (plan, reports, load agreement): the save or load fails on every rank with
+        :class:`~ckpt.DistributedSaveError` naming them. Answers still arriving from other ranks
+        extend the wait; the other ranks wait for the coordinator twice this plus 10 ms per rank.
     native: use the compiled core when it is built (fused multi-threaded copy + hash on CPU, batched
         device-to-host copies on GPU); ``False`` uses torch's copies (same bytes, same hashes).
     snapshot_threads: threads for the CPU copy + hash (default: cores, at most 8).

@@ -1,17 +1,20 @@
 """Who writes what in a save: the planner's records and :func:`assign`, a pure function of every
 rank's :class:`Inventory` (tested alone, without any process group). The ranks exchange these
-records through one coordination round (:meth:`ckpt.ranks.Comm.exchange_plan`)."""
+records through one coordination round (:func:`exchange_plan`)."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import tree as st
 from .errors import DistributedSaveError, StateMismatchError
 from .flatten import Flat, tensor_of
-from .format.boxes import Box, intersect, volume
+from .format import tree_union
+from .format.boxes import Box, check_tiles
+
+if TYPE_CHECKING:
+    from .ranks import Comm, Gathered
 
 # -- the planner's records -------------------------------------------------------------------------
 
@@ -33,12 +36,15 @@ class Inventory:
     """What the coordinator needs to know about one rank's state to plan the save.
 
     ``tops`` maps each top-level key to a digest of its structure node (plain values that differ
-    between ranks make a key per-rank); ``error`` is set instead when the rank failed before planning."""
+    between ranks make a key per-rank); ``layouts`` each top-level key not declared per-rank to its
+    :func:`ckpt.format.tree_union.layout` (read only where the digests differ: ranks holding different
+    keys); ``error`` is set instead when the rank failed before planning."""
 
     tops: dict[str, str] = field(default_factory=dict)
     per_rank: list[str] = field(default_factory=list)
     tensors: list[InventoryRow] = field(default_factory=list)
     error: str | None = None
+    layouts: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, flat: Flat) -> Inventory:
@@ -48,15 +54,18 @@ class Inventory:
             rows.append(InventoryRow(tensor_of(key, leaf), leaf.kind, str(t.dtype).removeprefix("torch."),
                                      list(leaf.global_shape), list(leaf.box[0]), list(leaf.box[1]),
                                      t.numel() * t.element_size()))
-        return cls({k: st.digest(v) for k, v in st.top_items(flat.structure)}, sorted(flat.per_rank), rows)
+        tops = st.top_items(flat.structure)
+        return cls({k: st.digest(v) for k, v in tops}, sorted(flat.per_rank), rows,
+                   layouts={k: tree_union.layout(v) for k, v in tops if k not in flat.per_rank})
 
     def to_json(self) -> dict:
         return {"tops": self.tops, "per_rank": self.per_rank, "tensors": [list(r) for r in self.tensors],
-                "error": self.error}
+                "error": self.error, "layouts": self.layouts}
 
     @classmethod
     def from_json(cls, doc: dict) -> Inventory:
-        return cls(doc["tops"], doc["per_rank"], [InventoryRow(*r) for r in doc["tensors"]], doc.get("error"))
+        return cls(doc["tops"], doc["per_rank"], [InventoryRow(*r) for r in doc["tensors"]], doc.get("error"),
+                   doc.get("layouts", {}))
 
 
 @dataclass(frozen=True)
@@ -101,11 +110,14 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
 
     * A top-level key is per-rank when some rank declares it (``PerRank``, ``RNGState``) or its
       plain values differ between ranks; every tensor under it is written by its own rank.
-    * Every other tensor must exist on every rank with the same dtype and global shape. Distinct
-      boxes (a rank may hold several: pieces) must not overlap and must cover the tensor. A box held
-      by several ranks (replicated tensors, ``Replicate`` placements) is written once, by the
-      candidate with the fewest bytes so far, largest boxes first, so the bytes to write are
-      balanced across ranks.
+    * A top-level key whose ranks hold different entries, and the same thing where they hold the
+      same path (pipeline stages: :mod:`ckpt.format.tree_union`), is one state: their union. A tensor
+      under it may be held by some ranks only.
+    * Every other tensor must exist on every rank; every tensor has the same dtype and global shape
+      wherever it is held. Distinct boxes (a rank may hold several: pieces) must not overlap and
+      must cover the tensor. A box held by several ranks (replicated tensors, ``Replicate``
+      placements) is written once, by the candidate with the fewest bytes so far, largest boxes
+      first, so the bytes to write are balanced across ranks.
     """
     world = len(invs)
     bad = [r for r, inv in enumerate(invs) if inv.error is not None]
@@ -123,9 +135,13 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
             return mismatch(f"the state's top-level keys differ between ranks: rank 0 has {sorted(tops0)}, "
                             f"rank {r} has {sorted(inv.tops)}")
     per_rank = set().union(*(set(inv.per_rank) for inv in invs))
+    united = set()  # top-level keys whose ranks hold different entries of one state
     for k in tops0:
         if len({inv.tops[k] for inv in invs}) > 1:
-            per_rank.add(k)
+            if k not in per_rank and tree_union.unionable([inv.layouts.get(k) for inv in invs]):
+                united.add(k)
+            else:
+                per_rank.add(k)
 
     loads = [0] * world
     writes: list[list[int]] = [[] for _ in range(world)]
@@ -147,16 +163,17 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
 
     items = []
     for key, ent in shared.items():
-        if len(ent.ranks) != world:
+        if len(ent.ranks) != world and _top(key, invs[0].tops) not in united:
             lacking = sorted(set(range(world)) - ent.ranks)
             return mismatch(f"tensor {key!r} is missing on rank(s) {lacking}")
-        boxes = [b for b in ent.boxes if volume(b[1]) > 0]
         shape = ent.meta[2]
-        if sum(volume(b[1]) for b in boxes) != volume(shape) or (
-                len(boxes) <= 512 and any(intersect(a, b) for a, b in itertools.combinations(boxes, 2))):
-            desc = ", ".join(f"{list(o)}+{list(n)}" for o, n in sorted(boxes)[:6])
-            return mismatch(f"the shards of {key!r} do not tile its global shape {list(shape)} exactly "
-                            f"(boxes {desc}{' …' if len(boxes) > 6 else ''})")
+        why = check_tiles(list(ent.boxes), shape)
+        if why is not None:
+            boxes = sorted(ent.boxes)
+            desc = ", ".join(f"{list(o)}+{list(n)}" for o, n in boxes[:6])
+            held = "" if len(ent.ranks) == world else f" among the ranks holding it, {sorted(ent.ranks)}"
+            return mismatch(f"the shards of {key!r} do not tile its global shape {list(shape)} exactly{held}: "
+                            f"{why} (boxes {desc}{' …' if len(boxes) > 6 else ''})")
         for box, holders in ent.boxes.items():
             items.append((holders[0][2], key, box, holders))
     # Forced items (one holder) first, then the rest, largest first: greedy balancing.
@@ -175,3 +192,40 @@ class _Shared:
     meta: tuple[str, str, tuple[int, ...]]  # kind, dtype, global shape
     boxes: dict[Box, list[tuple[int, int, int]]] = field(default_factory=dict)
     ranks: set[int] = field(default_factory=set)
+
+
+# -- the plan round -------------------------------------------------------------------------------
+
+def exchange_plan(comm: Comm, seq: int, inventory: Inventory) -> WriteAssignment:
+    """Send this rank's inventory; the coordinator answers every rank with its assignment.
+    Raises the assignment's error (the same on every rank) if the save cannot go ahead."""
+
+    def plan(got: Gathered) -> list[dict]:
+        if got.missing:
+            return [WriteAssignment(error=f"rank(s) {got.missing} did not join the save plan within "
+                                          f"{comm.timeout:.0f}s (the state's structure must change on every "
+                                          "rank at the same save)", ranks=got.missing).to_json()] * comm.world
+        invs = [Inventory(error=got.errors[r]) if r in got.errors else Inventory.from_json(got.docs[r])
+                for r in range(comm.world)]
+        return [a.to_json() for a in assign(invs)]
+
+    doc = comm.round("plan", seq).run(inventory.to_json(), plan, what=f"save {seq}'s plan", each=True)
+    answer = WriteAssignment.from_json(doc)
+    answer.raise_error()
+    return answer
+
+
+def fail_plan(comm: Comm, seq: int, error: BaseException) -> None:
+    """This rank failed before or while planning save ``seq``: tell the coordinator at once (the
+    coordinator tells every rank waiting for a plan)."""
+    rnd = comm.round("plan", seq)
+    try:
+        if comm.rank != 0:
+            rnd.post(error)
+        else:
+            rnd.run(error, what=f"save {seq}'s plan", each=True)  # raises ``error`` back
+    except DistributedSaveError:  # the store is gone: the save's own failure says enough
+        pass
+    except BaseException as e:
+        if e is not error:
+            raise

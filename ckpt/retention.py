@@ -1,8 +1,10 @@
 """Which steps to keep, and deleting the rest without ever breaking a committed step.
 
-Order matters for crash safety: a step's MANIFEST.json goes first (the step stops existing), then
-its rank reports, then the chunks that no remaining committed manifest references. A run killed
-anywhere in between leaves only unreferenced objects behind; every step still committed is whole.
+Order matters for crash safety: the victims' MANIFEST.json files go first (the steps stop existing),
+then their rank reports, then the chunks that no remaining committed manifest references, each
+group in bulk (:meth:`ckpt.storage.Storage.delete_many`: S3 deletes 1,000 keys a request) and gone
+before the next starts. A run killed anywhere in between leaves only unreferenced objects behind;
+every step still committed is whole.
 
 Chunks are deleted only by a deleter that holds a deletion lease and sees no other live writer
 (:mod:`ckpt.lease`). Otherwise a retired step's chunks are *parked*: listed in
@@ -28,7 +30,9 @@ from .storage import Storage
 
 log = logging.getLogger("ckpt")
 
-DeleteMany = Callable[[list[str]], Any]  # deletes every key given; what it returns is ignored
+# Deletes every key given, in order, all of them before it returns (Storage.delete_many: bulk requests
+# where the backend has them); what it returns is ignored. Each phase of a deletion is one call.
+DeleteMany = Callable[[list[str]], Any]
 
 
 def to_delete(steps: list[int], keep_last: int | None, protected: Iterable[int],
@@ -81,12 +85,13 @@ def delete_steps(storage: Storage, cache: mf.ManifestCache, victims: list[int], 
         except CheckpointError as e:  # unreadable manifest: drop the step, leave its chunks to `ckpt gc`
             log.warning("retention: step %d has an unreadable manifest (%s); its chunks are left for gc", s, e)
     doomed = sorted(garbage - _references(cache, remaining) - set(keep))
+    delete_many([paths.manifest_key(s) for s in victims])  # the steps stop existing here
     for s in victims:
-        storage.delete(paths.manifest_key(s))  # the step stops existing here
         cache.drop(s)
-        for name in storage.list(paths.step_dir(s)):
-            storage.delete(f"{paths.step_dir(s)}/{name}")
-        storage.delete(paths.step_dir(s))
+    storage.flush()
+    # then their rank files (and what else the directories hold), the directories after them
+    files = [f"{paths.step_dir(s)}/{name}" for s in victims for name in storage.list(paths.step_dir(s))]
+    delete_many(files + [paths.step_dir(s) for s in victims])
     storage.flush()
     if park:
         if doomed:
@@ -152,8 +157,12 @@ class Retention:
 
     def __init__(self, storage: Storage, manifests: mf.ManifestCache, keep_last: int | None,
                  keep_every: int | None, delete_many: DeleteMany, leases: Leases,
-                 in_use: Callable[[], Iterable[str]] = frozenset, shared: bool = False):
+                 in_use: Callable[[], Iterable[str]] = frozenset, shared: bool = False,
+                 newest: Callable[[int], int] | None = None):
         self.storage = storage
+        # the newest step this writer committed, at least the given one (retention running behind
+        # the saves, on a thread of its own, may find newer steps of this writer: not abandoned ones)
+        self._newest = newest or (lambda step: step)
         self.manifests = manifests
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -185,6 +194,7 @@ class Retention:
     def _apply(self, step: int) -> None:
         retains = self.keep_last is not None or self.keep_every is not None
         steps = mf.committed_steps(self.storage) if retains else []
+        step = self._newest(step)
         self._warn_abandoned(abandoned(steps, step), step)
         victims = to_delete(steps, self.keep_last, self.protected, self.keep_every, newest=step)
         if not victims and not self.storage.list(RETIRED):

@@ -39,7 +39,7 @@ from . import _cpus, _ext
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .cuda_snapshot import CudaSnapshot, copy_to_host, handed_over, launch_native, native_core
 from .flatten import Flat, Leaf, key_component
-from .planning import Inventory
+from .planning import Inventory, exchange_plan
 from .ranks import Comm
 from .tree import dtype_name
 
@@ -125,7 +125,7 @@ class Snapshotter:
         if buf is not None and skip_if_busy and buf.busy and sig == self._signature:
             return None
         if buf is None or sig != self._signature or self._share is None:
-            answer = self.comm.exchange_plan(seq, Inventory.of(flat))
+            answer = exchange_plan(self.comm, seq, Inventory.of(flat))
             keys = list(flat.tensors)
             share = Share(tuple(keys[i] for i in answer.write), frozenset(answer.per_rank))
             if buf is not None:  # the structure changed: wait for the old buffer, then let it go

@@ -392,7 +392,7 @@ class Writer:
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
                                          f"({e})") from e
-        data = _loadable(step, step_manifest)
+        data = mf.committable(step, step_manifest)
         try:
             storage.commit(paths.manifest_key(step), data)
         except FileExistsError:
@@ -472,23 +472,6 @@ class _BaseRef:
             return None
         room = int(writer.delta_budget * len(self.view)) - sum(i.stored for i in infos if i is not None)
         return Base(self.view, self.digest, room) if room > 0 else None
-
-
-def _loadable(step: int, m: mf.Manifest) -> bytes:
-    """The manifest's bytes, once they pass the parse every reader runs on them (every field
-    checked, each tensor's shards tiling its shape, chunk sizes bounded): a step that could never
-    load is not committed, so retention never drops a good step for it."""
-    data = m.to_json()
-    key = paths.manifest_key(step)
-    try:
-        back = mf.parse(data, name=key)
-    except CheckpointError as e:
-        raise CorruptCheckpointError(f"step {step} was not committed: its manifest would not load ({e}). Nothing "
-                                     "was changed; the committed steps are as they were") from e
-    if back.step != step or back.kind != "step":  # what read_step checks too
-        raise CorruptCheckpointError(f"step {step} was not committed: its manifest describes step {back.step} "
-                                     f"({back.kind}). This is a bug: please report it")
-    return data
 
 
 # `ckpt gc` removes only what failed saves left, never a committed step: it cannot make room for a save.

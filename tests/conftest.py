@@ -133,3 +133,16 @@ def fast(endpoint: str, **extra) -> dict:
     """Storage options with short timeouts so failures surface quickly in tests."""
     return storage_options(endpoint, retry_deadline=extra.pop("retry_deadline", 20), connect_timeout=2,
                            read_timeout=extra.pop("read_timeout", 5), **extra)
+
+
+@pytest.fixture
+def run(capsys):
+    """The command line in this process: ``run(*args) -> (exit code, stdout, stderr)``; stdout is a
+    pipe here, not a terminal (tables come out as such; see test_inspect's ``on_terminal``)."""
+    from ckpt import cli
+
+    def call(*args):
+        rc = cli.main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+    return call

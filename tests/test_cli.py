@@ -32,16 +32,6 @@ CHUNK = 64 * KiB
 HOUR = 3600.0
 
 
-@pytest.fixture
-def run(capsys):
-    """cli.main(args) -> (exit code, stdout, stderr); stdout is a pipe here, so tables are TSV."""
-    def call(*args):
-        rc = cli.main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-    return call
-
-
 def rows(out: str) -> list[list[str]]:
     return [line.split("\t") for line in out.splitlines() if "\t" in line]
 

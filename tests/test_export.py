@@ -12,19 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 import ckpt
-from ckpt import cli
 
 EXPORTS = [("model.safetensors", {}), ("model.pt", {}), ("hf", {"format": "hf"}),
            ("hf-sharded", {"format": "hf", "max_shard_size": "100B"}), ("dcp", {"format": "dcp"})]
-
-
-@pytest.fixture
-def run(capsys):
-    def call(*args):
-        rc = cli.main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-    return call
 
 
 def small_step(ckdir: str) -> None:

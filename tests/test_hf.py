@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import ckpt
-from ckpt import cli
 from ckpt.testing import run_ranks
 
 ROWS, COLS = 48, 200
@@ -52,15 +51,6 @@ def two_ranks(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("hf") / "ck")
     assert run_ranks(2, two_rank_body, path) == [0, 1]
     return path
-
-
-@pytest.fixture
-def run(capsys):
-    def call(*args):
-        rc = cli.main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-    return call
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -18,17 +18,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import ckpt
-from ckpt import cli
 from ckpt.testing import run_ranks
-
-
-@pytest.fixture
-def run(capsys):
-    def call(*args):
-        rc = cli.main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-    return call
 
 
 def nothing_committed(url) -> bool:

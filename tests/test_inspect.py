@@ -3,40 +3,13 @@ optimizer state entry is for, tables when piped; ``ckpt diff``'s names on an 80-
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import sys
 
-import pytest
 import torch
+from test_cli import on_terminal  # stdout a terminal of a given width
 
 import ckpt
-from ckpt import cli
-
-
-class Tty(io.StringIO):
-    def isatty(self):
-        return True
-
-
-@pytest.fixture
-def run(capsys):
-    """cli.main(args) -> (exit code, stdout, stderr); stdout is not a terminal here (a pipe)."""
-    def call(*args):
-        rc = cli.main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-    return call
-
-
-def on_terminal(monkeypatch, width: int, *args) -> tuple[int, list[str]]:
-    tty = Tty()
-    with monkeypatch.context() as m:
-        m.setenv("COLUMNS", str(width))
-        m.setattr(sys, "stdout", tty)
-        rc = cli.main([str(a) for a in args])
-    return rc, tty.getvalue().splitlines()
 
 
 class Block(torch.nn.Module):

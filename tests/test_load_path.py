@@ -17,8 +17,8 @@ import xxhash
 import ckpt
 from ckpt import _ext
 from ckpt._tasks import run_all
-from ckpt.fill import _copy_back
 from ckpt.format import paths
+from ckpt.load.apply import copy_back as _copy_back
 from ckpt.testing import run_ranks
 
 CORE = _ext.cpu()

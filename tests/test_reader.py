@@ -57,7 +57,7 @@ def test_load_into_a_state_without_a_writer(ckdir):
 
 def test_reading_never_imports_the_writer_side(ckdir, tmp_path):
     # Reading tensor bytes (tensors, values, load_into, export, diff by bytes) goes through
-    # ckpt.loader, which still imports the commit side; everything else stays off it.
+    # ckpt.load's plan and reads, which import nothing of the writer's side either.
     save_steps(ckdir, steps=(1, 2))
     code = f"""
 import sys
@@ -66,6 +66,7 @@ assert ckpt.cli.main(["ls", {ckdir!r}, "--verify"]) == 0
 assert ckpt.cli.main(["inspect", {ckdir!r}]) == 0
 with ckpt.open({ckdir!r}) as r:
     r.ls(verify=True), r.inspect(), r.gc(grace_s=0)
+    assert r.tensors(2)
 print(sorted(m for m in {WRITER_SIDE!r} if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

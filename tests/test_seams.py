@@ -1,5 +1,5 @@
-"""The seams between the core and local commits hold: the loader knows neither the commit protocol nor
-the peers, and a plain save and load never load ckpt.peers."""
+"""The seams between the core and local commits hold: the load path (ckpt/load/) knows neither the commit
+protocol nor the peers, its plan no storage, and a plain save and load never load ckpt.peers."""
 
 from __future__ import annotations
 
@@ -24,10 +24,21 @@ def imported(module: str) -> set[str]:
 
 
 def test_loader_and_commit_know_no_tiers():
-    for module in ("loader.py", "fill.py", "commit.py", "writer.py"):
+    load = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "load").glob("*.py"))
+    assert "load/step_choice.py" in load and "load/into_state.py" in load
+    for module in (*load, "commit.py", "writer.py"):
         names = imported(module)
         assert not any(n.startswith("peers") or n.startswith("storage.tiered") for n in names), (module, names)
-    assert "commit" not in imported("loader.py")
+    for module in load:
+        assert not {"commit", "writer"} & imported(module), module  # the load knows nothing of the save
+
+
+def test_the_load_plan_imports_no_storage_ranks_or_reads():
+    """What a load reads, from where, is decided without storage, ranks or threads (issue 36)."""
+    for module in ("load/plan.py", "load/match.py", "load/checks.py", "load/held.py"):
+        names = imported(module)
+        assert not any(n.split(".")[0] in ("storage", "ranks", "_tasks", "reads", "chunk_reads", "step_choice")
+                       for n in names), (module, names)
 
 
 def test_a_plain_save_and_load_never_load_the_peers(tmp_path):

@@ -24,7 +24,7 @@ from ckpt.format import manifest as mf
 from ckpt.format.boxes import contiguous_run, next_needed
 from ckpt.format.chunk import chunk_hash, decode, verify, verify_object
 from ckpt.options import OptionArgs, Options, RetentionOptions
-from ckpt.planning import Inventory, InventoryRow, WriteAssignment, assign
+from ckpt.planning import Inventory, InventoryRow, WriteAssignment, assign, exchange_plan
 from ckpt.ranks import LocalComm
 from ckpt.retention import to_delete
 
@@ -329,12 +329,10 @@ def test_records_survive_the_store():
 def test_a_process_alone_is_its_own_coordinator():
     comm = LocalComm()
     inv = Inventory({"m": "d"}, [], [InventoryRow("m/w", "replicated", "float32", [4], [0], [4], 16)])
-    assert comm.exchange_plan(0, inv).write == [0]
-    comm.report(0, Report(Status.OK, 5).to_json())
-    reports, missing = comm.gather(0)
-    assert missing == [] and Report.from_json(reports[0]).step == 5
+    assert exchange_plan(comm, 0, inv).write == [0]
+    got = comm.round("commit", 0).run(Report(Status.OK, 5).to_json(), lambda g: [g.ordered(), g.missing], what="x")
+    assert got[1] == [] and Report.from_json(got[0][0]).step == 5  # its own report, no waiting
     assert comm.agree({"latest": 5}) == [{"latest": 5}]
-    assert comm.decision(1) is None  # nobody decided save 1: the answer comes at once, no waiting
     bad = Inventory({"m": "d"}, [], [InventoryRow("m/w", "shard", "float32", [4], [1], [2], 8)])
     with pytest.raises(ckpt.StateMismatchError, match="do not tile"):
-        comm.exchange_plan(1, bad)
+        exchange_plan(comm, 1, bad)

@@ -4,7 +4,7 @@
 boxes of the saved shards; a bytes entry per plain value), named as DCP's own flattening names the
 target state's items, so ``dcp.load`` plans the resharding for any world size and placement.
 ``read_data`` reads what each rank's plan asks for through ckpt's load path
-(:func:`ckpt.reader.tensors.load_into`): every chunk read once and verified by its hash, each
+(:func:`ckpt.load.reads.read_boxes`): every chunk read once and verified by its hash, each
 requested box copied out of the shards that hold it. Steps written by ``Checkpointer.save`` and by
 :class:`ckpt.dcp.Writer` read alike.
 """
@@ -29,12 +29,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import tree as st
 from .._args import flag
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, UnsupportedValueError
 from ..format import manifest as mf
-from ..reader.tensors import load_into
-from ..sharding import LocalShard
+from ..format.planes import trim_scratch
+from ..load.reads import BoxRequest, read_boxes
 from ..storage import open_storage
 from ..storage.base import Storage
 from ..tree import DTYPES
@@ -177,8 +176,8 @@ class Reader(StorageReader):
         if not reads:
             return
         entries = {t.key: t for t in m.tensors if t.rank is None}
-        names, view_entries, state, dests = [], [], {}, []
-        for i, r in enumerate(reads):
+        boxes, dests = [], []
+        for r in reads:
             key = self._items.get(r.storage_index.fqn)
             if not isinstance(key, str):
                 raise CheckpointError(f"step {m.step} holds no tensor {r.storage_index.fqn!r}")
@@ -189,18 +188,13 @@ class Reader(StorageReader):
             direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
             into = dest if direct else torch.empty(tuple(r.lengths), dtype=dtype)
             base = r.storage_index.offset or (0,) * len(e.shape)
-            offsets = [int(a) + int(b) for a, b in zip(base, r.storage_offsets)]
-            name = f"r{i}"
-            names.append(name)
-            view_entries.append(mf.TensorEntry(name, e.dtype, list(e.shape), e.shards))
-            state[name] = LocalShard(into, offsets, e.shape)
+            offsets = tuple(int(a) + int(b) for a, b in zip(base, r.storage_offsets))
+            boxes.append(BoxRequest(key, (offsets, tuple(into.shape)), into))
             dests.append((r, target, dest, into))
-        view = mf.Manifest(step=m.step, kind="step", world_size=1, chunks=m.chunks, tensors=view_entries,
-                           structure=st.dict_node(list(names), [st.tensor_node(n) for n in names]))
         with ThreadPoolExecutor(self.io_threads, thread_name_prefix="ckpt-dcp-read") as pool:
             # staged: a damaged chunk leaves the caller's tensors as they were; fresh tensors need no staging
-            load_into(self._open(), view, state, strict=True, allow_pickle=False, io=pool,
-                      staged=any(into is dest for _, _, dest, into in dests))
+            read_boxes(self._open(), m, boxes, pool, staged=any(into is dest for _, _, dest, into in dests))
+        trim_scratch()  # decoding delta chains kept chunk-sized buffers per thread: reads are rare
         for r, target, dest, into in dests:
             if into is not dest:
                 dest.copy_(into)

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import tree as st
-from .._tasks import run_all
 from ..buffer_layout import make_layout
 from ..errors import CheckpointError, ConfigError, StepExistsError
 from ..flatten import Leaf, piece_key
@@ -343,7 +342,7 @@ class Writer(StorageWriter):
                  len(committed.tensors))
         if self.options.keep_last is not None or self.options.keep_every is not None:
             Retention(run.storage, mf.ManifestCache(run.storage), self.options.keep_last, self.options.keep_every,
-                      lambda keys: run_all(run.io, run.storage.delete, keys), run.leases,
+                      run.storage.delete_many, run.leases,
                       in_use=run.writer.in_use).after_commit(committed)
 
 

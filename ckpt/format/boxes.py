@@ -3,6 +3,8 @@ pure arithmetic over them that saving, the manifest's checks and resharding load
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -92,3 +94,100 @@ def next_needed(pos: int, outer_lengths: Sequence[int], inner: Box) -> int | Non
         out[j] = idx[j]
         j += 1
     return sum(o * s for o, s in zip(out, strides))
+
+
+# -- do boxes tile a shape? --------------------------------------------------------------------------
+
+# The sweep's work (box visits over every level) may reach this many per box, plus a constant, before
+# the boxes count as too entangled to check: a saved layout (dp × tp grids, FSDP2 over TP blocks)
+# needs about one visit per box per dimension, so only a manifest built to be slow reaches it.
+WORK_PER_BOX = 32
+WORK_FLOOR = 1 << 16
+
+
+def check_tiles(boxes: Sequence[Box], shape: Sequence[int], work: int | None = None) -> str | None:
+    """None if ``boxes`` (those of non-zero volume) tile ``shape`` exactly: each lies inside it, no two
+    share an element and together they hold its volume; else what is wrong, naming the first overlap
+    found.
+
+    No two boxes intersect iff, at every distinct start ``x`` along a sweep dimension, the boxes
+    crossing ``x`` do not intersect on the other dimensions (two boxes that meet both cross the
+    larger of their starts there), checked the same way, down to one dimension, where sorting
+    suffices. The sweep dimension is the one where the boxes cross fewest starts (the rows of a
+    row-sharded tensor, the columns of a column-sharded one), so a dp × tp grid costs a few visits
+    per box and the whole check O(B log B). Work is bounded (``WORK_PER_BOX``): boxes no saved layout
+    makes, arranged to be slow, are reported as not checkable instead of costing time without limit;
+    ``work``: that bound in box visits (default ``WORK_PER_BOX`` per box plus ``WORK_FLOOR``).
+
+    Example: ``check_tiles([((0,), (2,)), ((2,), (2,))], (4,))`` is None."""
+    starts: list[tuple[int, ...]] = []
+    ends: list[tuple[int, ...]] = []
+    total = 0
+    for offs, lens in boxes:
+        n = volume(lens)
+        if n == 0:
+            continue
+        if len(offs) != len(shape) or any(o < 0 or o + ln > d for o, ln, d in zip(offs, lens, shape)):
+            return f"box {_show((offs, lens))} does not lie inside shape {list(shape)}"
+        starts.append(tuple(offs))
+        ends.append(tuple(o + ln for o, ln in zip(offs, lens)))
+        total += n
+    if total != volume(shape):
+        return f"the boxes hold {total} elements, the shape {volume(shape)}"
+    budget = [WORK_PER_BOX * len(starts) + WORK_FLOOR if work is None else work]
+    pair = _meeting(list(range(len(starts))), tuple(range(len(shape))), starts, ends, budget)
+    if pair is None:
+        return None
+    if pair == (-1, -1):
+        return f"the {len(starts)} boxes are too entangled to check within bounded work"
+    a, b = ((starts[i], tuple(e - s for s, e in zip(starts[i], ends[i]))) for i in pair)
+    return f"boxes {_show(a)} and {_show(b)} overlap"
+
+
+def _show(box: Box) -> str:
+    return f"{list(box[0])}+{list(box[1])}"
+
+
+def _meeting(idx: list[int], dims: tuple[int, ...], starts: list[tuple[int, ...]], ends: list[tuple[int, ...]],
+             budget: list[int]) -> tuple[int, int] | None:
+    """Two of the boxes ``idx`` that intersect on ``dims``, None if none do, (-1, -1) once the budget
+    is spent."""
+    budget[0] -= len(idx)
+    if budget[0] < 0:
+        return -1, -1
+    if len(idx) < 2:
+        return None
+    if not dims:
+        return idx[0], idx[1]
+    if len(dims) == 1:
+        d = dims[0]
+        order = sorted(idx, key=lambda i: starts[i][d])
+        far = order[0]  # the box reaching furthest so far
+        for i in order[1:]:
+            if starts[i][d] < ends[far][d]:
+                return far, i
+            if ends[i][d] > ends[far][d]:
+                far = i
+        return None
+    d = min(dims, key=lambda k: _crossings(idx, k, starts, ends))
+    rest = tuple(k for k in dims if k != d)
+    order = sorted(idx, key=lambda i: starts[i][d])
+    active: list[tuple[int, int]] = []  # heap of (end on d, box) of the boxes crossing the sweep
+    j = 0
+    while j < len(order):
+        x = starts[order[j]][d]
+        while active and active[0][0] <= x:
+            heapq.heappop(active)
+        while j < len(order) and starts[order[j]][d] == x:
+            heapq.heappush(active, (ends[order[j]][d], order[j]))
+            j += 1
+        found = _meeting([i for _, i in active], rest, starts, ends, budget)
+        if found is not None:
+            return found
+    return None
+
+
+def _crossings(idx: list[int], d: int, starts: list[tuple[int, ...]], ends: list[tuple[int, ...]]) -> int:
+    """How many (box, distinct start) pairs a sweep along ``d`` visits: each box, once per start it spans."""
+    xs = sorted({starts[i][d] for i in idx})
+    return sum(bisect.bisect_left(xs, ends[i][d]) - bisect.bisect_left(xs, starts[i][d]) for i in idx)

@@ -16,7 +16,7 @@ from typing import Any
 from .._version import __version__
 from ..errors import CorruptCheckpointError, IncompatibleFormatError
 from ..tree import ITEMSIZE
-from .boxes import intersect, volume
+from .boxes import check_tiles
 from .chunk import CODEC_VERSIONS, is_chunk_hash
 
 MAX_CHAIN = 256  # a chain of deltas longer than this is refused as damaged (ckpt writes at most delta_chain)
@@ -228,11 +228,11 @@ def _parse_shard(s: Any, key: str, shape: list[int], itemsize: int, chunks: dict
 
 
 def check_tiling(t: TensorEntry, name: str) -> None:
-    """A step's shards of a global tensor cover its shape exactly (overlaps checked up to 512 boxes)."""
-    boxes = [(tuple(s.offsets), tuple(s.lengths)) for s in t.shards if volume(s.lengths) > 0]
-    if sum(volume(b[1]) for b in boxes) != volume(t.shape) or (
-            len(boxes) <= 512 and any(intersect(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])):
-        raise bad(name, f"the shards of tensor {t.key!r} do not tile its shape {t.shape}")
+    """A step's shards of a global tensor cover its shape exactly, none overlapping another
+    (:func:`~ckpt.format.boxes.check_tiles`, at every shard count)."""
+    why = check_tiles([(tuple(s.offsets), tuple(s.lengths)) for s in t.shards], t.shape)
+    if why is not None:
+        raise bad(name, f"the shards of tensor {t.key!r} do not tile its shape {t.shape}: {why}")
 
 
 def check_chunk_sizes(chunks: dict[str, ChunkInfo], tensors: list[TensorEntry], name: str) -> None:

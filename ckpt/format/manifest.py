@@ -26,7 +26,7 @@ from ..errors import (
     NotACheckpointError,
     StateMismatchError,
 )
-from . import spans
+from . import spans, tree_union
 from .entries import MAX_CHAIN as MAX_CHAIN
 from .entries import MAX_CHUNK_BYTES as MAX_CHUNK_BYTES
 from .entries import (
@@ -225,7 +225,9 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
     """The step manifest from every rank's report: tensors' shards and chunk tables combined.
 
     A top-level key of the state is stored once when every rank's value is the same and it is not
-    per-rank state; otherwise as a ``per_rank`` node holding each rank's value (nothing is dropped)."""
+    per-rank state, or as the union of the ranks' values when they differ only in the entries they
+    hold (pipeline stages: :func:`ckpt.format.tree_union.unite`); otherwise as a ``per_rank`` node holding
+    each rank's value (nothing is dropped)."""
     parts = sorted(parts, key=lambda p: p.rank or 0)
     by_key: dict[tuple[str, int | None], TensorEntry] = {}
     chunks: dict[str, ChunkInfo] = {}
@@ -253,10 +255,8 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
     values = []
     for k in tops:
         per = [n[k] for n in nodes]
-        if k in per_rank or any(v != per[0] for v in per[1:]):
-            values.append(st.per_rank_node(per))
-        else:
-            values.append(per[0])
+        united = None if k in per_rank else tree_union.unite(per)
+        values.append(st.per_rank_node(per) if united is None else united)
     tensors = list(by_key.values())
     # Version 1 readers load anything without per-rank parts (they refuse multi-shard tensors clearly).
     simple = all(t.rank is None for t in tensors) and not any(st.is_per_rank(v) for v in values)
@@ -368,3 +368,19 @@ class ManifestCache:
             with self._lock:
                 self.errors[step] = str(e)
             return None
+
+
+def committable(step: int, m: Manifest) -> bytes:
+    """The manifest's bytes, once they pass the parse every reader runs on them (every field
+    checked, each tensor's shards tiling its shape, chunk sizes bounded): a step that could never
+    load is not committed, so retention never drops a good step for it."""
+    data = m.to_json()
+    try:
+        back = parse(data, name=manifest_key(step))
+    except CheckpointError as e:
+        raise CorruptCheckpointError(f"step {step} was not committed: its manifest would not load ({e}). Nothing "
+                                     "was changed; the committed steps are as they were") from e
+    if back.step != step or back.kind != "step":  # what read_step checks too
+        raise CorruptCheckpointError(f"step {step} was not committed: its manifest describes step {back.step} "
+                                     f"({back.kind}). This is a bug: please report it")
+    return data

@@ -36,7 +36,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, DistributedSaveErr
 from ..format import manifest as mf
 from ..format import paths
 from ..format.chunk import verify_object
-from ..ranks import Comm
+from ..ranks import Comm, Gathered
 from ..redundancy_config import Parity, Replicas
 from ..storage import LocalStorage
 from . import erasure
@@ -153,12 +153,13 @@ class Peers:
                                         use_local_synchronization=True)
         host = socket.gethostname()
         # who is where: a coordination round through the store (the gloo group moves the bytes)
-        meet = comm.round("peers", 0)
-        meet.post({"domain": failure_domain or host, "tier": f"{host}:{os.path.realpath(local.root)}",
-                   "lease": lease_id})
-        got = meet.gather(comm.deadline())
-        got.raise_for("the peers' setup", comm.timeout)
-        docs = got.ordered()
+        def every(got: Gathered) -> list[dict]:
+            got.raise_for("the peers' setup")
+            return got.ordered()
+
+        docs = comm.round("peers", 0).run({"domain": failure_domain or host, "lease": lease_id,
+                                           "tier": f"{host}:{os.path.realpath(local.root)}"},
+                                          every, what="the peers' setup")
         self.domains = [str(d["domain"]) for d in docs]
         # Ranks on one node usually share its local_dir: one of them (the lowest) applies the tier's
         # retention, and takes the others' writer leases for its own (they are not in its way).

@@ -6,8 +6,8 @@ save also goes to the checkpoint path.
 (:mod:`ckpt.commit`) calls its save hooks (:class:`ckpt.commit.SaveHooks`): ``begin`` (the tier's
 lease), ``protect`` (the peer exchange, after the rank's chunks are durable), ``absent`` (a rank
 that takes no part still joins the exchange), ``committed`` (the step into this rank's tier) and
-``after_commit`` (the tier's retention). The loader (:mod:`ckpt.loader`) calls its
-:class:`ckpt.loader.Restore` side: ``steps`` and ``load`` (choose the step and where to read, fetch
+``after_commit`` (the tier's retention). The loader (:mod:`ckpt.load.step_choice`) calls its
+:class:`ckpt.load.step_choice.Restore` side: ``steps`` and ``load`` (choose the step and where to read, fetch
 what is missing: :mod:`ckpt.peers.restore`), whose result carries the tier's ``heal``. A save runs
 over its own storage view (``TieredStorage.view(persist)``), which the core asks every storage for.
 """
@@ -20,12 +20,11 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Literal
 
-from .._tasks import run_all
 from ..errors import CheckpointError
 from ..format import manifest as mf
 from ..format import paths
 from ..lease import Leases
-from ..loader import Attempt, LoadResult
+from ..load.step_choice import Attempt, LoadResult
 from ..options import Options
 from ..ranks import Comm
 from ..retention import Retention
@@ -115,7 +114,7 @@ def open_local_commits(storage: Any, comm: Comm, options: Options, process_group
     local = storage.local
     lease = Leases(local, wait_s=options.timeout)
     retention = Retention(local, mf.ManifestCache(local, maxsize=64), options.keep_local, None,
-                          lambda keys: run_all(io, local.delete, keys), lease, in_use=in_use)
+                          local.delete_many, lease, in_use=in_use)
     peers = Peers(comm, options.redundancy, options.failure_domain, local, process_group, options.timeout,
                   lease_id=lease.writer_id)
     if options.redundancy is not None:

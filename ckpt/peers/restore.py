@@ -17,7 +17,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
 from ..format import manifest as mf
 from ..format import paths
 from ..format.chunk import verify_object
-from ..loader import Attempt, LoadResult, advise, short_list
+from ..load.step_choice import Attempt, LoadResult, advise, short_list
 from . import recovery
 from .exchange import PeerStats
 from .recovery import Survey
@@ -36,12 +36,10 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
     peers = tiers.peers
     remote = tiers.storage.remote
     # which steps each rank's tier and view of the checkpoint path hold: a coordination round (gloo moves bytes only)
-    views = tiers.comm.agree({"local": mf.committed_steps(tiers.local), "remote": mf.committed_steps(remote)})
-    holder: dict[int, int] = {}
-    for r, v in enumerate(views):
-        for s in v["local"]:
-            holder.setdefault(s, r)
-    remote_steps = set.intersection(*(set(v["remote"]) for v in views))  # every rank sees them
+    held = tiers.comm.agree({"local": mf.committed_steps(tiers.local), "remote": mf.committed_steps(remote)},
+                            _where_held)
+    holder: dict[int, int] = {s: r for s, r in held["holder"]}
+    remote_steps = set(held["remote"])  # every rank sees them
     newest_remote = max(remote_steps) if remote_steps else None
     if step == "latest":
         candidates = sorted((s for s in holder if newest_remote is None or s >= newest_remote), reverse=True)
@@ -109,6 +107,18 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
     raise CorruptCheckpointError(f"no committed step of the local tiers or {remote.describe()} loads cleanly; "
                                  f"the newest failed: {first_error}",
                                  object=first_error.object, chunk=first_error.chunk) from first_error
+
+
+def _where_held(views: list[dict]) -> dict:
+    """The coordinator's summary of every rank's steps: the lowest rank holding each step in its tier,
+    and the steps every rank sees in the checkpoint path."""
+    holder: dict[int, int] = {}
+    for r, v in enumerate(views):
+        for s in v["local"]:
+            holder.setdefault(s, r)
+    remote = set.intersection(*(set(v["remote"]) for v in views))
+    return {"holder": sorted(holder.items()), "remote": sorted(remote)}
+
 
 def _load_local(tiers: LocalCommits, attempt: Attempt, step: int, m: mf.Manifest, data: bytes, survey: Survey
                 ) -> tuple[LoadResult | None, CheckpointError | None]:

@@ -196,7 +196,7 @@ def run(reader: Reader, p: GcPlan, delete_many: DeleteMany | None = None) -> lis
     Under a deletion lease; if a writer holds a live lease by then, only retention runs (its chunks
     parked) and ``p.writers`` names the writers. Returns the items removed."""
     storage = reader.storage
-    delete_many = delete_many or (lambda keys: [storage.delete(k) for k in keys])
+    delete_many = delete_many or storage.delete_many  # bulk where the backend has it: each phase one call
     done: list[Item] = []
     leases = Leases(storage)
     leases.sweep()  # leases of processes that died without removing them

@@ -85,6 +85,18 @@ class Storage(abc.ABC):
     def delete(self, key: str) -> None:
         """Delete ``key``; a missing key is not an error."""
 
+    # Keys one bulk delete request may name (S3's DeleteObjects takes at most 1,000).
+    delete_batch = 1000
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete every key of ``keys``, in order, missing ones not being an error: in bulk requests
+        of at most :attr:`delete_batch` keys where the backend has them (S3's multi-object delete),
+        one request a key otherwise. Raises at the first failure; a caller that needs one group of
+        keys gone before another (retention: manifests, then rank files, then chunks) makes one call
+        per group."""
+        for key in keys:
+            self.delete(key)
+
     @abc.abstractmethod
     def root_state(self) -> RootState:
         """``"missing"``, ``"file"``, ``"empty"`` or ``"nonempty"``: tells a new run from a wrong path.

@@ -361,6 +361,23 @@ class S3Storage(FsspecStorage):
                 return
             raise err from e
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """DeleteObjects (the multi-object delete s3fs's ``rm`` sends), :attr:`delete_batch` keys a
+        request, each request retried like any other, one after another in the order given."""
+        for i in range(0, len(keys), self.delete_batch):
+            batch = keys[i:i + self.delete_batch]
+            objects = [{"Key": self._s3key(k)} for k in batch]
+            try:
+                r = self._call("deleting", batch[0], "delete_objects", Bucket=self.bucket,
+                               Delete={"Objects": objects, "Quiet": True})
+            except Exception as e:
+                raise self._wrap("deleting", batch[0], e) from e
+            errors = [e for e in r.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise StorageError(f"deleting {self.url}/{first.get('Key', '')} failed: {first.get('Code', '')} "
+                                   f"{first.get('Message', '')} ({len(errors)} of {len(batch)} keys not deleted)")
+
     def multipart_uploads(self) -> list[dict]:
         """Multipart uploads started under this prefix and neither completed nor aborted."""
         r = self._call("listing multipart uploads of", "", "list_multipart_uploads", Bucket=self.bucket,

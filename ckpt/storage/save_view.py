@@ -75,6 +75,9 @@ class SaveView(Storage):
     def delete(self, key: str) -> None:
         self.tiers.delete(key)
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        self.tiers.delete_many(keys)
+
     def root_state(self) -> RootState:
         return self.tiers.root_state()
 

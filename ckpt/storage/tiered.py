@@ -429,6 +429,10 @@ class TieredStorage(Storage):
         self.local.delete(key)
         self.remote.delete(key)
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        self.local.delete_many(keys)
+        self.remote.delete_many(keys)
+
     def root_state(self) -> RootState:
         return self.remote.root_state()
 

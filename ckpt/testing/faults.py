@@ -35,7 +35,7 @@ from ..storage.base import Blob, RootState, Storage, TierCounters
 
 # The operations a rule can name; "key" is the key or prefix, "" for the calls that take none.
 OPERATIONS = ("write", "create", "commit", "read", "readv", "read_object", "head", "exists", "size", "mtime", "list",
-              "delete", "root_state", "remove_root", "flush", "close")
+              "delete", "delete_many", "root_state", "remove_root", "flush", "close")
 
 ErrorSpec = BaseException | type[BaseException] | Callable[[str, str], BaseException] | None
 
@@ -233,6 +233,13 @@ class FaultyStorage(Storage):
     def delete(self, key: str) -> None:
         self._enter("delete", key)
         self.inner.delete(key)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """One ``delete_many`` call (its first key matched by rules and gates), then each key through
+        :meth:`delete`, so rules on ``delete`` still count single keys (killed after the k-th)."""
+        self._enter("delete_many", keys[0] if keys else "")
+        for key in keys:
+            self.delete(key)
 
     def root_state(self) -> RootState:
         self._enter("root_state")

@@ -1,4 +1,4 @@
-"""Reading one chunk into what it feeds (the destinations :mod:`ckpt.fill` maps it to), verified.
+"""Reading one chunk into what it feeds (the destinations :mod:`ckpt.load.into_state` maps it to), verified.
 
 A raw chunk is read and hashed in one pass, straight into its destination where it feeds one
 contiguous run; an encoded one is decoded (down its delta chain) into its destination or scratch.
@@ -17,14 +17,14 @@ import logging
 
 import numpy as np
 
-from . import _ext
-from .errors import CorruptCheckpointError
-from .format import chains, partial, paths, spans
-from .format import manifest as mf
-from .format.chain_core import decode_chain_ranges
-from .format.chunk import HEADER_SIZE, check_header, chunk_hash, parse_header
-from .format.planes import scratch
-from .storage import Storage
+from .. import _ext
+from ..errors import CorruptCheckpointError
+from ..format import chains, partial, paths, spans
+from ..format import manifest as mf
+from ..format.chain_core import decode_chain_ranges
+from ..format.chunk import HEADER_SIZE, check_header, chunk_hash, parse_header
+from ..format.planes import scratch
+from ..storage import Storage
 
 log = logging.getLogger("ckpt")
 

@@ -1,7 +1,7 @@
 """Which step a load loads, on every rank: :class:`Loader` takes the one asked for, or the newest
 committed one every rank sees, falling back past damaged steps when asked, with every rank agreeing
 on the outcome (``agree`` rounds, :mod:`ckpt.ranks`). The reading itself, checks first, then
-verified reads into place, is :func:`ckpt.fill.load_into`. Local commits plug in through
+verified reads into place, is :func:`ckpt.load.into_state.load_into`. Local commits plug in through
 :class:`Restore` (:mod:`ckpt.peers` implements it); this module imports nothing of them.
 """
 
@@ -13,21 +13,23 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from . import events
-from .errors import (
+from .. import events
+from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     NotACheckpointError,
     PartialStateError,
+    StateMismatchError,
 )
-from .fill import Lend, LoadStats, RankMap, load_into
-from .format import manifest as mf
-from .format import paths
-from .format.planes import trim_scratch
-from .ranks import Comm
-from .storage import Storage
+from ..format import manifest as mf
+from ..format import paths
+from ..format.planes import trim_scratch
+from ..ranks import Comm
+from ..storage import Storage
+from . import held
+from .into_state import Lend, LoadStats, RankMap, load_into
 
 log = logging.getLogger("ckpt")
 
@@ -124,8 +126,7 @@ class Loader:
             return done
         steps = self.steps()
         if self.comm.world > 1:  # every rank must pick the same step, even if listings lag
-            views = [v["latest"] for v in self.comm.agree({"latest": steps[-1] if steps else None})]
-            newest = None if any(v is None for v in views) else min(views)
+            newest = self.comm.agree(steps[-1] if steps else None, _oldest)
             steps = [s for s in steps if newest is not None and s <= newest]
         if not steps:
             if self.storage.root_state() == "missing":  # a typo in the path must not pass for a new run
@@ -162,12 +163,16 @@ class Loader:
         changed = [False]
         agreed = [False]
 
-        def ready() -> None:
+        def ready(note: dict) -> dict:
             """Every chunk this rank needs has checked out (staged), or its reads are about to write into
-            the state (in place): with several ranks, nobody changes its state unless every rank got here."""
+            the state (in place): with several ranks, nobody changes its state unless every rank got here.
+            Returns what the ranks took of the step together (:func:`ckpt.load.held.union` of their notes)."""
             agreed[0] = True
-            if self.comm.world > 1:
-                self._refuse_if_any_failed(step, self.comm.agree(_outcome(None)))
+            if self.comm.world == 1:
+                return {**note, "ranks": 1}
+            answer = self.comm.agree({**_outcome(None), **note}, _ready)
+            self._refuse_if_any_failed(step, dict(answer["failures"]))
+            return {**answer["held"], "ranks": self.comm.world}
 
         try:
             done = self._load_step(step, state, strict, allow_pickle, rank_map, changed, manifest, before_read,
@@ -178,29 +183,29 @@ class Loader:
             err = _naming(CheckpointError(f"{type(e).__name__}: {e}"), step)
             err.__cause__ = e
         if self.comm.world > 1 and not agreed[0]:  # failed before the others' first round: answer it
-            self.comm.agree(_outcome(err))
+            self.comm.agree(_outcome(err), _ready)  # the same reduction as the others' round
         if err is None:
             self.partial = None
         elif changed[0]:
             self.partial = step
         if self.comm.world > 1:
-            views = self.comm.agree(_outcome(err))
-            bad = [r for r, v in enumerate(views) if not v["ok"]]
+            views = dict(self.comm.agree(_outcome(err), _failures))
+            bad = sorted(views)
             if bad and err is None:
                 if changed[0]:  # this rank loaded the step, another failed after changing its state
                     self.partial = step
                 done, err = None, _failed_on(step, bad, views)
         return done, err
 
-    def _refuse_if_any_failed(self, step: int, views: list[dict]) -> None:
-        bad = [r for r, v in enumerate(views) if not v["ok"]]
+    def _refuse_if_any_failed(self, step: int, views: dict[int, dict]) -> None:
+        bad = sorted(views)
         if bad:
             raise _failed_on(step, bad, views)
 
     def _load_step(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool,
                    rank_map: RankMap | None, changed: list[bool], manifest: mf.Manifest | None = None,
                    before_read: Callable[[set[str]], None] | None = None,
-                   ready: Callable[[], None] | None = None) -> LoadResult:
+                   ready: Callable[[dict], dict] | None = None) -> LoadResult:
         m = manifest if manifest is not None else mf.read_step(self.storage, step)
         self.storage.reset_tier_counters()
         try:
@@ -225,11 +230,31 @@ class Loader:
 def _outcome(err: CheckpointError | None) -> dict:
     """What a rank tells the others about its load attempt."""
     return {"ok": err is None, "corrupt": isinstance(err, CorruptCheckpointError),
-            "message": str(err)[:2000] if err is not None else ""}
+            "mismatch": isinstance(err, StateMismatchError), "message": str(err)[:2000] if err is not None else ""}
 
 
-def _failed_on(step: int, bad: list[int], views: list[dict]) -> CheckpointError:
-    cls = CorruptCheckpointError if all(views[r]["corrupt"] for r in bad) else CheckpointError
+def _oldest(views: list[int | None]) -> int | None:
+    """The newest step every rank sees (None when some rank sees none)."""
+    return None if any(v is None for v in views) else min(v for v in views if v is not None)
+
+
+def _failures(views: list[dict]) -> list[tuple[int, dict]]:
+    """The outcomes of the ranks that failed, all the others need to know (not N outcomes for each)."""
+    return [(r, v) for r, v in enumerate(views) if not v["ok"]]
+
+
+def _ready(views: list[dict]) -> dict:
+    """The answer of the round before a load changes the state: the ranks that failed, and what the
+    ranks took of the step together (:func:`ckpt.load.held.union`), one answer for every rank."""
+    return {"failures": _failures(views), "held": held.union(views)}
+
+
+def _failed_on(step: int, bad: list[int], views: dict[int, dict]) -> CheckpointError:
+    cls: type[CheckpointError] = CheckpointError
+    if all(views[r]["corrupt"] for r in bad):
+        cls = CorruptCheckpointError
+    elif all(views[r].get("mismatch") for r in bad):  # the state does not fit on some rank: the same on every rank
+        cls = StateMismatchError
     return cls(f"rank(s) {bad} could not load step {step}: {views[bad[0]]['message']}")
 
 

@@ -1,4 +1,4 @@
-"""What a load refuses before it changes anything (:func:`ckpt.fill.load_into`'s check step): keys
+"""What a load refuses before it changes anything (:func:`ckpt.load.into_state.load_into`'s check step): keys
 missing on either side (``strict``), what a module's or optimizer's ``load_state_dict`` would refuse
 or silently get wrong (parameter groups, another kind of optimizer), and destination tensors that
 cannot take bytes (expanded, negated or conjugated views). Each names what to do.
@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import tree as st
-from .errors import StateMismatchError
-from .format import manifest as mf
-from .tied import unresolved
+from .. import tree as st
+from ..errors import StateMismatchError
+from ..format import manifest as mf
+from ..tied import unresolved
 
 if TYPE_CHECKING:
-    from .fill import _Match
+    from .match import Match
 
 log = logging.getLogger("ckpt")
 
 
-def check_fit(m: mf.Manifest, match: _Match, state: dict[str, Any], target: Any,
+def check_fit(m: mf.Manifest, match: Match, state: dict[str, Any], target: Any,
               strict: bool) -> list[torch.optim.Optimizer]:
     """The keys (``strict``) and what modules' and optimizers' ``load_state_dict`` would refuse.
     Returns the optimizers that take another kind's state (``strict=False``): they keep their own
@@ -87,7 +87,7 @@ def _unwritable(t: torch.Tensor) -> str | None:
     return None
 
 
-def check_writable(m: mf.Manifest, match: _Match, target: Any) -> None:
+def check_writable(m: mf.Manifest, match: Match, target: Any) -> None:
     """Every state tensor the load writes into can take the bytes (checked before any tensor is written)."""
     bad = [(pk, why) for _, _, tkey in match.wanted if tkey is not None for pk in target.piece_keys(tkey)
            for why in [_unwritable(target.tensors[pk])] if why is not None]

@@ -1,0 +1,360 @@
+"""The simulated job of benchmarks/scale.py: N ranks in one process, running ckpt's own per-rank code.
+
+What is simulated, and what is ckpt's code as a real job runs it:
+
+* the state: a model's ``state_dict`` and AdamW's (``exp_avg``, ``exp_avg_sq``, a 0-d ``step`` per
+  parameter, ``param_groups``) as rank ``r`` of ``N`` holds it under FSDP2 (dim-0 shards) or FSDP2 x
+  TP8; every shard is a :class:`ckpt.LocalShard` over a zero-stride tensor (one element of memory
+  viewed at the shard's shape), so shapes, boxes and byte counts are the 70B/405B ones and the
+  values are not there;
+* the plan: :meth:`Inventory.of` -> :meth:`Comm.exchange_plan` (rank 0 runs :func:`ckpt.planning.assign`),
+  N threads over one in-process store that counts every request; each rank's flattened state is
+  rank 0's (:func:`ckpt.flatten.flatten` run once) with the rank's own boxes (:class:`Ranks`);
+* the rank report: :func:`ckpt.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into
+  16 MiB chunks, and :meth:`Writer._report` with a chunk table of made-up hashes (no bytes are hashed,
+  encoded or written: every chunk is "raw", without span digests);
+* the commit: rank 0 reads and parses every report (:func:`ckpt.commit._read_part`) and runs
+  :meth:`Writer.commit` (merge, checks, the parse every reader runs, the create-only write);
+* the load: :func:`ckpt.format.manifest.read_step` on one rank, then :func:`ckpt.fill._match`,
+  :func:`~ckpt.load_checks.check_fit` and :func:`ckpt.fill._feeds` (which chunks feed which bytes), the
+  destinations given one-element stand-ins (fill refuses zero-stride targets);
+* the rounds: :meth:`Comm.agree` three times (what ``load("latest")`` runs) and the commit round's
+  ``report`` / ``gather`` / ``publish`` / ``decision``, N threads, every request counted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from scale_counting import CountingStorage, comms, on_threads, totals
+
+import ckpt
+from ckpt.buffer_layout import make_layout
+from ckpt.encode import CodecSpec
+from ckpt.errors import StepExistsError
+from ckpt.flatten import Flat, Leaf, flatten
+from ckpt.format import manifest as mf
+from ckpt.format.chunk import HEADER_SIZE
+from ckpt.handle import SaveMetrics
+from ckpt.planning import Inventory, WriteAssignment, exchange_plan
+from ckpt.storage.base import Storage
+from ckpt.writer import Writer, _Put
+
+MiB = 1 << 20
+
+
+# -- the models ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Model:
+    """A Llama-3-shaped decoder: its parameters' shapes and how tensor parallelism splits each."""
+
+    name: str
+    layers: int
+    hidden: int
+    kv: int  # key/value projection rows (kv heads x head dim)
+    ffn: int
+    vocab: int
+
+    def params(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, tp split): "col" splits rows, "row" splits columns, "rep" is replicated over TP."""
+        h, out = self.hidden, [("embed_tokens.weight", (self.vocab, self.hidden), "col")]
+        for i in range(self.layers):
+            p = f"layers.{i}."
+            out += [(p + "self_attn.q_proj.weight", (h, h), "col"),
+                    (p + "self_attn.k_proj.weight", (self.kv, h), "col"),
+                    (p + "self_attn.v_proj.weight", (self.kv, h), "col"),
+                    (p + "self_attn.o_proj.weight", (h, h), "row"),
+                    (p + "mlp.gate_proj.weight", (self.ffn, h), "col"),
+                    (p + "mlp.up_proj.weight", (self.ffn, h), "col"),
+                    (p + "mlp.down_proj.weight", (h, self.ffn), "row"), (p + "input_layernorm.weight", (h,), "rep"),
+                    (p + "post_attention_layernorm.weight", (h,), "rep")]
+        return out + [("norm.weight", (h,), "rep"), ("lm_head.weight", (self.vocab, h), "col")]
+
+    @property
+    def tensors(self) -> int:
+        return 4 * len(self.params())  # weight, exp_avg, exp_avg_sq, step
+
+    @property
+    def numel(self) -> int:
+        total = 0
+        for _, shape, _ in self.params():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+MODELS = {
+    "llama3-70b": Model("llama3-70b", 80, 8192, 1024, 28672, 128256),
+    "llama3-405b": Model("llama3-405b", 126, 16384, 1024, 53248, 128256),
+    "tiny": Model("tiny", 2, 256, 64, 512, 1024),  # the test's
+}
+LAYOUTS = {"fsdp": 1, "fsdp-tp8": 8}  # layout -> TP degree (FSDP2 over the rest)
+
+
+def _rows(total: int, parts: int, i: int) -> tuple[int, int]:
+    """FSDP2's dim-0 chunking: part ``i`` of ``parts`` of ``total`` rows (ceil-sized: the last short or empty)."""
+    size = -(-total // parts)
+    start = min(i * size, total)
+    return start, max(0, min(size, total - start))
+
+
+def box(shape: tuple[int, ...], split: str, rank: int, world: int, tp: int
+        ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Rank ``rank``'s box (offsets, lengths) of a parameter under FSDP2 (dim 0, over world/tp) x TP (``tp``)."""
+    dp, d, t = world // tp, rank // tp, rank % tp
+    rows = shape[0]
+    if tp == 1 or split == "rep" or len(shape) == 1:
+        start, n = _rows(rows, dp, d)
+        return (start, *([0] * (len(shape) - 1))), (n, *shape[1:])
+    if split == "col":  # TP's block of rows, then FSDP's rows within it
+        block = rows // tp
+        start, n = _rows(block, dp, d)
+        return (t * block + start, 0), (n, shape[1])
+    cols = shape[1] // tp  # "row": TP splits the columns, FSDP the rows
+    start, n = _rows(rows, dp, d)
+    return (start, t * cols), (n, cols)
+
+
+def _stand_in(lengths: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of the shard's shape that holds one float: shapes and byte counts without the bytes."""
+    return torch.zeros((), dtype=torch.float32).expand(*lengths)
+
+
+def state_of(model: Model, layout: str, rank: int, world: int, step: int = 100) -> dict[str, Any]:
+    """Rank ``rank``'s state as the training loop hands it to ``save``: ``{"model": ..., "optim": ...}``."""
+    tp = LAYOUTS[layout]
+    weights: dict[str, Any] = {}
+    opt: dict[int, dict[str, Any]] = {}
+    for i, (name, shape, split) in enumerate(model.params()):
+        offs, lens = box(shape, split, rank, world, tp)
+        weights[name], exp_avg, exp_avg_sq = (ckpt.LocalShard(_stand_in(lens), offsets=offs, global_shape=shape)
+                                              for _ in range(3))
+        opt[i] = {"step": torch.tensor(float(step)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+               "params": list(range(len(weights)))}]
+    return {"model": weights, "optim": {"state": opt, "param_groups": groups}}
+
+
+# -- one rank's part of a save ----------------------------------------------------------------------------------
+def fake_hash(rank: int, i: int) -> str:
+    """A chunk name no other chunk of the job has (what hashing distinct bytes gives)."""
+    return f"{rank:012x}{i:020x}"
+
+
+def rank_report(writer: Writer, flat: Flat, answer: WriteAssignment, rank: int, step: int,
+                chunk_size: int) -> mf.Manifest:
+    """Rank ``rank``'s report of a save, as :meth:`Writer.write_part` makes it from the snapshot's
+    layout (:func:`make_layout` over the tensors the plan gave it) and the chunks it wrote."""
+    keys = list(flat.tensors)
+    write = [keys[i] for i in answer.write]
+    layout = make_layout({k: flat.tensors[k] for k in write}, chunk_size)
+    puts = [_Put(fake_hash(rank, i), mf.ChunkInfo(c.length, c.length + HEADER_SIZE, "raw/1"), "created")
+            for i, c in enumerate(layout.chunks)]
+    snapshot = SimpleNamespace(buffer=SimpleNamespace(layout=layout), leaves={k: flat.leaves[k] for k in write})
+    job = SimpleNamespace(step=step, metrics=SaveMetrics(step=step), snapshot=snapshot, structure=flat.structure)
+    return writer._report(job, rank, puts)  # type: ignore[arg-type]  # the fields _report reads
+
+
+def make_writer(storage: Storage) -> Writer:
+    return Writer(storage, CodecSpec.parse("raw"), io=None)  # type: ignore[arg-type]  # commit() uses no pool
+
+
+class Ranks:
+    """Every rank's flattened state, from one real :func:`flatten` (rank 0's): the structure is the
+    same on every rank, only the boxes differ, so rank ``r``'s :class:`Flat` is rank 0's with its own
+    boxes and stand-ins (flattening N full states in one process would cost N times what one rank pays)."""
+
+    def __init__(self, model: Model, layout: str, world: int):
+        self.model, self.layout, self.world = model, layout, world
+        self.template = flatten(state_of(model, layout, 0, world))
+        params = model.params()
+        by_name = {f"model/{name}": (shape, split) for name, shape, split in params}
+        self.params: dict[str, tuple[tuple[int, ...], str] | None] = {}
+        for key in self.template.tensors:
+            parts = key.split("/")
+            if parts[0] == "model":
+                self.params[key] = by_name[key]
+            else:  # optim/state/<i>/<exp_avg|exp_avg_sq|step>
+                self.params[key] = None if parts[3] == "step" else params[int(parts[2])][1:]
+
+    def flat(self, rank: int) -> Flat:
+        if rank == 0:
+            return self.template
+        t = self.template
+        tensors, leaves = {}, {}
+        for key, leaf in t.leaves.items():
+            p = self.params[key]
+            if p is None:  # a replicated 0-d tensor
+                tensors[key], leaves[key] = t.tensors[key], leaf
+                continue
+            offs, lens = box(p[0], p[1], rank, self.world, LAYOUTS[self.layout])
+            tensors[key] = _stand_in(lens)
+            leaves[key] = Leaf((offs, lens), leaf.global_shape, leaf.kind)
+        return Flat(t.structure, tensors, leaves, t.pieces, t.targets, t.statefuls, t.paths, t.per_rank)
+
+
+# -- measuring ---------------------------------------------------------------------------------------------------
+class Traced:
+    """Python's heap above where it was on entry (``tracemalloc``): at most, and still held on exit.
+    Resident memory would not do: what the earlier steps of a case freed is reused without growing it."""
+
+    def __enter__(self) -> Traced:
+        import gc
+        import tracemalloc
+
+        gc.collect()
+        tracemalloc.start()
+        self._base = tracemalloc.get_traced_memory()[0]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import tracemalloc
+
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        self.held, self.peak = current - self._base, peak - self._base
+
+
+def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: int = 16 * MiB,
+                  step: int = 100) -> dict[str, Any]:
+    """One save (plan round, every rank's report, rank 0's commit) and one rank's load of the
+    manifest, of ``model`` under ``layout`` on ``world`` simulated ranks; what each part cost.
+    Times are CPU seconds of the thread doing the part (``time.thread_time``: the other simulated
+    ranks and other processes on the machine do not count; all of it is single-threaded Python)."""
+    from ckpt.commit import _read_part
+    from ckpt.format import paths
+    from ckpt.storage.local import LocalStorage
+
+    inner = LocalStorage(root)
+    disks = [CountingStorage(inner) for _ in range(world)]
+    cs = comms(world)
+    ranks = Ranks(model, layout, world)
+    plan_s: list[float] = []
+    parts: dict[int, mf.Manifest] = {}
+    one_at_a_time = threading.Semaphore(1)  # every rank's report after the plan: one flattened state alive at once
+
+    def rank(r: int) -> int:
+        comm = cs[r]
+        inv = Inventory.of(ranks.flat(r))
+        if r == 0:  # the coordinator's part of the round, once every inventory is posted
+            for q in range(1, world):
+                comm.shared.get(f"plan/0/{q}", time.monotonic() + comm.timeout)
+            t = time.thread_time()
+            answer = exchange_plan(comm, 0, inv)
+            plan_s.append(time.thread_time() - t)
+        else:
+            answer = exchange_plan(comm, 0, inv)
+        del inv
+        with one_at_a_time:
+            part = rank_report(make_writer(disks[r]), ranks.flat(r), answer, r, step, chunk_size)
+            disks[r].write(paths.rank_key(step, r), [part.to_json()])
+            if r == 0:
+                parts[0] = part
+        return answer.bytes
+
+    written = on_threads(world, rank)
+    out: dict[str, Any] = {"plan_s": plan_s[0], "plan_store": totals(cs),
+                           "report_bytes_max": max(d.written_bytes for d in disks),
+                           "assigned_bytes_max": max(written), "assigned_bytes_min": min(written)}
+    coord = disks[0]
+    coord.reset_counts()
+    coord.read_bytes = 0
+    writer = make_writer(coord)
+    own = parts.pop(0)
+    t = time.thread_time()
+    reports = [own] + [_read_part(writer, step, r) for r in range(1, world)]
+    writer.commit(step, reports, frozenset(), storage=coord)
+    out["commit_s"] = time.thread_time() - t
+    del reports
+    out.update(commit_read_bytes=coord.read_bytes, commit_requests=sum(coord.calls.values()),
+               commit_report_reads=coord.calls["read_object"])
+    with Traced() as mem:  # the same work again, for its memory: up to the create-only write, which refuses
+        try:
+            writer.commit(step, [own] + [_read_part(writer, step, r) for r in range(1, world)], frozenset(),
+                          storage=coord)
+        except StepExistsError:
+            pass
+    out.update(commit_peak_rss=mem.peak, manifest_bytes=inner.size(paths.manifest_key(step)))
+    out.update(load_one_rank(model, layout, world, disks[world // 2], world // 2, step))
+    return out
+
+
+def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, r: int, step: int) -> dict[str, Any]:
+    """Rank ``r``'s load up to its first chunk read: the manifest read and checked, its state matched,
+    which chunk feeds which bytes (fill's own steps); the reads themselves are not made."""
+    from ckpt.load.checks import check_fit
+    from ckpt.load.match import match as match_state
+    from ckpt.load.plan import Request, plan_boxes
+
+    with Traced() as mem:  # its memory (the parse traced is slower: timed again below)
+        m = mf.read_step(disk, step)
+    del m
+    disk.reset_counts()
+    disk.read_bytes = 0
+    t = time.thread_time()
+    m = mf.read_step(disk, step)
+    parse_s = time.thread_time() - t
+    state = state_of(model, layout, r, world, step)
+    t = time.thread_time()
+    target = flatten(state, for_target=True)
+    found = match_state(m, state, target, r, world, None)
+    check_fit(m, found, state, target, strict=True)
+    requests = []
+    for key, owner, tkey in found.wanted:  # the boxes alone: plan_load's destinations refuse zero-stride targets
+        assert tkey is not None
+        requests.append(Request(key, owner, target.leaves[tkey].box))
+    plan = plan_boxes(m, requests, found.entries)
+    feeds = plan.reads
+    match_s = time.thread_time() - t
+    assert not plan.stages  # loading on the world size that saved: every box is a saved shard
+    sources = {int(h[:12], 16) for h in feeds}
+    return {"load_parse_s": parse_s, "load_match_s": match_s, "load_get_bytes": disk.read_bytes,
+            "load_get_requests": sum(disk.calls.values()), "load_manifest_rss": mem.held,
+            "load_parse_peak_rss": mem.peak, "load_chunks": len(feeds), "load_source_ranks": len(sources),
+            "tensors": len(m.tensors), "shards": sum(len(t.shards) for t in m.tensors), "chunks": len(m.chunks),
+            "step_writers": len({t.shards[0].rank for t in m.tensors if not t.shape})}
+
+
+def rounds(world: int) -> dict[str, dict[str, int]]:
+    """Store requests of the rounds every save and load runs, on ``world`` threads: a save's ``go``
+    and ``commit`` rounds (as :class:`ckpt.commit.CommitProtocol` runs them) and the three ``agree``
+    rounds of ``load("latest")`` (:class:`ckpt.load.step_choice.Loader`), with the documents they post
+    and the reductions they run."""
+    from ckpt.commit import Decision, Report, Status
+    from ckpt.load.step_choice import _failures, _oldest, _outcome, _ready
+
+    cs = comms(world)
+
+    def save(r: int) -> None:
+        comm = cs[r]
+        comm.round("go", 0).run({"lease": "job"} if r == 0 else None, what="the start of save 0")
+
+        def decide(got) -> dict:
+            assert len(got.ordered()) == world and not got.missing
+            return Decision(Status.OK).to_json()
+
+        answer = comm.round("commit", 0).run(Report(Status.OK, 100).to_json(), decide, what="the commit of save 0")
+        if Decision.from_json(answer).status is not Status.OK:
+            raise RuntimeError("no decision")
+
+    on_threads(world, save)
+    out = {"save": totals(cs)}
+    for c in cs:
+        c.reset()
+
+    def load(r: int) -> None:
+        comm = cs[r]
+        comm.agree(100, _oldest)
+        comm.agree(_outcome(None), _ready)  # a rank that took every entry sends no bitmap
+        comm.agree(_outcome(None), _failures)
+
+    on_threads(world, load)
+    out["load"] = totals(cs)
+    return out

@@ -1,0 +1,198 @@
+"""A plan's reads (:class:`ckpt.load.plan.BoxPlan`), and :func:`read_boxes`, the one way anything reads
+boxes of saved tensors: ``Checkpointer.load`` and ``Reader.load_into`` (through
+:func:`ckpt.load.into_state.load_into`), ``Reader.tensors`` and export (:mod:`ckpt.reader.tensors`),
+and ``ckpt.dcp.Reader``.
+
+Every chunk a plan names is read once, in parallel, verified (:mod:`.chunk_reads`) and put where it
+lands: straight into a destination, or into a CPU stand-in in staging memory (one allocation, or
+memory the caller lends) that is copied into its tensor only once every chunk has checked out, so a
+damaged chunk changes nothing there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .._tasks import run_all
+from ..buffer_layout import aligned
+from ..errors import CheckpointError, ConfigError, StateMismatchError
+from ..format import manifest as mf
+from ..format.boxes import Box
+from ..storage import Storage
+from ..tree import DTYPES, dtype_name
+from .apply import copy_back
+from .chunk_reads import read_chunk
+from .plan import BoxPlan, Request, plan_boxes, shape_str
+
+# Lends staging memory for a load: ``lend(nbytes)`` is a context manager giving a uint8 CPU tensor of
+# at least ``nbytes`` bytes (or None: the load allocates its own), held until the load is done.
+Lend = Callable[[int], AbstractContextManager["torch.Tensor | None"]]
+
+
+@dataclass
+class LoadStats:
+    """What a load read. With a local tier (``local_dir``), also where the chunks came from."""
+
+    step: int
+    chunks_read: int = 0
+    bytes_read: int = 0
+    chunks: list[str] = field(default_factory=list)  # the hashes of the chunks read
+    local_chunks: int | None = None  # chunks served by the local tier (None: no local tier)
+    remote_chunks: int | None = None  # chunks read from the remote tier
+    local_rejected: list[str] = field(default_factory=list)  # local copies that failed their check
+    source: str = "checkpoint"  # "local tiers" (local commits) or "checkpoint" (the checkpoint path)
+    peer_chunks: int | None = None  # local commits: chunks this rank got from peers' tiers
+    rebuilt_chunks: int | None = None  # local commits: chunks this rank rebuilt from parity
+
+
+class BoxRequest(NamedTuple):
+    """A box of a saved tensor and the tensor it is read into (shaped like the box, of the saved
+    dtype). ``rank``: the saved rank of a per-rank tensor (None for a global tensor)."""
+
+    key: str
+    box: Box
+    into: torch.Tensor
+    rank: int | None = None
+
+
+def read_boxes(storage: Storage, m: mf.Manifest, requests: Sequence[BoxRequest | tuple], io: Executor, *,
+               staged: bool = True, lend: Lend | None = None) -> LoadStats:
+    """Read each of ``requests`` (``(key, box, into)`` or :class:`BoxRequest`: a box (offsets,
+    lengths) of tensor ``key`` of manifest ``m``) into its tensor, every chunk verified; returns
+    what was read. Each chunk is read once, only chunks with a needed byte.
+
+    Args:
+        storage: where the step's chunks are.
+        m: the step's manifest.
+        requests: the boxes and where each goes: a tensor on any device, of the box's shape and the
+            saved dtype.
+        io: the threads that read.
+        staged: read through staging memory, so that a damaged chunk leaves every ``into`` as it
+            was; False reads straight into CPU tensors (fresh ones need no staging).
+        lend: where staging memory comes from (else it is allocated).
+
+    Raises:
+        StateMismatchError: a key the step does not hold, or a tensor of another dtype or shape.
+        ConfigError: a box outside the tensor.
+        CorruptCheckpointError: a chunk that does not verify.
+
+    Example::
+
+        w = torch.empty(4, 8)
+        read_boxes(storage, manifest, [("model/w", ((4, 0), (4, 8)), w)], pool)  # rows 4 to 7
+    """
+    reqs = [r if isinstance(r, BoxRequest) else BoxRequest(*r) for r in requests]
+    entries = {(t.key, t.rank): t for t in m.tensors}
+    plan = plan_boxes(m, [_checked(m, entries, r) for r in reqs], entries)
+    into = [r.into.detach() for r in reqs]
+    own = [i for i, t in enumerate(into) if t.device.type == "cpu" and t.is_contiguous()]
+    elsewhere = sorted(set(range(len(into))) - set(own))
+    return read_planned(storage, m, plan, into, io, stand_in=(own if staged else []) + elsewhere, staged=staged,
+                        lend=lend)
+
+
+def _checked(m: mf.Manifest, entries: dict[tuple[str, int | None], mf.TensorEntry], r: BoxRequest) -> Request:
+    """``r`` as a plan's request, once it is checked against the step (before anything is read)."""
+    e = entries.get((r.key, r.rank))
+    if e is None:
+        ranks = sorted(k[1] for k in entries if k[0] == r.key and k[1] is not None)
+        hint = f" (it is per-rank state: name one of its ranks {ranks})" if ranks else ""
+        raise StateMismatchError(f"step {m.step} holds no tensor {r.key!r}" +
+                                 (f" of rank {r.rank}" if r.rank is not None else "") + hint)
+    (offsets, lengths), shape = r.box, tuple(e.shape)
+    if len(offsets) != len(shape) or len(lengths) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        raise ConfigError(f"box {tuple(offsets)} + {tuple(lengths)} is not inside {r.key!r} of shape "
+                          f"{shape_str(shape)} in step {m.step}; give offsets and lengths within it")
+    if r.into.dtype != DTYPES[e.dtype] or tuple(r.into.shape) != tuple(lengths):
+        raise StateMismatchError(
+            f"{r.key!r} of step {m.step} is {e.dtype}: a box {shape_str(list(lengths))} of it cannot be read into "
+            f"a tensor {dtype_name(r.into.dtype)}{shape_str(list(r.into.shape))}; read into one of the saved "
+            "dtype and the box's shape, and cast after")
+    if r.into.device.type == "meta":
+        raise StateMismatchError(f"cannot read {r.key!r} into a tensor on the meta device, which holds no data")
+    return Request(r.key, r.rank, (tuple(offsets), tuple(lengths)))
+
+
+def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[torch.Tensor], io: Executor, *,
+                 stand_in: Sequence[int] = (), staged: bool = True, lend: Lend | None = None,
+                 before_read: Callable[[set[str]], None] | None = None,
+                 before_write: Callable[[], None] | None = None) -> LoadStats:
+    """Do ``plan``'s reads: request ``i`` lands in ``into[i]`` (its box's shape, the saved dtype; a
+    CPU contiguous tensor unless it is in ``stand_in``, the requests read into CPU stand-ins and
+    copied to their tensors at the end). ``before_read(chunks)`` runs just before the first read with
+    every chunk the reads need; ``before_write()`` just before the reads first write into ``into``
+    (``staged``: once every chunk has checked out; else before the first read): it may raise to stop
+    there, nothing written. Every read is finished or cancelled before this returns."""
+    places, need = _places([into[i] for i in stand_in])
+    dest = list(into)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with (lend(need) if lend is not None and need else nullcontext()) as lent:
+        if need:
+            space = lent if lent is not None else staging_memory(need)
+            for i, pos in zip(stand_in, places):
+                t = into[i]
+                n = t.nbytes
+                dest[i] = space[pos : pos + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+                pairs.append((t, dest[i]))
+        stages = [np.empty(s.nbytes, dtype=np.uint8) for s in plan.stages]
+        flats: dict[int, np.ndarray] = {}
+
+        def target(k: int) -> np.ndarray:
+            if k >= len(dest):
+                return stages[k - len(dest)]
+            if k not in flats:
+                flats[k] = dest[k].view(-1).view(torch.uint8).numpy()
+            return flats[k]
+
+        feeds = {h: [(f.offset, f.length, target(f.into), f.at) for f in fs] for h, fs in plan.reads.items()}
+        stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
+        if before_read is not None:
+            before_read(set(feeds))
+        if not staged and before_write is not None:
+            before_write()
+        reads = run_all(io, lambda item: read_chunk(storage, m, item[0], item[1]), list(feeds.items()),
+                        width=storage.read_width)
+        stats.bytes_read = sum(reads)
+        if staged and before_write is not None:  # every chunk checked out: from here on the tensors change
+            before_write()
+        with torch.no_grad():
+            for s, rows in zip(plan.stages, stages):
+                local = dest[s.request]
+                src = torch.from_numpy(rows).view(local.dtype).view(s.rows)
+                local[_slices(s.in_dest)].copy_(src[_slices(s.in_stage)])
+            copy_back(pairs)
+    return stats
+
+
+def staging_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of CPU memory for a load to stage into; a typed error saying what to do when the
+    machine has not got it."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as e:
+        raise CheckpointError(f"could not allocate {nbytes / 2**20:.0f} MiB of staging memory for the load ({e}); "
+                              "load with staged_load=False to read straight into the tensors") from e
+
+
+def _places(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Where each tensor's stand-in goes in staging memory, and the bytes it takes: the host buffer's
+    own rule (:func:`ckpt.buffer_layout.aligned`), so a state's staging fits in its host buffer,
+    which a load mid-run borrows."""
+    places, pos = [], 0
+    for t in tensors:
+        pos = aligned(pos, t.nbytes, t.element_size())
+        places.append(pos)
+        pos += t.nbytes
+    return places, pos
+
+
+def _slices(box: Box) -> tuple:
+    return tuple(slice(o, o + n) for o, n in zip(box[0], box[1]))

@@ -1,0 +1,106 @@
+"""The load cut at its plan: ``plan_load`` is pure (a manifest and a state in, which chunk objects and
+which bytes of each out; no storage, no process group, the state untouched), and ``read_boxes``, the
+one primitive that reads boxes of saved tensors, reads what its plan names and checks its requests
+before reading anything."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckpt
+from ckpt import tree as st
+from ckpt.format import manifest as mf
+from ckpt.load import BoxRequest, plan_boxes, plan_load, read_boxes
+from ckpt.load.plan import Request
+
+ROWS, COLS, SAVED, LOADING = 12, 4, 4, 3
+ROW = COLS * 4  # bytes of a float32 row
+
+
+def _chunk(name: str) -> str:
+    return (name * 32)[:32]
+
+
+def four_rank_step() -> mf.Manifest:
+    """A step saved on 4 ranks, built as data (its chunk objects exist nowhere): ``w`` (12×4 float32)
+    in 3 rows per rank, one chunk each, and a per-rank ``pos`` (2 int64) per rank, one chunk each."""
+    w_chunks = [_chunk("abcd"[r]) for r in range(SAVED)]
+    pos_chunks = [_chunk("1234"[r]) for r in range(SAVED)]
+    rows = ROWS // SAVED
+    tensors = [mf.TensorEntry("w", "float32", [ROWS, COLS], [
+        mf.Shard(r, [r * rows, 0], [rows, COLS], [mf.Segment(w_chunks[r], 0, rows * ROW)]) for r in range(SAVED)])]
+    tensors += [mf.TensorEntry("pos", "int64", [2], [mf.Shard(r, [0], [2], [mf.Segment(pos_chunks[r], 0, 16)])], rank=r)
+                for r in range(SAVED)]
+    chunks = {h: mf.ChunkInfo(rows * ROW, 64 + rows * ROW, "raw/1") for h in w_chunks}
+    chunks |= {h: mf.ChunkInfo(16, 80, "raw/1") for h in pos_chunks}
+    structure = st.dict_node(["w", "pos"], [st.tensor_node("w"), st.per_rank_node([st.tensor_node("pos")] * SAVED)])
+    m = mf.Manifest(step=7, kind="step", structure=structure, tensors=tensors, chunks=chunks, world_size=SAVED)
+    return mf.parse(m.to_json(), name="MANIFEST.json")  # a manifest the validating parser accepts
+
+
+def test_plan_load_of_a_resharded_step_is_pure_and_names_only_what_each_rank_needs():
+    m = four_rank_step()
+    assert not dist.is_initialized()
+    rows = ROWS // LOADING
+    # rank -> {chunk: byte spans}: rank 0 takes saved rows 0-3 (all of saved rank 0's chunk, the first
+    # row of rank 1's), rank 1 rows 4-7, rank 2 rows 8-11; pos from the saved rank rank_map names.
+    rank_map = {0: 0, 1: 1, 2: 3}
+    want = {0: {_chunk("a"): [(0, 48)], _chunk("b"): [(0, 16)], _chunk("1"): [(0, 16)]},
+            1: {_chunk("b"): [(16, 48)], _chunk("c"): [(0, 32)], _chunk("2"): [(0, 16)]},
+            2: {_chunk("c"): [(32, 48)], _chunk("d"): [(0, 48)], _chunk("4"): [(0, 16)]}}
+    for rank in range(LOADING):
+        local = torch.full((rows, COLS), -1.0)
+        state = {"w": ckpt.LocalShard(local, [rank * rows, 0], [ROWS, COLS]), "pos": torch.full((2,), -1)}
+        plan = plan_load(m, state, rank, LOADING, rank_map)
+        assert plan.chunks == sorted(want[rank]), rank
+        assert {h: plan.boxes.spans(h) for h in plan.chunks} == want[rank], rank
+        assert plan.boxes.nbytes == rows * ROW + 16
+        assert [r.box for r in plan.boxes.requests] == [((rank * rows, 0), (rows, COLS)), ((0,), (2,))]
+        assert plan.into[0] is local and plan.own == [0, 1] and plan.elsewhere == []
+        assert bool(local.eq(-1).all()) and bool(state["pos"].eq(-1).all())  # planning changed nothing
+    # What a load refuses comes out of the plan, before any read: per-rank state on another world
+    # size without a rank_map; a tensor of another dtype.
+    state = {"w": ckpt.LocalShard(torch.empty(rows, COLS), [0, 0], [ROWS, COLS]),
+             "pos": torch.empty(2, dtype=torch.int64)}
+    with pytest.raises(ckpt.ReshardError, match="rank_map"):
+        plan_load(m, state, 0, LOADING)
+    with pytest.raises(ckpt.StateMismatchError, match="w: checkpoint has float32"):
+        plan_load(m, {**state, "w": ckpt.LocalShard(torch.empty(rows, COLS, dtype=torch.float64), [0, 0],
+                                                    [ROWS, COLS])}, 0, LOADING, rank_map)
+    # A box across columns is not one run in the saved rows: those rows are staged, then copied.
+    cols = plan_boxes(m, [Request("w", None, ((0, 1), (ROWS, 2)))])
+    assert cols.chunks == sorted(_chunk(c) for c in "abcd") and len(cols.stages) == SAVED
+
+
+def test_read_boxes_reads_the_chunks_its_plan_names_and_checks_requests_first(tmp_path):
+    w = torch.arange(256 * 256, dtype=torch.float32).view(256, 256)  # 256 KiB: four 64 KiB chunks
+    with ckpt.Checkpointer(tmp_path / "ck", chunk_size=64 * 1024, codec="raw") as c:
+        c.save(1, {"w": w, "pos": ckpt.PerRank(torch.tensor([5, 6]))}).wait()
+    with ckpt.open(tmp_path / "ck") as r, ThreadPoolExecutor(2) as pool:
+        m = r.manifest(1)
+        rows = torch.zeros(64, 256)
+        cols = torch.zeros(8, 256).t()  # strided: read through a CPU stand-in
+        pos = torch.zeros(2, dtype=torch.int64)
+        stats = read_boxes(r.storage, m, [("w", ((64, 0), (64, 256)), rows), BoxRequest("pos", ((0,), (2,)), pos, 0),
+                                          ("w", ((0, 100), (256, 8)), cols)], pool)
+        assert torch.equal(rows, w[64:128]) and pos.tolist() == [5, 6] and torch.equal(cols, w[:, 100:108])
+        planned = plan_boxes(m, [Request("w", None, ((64, 0), (64, 256))), Request("pos", 0, ((0,), (2,))),
+                                 Request("w", None, ((0, 100), (256, 8)))])
+        assert stats.chunks == planned.chunks and stats.chunks_read == len(planned.chunks)
+        only_rows = read_boxes(r.storage, m, [("w", ((64, 0), (64, 256)), rows)], pool)
+        assert len(only_rows.chunks) == 1 < len(m.chunks)  # rows 64-127 are the second chunk, alone
+        into = torch.full((4, 4), -1.0)
+        for request, error, match in [
+            (("x", ((0, 0), (4, 4)), into), ckpt.StateMismatchError, "holds no tensor 'x'"),
+            (("pos", ((0,), (2,)), pos), ckpt.StateMismatchError, r"per-rank state: name one of its ranks \[0\]"),
+            (("w", ((254, 0), (4, 4)), into), ckpt.ConfigError, "not inside 'w'"),
+            (("w", ((0, 0), (4, 4)), into.double()), ckpt.StateMismatchError, "cannot be read into a tensor float64"),
+            (("w", ((0, 0), (4, 2)), into), ckpt.StateMismatchError, r"cannot be read into a tensor float32\(4, 4\)"),
+        ]:
+            with pytest.raises(error, match=match):
+                read_boxes(r.storage, m, [("w", ((0, 0), (4, 4)), into), request], pool)
+            assert bool(into.eq(-1).all())  # refused before anything was read
