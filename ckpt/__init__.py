@@ -14,9 +14,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import _log  # noqa: F401  (the logger's name filter, before anything logs)
+from ._lazy import lazy_names
 from ._version import __version__
 from .errors import (
     CheckpointError,
@@ -58,15 +59,7 @@ _LAZY = {"RNGState": "flatten", "open": "reader", "Reader": "reader", "Pickled":
          "Options": "options", "Parity": "redundancy_config", "Replicas": "redundancy_config", "fence": "cuda_snapshot",
          "import_checkpoint": "importer"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
 
 __all__ = [
     "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",

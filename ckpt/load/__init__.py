@@ -15,7 +15,9 @@ Names are imported when first used: importing a module of the folder loads only 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 if TYPE_CHECKING:
     from .into_state import load_into
@@ -25,15 +27,7 @@ if TYPE_CHECKING:
 _LAZY = {"LoadStats": "reads", "load_into": "into_state", "BoxPlan": "plan", "LoadPlan": "plan", "plan_boxes": "plan",
          "plan_load": "plan", "BoxRequest": "reads", "read_boxes": "reads"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ckpt.load' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = ["BoxPlan", "BoxRequest", "LoadPlan", "LoadStats", "load_into", "plan_boxes", "plan_load", "read_boxes"]
