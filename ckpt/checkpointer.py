@@ -58,17 +58,22 @@ class Checkpointer:
     state is copied into a host buffer; ``load("latest", state)`` resumes in place. ``path`` is a local
     directory or an fsspec URL (``file://``, ``memory://``, ``s3://`` …). See the README for a loop.
 
-    The options are those of :class:`~ckpt.options.Options` (same names, same defaults), checked before
-    anything is opened. ``storage``: an opened :class:`~ckpt.storage.base.Storage` (or a tiered one) to
-    use instead of opening ``path`` (which then only names the checkpoint in messages); with it,
-    ``local_dir`` and ``storage_options`` are refused. E.g. a test's faulty disk::
+    Args:
+        path: the checkpoint root: a local directory or an fsspec URL (with ``storage``, only its name in
+            messages).
+        storage: an opened :class:`~ckpt.storage.base.Storage` (or a tiered one) to use instead of opening
+            ``path``, e.g. a test's faulty disk:
+            ``ckpt.Checkpointer(str(tmp), storage=ckpt.testing.FaultyStorage(LocalStorage(tmp)))``; not
+            together with ``local_dir`` or ``storage_options``.
+        process_group: the ranks that save together (default: the default group when ``torch.distributed`` is
+            initialised, else this process alone). Every rank calls ``save`` and ``load`` in the same order;
+            ranks talk through the group's store, never with collectives from background threads.
+        **options: the options of :class:`~ckpt.options.Options` (each documented there once, same names and
+            defaults), all checked before anything is opened.
 
-        ckpt.Checkpointer(str(tmp), storage=ckpt.testing.FaultyStorage(LocalStorage(tmp)))
-
-    ``process_group``: the ranks that save together (default: the default group when
-    ``torch.distributed`` is initialised, else this process alone). Every rank calls ``save`` and
-    ``load`` in the same order; ranks talk through the group's store, never with collectives from
-    background threads.
+    Raises:
+        ConfigError: an option is unknown or has a bad value (it names it).
+        NotARootError: ``path`` is a level of a root (its ``steps/``, a step) or holds roots.
 
     CUDA tensors: ``save()`` only launches their copy and returns. The next ``optimizer.step()`` of
     any optimizer waits for it on the device (a pre-step hook), so the host never blocks; tensors no
@@ -207,12 +212,29 @@ class Checkpointer:
         return buf is not None and buf.pinned
 
     def save(self, step: int, state: dict[str, Any], *, persist: bool | None = None) -> SaveHandle:
-        """Snapshot ``state`` as step ``step`` and write it in the background; returns once every
-        tensor is copied (later in-place changes are not saved). With several ranks, every rank calls
-        it with the same step and writes its own shard; the step commits once all parts are durable.
-        With ``persist_every``, ``persist=True`` also uploads this save (``False``: local tiers only;
-        every rank must pass the same). With ``on_save_error="raise"`` (the default) it first raises
-        the error of an earlier save that failed in the background, unseen (nothing is saved then)."""
+        """Snapshot ``state`` as step ``step`` and write it in the background.
+
+        Returns once every tensor is copied (later in-place changes are not saved). With several ranks,
+        every rank calls it with the same step and writes its own shard; the step commits once all parts
+        are durable.
+
+        Args:
+            step: the step number, 0 to 2**63 - 1; a committed step is never overwritten.
+            state: a dict of tensors, modules, optimizers, ``Stateful`` objects and plain values.
+            persist: with ``persist_every``, ``True`` also uploads this save, ``False`` keeps it on the local
+                tiers (every rank must pass the same); None follows ``persist_every``.
+
+        Returns:
+            SaveHandle: ``wait(stage)`` for ``"local"`` or ``"committed"``, ``metrics``, ``exception()``.
+
+        Raises:
+            StepExistsError: ``step`` is committed already (or being saved).
+            UnsupportedValueError: a value cannot be stored (without ``allow_pickle``).
+            PartialStateError: a failed load left the state partly overwritten.
+            RootInUseError: another job writes into the root (the first save; see ``shared_root``).
+            CheckpointError: with ``on_save_error="raise"`` (the default), the error of an earlier save that
+                failed in the background, unseen (nothing is saved then: call again to retry).
+        """
         started = time.perf_counter()
         flag("persist", persist, none=True)
         self._check_open()
@@ -331,13 +353,33 @@ class Checkpointer:
     # -- loading --------------------------------------------------------------------------------------
     def load(self, step: int | Literal["latest"], state: dict[str, Any], *, strict: bool | None = None,
              fallback: bool = False, allow_pickle: bool | None = None, rank_map: RankMap | None = None) -> int | None:
-        """Load a committed step (``"latest"``: the newest, or None on a new run) into ``state`` in
-        place, every chunk verified; returns the step. ``fallback=True``: past a damaged latest step
-        to the newest older one that loads. Every rank calls it and reads only what its shards need,
-        whatever world size saved the step; per-rank state saved on another world size needs
-        ``rank_map`` (this rank -> saved rank, e.g. ``lambda r: r % 4``). Everything checkable is
-        checked before the state changes; a later failure leaves saves refused
-        (:class:`~ckpt.PartialStateError`) until a load succeeds or :meth:`accept_state`."""
+        """Load a committed step into ``state`` in place, every chunk verified.
+
+        Every rank calls it and reads only what its shards need, whatever world size saved the step.
+        Everything checkable is checked before the state changes; a later failure leaves saves refused
+        (:class:`~ckpt.PartialStateError`) until a load succeeds or :meth:`accept_state`.
+
+        Args:
+            step: a committed step, or ``"latest"`` for the newest.
+            state: the state to fill, of the same structure as the one saved.
+            strict: refuse keys missing on either side (default: the ``strict`` option).
+            fallback: past a damaged latest step, to the newest older one that loads (each one skipped is
+                logged).
+            allow_pickle: read pickled values (default: the ``allow_pickle`` option).
+            rank_map: for per-rank state saved on another world size: this rank -> saved rank
+                (e.g. ``lambda r: r % 4``).
+
+        Returns:
+            int | None: the step loaded; None when ``"latest"`` finds no step (a new run).
+
+        Raises:
+            CheckpointNotFoundError: the step asked for is not committed.
+            StateMismatchError: keys, shapes or dtypes of the state do not match the step (with ``strict``).
+            CorruptCheckpointError: a chunk or manifest fails its check (the state is unchanged).
+            IncompatibleFormatError: the step was written by a newer format or codec.
+            ReshardError: per-rank state saved on another world size, without ``rank_map``.
+            DistributedSaveError: a rank did not answer within ``timeout``, or failed (named).
+        """
         flags(none=True, strict=strict, allow_pickle=allow_pickle)
         flag("fallback", fallback)
         self._check_open()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 
 from . import _cpus
+from . import options_doc as _docs
 from ._args import flag
 from .encode import CodecSpec
 from .errors import ConfigError
@@ -118,9 +119,10 @@ def _domain(name: str, v: Any) -> str | None:
     return v
 
 
-def _option(default: T, check: Check) -> T:
-    """A field with its default and its check, declared together."""
-    return field(default=default, metadata={"check": check})
+def _option(default: T, check: Check, doc: str, *, shown: str | None = None) -> T:
+    """A field with its default, its check and its meaning (markdown), declared together; ``shown`` is how the
+    docs write the default when ``repr`` would not say it well."""
+    return field(default=default, metadata={"check": check, "doc": doc, "shown": shown})
 
 
 @dataclass(frozen=True)
@@ -134,58 +136,136 @@ class _Record:
                 object.__setattr__(self, f.name, check(f.name, getattr(self, f.name)))
 
 
-# -- the groups -------------------------------------------------------------------------------------------
+# -- the groups: each option's meaning is written once, here, next to its default and check -------------------
+# (Options.__doc__ and the option table of docs/api.md are made from these: ``python -m ckpt.options_doc``.)
 
 @dataclass(frozen=True)
 class RetentionOptions(_Record):
     """Which committed steps are kept: ``keep_last``, ``keep_every`` (the checkpoint path) and ``keep_local``
     (each node's local tier); ``shared_root``: whether other jobs may save into the same root."""
 
-    keep_last: int | None = _option(None, _count)
-    keep_every: int | None = _option(None, _count)
-    keep_local: int = _option(2, _int_in(1, 1 << 30, "of at least 1 (steps each local tier keeps)"))
-    shared_root: bool = _option(False, _flag)
+    keep_last: int | None = _option(
+        None, _count,
+        "keep the newest N committed steps; older steps and chunks only they use are deleted in the background. "
+        "Counted back from the step just committed, which is never deleted; nor is the step this run loaded from, "
+        "nor one another open Checkpointer (in any process) loaded from. After a rollback (`load(10)` with a step 20 "
+        "present, then `save(11)`), steps newer than the one just committed are abandoned: retention keeps them and "
+        "names them in a warning, and `load(\"latest\")` would still pick them; remove them with "
+        "`ckpt gc URL --drop-after 11`. `None` keeps every step")
+    keep_every: int | None = _option(
+        None, _count,
+        "also keep, for good, every step whose number is a multiple of K (alone: the newest step plus the multiples)")
+    keep_local: int = _option(
+        2, _int_in(1, 1 << 30, "of at least 1 (steps each local tier keeps)"),
+        "committed steps each local tier keeps (they must fit on the local disk); `keep_last` bounds the "
+        "checkpoint path's")
+    shared_root: bool = _option(
+        False, _flag,
+        "let other jobs save into the same root at the same time (default `False`: the first save refuses with "
+        "`RootInUseError`, naming the other job's host, pid and since when, while another job holds a live writer "
+        "lease there). A job killed on this host does not block its restart (its lease dies with its process); one "
+        "killed on another host holds its lease until it lapses (at most 90 s). With `True` the jobs' steps "
+        "interleave and each one's `keep_last` counts the other's steps too")
 
 
 @dataclass(frozen=True)
 class EncodingOptions(_Record):
     """How the host buffer becomes stored chunks: ``codec``, ``chunk_size``, ``delta_chain``, ``delta_budget``."""
 
-    codec: CodecSpec = _option(CodecSpec(), _codec)
-    chunk_size: int = _option(16 * MiB, _int_in(64 * 1024, 1 << 31, "between 64 KiB and 2 GiB"))
-    delta_chain: int = _option(8, _int_in(1, 64, "from 1 (no deltas) to 64"))
-    delta_budget: float = _option(1.3, _number_in(1.0, 64.0, "from 1 (no deltas on whole chunks that shrank "
-                                                  "little) to 64"))
+    codec: CodecSpec = _option(
+        CodecSpec(), _codec,
+        "`\"auto\"`: per chunk the smallest of raw, zstd, byte planes (each entropy-coded or zstd) and an XOR delta "
+        "against the previous save, chosen from a 256 KiB sample by content alone (see "
+        "[Deltas](#deltas-fewer-bytes-per-save)); `\"smallest\"`: the same; `\"raw\"`; `\"zstd\"` or `\"grouped\"` "
+        "(byte planes) always; all but raw optionally `\":<level>\"` (zstd's level, e.g. `\"zstd:3\"`)",
+        shown='"auto"')
+    chunk_size: int = _option(
+        16 * MiB, _int_in(64 * 1024, 1 << 31, "between 64 KiB and 2 GiB"),
+        "bytes per chunk (64 KiB to 2 GiB): the unit of dedup, hashing and partial reads", shown="16 MiB")
+    delta_chain: int = _option(
+        8, _int_in(1, 64, "from 1 (no deltas) to 64"),
+        "with `codec=\"auto\"` or `\"smallest\"`: the most chunks a load resolves for one chunk (one stored whole, "
+        "then deltas of the chunk at its place in the previous save). Deltas keep the previous save in a second "
+        "host buffer (the state's size once more); `1` turns both off")
+    delta_budget: float = _option(
+        1.3, _number_in(1.0, 64.0, "from 1 (no deltas on whole chunks that shrank little) to 64"),
+        "the most bytes a load reads for one chunk, as a multiple of its size (the whole chunk and its deltas); a "
+        "delta that would pass it is stored whole instead. The default keeps loads within 1.3x the bytes of a raw "
+        "load; raise it for fewer bytes per save on dense training, lower it for faster loads")
 
 
 @dataclass(frozen=True)
 class ScheduleOptions(_Record):
     """When to save: ``every``, ``preemption``, ``mtbf``, ``max_overhead``, ``preemption_deadline``."""
 
-    every: int | float | str | None = _option(None, lambda _, v: parse_every(v))  # steps, seconds or "auto"
-    preemption: tuple[int, ...] = _option((), lambda _, v: parse_signals(v))  # signal numbers, once made
-    mtbf: float = _option(DEFAULT_MTBF, _seconds)
-    max_overhead: float = _option(DEFAULT_MAX_OVERHEAD, _share)
-    preemption_deadline: float = _option(DEFAULT_PREEMPTION_DEADLINE, _seconds)  # for the loop to reach should_save()
+    every: int | float | str | None = _option(
+        None, lambda _, v: parse_every(v),
+        "the interval `should_save(step)` follows: N steps (an int), a duration (`\"30s\"`, `\"30min\"`, "
+        "`\"1h30min\"`, seconds as a float) or `\"auto\"` (Young/Daly from the measured stall, `mtbf` and "
+        "`max_overhead`); `None`: `should_save` answers only for preemption")
+    preemption: tuple[int, ...] = _option(
+        (), lambda _, v: parse_signals(v),
+        "`True` installs handlers for SIGTERM, or a list of signals (`[signal.SIGUSR1]` for SLURM), that make "
+        "`should_save` ask every rank for an emergency save; the handlers only set a flag, and that the signal "
+        "arrived is logged at once", shown="False")
+    mtbf: float = _option(
+        DEFAULT_MTBF, _seconds,
+        "mean time between failures in seconds that `every=\"auto\"` plans for (default 4 h)")
+    max_overhead: float = _option(
+        DEFAULT_MAX_OVERHEAD, _share,
+        "the share of training time saves may stall it under `every=\"auto\"`")
+    preemption_deadline: float = _option(
+        DEFAULT_PREEMPTION_DEADLINE, _seconds,
+        "seconds after a preemption signal for the loop to reach `should_save()` (default 10, a third of the usual "
+        "30 s grace); past it ckpt finishes the saves in flight and passes the signal on to the handler it would "
+        "have had without ckpt (by default the process ends), rather than keep the job running until the "
+        "scheduler's SIGKILL. See [When things go wrong](#when-things-go-wrong)")
 
 
 @dataclass(frozen=True)
 class RedundancyOptions(_Record):
     """Surviving node loss with local commits: ``redundancy``, ``persist_every``, ``failure_domain``."""
 
-    redundancy: Replicas | Parity | None = _option(None, _redundancy)
-    persist_every: int | None = _option(None, _count)
-    failure_domain: str | None = _option(None, _domain)
+    redundancy: Replicas | Parity | None = _option(
+        None, _redundancy,
+        "protect the local tiers against node loss: `ckpt.Replicas(r)` (each rank's chunks also on r−1 ranks in "
+        "other failure domains) or `ckpt.Parity(data=k, parity=m)` (Reed–Solomon over groups of k+m ranks; any m "
+        "lost domains of a group are rebuilt); needs `local_dir`, and every save commits to the local tiers")
+    persist_every: int | None = _option(
+        None, _count,
+        "upload every N-th save to `path` (the first and emergency saves always are); the others commit only to "
+        "the local tiers. Needs `local_dir`; with `redundancy` and no `persist_every`, every save is uploaded")
+    failure_domain: str | None = _option(
+        None, _domain,
+        "what this rank fails together with (default: its host name, shared through the process group's store); "
+        "replicas and parity never share a domain with what they protect")
 
 
 @dataclass(frozen=True)
 class IOOptions(_Record):
     """Where and how bytes move: ``local_dir``, ``storage_options``, ``io_threads``, ``timeout``."""
 
-    local_dir: str | None = _option(None, _directory)
-    storage_options: dict[str, Any] | None = _option(None, _mapping)
-    io_threads: int | None = _option(None, _count)
-    timeout: float = _option(600.0, _seconds)
+    local_dir: str | None = _option(
+        None, _directory,
+        "a fast local directory (NVMe) staged in front of `path`: chunks are written and fsynced there first, then "
+        "uploaded; restores read a chunk there when its hash matches. Beside `path`: a `local_dir` that is `path`, "
+        "lies inside it or holds it is a `ConfigError` (each tier would take the other's files for its own); see "
+        "[Object storage and tiers](#object-storage-and-tiers)")
+    storage_options: dict[str, Any] | None = _option(
+        None, _mapping,
+        "passed to fsspec/s3fs (credentials, `client_kwargs={\"endpoint_url\": …}`), plus ckpt's own S3 options "
+        "(`multipart_threshold`, `multipart_chunksize`, `upload_concurrency`, `retry_deadline`, `max_attempts`, "
+        "`connect_timeout`, `read_timeout`: see [Object storage and tiers](#object-storage-and-tiers))")
+    io_threads: int | None = _option(
+        None, _count,
+        "threads for hashing, compression and I/O (default: 2 × cores, 8 to 16; fsync-bound writes need several "
+        "in flight to reach the disk's bandwidth)")
+    timeout: float = _option(
+        600.0, _seconds,
+        "seconds without progress after which the coordinator gives up on the ranks that did not answer (plan, "
+        "reports, load agreement): the save or load fails on every rank with `DistributedSaveError` naming them; a "
+        "wait is extended while other ranks' answers keep arriving, and the other ranks wait for the coordinator "
+        "twice this plus 10 ms per rank (longer while it makes progress) before naming rank 0", shown="600")
 
 
 @dataclass(frozen=True)
@@ -193,11 +273,29 @@ class SnapshotOptions(_Record):
     """The copy into the host buffer and what a save does when it cannot go on: ``busy``, ``native``,
     ``snapshot_threads``, ``check_finite``, ``on_save_error``."""
 
-    busy: Literal["wait", "skip"] = _option("wait", _one_of("wait", "skip"))
-    on_save_error: Literal["raise", "log"] = _option("raise", _one_of("raise", "log"))  # a failed background save
-    native: bool = _option(True, _flag)
-    snapshot_threads: int | None = _option(None, _count)
-    check_finite: bool | Literal["all"] = _option(True, _one_of(True, False, "all"))
+    busy: Literal["wait", "skip"] = _option(
+        "wait", _one_of("wait", "skip"),
+        "a save asked while the previous one is still writing from the buffer: `\"wait\"` for it, or `\"skip\"` "
+        "it (logged; `handle.skipped`)")
+    on_save_error: Literal["raise", "log"] = _option(
+        "raise", _one_of("raise", "log"),
+        "a save that failed in the background: `\"raise\"` its error at the next `save()` (which saves nothing; "
+        "call it again to retry), or at `wait()`/`close()` if they come first, and said once (raised, not also "
+        "logged as an error); `\"log\"`: logged when it happens, training goes on, `close()` raises the first one "
+        "nobody looked at through its handle")
+    native: bool = _option(
+        True, _flag,
+        "use the compiled core when it is built (fused multi-threaded copy + hash on CPU, batched device-to-host "
+        "copies on GPU; see [Compiled core](#compiled-core-and-gpu-snapshots)); `False` uses torch's copies: same "
+        "bytes, same hashes")
+    snapshot_threads: int | None = _option(
+        None, _count, "threads for the CPU copy + hash inside `save()` (default: cores, at most 8)")
+    check_finite: bool | Literal["all"] = _option(
+        True, _one_of(True, False, "all"),
+        "refuse a save whose model parameters, optimizer state or optimizer settings (`lr`, `betas`, … in "
+        "`param_groups`) hold NaN or Inf (`NonFiniteStateError`, nothing committed); `\"all\"` checks every "
+        "floating tensor (buffers and loose tensors too), `False` nothing. See "
+        "[When things go wrong](#when-things-go-wrong)")
 
 
 @dataclass(frozen=True)
@@ -205,10 +303,41 @@ class ValueOptions(_Record):
     """What a save may store and a load expects: ``allow_pickle``, ``reduce_partial``, ``strict``,
     ``staged_load``."""
 
-    allow_pickle: bool = _option(False, _flag)
-    reduce_partial: bool = _option(False, _flag)
-    strict: bool = _option(True, _flag)
-    staged_load: bool = _option(True, _flag)
+    allow_pickle: bool = _option(
+        False, _flag,
+        "store objects that are not plain values with pickle (off: they are refused with "
+        "`UnsupportedValueError`); loading them then needs `allow_pickle=True` too")
+    reduce_partial: bool = _option(
+        False, _flag,
+        "a save reduces a DTensor with a `Partial` placement (a pending sum) to `Replicate` on that mesh dimension "
+        "first (a collective: every rank of the mesh saves); off: it is refused before anything is written, saying "
+        "how to reduce it ([layouts](#dtensor-placements-and-layouts))")
+    strict: bool = _option(
+        True, _flag,
+        "default for `load`: refuse keys missing on either side, and optimizer state saved by another kind of "
+        "optimizer (AdamW into SGD). With `strict=False` such an optimizer takes the saved per-parameter state and "
+        "keeps its own hyperparameters (`param_groups`: `lr`, `momentum`, …; set them from "
+        "`ckpt.open(path).values(step)` to take the saved ones)")
+    staged_load: bool = _option(
+        True, _flag,
+        "a load reads and verifies every chunk into staging memory (the idle host buffer when it is large enough, "
+        "else memory held for the load) before it writes any tensor: a load that fails changes nothing. `False` "
+        "reads straight into the CPU tensors (one copy and that memory less; a damaged chunk then leaves a mixture "
+        "of two steps, and saves are refused until a load succeeds: `PartialStateError`)")
+
+
+# The arguments of ``Checkpointer(path, ...)`` that are not options (they are objects, not settings), documented
+# here so the option table lists them too: (shown default, meaning).
+CHECKPOINTER_ARGS: dict[str, tuple[str, str]] = {
+    "process_group": (
+        "None",
+        "the ranks that save together; default: the default group when `torch.distributed` is initialised, else "
+        "this process alone"),
+    "storage": (
+        "None",
+        "an opened storage (`ckpt.storage.base.Storage`, or a tiered one) used instead of opening `path`, e.g. "
+        "`ckpt.testing.FaultyStorage` in a test; not together with `local_dir` or `storage_options`"),
+}
 
 
 _GROUPS: tuple[type[_Record], ...] = (RetentionOptions, EncodingOptions, ScheduleOptions, RedundancyOptions,
@@ -219,89 +348,8 @@ G = TypeVar("G", bound=_Record)
 @dataclass(frozen=True)
 class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, ScheduleOptions, EncodingOptions,
               RetentionOptions):
-    """How a Checkpointer saves, loads and keeps checkpoints.
-
-    keep_last: keep only the newest N committed steps (None keeps all). The step this run loaded
-        from is never deleted.
-    keep_every: also keep, for good, every step whose number is a multiple of K (with or without
-        ``keep_last``). Retention runs after each commit, in the background.
-    shared_root: let other jobs save into the same root at the same time (default: the first save
-        refuses with RootInUseError while another job holds a live writer lease there).
-    local_dir: a fast local directory (NVMe) staged in front of the checkpoint path: chunks are
-        written and fsynced there first, then uploaded; restores read a chunk there when its hash
-        matches. Beside the checkpoint path: neither may be inside the other.
-    chunk_size: bytes per chunk (default 16 MiB); the unit of dedup, verification and partial reads.
-    codec: ``"auto"`` (per chunk the smallest of raw, zstd, byte planes + zstd and an XOR delta
-        against the previous save, from a sample; whole saves raw where that is measured to be
-        faster), ``"smallest"`` (the same choice, never raw for speed: where bytes cost more than
-        time), ``"raw"``, ``"zstd"`` or ``"grouped"`` (byte planes + zstd, always); all but raw
-        optionally with a zstd level (``"zstd:3"``).
-    delta_chain: with ``codec="auto"`` or ``"smallest"``, the longest chain of chunks a load resolves: a chunk is a
-        delta of the one at its place in the previous save, at most ``delta_chain - 1`` deltas in
-        a row, then stored whole again (default 8). Deltas keep the previous save in a second host
-        buffer (memory: the state's size once more); ``1`` turns both off.
-    delta_budget: the most bytes a load reads for one chunk, as a multiple of its raw size (its
-        chain: the whole chunk and the deltas on it); a delta that would pass it is stored whole
-        instead (default 1.3). Raise it for fewer bytes per save, lower it for faster loads.
-    busy: what a save does while the previous one is still writing from the host buffer: ``"wait"``
-        for it, or ``"skip"`` this save (logged; the handle says ``skipped``).
-    on_save_error: what becomes of a save that fails in the background: ``"raise"`` (default) its
-        error at the next ``save()`` (which then saves nothing: call it again to retry), or at
-        ``wait()``/``close()``, whichever comes first; ``"log"`` logs it when it happens and goes on
-        (``close()`` still raises the first one nobody looked at through its handle).
-    strict: default for ``load``: refuse keys missing on either side (and, for an optimizer, state
-        saved by another kind of optimizer).
-    staged_load: a load reads and verifies every chunk into staging memory (the idle host buffer
-        when it is large enough, else memory held for the load) before it writes any tensor, so a
-        load that fails changes nothing (default True). ``False`` reads straight into the state's
-        CPU tensors: one copy and that memory less, but a damaged chunk then leaves a mixture of two
-        steps, and saves are refused until a load succeeds (``PartialStateError``).
-    allow_pickle: store objects that are not plain values with pickle (off: they are refused).
-        Loading such a checkpoint needs ``allow_pickle=True`` too.
-    reduce_partial: a save reduces a DTensor with a ``Partial`` placement (a pending sum) to
-        ``Replicate`` on that mesh dimension before copying it (a collective: every rank of the mesh
-        saves). Off: such a DTensor is refused before anything is written, saying how to reduce it.
-    io_threads: threads for hashing, compression and I/O (default: 2 × cores, 8 to 16;
-        fsync-bound writes need several in flight to reach the disk's bandwidth).
-    storage_options: passed to fsspec for URLs; for ``s3://`` also ckpt's own S3 options
-        (``multipart_threshold``, ``multipart_chunksize``, ``upload_concurrency``, ``retry_deadline``,
-        ``max_attempts``, ``connect_timeout``, ``read_timeout``).
-    timeout: seconds without progress after which the coordinator gives up on the ranks that did
-        not answer (plan, reports, load agreement): the save or load fails on every rank with
-        :class:`~ckpt.DistributedSaveError` naming them. Answers still arriving from other ranks
-        extend the wait; the other ranks wait for the coordinator twice this plus 10 ms per rank.
-    native: use the compiled core when it is built (fused multi-threaded copy + hash on CPU, batched
-        device-to-host copies on GPU); ``False`` uses torch's copies (same bytes, same hashes).
-    snapshot_threads: threads for the CPU copy + hash (default: cores, at most 8).
-    check_finite: refuse a save whose model parameters, optimizer state or optimizer settings
-        (``lr``, ``betas``, ... in ``param_groups``) hold NaN or Inf
-        (:class:`~ckpt.NonFiniteStateError`; nothing is committed). ``"all"`` checks every floating
-        tensor (buffers and loose tensors too), ``False`` nothing.
-    every: the save interval ``should_save(step)`` follows: N steps (an int), a duration
-        (``"30min"``, ``"90s"``, ``"2h"``, or a float of seconds) or ``"auto"`` (Young/Daly from the
-        measured stall and ``mtbf``, within ``max_overhead``). None: ``should_save`` answers only
-        for preemption.
-    preemption: install handlers that make ``should_save`` ask for an emergency save when the job is
-        told to stop: ``True`` for SIGTERM, or a list of signals (e.g. ``[signal.SIGTERM,
-        signal.SIGUSR1]`` on SLURM). The handlers only set a flag; that the signal arrived is logged at once.
-    preemption_deadline: seconds after such a signal for the loop to reach ``should_save`` (default 10,
-        a third of the usual 30 s grace). Past it, ckpt finishes the saves in flight and passes the
-        signal on to the handler it would have had without ckpt (by default: the process ends), rather
-        than keep the job running until the scheduler's SIGKILL.
-    mtbf: the mean time between failures, in seconds, ``every="auto"`` plans for (default 4 hours).
-    max_overhead: the share of training time saves may stall it under ``every="auto"`` (default 0.02).
-    redundancy: protect the local tiers against node loss: :class:`~ckpt.Replicas` ``(r)`` (each
-        rank's chunks also go to r-1 ranks in other failure domains) or :class:`~ckpt.Parity`
-        ``(data=k, parity=m)`` (Reed-Solomon over groups of k+m ranks; any m lost domains of a group
-        are rebuilt). Needs ``local_dir``; every save commits to the local tiers.
-    persist_every: upload every N-th save to the checkpoint path (the first save and emergency saves
-        always are); the others commit only to the local tiers. Needs ``local_dir``. With
-        ``redundancy`` and no ``persist_every``, every save is uploaded.
-    failure_domain: what this rank fails together with (default: its host name, shared through the
-        process group's store). Replicas and parity never share a domain with what they protect.
-    keep_local: how many committed steps each local tier keeps (default 2; it must fit on the local
-        disk). ``keep_last`` bounds the checkpoint path's steps.
-    """
+    """How a Checkpointer saves, loads and keeps checkpoints (the meaning of each option: below, made from
+    the fields' own documentation by :mod:`ckpt.options_doc`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -383,6 +431,9 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
     def threads(self) -> int:
         """I/O threads: ``io_threads``, else twice the cores within 8..16."""
         return self.io_threads or min(16, max(8, 2 * _cpus.usable()))
+
+
+Options.__doc__ = _docs.docstring(Options.__doc__ or "", list(dataclasses.fields(Options)))
 
 
 class OptionArgs(TypedDict, total=False):

@@ -307,6 +307,24 @@ def test_the_docs_option_table_names_every_option_and_no_other():
     assert not documented - fields, f"{doc}'s option table names unknown options {sorted(documented - fields)}"
 
 
+def test_the_option_docs_are_made_from_the_fields_and_docs_api_md_holds_what_they_make():
+    """Each option's meaning is written once, next to its field; docs/api.md's table and Options' docstring are
+    made from there, so neither can drift from the code (regenerate with ``python -m ckpt.options_doc --write
+    docs/api.md``)."""
+    from ckpt import options_doc
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "api.md")
+    text = open(path, encoding="utf-8").read()
+    assert options_doc.replace_in(text, options_doc.table()) == text, (
+        "docs/api.md's option table differs from ckpt/options.py: run python -m ckpt.options_doc --write docs/api.md")
+    for f in dataclasses.fields(Options):
+        assert f.metadata.get("doc"), f"option {f.name} has no doc next to its field"
+        assert f"    {f.name}: " in (Options.__doc__ or ""), f"Options' docstring lacks {f.name}"
+    sig = inspect.signature(ckpt.Checkpointer.__init__)
+    line = next(ln for ln in text.splitlines() if ln.startswith("**`Checkpointer(path, *"))
+    for name in set(sig.parameters) - {"self", "path", "options"}:
+        assert f" {name}=" in line, f"docs/api.md's Checkpointer signature lacks {name}"
+
+
 # -- what ranks tell each other ----------------------------------------------------------------------------
 
 def test_records_survive_the_store():

@@ -53,10 +53,6 @@ class AsyncCheckpoint(CheckpointBase):
             no trigger is given).
         train_time_interval: save when this much time (``timedelta`` or seconds) has passed since
             the last save, checked after each training batch.
-        keep_last: keep only the newest N committed steps (the step a run resumed from is kept too).
-        local_dir: a fast local directory staged in front of ``url`` (e.g. NVMe in front of
-            ``s3://``): chunks are written there first, uploaded behind, and read from there on
-            resume when their hash matches.
         resume: at the start of a fit with no ``ckpt_path`` on a fresh trainer (global step 0), load
             the newest committed step. A ``ckpt_path`` given to ``fit`` wins; it may also name a ckpt
             checkpoint (this url, or ``<url>/steps/<step:012d>``).
@@ -68,10 +64,8 @@ class AsyncCheckpoint(CheckpointBase):
             (``[signal.SIGTERM, signal.SIGUSR1]``) reaches any rank, save at the end of the current
             batch on every rank, wait until that step is committed and stop the fit (on by default;
             with several ranks this adds one small all-reduce per batch).
-        every: like ``Checkpointer(every=...)``: N steps, a duration (``"30min"``) or ``"auto"``
-            (Young/Daly from the measured stall, with ``mtbf`` and ``max_overhead`` passed here too).
-        allow_pickle: store non-plain objects in the checkpoint dict with pickle (off: refused).
-        **checkpointer_options: any other :class:`~ckpt.Options` (``codec``, ``chunk_size``, ``busy``,
+        keep_last, local_dir, allow_pickle, **checkpointer_options: the options of ``Checkpointer``
+            (:class:`~ckpt.Options`, documented there once: ``every``, ``codec``, ``chunk_size``, ``busy``,
             ``io_threads``, ``storage_options``, ``timeout``, ``keep_every`` …), checked here.
     """
 
