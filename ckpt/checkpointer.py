@@ -88,7 +88,15 @@ class Checkpointer:
     @classmethod
     def from_options(cls, path: str | os.PathLike, options: Options, *, process_group: Any = None,
                      storage: Storage | None = None) -> Checkpointer:
-        """A Checkpointer with options already built (and checked) by :meth:`Options.build`."""
+        """A Checkpointer with options already built (and checked) by :meth:`Options.build`.
+
+        Args:
+            path, process_group, storage: as for the constructor.
+            options: the options, built.
+
+        Returns:
+            Checkpointer: open, as ``Checkpointer(path, **options)`` would be.
+        """
         self = cls.__new__(cls)
         self._open(path, options, process_group, storage)
         return self
@@ -300,9 +308,15 @@ class Checkpointer:
 
     # -- when to save ---------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """True if ``step`` is to be saved: the ``every`` interval says so, or a ``preemption`` signal
-        reached any rank (then it is the emergency save). Call it on every rank after every step;
-        every rank gets the same answer."""
+        """Whether to save ``step``. Call it on every rank after every step; every rank gets the same answer.
+
+        Args:
+            step: the training step just done.
+
+        Returns:
+            bool: True if the ``every`` interval says so, or a ``preemption`` signal reached any rank (then
+            this is the emergency save).
+        """
         self._check_open()
         return self._schedule.should_save(step)
 
@@ -339,7 +353,11 @@ class Checkpointer:
         self._loader.partial = None
 
     def protect(self, step: int) -> None:
-        """Never let retention delete ``step`` (the step this run resumed from is protected already)."""
+        """Never let retention delete ``step`` (the step this run resumed from is protected already).
+
+        Args:
+            step: a step number, committed or to come.
+        """
         self._retention.protect(step)
 
     def adopt_buffer(self, donor: Checkpointer) -> None:
@@ -347,7 +365,11 @@ class Checkpointer:
 
         For one training job writing to several roots in turn (Lightning's top-k paths): a save
         whose structure matches the donor's last reuses its buffer; the buffer's own lock orders
-        the two, so a save waits until the donor's last save has finished reading it."""
+        the two, so a save waits until the donor's last save has finished reading it.
+
+        Args:
+            donor: another Checkpointer of this process.
+        """
         self._snapshots.adopt(donor._snapshots)
 
     # -- loading --------------------------------------------------------------------------------------
@@ -415,16 +437,34 @@ class Checkpointer:
 
     # -- queries --------------------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """The committed steps, ascending."""
+        """The committed steps.
+
+        Returns:
+            list[int]: ascending.
+        """
         return self._loader.steps()
 
     def latest(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest committed step.
+
+        Returns:
+            int | None: None when nothing is committed.
+        """
         steps = self.steps()
         return steps[-1] if steps else None
 
     def manifest(self, step: int) -> mf.Manifest:
-        """The parsed manifest of a committed step (what ``ckpt inspect`` shows)."""
+        """The parsed manifest of a committed step (what ``ckpt inspect`` shows).
+
+        Args:
+            step: a committed step.
+
+        Returns:
+            Manifest: its tensors, structure and chunk table.
+
+        Raises:
+            CheckpointNotFoundError: the step is not committed.
+        """
         return self._manifests.get(step)
 
     # -- lifetime -------------------------------------------------------------------------------------

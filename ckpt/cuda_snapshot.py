@@ -273,7 +273,14 @@ def fence(stream: torch.cuda.Stream | None = None) -> None:
 
     The optimizer pre-step hook does this before every ``optimizer.step()``; call it yourself before
     changing saved CUDA parameters in place by other means. A copy stays fenced until it is done
-    (another optimizer on another stream must wait for it too)."""
+    (another optimizer on another stream must wait for it too).
+
+    Args:
+        stream: the CUDA stream to make wait; None: the current stream of each snapshot's device.
+
+    Raises:
+        ConfigError: a CUDA graph is being captured while a copy is in flight (wait for the save first).
+    """
     with _pending_lock:
         copies = list(_pending)
     for copy in copies:

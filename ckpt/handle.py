@@ -17,26 +17,47 @@ REFUSED_FOR_EARLIER = "failed in the background, so step"  # in the error of a s
 
 @dataclass
 class SaveMetrics:
-    """What one save cost. ``stall_s`` is the time the caller was blocked inside ``save()``."""
+    """What one save cost on this rank (``handle.metrics``).
+
+    Attributes:
+        step: the step.
+        stall_s: seconds the caller was blocked inside ``save()``.
+        raw_bytes: bytes of the state this rank saved.
+        written_bytes: bytes this save put in storage (new chunks, headers included)
+        chunks: chunks of this rank's part of the step.
+        chunks_written: chunks this save stored (the others were there already).
+        chunks_reused: chunks already stored (dedup): not written again
+        chunks_delta: chunks written as a delta of the chunk at their place in the previous save
+        host_bytes: host memory the snapshot buffers hold (twice the state with deltas)
+        duration_s: from the save() call until the step was committed
+        skipped: busy="skip" dropped this save
+        local_s: from the save() call until every chunk was durable in the first tier
+        persisted: uploaded to the checkpoint path (persist_every); False: committed to the local tiers only
+        peer_sent_bytes: redundancy: bytes this rank sent to peers (replicas, parity segments)
+        peer_stored_bytes: redundancy: bytes this rank stored for its peers (replicas, parity blocks)
+        peer_s: redundancy: seconds the exchange with peers took (after the snapshot)
+        encoded_bytes: raw bytes of the chunks this rank encoded (new chunks: codec choice and encode)
+        encode_cpu_s: CPU seconds the writer threads spent on them: what the codec costs the machine
+    """
 
     step: int
     stall_s: float = 0.0
     raw_bytes: int = 0
-    written_bytes: int = 0  # bytes this save put in storage (new chunks, headers included)
+    written_bytes: int = 0
     chunks: int = 0
     chunks_written: int = 0
-    chunks_reused: int = 0  # chunks already stored (dedup): not written again
-    chunks_delta: int = 0  # chunks written as a delta of the chunk at their place in the previous save
-    host_bytes: int = 0  # host memory the snapshot buffers hold (twice the state with deltas)
-    duration_s: float | None = None  # from the save() call until the step was committed
-    skipped: bool = False  # busy="skip" dropped this save
-    local_s: float | None = None  # from the save() call until every chunk was durable in the first tier
-    persisted: bool = True  # uploaded to the checkpoint path (persist_every); False: committed to the local tiers only
-    peer_sent_bytes: int = 0  # redundancy: bytes this rank sent to peers (replicas, parity segments)
-    peer_stored_bytes: int = 0  # redundancy: bytes this rank stored for its peers (replicas, parity blocks)
-    peer_s: float | None = None  # redundancy: seconds the exchange with peers took (after the snapshot)
-    encoded_bytes: int = 0  # raw bytes of the chunks this rank encoded (new chunks: codec choice and encode)
-    encode_cpu_s: float = 0.0  # CPU seconds the writer threads spent on them: what the codec costs the machine
+    chunks_reused: int = 0
+    chunks_delta: int = 0
+    host_bytes: int = 0
+    duration_s: float | None = None
+    skipped: bool = False
+    local_s: float | None = None
+    persisted: bool = True
+    peer_sent_bytes: int = 0
+    peer_stored_bytes: int = 0
+    peer_s: float | None = None
+    encoded_bytes: int = 0
+    encode_cpu_s: float = 0.0
 
 
 def as_checkpoint_error(step: int, e: BaseException) -> CheckpointError:
@@ -71,6 +92,10 @@ class SaveHandle:
         h = ckptr.save(step, state)          # Checkpointer("s3://b/run", local_dir="/nvme/ckpt")
         h.wait("local")                      # on NVMe; upload to S3 still running
         h.wait()                             # committed on S3
+
+    Attributes:
+        step: the step saved.
+        metrics: what the save cost (:class:`SaveMetrics`), filled in as it goes.
     """
 
     STAGES: tuple[Stage, ...] = ("snapshot", "local", "committed")
@@ -109,14 +134,29 @@ class SaveHandle:
         return "local" if self._local.is_set() else "snapshot"
 
     def done(self) -> bool:
-        """True once the save is committed or has failed (or was skipped)."""
+        """Whether the save has finished.
+
+        Returns:
+            bool: True once the save is committed or has failed (or was skipped).
+        """
         return self._future is None or self._future.done()
 
     def wait(self, stage: Stage = "committed", timeout: float | None = None) -> SaveMetrics:
-        """Block until the save reaches ``stage`` (default: committed); raise its
-        :class:`CheckpointError` if it failed first.
+        """Block until the save reaches ``stage``.
 
-        Raises ``TimeoutError`` if ``timeout`` seconds pass first (the save goes on)."""
+        Args:
+            stage: ``"snapshot"`` (already reached when ``save()`` returns), ``"local"`` (every chunk durable in
+                the first tier) or ``"committed"``.
+            timeout: seconds to wait at most; None waits as long as it takes.
+
+        Returns:
+            SaveMetrics: what the save cost so far.
+
+        Raises:
+            CheckpointError: the save failed before reaching ``stage`` (its own error).
+            TimeoutError: ``timeout`` passed first (the save goes on).
+            ConfigError: ``stage`` is not one of the stages.
+        """
         if stage not in self.STAGES:
             raise ConfigError(f"stage must be one of {self.STAGES}, got {stage!r}")
         if stage == "snapshot" or self._future is None:
@@ -139,7 +179,11 @@ class SaveHandle:
         return self.metrics
 
     def exception(self) -> CheckpointError | None:
-        """The failure of a finished save, or None (also None while it is still running)."""
+        """The failure of a finished save.
+
+        Returns:
+            CheckpointError | None: None if it succeeded or is still running.
+        """
         if self._future is None or not self._future.done():
             return None
         e = self._future.exception()
@@ -149,11 +193,19 @@ class SaveHandle:
         return as_checkpoint_error(self.step, e)
 
     def failure_unseen(self) -> CheckpointError | None:
-        """The failure of a finished save that nobody has looked at yet (marks it seen)."""
+        """The failure of a finished save that nobody has looked at yet (marks it seen).
+
+        Returns:
+            CheckpointError | None: None if there is none, or it was seen already.
+        """
         return None if self._observed else self.exception()
 
     def succeeded(self) -> bool:
-        """Committed (or skipped) without error; does not count as looking at an error."""
+        """Whether the save committed (or was skipped) without error; does not count as looking at an error.
+
+        Returns:
+            bool: False while it runs and when it failed.
+        """
         return self._future is None or (self._future.done() and self._future.exception() is None)
 
     def settle(self) -> None:

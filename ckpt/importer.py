@@ -293,6 +293,30 @@ def import_checkpoint(src: str | os.PathLike, url: str | os.PathLike, step: int,
     Refuses a step that is already committed (:class:`~ckpt.StepExistsError`) and a damaged source
     (:class:`~ckpt.CorruptCheckpointError`), before anything is written. Memory: safetensors files
     are read one at a time, but the whole step is held in memory for its one ``save()``.
+
+    Args:
+        src: the weights: a ``.safetensors`` file, a Hugging Face directory, a ``torch.save`` file or a DCP
+            directory.
+        url: the ckpt root to import into.
+        step: the step to commit.
+        key: the top-level key the tensors go under (None: keep a ``torch.save`` dict's own keys).
+        keys: name prefixes of the items to import (default: all).
+        strip_prefix: take the matched prefix off each name.
+        max_bytes: the most bytes the tensors the import builds may total (bytes or ``"2GiB"``; default 4x
+            the source's bytes).
+        **options: options of :class:`ckpt.Checkpointer`.
+
+    Returns:
+        ImportResult: the step committed, the source's format, how many tensors and bytes, and the names of
+        the values imported beside them.
+
+    Raises:
+        ConfigError: ``src`` is not a format the import reads, an argument is bad (it says which), or the
+            tensors would pass ``max_bytes``.
+        StepExistsError: the step is committed already.
+        CorruptCheckpointError: the source is damaged, or its metadata does not match its data.
+        UnsupportedValueError: the source holds objects the import refuses (pickled objects, containers nested
+            too deep, a DCP ``.metadata`` naming other classes).
     """
     flag("strip_prefix", strip_prefix)
     src, url = os.fspath(src), os.fspath(url)

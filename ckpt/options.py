@@ -360,11 +360,19 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
 
     @classmethod
     def build(cls, **options: Any) -> Options:
-        """Check every option (raising :class:`ConfigError` naming the bad one) and normalise them:
-        ``codec`` strings are parsed, paths become strings. Example::
+        """Check every option and normalise them: ``codec`` strings are parsed, paths become strings. Example::
 
             opts = ckpt.Options.build(keep_last=3, codec="zstd:3")     # ConfigError here if one is bad
             ckptr = ckpt.Checkpointer.from_options("runs/exp1", opts)
+
+        Args:
+            **options: options by name (the fields of :class:`Options`).
+
+        Returns:
+            Options: checked.
+
+        Raises:
+            ConfigError: an unknown option, or a bad value (it names the option).
         """
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(options) - set(names))
@@ -373,10 +381,22 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         return cls(**options)
 
     def replace(self, **changes: Any) -> Options:
-        """A copy with ``changes`` applied (and checked)."""
+        """A copy with ``changes`` applied.
+
+        Args:
+            **changes: options by name.
+
+        Returns:
+            Options: checked, as :meth:`build` checks.
+        """
         return Options.build(**{**self.as_dict(), **changes})
 
     def as_dict(self) -> dict[str, Any]:
+        """Every option by name.
+
+        Returns:
+            dict[str, Any]: what ``Options.build(**d)`` takes back.
+        """
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def _group(self, kind: type[G]) -> G:

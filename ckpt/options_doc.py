@@ -48,11 +48,11 @@ def _plain(markdown: str) -> str:
 
 def docstring(intro: str, fields: list[dataclasses.Field]) -> str:
     """``intro`` then one paragraph per field, ``name: meaning`` (the form of an Args section)."""
-    parts = [intro.rstrip(), ""]
+    parts = [intro.rstrip(), "", "    Args:"]
     for f in fields:
         default = f.metadata["shown"] or shown(f.default)
         parts.append(textwrap.fill(f"{f.name}: {_plain(f.metadata['doc'])} (default {default}).",
-                                   width=110, initial_indent="    ", subsequent_indent="        "))
+                                   width=110, initial_indent="        ", subsequent_indent="            "))
     return "\n".join(parts) + "\n"
 
 

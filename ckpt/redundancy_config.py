@@ -18,6 +18,12 @@ class Replicas:
     """``r`` copies of every chunk in ``r`` failure domains (the rank's own and r-1 peers'). Example::
 
         ckpt.Checkpointer("s3://b/run", local_dir="/nvme/ckpt", redundancy=ckpt.Replicas(2), persist_every=10)
+
+    Args:
+        copies: how many copies, the rank's own included: 2 to 16.
+
+    Raises:
+        ConfigError: ``copies`` out of range.
     """
 
     copies: int = 2
@@ -33,6 +39,13 @@ class Parity:
     ``parity`` of which may be lost. Storage ``(data + parity) / data`` of the state. Example::
 
         ckpt.Checkpointer("s3://b/run", local_dir="/nvme/ckpt", redundancy=ckpt.Parity(data=3, parity=1))
+
+    Args:
+        data: ranks of data per group.
+        parity: ranks of parity per group: how many of a group's failure domains may be lost.
+
+    Raises:
+        ConfigError: either is not a positive integer, or a group would pass 256 ranks.
     """
 
     data: int

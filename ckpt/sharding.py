@@ -42,7 +42,15 @@ class LocalShard:
         state = {"table": ckpt.LocalShard(local_rows, offsets=(start_row, 0), global_shape=(10, 64))}
 
     Loading fills ``tensor`` in place with that box of the saved global tensor, whatever world size
-    it was saved with."""
+    it was saved with.
+
+    Args:
+        tensor: this rank's box (any device), filled in place by a load.
+        offsets: where the box starts in the global tensor, one offset per dimension.
+        global_shape: the whole tensor's shape.
+
+    Raises:
+        ConfigError: the box does not fit the global shape."""
 
     __slots__ = ("tensor", "offsets", "global_shape")
 
@@ -78,7 +86,13 @@ class LocalShards:
     The pieces of every rank together tile the global tensor; pieces of one rank must not overlap.
     Saving stores each piece as a box of its own; loading fills each piece in place with that box of
     the saved tensor, whatever layout it was saved with. A rank holding none of the tensor passes
-    one empty piece (``LocalShard(torch.empty(0, 64), offsets=(0, 0), global_shape=(12, 64))``)."""
+    one empty piece (``LocalShard(torch.empty(0, 64), offsets=(0, 0), global_shape=(12, 64))``).
+
+    Args:
+        pieces: this rank's pieces, each a :class:`LocalShard` of the same global shape and dtype.
+
+    Raises:
+        ConfigError: no pieces, pieces of different global shapes or dtypes, or pieces that overlap."""
 
     __slots__ = ("pieces", "global_shape")
 
@@ -116,6 +130,9 @@ class PerRank:
 
         state = {"model": model, "loader": ckpt.PerRank(loader)}   # loader is Stateful
         state = {"model": model, "pos": ckpt.PerRank({"epoch": 0, "index": 0})}
+
+    Args:
+        value: this rank's value: plain values, tensors, or an object with ``state_dict()/load_state_dict()``.
     """
 
     ckpt_per_rank = True

@@ -45,9 +45,19 @@ class Reader(StorageReader):
 
         dcp.load(state, storage_reader=ckpt.dcp.Reader("s3://bucket/run", step="latest"))
 
-    ``step``: a step number, or ``"latest"`` (the newest committed step whose manifest parses).
-    ``allow_pickle``: hand DCP values the step stores pickled (unpickling runs code from the
-    checkpoint: only for checkpoints you trust). ``storage``: an opened storage instead of ``url``."""
+    Args:
+        url: the checkpoint root (a directory or an fsspec URL).
+        step: a step number, or ``"latest"`` (the newest committed step whose manifest parses).
+        storage_options: passed to fsspec (and, for ``s3://``, ckpt's S3 options).
+        allow_pickle: hand DCP values the step stores pickled (unpickling runs code from the checkpoint: only
+            for checkpoints you trust).
+        io_threads: threads for reading and checking chunks.
+        storage: an opened :class:`~ckpt.storage.base.Storage` instead of opening ``url``.
+
+    Raises:
+        ConfigError: a bad argument (it names it).
+        CheckpointNotFoundError: at ``dcp.load``, the step is not committed.
+    """
 
     def __init__(self, url: str | os.PathLike, *, step: int | str = "latest", storage_options: dict | None = None,
                  allow_pickle: bool = False, io_threads: int = 8, storage: Storage | None = None):

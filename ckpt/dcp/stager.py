@@ -131,6 +131,16 @@ class Stager(AsyncStager):
 
     ``should_synchronize_after_execute`` is True and :meth:`synchronize_staging` returns at once:
     ``stage`` returns only when every copy, CUDA ones included, is done.
+
+    Args:
+        native: use the compiled core's copy when it is built.
+        threads: threads for the CPU copy (default: cores, at most 8).
+        wait_s: seconds ``stage`` waits for the previous snapshot's save to be done with the buffer.
+        shared: allocate the buffer in shared memory (needed for DCP's process mode); ``False`` keeps it out of
+            ``/dev/shm`` for thread mode.
+
+    Raises:
+        ConfigError: a bad argument (it names it).
     """
 
     _synchronize_after_execute: bool = True
@@ -152,8 +162,18 @@ class Stager(AsyncStager):
         _live.add(self)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A copy of ``state_dict`` whose tensors are views into the host buffer (DTensors stay
-        DTensors, over a view of their local shard); other values are deep-copied."""
+        """Copy ``state_dict`` into the host buffer, once the previous snapshot's save is done with it.
+
+        Args:
+            state_dict: the state DCP stages.
+
+        Returns:
+            dict[str, Any]: a copy whose tensors are views into the host buffer (DTensors stay DTensors, over a
+            view of their local shard); other values are deep-copied.
+
+        Raises:
+            ConfigError: ``state_dict`` is not a dict.
+        """
         if not isinstance(state_dict, dict):
             raise ConfigError(f"stage needs a state dict, got {type(state_dict).__name__}")
         found = _tensors(state_dict)

@@ -96,13 +96,7 @@ class Writer(StorageWriter):
         dcp.save({"model": model.state_dict(), "optim": optim.state_dict()},
                  storage_writer=ckpt.dcp.Writer("s3://bucket/run", step=100, keep_last=3))
 
-    ``url``: the checkpoint root (a directory or an fsspec URL). ``step``: the step to commit (a step
-    already committed raises :class:`~ckpt.StepExistsError`). Options, checked here as the
-    Checkpointer checks them: ``local_dir``, ``storage_options``, ``codec``, ``chunk_size``,
-    ``keep_last``, ``keep_every``, ``io_threads``, ``timeout``, ``native``, ``snapshot_threads``,
-    ``allow_pickle`` (store non-tensor items that are not plain values as pickle), ``delta_chain``,
-    ``delta_budget``; ``storage``: an opened :class:`~ckpt.storage.base.Storage` instead of opening
-    ``url``. One Writer per save.
+    One Writer per save.
 
     Deltas (``codec="auto"`` or ``"smallest"`` with ``delta_chain`` > 1, the default): successive saves
     of this process into the same root, with the same items and shapes, store chunks as XOR deltas of
@@ -110,7 +104,20 @@ class Writer(StorageWriter):
     items' host copy between saves, in a pair of buffers that take turns (``ckpt/dcp/_pairs.py``):
     **host memory: twice this rank's items from the second save on** (once until then; one transient
     copy per save without deltas), on top of a ``ckpt.dcp.Stager``'s buffer. A save with other items
-    or shapes starts a new pair; ``delta_chain=1`` turns deltas off and frees the pair."""
+    or shapes starts a new pair; ``delta_chain=1`` turns deltas off and frees the pair.
+
+    Args:
+        url: the checkpoint root (a directory or an fsspec URL).
+        step: the step to commit.
+        storage: an opened :class:`~ckpt.storage.base.Storage` instead of opening ``url``.
+        **options: the Checkpointer's options (:class:`~ckpt.Options`), checked here as the Checkpointer checks
+            them, but for those that belong to a training loop (``every``, ``preemption``, ``mtbf``, ...:
+            refused, saying why).
+
+    Raises:
+        ConfigError: a bad or refused option (it names it).
+        StepExistsError: at ``dcp.save``, the step is committed already.
+    """
 
     def __init__(self, url: str | os.PathLike, *, step: int, storage: Storage | None = None, **options: Any):
         if not isinstance(url, (str, os.PathLike)):

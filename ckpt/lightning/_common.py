@@ -94,6 +94,16 @@ def load_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False) -> d
 
         sd = ckpt.lightning.load_checkpoint("runs/exp1")["state_dict"]
         model.load_state_dict(sd)
+
+    Args:
+        path: a ckpt root (its newest step is read) or one of its ``steps/<step>`` directories.
+        allow_pickle: unpickle values stored with pickle (only for checkpoints you trust).
+
+    Returns:
+        dict: Lightning's checkpoint dict, tensors on the CPU.
+
+    Raises:
+        CheckpointError: ``path`` is not a ckpt checkpoint, or reading it failed (a subclass says how).
     """
     flag("allow_pickle", allow_pickle)
     where = locate(path)

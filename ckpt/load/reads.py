@@ -38,18 +38,32 @@ Lend = Callable[[int], AbstractContextManager["torch.Tensor | None"]]
 
 @dataclass
 class LoadStats:
-    """What a load read. With a local tier (``local_dir``), also where the chunks came from."""
+    """What a load read on this rank (``Checkpointer.last_load``). With a local tier (``local_dir``), also
+    where the chunks came from.
+
+    Attributes:
+        step: the step.
+        chunks_read: chunks read (each once).
+        bytes_read: bytes read from storage (whole chunk objects, or the spans of them a box needed).
+        chunks: the hashes of the chunks read
+        local_chunks: chunks served by the local tier (None: no local tier)
+        remote_chunks: chunks read from the remote tier
+        local_rejected: local copies that failed their check
+        source: "local tiers" (local commits) or "checkpoint" (the checkpoint path)
+        peer_chunks: local commits: chunks this rank got from peers' tiers
+        rebuilt_chunks: local commits: chunks this rank rebuilt from parity
+    """
 
     step: int
     chunks_read: int = 0
     bytes_read: int = 0
-    chunks: list[str] = field(default_factory=list)  # the hashes of the chunks read
-    local_chunks: int | None = None  # chunks served by the local tier (None: no local tier)
-    remote_chunks: int | None = None  # chunks read from the remote tier
-    local_rejected: list[str] = field(default_factory=list)  # local copies that failed their check
-    source: str = "checkpoint"  # "local tiers" (local commits) or "checkpoint" (the checkpoint path)
-    peer_chunks: int | None = None  # local commits: chunks this rank got from peers' tiers
-    rebuilt_chunks: int | None = None  # local commits: chunks this rank rebuilt from parity
+    chunks: list[str] = field(default_factory=list)
+    local_chunks: int | None = None
+    remote_chunks: int | None = None
+    local_rejected: list[str] = field(default_factory=list)
+    source: str = "checkpoint"
+    peer_chunks: int | None = None
+    rebuilt_chunks: int | None = None
 
 
 class BoxRequest(NamedTuple):

@@ -49,7 +49,10 @@ Step = int | str | None  # a step number, or None / "latest" for the newest comm
 @dataclass(frozen=True)
 class Pickled:
     """A value saved with pickle. Readers never unpickle; load it with :meth:`Reader.load_into` and
-    ``allow_pickle=True`` if you trust the checkpoint."""
+    ``allow_pickle=True`` if you trust the checkpoint.
+
+    Args:
+        path: where the value is in the step (the key path :meth:`Reader.values` gives it under)."""
 
     path: str
 
@@ -95,7 +98,18 @@ class Reader:
 
     ``committed`` are the steps with a ``MANIFEST.json`` (ascending), ``incomplete`` the step
     directories without one (a save in progress, or one that never committed); both as of opening.
-    Each manifest is read at most once."""
+    Each manifest is read at most once.
+
+    Args:
+        url: a directory or fsspec URL, or an opened :class:`~ckpt.storage.base.Storage` used as it is.
+        storage_options: passed to fsspec (and, for ``s3://``, ckpt's S3 options).
+        threads: threads for reading and checking chunks.
+
+    Raises:
+        NotACheckpointError: nothing is there, or it holds no ckpt checkpoint.
+        NotARootError: ``url`` is a level of a root (its ``steps/``, a step) or holds roots; it names the root
+            meant.
+    """
 
     def __init__(self, url: str | os.PathLike | Storage, storage_options: dict | None = None, *, threads: int = 8):
         if isinstance(url, Storage):  # an open storage (a node's local tier, a test's)
@@ -119,21 +133,51 @@ class Reader:
 
     # -- what is there -----------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """The committed steps, ascending."""
+        """The committed steps (as of opening).
+
+        Returns:
+            list[int]: ascending.
+        """
         return list(self.committed)
 
     def latest(self) -> int | None:
+        """The newest committed step (as of opening).
+
+        Returns:
+            int | None: None when nothing is committed.
+        """
         return self.committed[-1] if self.committed else None
 
     def step(self, step: Step = None) -> int:
-        """A committed step number: ``step`` itself, or the newest for None / ``"latest"``."""
+        """A committed step number.
+
+        Args:
+            step: a committed step number, or None / ``"latest"`` for the newest.
+
+        Returns:
+            int: the step.
+
+        Raises:
+            CheckpointNotFoundError: the step is not committed (or the root has none).
+            CorruptCheckpointError: its manifest does not parse or check.
+        """
         s = self._resolve(step)
         self.manifest(s)
         return s
 
     def manifest(self, step: Step = None) -> mf.Manifest:
-        """The parsed, checked manifest of a committed step (default: the newest); raises if the
-        step is not committed or its manifest does not parse."""
+        """The parsed, checked manifest of a committed step.
+
+        Args:
+            step: a committed step number, or None / ``"latest"`` for the newest.
+
+        Returns:
+            Manifest: its tensors (shards, chunks), structure and chunk table.
+
+        Raises:
+            CheckpointNotFoundError: the step is not committed.
+            CorruptCheckpointError: its manifest does not parse or check.
+        """
         s = self._resolve(step)
         if s not in self.committed:
             raise CheckpointNotFoundError(
@@ -145,7 +189,14 @@ class Reader:
         return m
 
     def find(self, step: int) -> mf.Manifest | None:
-        """The manifest of a committed step, or None if it is damaged (``errors`` says why)."""
+        """The manifest of a committed step, or None if it is damaged (``errors`` says why).
+
+        Args:
+            step: a committed step number.
+
+        Returns:
+            Manifest | None: the manifest, None where it cannot be read.
+        """
         return self.manifests.find(step)
 
     @property
@@ -162,11 +213,25 @@ class Reader:
 
     def earlier_chunks(self, step: int) -> set[str]:
         """Chunks referenced by committed steps before ``step`` (damaged manifests count for nothing).
-        A chunk of ``step`` is *new* if it is not in this set, *reused* otherwise."""
+        A chunk of ``step`` is *new* if it is not in this set, *reused* otherwise.
+
+        Args:
+            step: a step number (committed or not).
+
+        Returns:
+            set[str]: the chunks' names (hex digests).
+        """
         return set(self.chunk_holders(step))
 
     def chunk_holders(self, step: int) -> dict[str, int]:
-        """For every chunk of the committed steps before ``step``, the newest of them holding it."""
+        """For every chunk of the committed steps before ``step``, the newest of them holding it.
+
+        Args:
+            step: a step number (committed or not).
+
+        Returns:
+            dict[str, int]: chunk name -> step.
+        """
         out: dict[str, int] = {}
         for s in self.committed:
             if s >= step:
@@ -177,35 +242,74 @@ class Reader:
         return out
 
     def rank_files(self, step: int) -> list[str]:
-        """The rank reports in a step's directory (committed or not)."""
+        """The rank reports in a step's directory (committed or not).
+
+        Args:
+            step: a step number.
+
+        Returns:
+            list[str]: their file names (``rank-00000.json`` …).
+        """
         return [n for n in self.storage.list(paths.step_dir(step)) if n.startswith("rank-") and n.endswith(".json")]
 
     def chunk_count(self, steps: Sequence[int]) -> int:
-        """How many distinct chunks the readable manifests of ``steps`` reference (what verify reads)."""
+        """How many distinct chunks the readable manifests of ``steps`` reference (what verify reads).
+
+        Args:
+            steps: step numbers; damaged or missing ones count for nothing.
+
+        Returns:
+            int: the number of distinct chunks.
+        """
         return len({h for s in steps if (m := self.find(s)) is not None for h in m.chunks})
 
     # -- what `ckpt ls`, `ckpt inspect` and `ckpt gc` show --------------------------------------------
     def ls(self, *, verify: bool = False, local: Sequence[str] = (),
            progress: Callable[[int, int], None] | None = None) -> listing.Listing:
-        """Every step: committed (time, world size, raw / stored / new bytes), damaged, incomplete;
-        with ``verify`` every chunk re-read; with ``local`` (nodes' ``local_dir``) also the steps
-        committed only there and where each step is held. ``.to_json()``: what ``ckpt ls --json`` prints."""
+        """Every step: committed (time, world size, raw / stored / new bytes), damaged, incomplete.
+
+        Args:
+            verify: re-read and re-hash every chunk of every step.
+            local: nodes' ``local_dir`` paths: also the steps committed only there, and where each step is held.
+            progress: called as ``progress(chunks_done, bytes_done)`` while verifying.
+
+        Returns:
+            Listing: the steps; ``.to_json()`` is what ``ckpt ls --json`` prints.
+        """
         flag("verify", verify)
         return listing.ls(self, verify=verify, local=local, progress=progress)
 
     def inspect(self, step: Step = None, *, keys: str | Sequence[str] | None = None) -> listing.Inspection:
         """One step in depth: tensors (group, shards, codecs, new and reused chunks, delta bases, and for
         optimizer state its parameter's key where the step recorded it), values, bytes per group.
-        ``keys``: only tensors and values matching one (a glob with ``*?[``, else a prefix; optimizer
-        state also by its parameter's key). ``.to_json()``: what ``ckpt inspect --json`` prints."""
+
+        Args:
+            step: a committed step number, or None / ``"latest"`` for the newest.
+            keys: only tensors and values matching one (a glob with ``*?[``, else a prefix; optimizer state
+                also by its parameter's key).
+
+        Returns:
+            Inspection: ``.to_json()`` is what ``ckpt inspect --json`` prints.
+
+        Raises:
+            CheckpointNotFoundError: the step is not committed.
+        """
         return listing.inspect(self, self.step(step), [keys] if isinstance(keys, str) else keys)
 
     def gc(self, *, grace_s: float = 3600.0, keep_last: int | None = None, dry_run: bool = True,
            drop_after: int | None = None) -> collect.GcReport:
-        """Garbage older than ``grace_s`` seconds (orphan chunks, temp files, incomplete steps) and,
-        with ``keep_last``, the steps retention removes; with ``drop_after``, every step above it (a
-        rollback's abandoned steps); deleted only with ``dry_run=False``.
-        ``.to_json()``: what ``ckpt gc --json`` prints."""
+        """Garbage: orphan chunks, temporary files and incomplete steps older than ``grace_s``, and the
+        steps ``keep_last`` or ``drop_after`` remove.
+
+        Args:
+            grace_s: only what is older than this many seconds counts as garbage (a save may be under way).
+            keep_last: also the committed steps retention would remove, keeping the newest N.
+            drop_after: also every committed step above this one (a rollback's abandoned steps).
+            dry_run: only report (the default); ``False`` deletes.
+
+        Returns:
+            GcReport: what was (or would be) removed; ``.to_json()`` is what ``ckpt gc --json`` prints.
+        """
         flag("dry_run", dry_run)
         plan = collect.plan(self, grace_s=grace_s, keep_last=keep_last, drop_after=drop_after)
         removed = plan.remove if dry_run else collect.run(self, plan)
@@ -214,10 +318,21 @@ class Reader:
     # -- contents ----------------------------------------------------------------------------------
     def tensors(self, step: Step = None, keys: str | Sequence[str] | None = None, *, rank: int = 0
                 ) -> dict[str, torch.Tensor]:
-        """Whole tensors of a step (default: the newest), by key (``"model/0.weight"``), assembled
-        from the shards of any world size, every chunk verified. ``keys``: names or key prefixes
-        (``"model/"``) to read; only the chunks those need are read. Per-rank tensors are saved
-        rank ``rank``'s."""
+        """Whole tensors of a step by key (``"model/0.weight"``), assembled from the shards of any world
+        size, every chunk verified; only the chunks the keys need are read.
+
+        Args:
+            step: a committed step number, or None / ``"latest"`` for the newest.
+            keys: names or key prefixes (``"model/"``) to read; None reads every tensor.
+            rank: for per-rank tensors, the saved rank whose tensors to give.
+
+        Returns:
+            dict[str, torch.Tensor]: CPU tensors by key.
+
+        Raises:
+            ConfigError: no tensor matches ``keys``, or ``rank`` is not a saved rank.
+            CorruptCheckpointError: a chunk fails its check.
+        """
         m = self.manifest(step)
         wanted = _prefixes(keys)
         check_rank(m, rank)
@@ -233,9 +348,16 @@ class Reader:
 
     def values(self, step: Step = None, *, rank: int | None = None) -> dict[str, Any]:
         """The plain values of a step by key path: ``values(s)["step"]``,
-        ``values(s)["optim/param_groups"][0]["lr"]`` (a list is one value). Per-rank values come with a
-        ``[rank r]`` suffix, or only rank ``rank``'s when it is given.
-        Pickled values are :class:`Pickled` placeholders, never unpickled."""
+        ``values(s)["optim/param_groups"][0]["lr"]`` (a list is one value). Pickled values are
+        :class:`Pickled` placeholders, never unpickled.
+
+        Args:
+            step: a committed step number, or None / ``"latest"`` for the newest.
+            rank: only this saved rank's per-rank values; None gives every rank's, with a ``[rank r]`` suffix.
+
+        Returns:
+            dict[str, Any]: values by key path.
+        """
         m = self.manifest(step)
         if rank is not None:
             check_rank(m, rank)
@@ -258,12 +380,26 @@ class Reader:
 
     def load_into(self, state: dict[str, Any], step: Step = None, *, strict: bool = True,
                   allow_pickle: bool = False, rank: int = 0, world: int = 1, staged: bool = True) -> int:
-        """Load a committed step (default: the newest) into ``state`` in place, as
-        ``Checkpointer.load`` does, every chunk verified, and return the step; as rank ``rank`` of
-        ``world`` (default: one process taking everything). No writer, no leases, no process group.
-        ``allow_pickle=True`` unpickles pickled values: only for checkpoints you trust.
-        ``staged=False`` reads straight into the tensors (no staging copy, but a damaged chunk then
-        leaves them half-loaded)."""
+        """Load a committed step into ``state`` in place, as ``Checkpointer.load`` does, every chunk
+        verified, as rank ``rank`` of ``world``. No writer, no leases, no process group.
+
+        Args:
+            state: the state to fill.
+            step: a committed step number, or None / ``"latest"`` for the newest.
+            strict: refuse keys missing on either side.
+            allow_pickle: unpickle pickled values: only for checkpoints you trust.
+            rank, world: the part of a sharded state this process takes (default: one process, everything).
+            staged: read and verify everything before changing the state; ``False`` reads straight into the
+                tensors (no staging copy, but a damaged chunk then leaves them half-loaded).
+
+        Returns:
+            int: the step loaded.
+
+        Raises:
+            ConfigError: ``rank`` is not a rank of ``world``.
+            StateMismatchError: the state does not match the step (with ``strict``).
+            CorruptCheckpointError: a chunk fails its check (with ``staged``, the state is unchanged).
+        """
         flags(strict=strict, allow_pickle=allow_pickle, staged=staged)
         for name, n in (("world", world), ("rank", rank)):
             if isinstance(n, bool) or not isinstance(n, int):
@@ -282,16 +418,32 @@ class Reader:
     # -- checks and tools --------------------------------------------------------------------------
     def verify(self, step: Step = None, *, all: bool = False,
                progress: Callable[[int, int], None] | None = None) -> VerifyResult:
-        """Re-read and re-hash every chunk of a step (default: the newest) or of ``all`` committed
-        steps; ``result.ok``, and ``result.problems`` name each damaged or missing object.
-        ``progress(chunks_done, bytes_done)`` is called as chunks finish (of :meth:`chunk_count`)."""
+        """Re-read and re-hash every chunk of a step, or of every committed step.
+
+        Args:
+            step: a committed step number, or None / ``"latest"`` for the newest.
+            all: every committed step instead.
+            progress: called as ``progress(chunks_done, bytes_done)`` as chunks finish (of :meth:`chunk_count`).
+
+        Returns:
+            VerifyResult: ``ok``, and ``problems`` naming each damaged or missing object.
+        """
         flag("all", all)
         steps = self.steps() if all else [self.step(step)]
         return verify(self, steps, threads=self.threads, progress=progress)
 
     def diff(self, a: Step, b: Step, *, max_diff: bool = False) -> Diff:
-        """Tensors and values that differ between steps ``a`` and ``b`` (by chunk hashes where they
-        decide it, else by bytes; ``max_diff`` reads changed tensors for the largest difference)."""
+        """Tensors and values that differ between two steps (by chunk hashes where they decide it, else by
+        bytes).
+
+        Args:
+            a, b: the steps (numbers, or ``"latest"``).
+            max_diff: read changed tensors for their largest absolute difference.
+
+        Returns:
+            Diff: per tensor added / removed / changed / same (and how it was decided), and the values that
+                differ.
+        """
         flag("max_diff", max_diff)
         from .diff import diff
 
@@ -317,6 +469,26 @@ class Reader:
         default a ``config`` value of the step, else a warning)::
 
             ck.export("latest", "hf-out", format="hf", keys="model/", strip_prefix=True, dtype="bf16")
+
+        Args:
+            step: a committed step, or ``"latest"``.
+            path: the file or directory to write.
+            keys: names or key prefixes of the tensors to export (default: all; the model's for ``"hf"``).
+            strip_prefix: take the matched prefix off each name.
+            rank: for per-rank tensors, the saved rank whose tensors to export.
+            overwrite: replace ``path`` if it exists (else :class:`~ckpt.ConfigError`).
+            format: None (from the suffix), ``"hf"`` or ``"dcp"``.
+            dtype: cast floating tensors: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+            max_shard_size: for ``"hf"``: bytes per shard file, or ``"5GB"``-style sizes.
+            config: for ``"hf"``: a JSON file, or the key of the model's config saved in the step.
+
+        Returns:
+            ExportResult: where, the tensors written (dtype and shape by name), their bytes, and the values
+            written or skipped.
+
+        Raises:
+            ConfigError: a bad argument, ``path`` exists, or names the target format cannot hold.
+            CorruptCheckpointError: a chunk fails its check (no half-written file is left at ``path``).
         """
         flags(strip_prefix=strip_prefix, overwrite=overwrite)
         from .export import export
@@ -344,5 +516,17 @@ def open(url: str | os.PathLike | Storage, storage_options: dict | None = None) 
     state, verify, diff, export, and what ``ckpt ls`` / ``inspect`` / ``gc`` show. ``url`` is a
     directory or any fsspec URL; ``storage_options`` go to fsspec (and, for ``s3://``, ckpt's S3
     options); or ``url`` is an opened :class:`~ckpt.storage.base.Storage` (a test's faulty disk), used
-    as it is. Raises :class:`~ckpt.NotACheckpointError` if nothing is there."""
+    as it is.
+
+    Args:
+        url: a directory, an fsspec URL, or an opened storage.
+        storage_options: passed to fsspec (and, for ``s3://``, ckpt's S3 options).
+
+    Returns:
+        Reader: the root opened for reading (also a context manager that closes it).
+
+    Raises:
+        NotACheckpointError: nothing is there, or it is not a ckpt root (:class:`~ckpt.NotARootError` names
+            the root meant when ``url`` is a level of one).
+    """
     return Reader(url, storage_options)
