@@ -1,0 +1,343 @@
+"""Saves and loads at a node's bandwidth: storage held to 400 MB/s and 1 GB/s per rank, and unthrottled.
+
+    python benchmarks/bandwidth.py --size-gib 0.5 --repeats 3
+
+On a trained AdamW state (weights and both moments; fp32, and bf16 for everything), in one process
+(one rank), the same run measures, taking turns within each repeat:
+
+* ``ckpt auto`` and ``ckpt raw``: a steady ``Checkpointer`` (its first save, untimed, allocates the host
+  buffer), time from ``save()`` until the step is committed, and ``load`` into the state;
+* ``DCP async_save``: ``torch.distributed.checkpoint.async_save`` with its fsspec writer, time until its
+  future is done; ``DCP load`` with the fsspec reader;
+* ``safetensors``: ``safetensors.torch.save`` of the tensors, written as one object; read back with
+  ``safetensors.torch.load``.
+
+Between repeats the state takes one more training step (untimed), as it would between two saves.
+
+How the bandwidth is limited, the same for every method:
+
+* ``local``: a local directory behind an fsspec filesystem (``throttled://``) whose files draw every byte
+  written from one token bucket and every byte read from another, each at the rate (shared by all the
+  threads of the process, as one rank's share of a node's disks); unthrottled, the same filesystem
+  without buckets. Every method goes through fsspec here (ckpt's fsspec storage, DCP's
+  ``FsspecWriter``/``FsspecReader``, safetensors bytes through ``fs.pipe_file``/``cat_file``).
+* ``s3``: the local S3 server (``rclone serve s3``) behind a TCP proxy (``ckpt.testing.FaultProxy``) that
+  forwards each direction at the rate (one bucket per direction shared by every connection: one rank's
+  network share); every method reaches the server through it (s3fs underneath them all).
+
+Reported per method: medians of time to durable (committed) and load time, and the ratios the issue
+asks for (``auto/raw``, ``auto/DCP``). Prints a table, writes benchmarks/results/bandwidth.{json,md}.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")  # bf16 matmuls of the training steps (see README)
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import fsspec  # noqa: E402
+import torch  # noqa: E402
+from fsspec.implementations.local import LocalFileSystem  # noqa: E402
+from harness import banner, command, fmt, median, ratio, rounds, write_results  # noqa: E402
+
+import ckpt  # noqa: E402
+from ckpt.testing.s3 import FaultProxy, RcloneS3, TokenBucket, storage_options  # noqa: E402
+
+warnings.filterwarnings("ignore")
+MB = 1_000_000
+BUCKET = "ckpt-bw"
+PIECE = 1 << 20  # bytes a throttled file passes per bucket draw
+
+
+# -- the throttled local filesystem ---------------------------------------------------------------------------
+class _Throttled:
+    """A file object whose reads and writes draw from the filesystem's buckets."""
+
+    def __init__(self, f: Any, fs: ThrottledFS):
+        self._f, self._fs = f, fs
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), PIECE):
+            part = view[i:i + PIECE]
+            self._fs.draw("write", len(part))
+            self._f.write(part)
+        return len(view)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._fs.draw("read", len(data))
+        return data
+
+    def readinto(self, b: Any) -> int:
+        n = self._f.readinto(b)
+        self._fs.draw("read", n or 0)
+        return n
+
+    def __enter__(self) -> _Throttled:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+class ThrottledFS(LocalFileSystem):
+    """A local directory at ``rate`` bytes/s each way (``throttled:///path``); ``rate`` None: as fast as
+    the disk. Set the rate with :meth:`limit` (fsspec caches instances; the buckets are class-wide, one
+    rank's share)."""
+
+    protocol = "throttled"
+    buckets: dict[str, TokenBucket] = {}
+
+    @classmethod
+    def limit(cls, rate: float | None) -> None:
+        cls.buckets = {} if rate is None else {"write": TokenBucket(rate), "read": TokenBucket(rate)}
+
+    @classmethod
+    def draw(cls, direction: str, n: int) -> None:
+        bucket = cls.buckets.get(direction)
+        if bucket is not None and n:
+            wait = bucket.take(n)
+            if wait > 0:
+                time.sleep(wait)  # the bandwidth being modelled, not a synchronisation
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        path = str(path)
+        if path.startswith("throttled://"):
+            path = path[len("throttled://"):]
+        return super()._strip_protocol(path)
+
+    def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        return _Throttled(super()._open(path, mode, *args, **kwargs), self)
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        with self._open(self._strip_protocol(path), "rb") as f:
+            if start:
+                f.seek(start)
+            return f.read(-1 if end is None else end - (start or 0))
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        p = self._strip_protocol(path)
+        self.makedirs(self._parent(p), exist_ok=True)
+        with self._open(p, "wb") as f:
+            f.write(value)
+
+
+fsspec.register_implementation("throttled", ThrottledFS, clobber=True)
+
+
+# -- the state: a trained model and its AdamW moments -----------------------------------------------------------
+def trained_state(size_gib: float, dtype: torch.dtype, steps: int = 12, seed: int = 0) -> tuple[dict, Callable]:
+    """An MLP of square layers trained ``steps`` AdamW steps on a fixed regression, sized so weights and both
+    moments hold about ``size_gib``; returns its state (``model``, ``optim``) and a function that trains one
+    more step."""
+    torch.manual_seed(seed)
+    d = 1024
+    per_layer = d * d * torch.tensor([], dtype=dtype).element_size() * 3  # weight, exp_avg, exp_avg_sq
+    layers = max(2, int(size_gib * 2**30 // per_layer))
+    model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(d, d), torch.nn.GELU())])
+    model = model.to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    x = torch.randn(32, d, dtype=dtype)
+    y = torch.randn(32, d, dtype=dtype)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+
+    for _ in range(steps):
+        step()
+    return {"model": model, "optim": opt}, step
+
+
+def tensors_of(state: dict) -> dict[str, torch.Tensor]:
+    """The state's tensors by flat name (what DCP and safetensors are given)."""
+    out = {f"model/{k}": v for k, v in state["model"].state_dict().items()}
+    for i, s in state["optim"].state_dict()["state"].items():
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                out[f"optim/{i}/{k}"] = v
+    return out
+
+
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def plain_s3(so: dict) -> dict:
+    """s3fs options for the methods that use s3fs directly: checksums only where required, as ckpt's S3
+    storage asks too (rclone answers a ranged GET with the whole object's checksum, which botocore's default
+    validation refuses)."""
+    return {**so, "config_kwargs": {"request_checksum_calculation": "when_required",
+                                    "response_checksum_validation": "when_required"}}
+
+
+# -- one target at one rate ---------------------------------------------------------------------------------------
+def run_target(url: str, so: dict | None, state: dict, train: Callable[[], None], repeats: int,
+               fs: Any) -> dict[str, dict[str, float]]:
+    """Every method's (durable, load) seconds per repeat into ``url``; medians by method."""
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+    from torch.distributed.checkpoint import async_save as dcp_async_save
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    run = uuid.uuid4().hex[:8]
+    kw = {"storage_options": so} if so else {}
+    cps = {codec: ckpt.Checkpointer(f"{url}/{run}-{codec}", codec=codec, keep_last=2, **kw)
+           for codec in ("auto", "raw")}
+    dcp_kw = plain_s3(so) if so else {}
+    times: dict[str, dict[str, list[float]]] = {}
+    step_no = [0]
+
+    def keep(name: str, what: str, t: float) -> None:
+        times.setdefault(name, {}).setdefault(what, []).append(t)
+
+    def ckpt_method(codec: str) -> Callable[[int], None]:
+        def go(r: int) -> None:
+            c = cps[codec]
+            t0 = time.perf_counter()
+            c.save(step_no[0], state).wait()
+            t1 = time.perf_counter()
+            c.load(step_no[0], state)
+            t2 = time.perf_counter()
+            if r > 0:
+                keep(f"ckpt {codec}", "durable", t1 - t0)
+                keep(f"ckpt {codec}", "load", t2 - t1)
+        return go
+
+    def dcp(r: int) -> None:
+        flat = tensors_of(state)
+        where = f"{url}/{run}-dcp/{step_no[0]}"
+        t0 = time.perf_counter()
+        dcp_async_save(flat, storage_writer=FsspecWriter(where, **dcp_kw)).result()
+        t1 = time.perf_counter()
+        dcp_load(flat, storage_reader=FsspecReader(where, **dcp_kw))
+        t2 = time.perf_counter()
+        if r > 0:
+            keep("DCP async_save / load", "durable", t1 - t0)
+            keep("DCP async_save / load", "load", t2 - t1)
+
+    def safetensors(r: int) -> None:
+        flat = {k: v.contiguous() for k, v in tensors_of(state).items()}
+        where = f"{url}/{run}-st/{step_no[0]}.safetensors"
+        t0 = time.perf_counter()
+        fs.pipe_file(where, st_save(flat))
+        t1 = time.perf_counter()
+        back = st_load(fs.cat_file(where))
+        t2 = time.perf_counter()
+        assert back.keys() == flat.keys()
+        if r > 0:
+            keep("safetensors", "durable", t1 - t0)
+            keep("safetensors", "load", t2 - t1)
+
+    def before(r: int) -> None:
+        train()
+        step_no[0] += 1
+
+    contenders = {"ckpt auto": ckpt_method("auto"), "ckpt raw": ckpt_method("raw"), "DCP": dcp,
+                  "safetensors": safetensors}
+    rounds(contenders, repeats, warmup=1, before=before,
+           report=lambda r, name, _: print(f"    round {r} {name} done", flush=True))
+    for c in cps.values():
+        c.close()
+    return {name: {what: median(ts) for what, ts in d.items()} for name, d in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size-gib", type=float, default=0.5, help="weights + both moments (default 0.5)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rates", default="400,1000,0", help="MB/s, comma-separated; 0: unthrottled")
+    p.add_argument("--targets", default="local,s3")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args()
+    print(banner(), flush=True)
+    rates = [float(r) for r in args.rates.split(",")]
+    tmp = tempfile.mkdtemp(prefix="ckpt-bw-")
+    srv = None
+    results: list[dict[str, Any]] = []
+    try:
+        if "s3" in args.targets:
+            srv = RcloneS3(os.path.join(tmp, "server")).start()
+            srv.make_bucket(BUCKET)
+        for dname in args.dtypes.split(","):
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dname]
+            state, train = trained_state(args.size_gib, dtype)
+            size = nbytes(tensors_of(state))
+            for target in args.targets.split(","):
+                for rate in rates:
+                    label = f"{dname} {target} {'unthrottled' if not rate else f'{rate:g} MB/s'}"
+                    print(f"== {label} ({size / 2**30:.2f} GiB)", flush=True)
+                    proxy = None
+                    if target == "local":
+                        ThrottledFS.limit(rate * MB if rate else None)
+                        root = os.path.join(tmp, "local", uuid.uuid4().hex[:6])
+                        os.makedirs(root)
+                        url, so = f"throttled://{root}", None
+                        fs = fsspec.filesystem("throttled")
+                    else:
+                        assert srv is not None
+                        proxy = FaultProxy(srv.port, rate=rate * MB if rate else None)
+                        so = storage_options(proxy.endpoint)
+                        url = f"s3://{BUCKET}"
+                        fs = fsspec.filesystem("s3", skip_instance_cache=True, **plain_s3(so))
+                    try:
+                        med = run_target(url, so, state, train, args.repeats, fs)
+                    finally:
+                        if proxy is not None:
+                            proxy.close()
+                        ThrottledFS.limit(None)
+                    results.append({"dtype": dname, "target": target, "rate_mb_s": rate or None, "bytes": size,
+                                    "methods": med})
+                    for name, m in med.items():
+                        print(f"   {name:24s} durable {fmt(m['durable'])} s   load {fmt(m['load'])} s", flush=True)
+    finally:
+        if srv is not None:
+            srv.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    md = markdown(results, args)
+    print(md)
+    write_results(args.out, "bandwidth", md, {"command": command("bandwidth"), "machine": banner(),
+                                              "size_gib": args.size_gib, "repeats": args.repeats,
+                                              "results": results})
+
+
+def markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [f"`{command('bandwidth')}`", "", banner(), "",
+             "Seconds (medians); ratios below 1 favour ckpt auto.", "",
+             "| state | storage | bandwidth | method | durable s | load s |", "|---|---|---|---|---:|---:|"]
+    for r in results:
+        bw = "unthrottled" if not r["rate_mb_s"] else f"{r['rate_mb_s']:g} MB/s"
+        for name, m in r["methods"].items():
+            lines.append(f"| {r['dtype']} | {r['target']} | {bw} | {name} | {fmt(m['durable'])} | {fmt(m['load'])} |")
+    lines += ["", "| state | storage | bandwidth | durable auto/raw | durable auto/DCP | load auto/raw | "
+              "load auto/DCP |", "|---|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        bw = "unthrottled" if not r["rate_mb_s"] else f"{r['rate_mb_s']:g} MB/s"
+        m = r["methods"]
+        a, w, d = m["ckpt auto"], m["ckpt raw"], m["DCP async_save / load"]
+        lines.append(f"| {r['dtype']} | {r['target']} | {bw} | {ratio(a['durable'], w['durable'])} | "
+                     f"{ratio(a['durable'], d['durable'])} | {ratio(a['load'], w['load'])} | "
+                     f"{ratio(a['load'], d['load'])} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
