@@ -245,7 +245,7 @@ class Checkpointer:
         flag("persist", persist, none=True)
         self._check_open()
         if self._journal is not None:
-            self._journal.started(None, 0.0)  # a start that saves before (or without) a load: fresh
+            self._journal.started(None, 0.0)  # fresh: written now (as loaded, or without a load)
             self._journal.step = step
         self._loader.check_whole(step)
         self._ledger.claim(step)
@@ -390,7 +390,8 @@ class Checkpointer:
                           "on; saves are refused until then.)", *e.args[1:])
             raise
         if self._journal is not None:  # the first load of this start: the journal's start record
-            self._journal.started(None if done is None else done.manifest.step, time.perf_counter() - began)
+            self._journal.started(None if done is None else done.manifest.step, time.perf_counter() - began,
+                                  defer=done is None)
         if done is None:
             return None
         m, self.last_load = done.manifest, done.stats

@@ -150,12 +150,15 @@ def read(storage: Storage) -> list[StartRecord]:
     return sorted(out, key=lambda r: (r.time, r.id))
 
 
-def prune(storage: Storage, committed: set[int], *, keep_starts: int = KEEP_STARTS,
-          keep_saves: int = KEEP_SAVES) -> list[str]:
+def prune(storage: Storage, committed: set[int], *, keep_starts: int | None = None,
+          keep_saves: int | None = None) -> list[str]:
     """The journal objects ``gc`` removes: every object of the starts older than the newest
     ``keep_starts``, and past the newest ``keep_saves`` save records, those of steps no longer
     committed (except the steps a start resumed from: the lost work of a failure is measured from
-    them). A start's saves and stall so far stay in its ``seen.json``."""
+    them). A start's saves and stall so far stay in its ``seen.json``. (Defaults: ``KEEP_STARTS``,
+    ``KEEP_SAVES``.)"""
+    keep_starts = KEEP_STARTS if keep_starts is None else keep_starts
+    keep_saves = KEEP_SAVES if keep_saves is None else keep_saves
     names = sorted(n for n in storage.list(paths.JOURNAL) if paths.JOURNAL_START_RE.match(n))
     old, kept = names[:max(0, len(names) - keep_starts)], names[max(0, len(names) - keep_starts):]
     out = [f"{paths.JOURNAL}/{n}/{f}" for n in old for f in storage.list(f"{paths.JOURNAL}/{n}")]
@@ -199,20 +202,26 @@ class Journal:
         self.errors = 0  # writes that failed (the first one logged)
         self._history = history
         self._started = False
+        self._deferred: StartRecord | None = None  # a fresh start's record, until its first save
         self._saves = 0
         self._stall = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None  # started with the start record: no load nor save, no thread
 
     # -- from the Checkpointer ----------------------------------------------------------------------
-    def started(self, resumed_from: int | None, load_s: float) -> None:
-        """This start is under way (once): resumed from a step (None: fresh) after a load of ``load_s``."""
+    def started(self, resumed_from: int | None, load_s: float, *, defer: bool = False) -> None:
+        """This start is under way (once): resumed from a step (None: fresh) after a load of ``load_s``.
+        ``defer``: written only when the first save comes (a fresh start in a root that may not exist
+        yet writes nothing there before its first save)."""
         if self._started:
             return
+        rec = self._deferred or StartRecord(self.id, self.begin, self.world_size, socket.gethostname(),
+                                            resumed_from, load_s, self.clock())
+        if defer:
+            self._deferred = rec
+            return
         self._started = True
-        ready = self.clock()
-        self._queue.put(("start", StartRecord(self.id, self.begin, self.world_size, socket.gethostname(),
-                                              resumed_from, load_s, ready)))
+        self._queue.put(("start", rec))
         self._thread = threading.Thread(target=self._run, name="ckpt-journal", daemon=True)
         self._thread.start()
 
