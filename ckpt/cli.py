@@ -346,9 +346,9 @@ def print_goodput(g: Goodput, out: Out, where: str) -> None:
               [[s.index, _utc(s.begin), s.world_size, s.host, "fresh" if s.resumed_from is None else s.resumed_from,
                 _secs(s.ready - s.begin), _secs(s.load_s), _secs(s.end - s.begin), len(s.saves), _secs(s.stall_s),
                 s.ended] for s in g.starts], {0, 2, 5, 6, 7, 8, 9}, fit={3: "middle"}, drop=[3, 2, 9])
-    out.write(f"goodput {g.share(g.good_s):.1f}% of {_secs(g.wall_s)}; badput: checkpoint stalls "
-              f"{g.share(g.stall_s):.1f}%, lost work {g.share(g.lost_s):.1f}%, restart and load "
-              f"{g.share(g.restart_s):.1f}% (load {g.share(g.load_s):.1f}%)")
+    out.write(f"goodput {g.share(g.good_s):.1f}% of {_secs(g.wall_s)} from the first start to the last seen")
+    out.write(f"badput {g.share(g.wall_s - g.good_s):.1f}%: checkpoint stalls {g.share(g.stall_s):.1f}%, lost work "
+              f"{g.share(g.lost_s):.1f}%, restart and load {g.share(g.restart_s):.1f}% (load {g.share(g.load_s):.1f}%)")
     if g.failures:
         out.table(["failed start", "last seen (UTC)", "resumed from", "lost work", "lost steps", "down", "restart",
                    "load"],

@@ -26,7 +26,7 @@ from ckpt.testing import FaultyStorage, run_ranks
 
 def rec(name: str, t: float, ready: float, *, resumed: int | None = None, load_s: float = 0.0,
         saves: tuple = (), seen: float | None = None, step: int | None = None, closed: bool = False) -> StartRecord:
-    r = StartRecord(f"{int(t * 1000):015d}-{name:0>8}", t, 1, "host", resumed, load_s, ready, seen=seen, step=step,
+    r = StartRecord(f"{int(t * 1000):015d}-{name:0>8}", t, 1, "vm", resumed, load_s, ready, seen=seen, step=step,
                     closed=closed)
     r.saves = [SaveRecord(s, st, stall) for s, st, stall in saves]
     return r
@@ -152,7 +152,8 @@ def test_goodput_command_prints_the_table_and_draws_the_timeline_on_the_terminal
     assert cli.main(["goodput", str(tmp_path)]) == 0  # a root with a journal and no step yet is readable
     out = capsys.readouterr().out
     assert "4 start(s), 2 failure(s), MTBF observed 6.2min (12.5min up)" in out
-    assert "goodput 55.0% of 16.7min; badput: checkpoint stalls 0.5%, lost work 15.0%, restart and load 29.5%" in out
+    assert "goodput 55.0% of 16.7min" in out
+    assert "badput 45.0%: checkpoint stalls 0.5%, lost work 15.0%, restart and load 29.5% (load 1.2%)" in out
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     png = tmp_path / "t.png"
     assert cli.main(["goodput", str(tmp_path), "--plot", str(png)]) == 0
@@ -259,3 +260,31 @@ def test_gc_prunes_the_journal_past_its_bound(tmp_path, monkeypatch):
     assert [r.id for r in journal.read(st)] == starts[1:]
     assert ckpt.open(tmp_path).steps() == [6, 8]  # 6: the last run resumed from it
     assert ckpt.open(tmp_path).gc(dry_run=True).removed == []  # within the bound now
+
+
+def test_readme_sample_is_what_ckpt_goodput_prints(tmp_path):
+    """README's sample of `ckpt goodput` (a chaos run's, on a 92-column terminal) has the headers, lines
+    and legend it prints today."""
+    import io
+    import re
+    from pathlib import Path
+
+    from ckpt.console import Out
+    from ckpt.goodput_chart import LEGEND
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    sample = re.search(r"^```text\n\$ ckpt goodput .*?\n(.*?)^```$", readme, re.M | re.S).group(1).splitlines()
+    buf = io.StringIO()
+    cli.print_goodput(analyse(four_starts()), Out(buf, tty=True, width=200), "w/chaos")
+    printed = buf.getvalue().splitlines()
+
+    def summary(lines):  # numbers and their units as N
+        return [re.sub(r"[\d.]+(min|s|h)?", "N", x) for x in lines if x.startswith(("w/", "goodput", "badput"))]
+
+    def headers(lines):  # the words above each table's rule (a narrow terminal wraps them)
+        rules = [i for i, line in enumerate(lines) if line.startswith("───")]
+        return [sorted(" ".join(lines[max(0, i - 2):i]).split()[-n:]) for i, n in zip(rules, (13, 14))]
+
+    assert summary(sample) == summary(printed) and len(summary(sample)) == 3
+    assert headers(sample) == headers(printed)
+    assert sample[-1] == LEGEND and re.fullmatch(r" +0 +[\d.]+s", sample[-2])
