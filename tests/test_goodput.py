@@ -288,3 +288,11 @@ def test_readme_sample_is_what_ckpt_goodput_prints(tmp_path):
     assert summary(sample) == summary(printed) and len(summary(sample)) == 3
     assert headers(sample) == headers(printed)
     assert sample[-1] == LEGEND and re.fullmatch(r" +0 +[\d.]+s", sample[-2])
+
+
+def test_an_import_is_no_start_of_the_job(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(3)}, str(tmp_path / "w.safetensors"))
+    ckpt.import_checkpoint(str(tmp_path / "w.safetensors"), str(tmp_path / "ck"), step=0)
+    assert ckpt.open(tmp_path / "ck").steps() == [0] and not (tmp_path / "ck" / "journal").exists()
