@@ -48,7 +48,7 @@ class StartSummary:
     load_s: float
     saves: list[tuple[int, float]]  # (step, time) of its committed saves
     stall_s: float  # checkpoint stall in its kept part
-    ended: str  # "closed", "failed" or "last" (the newest start: running, or ended unseen)
+    ended: str  # "closed" (by close()), "failed", or "last" (the newest start, not closed: running, or died unseen)
     step: int | None  # the newest step its loop reported, as last seen
 
     def to_json(self) -> dict:
@@ -124,7 +124,7 @@ def _summary(i: int, rec: StartRecord, nxt: StartRecord | None) -> StartSummary:
     ready = _clip(rec.ready, rec.time, end)
     saves = [(s.step, s.time) for s in rec.saves if s.time <= end]
     if nxt is None or rec.closed:
-        kept, ended = end, "last" if nxt is None else "closed"
+        kept, ended = end, "closed" if rec.closed else "last"
     else:
         at = [t for s, t in saves if s == nxt.resumed_from]
         kept, ended = (_clip(at[-1], ready, end) if at else ready), "failed"

@@ -92,7 +92,7 @@ def check_lost_work(rep: dict, progress: list[list[str]]) -> None:
         unseen = sum(t > f["at"] for _, t in done)  # steps made after the journal last saw the run
         assert 0 <= redone - f["lost_steps"] <= unseen + 1, (redone, f, unseen)
         assert f["lost_s"] >= 0 and killed["killed_at"] - f["at"] < 2.0  # seen every 0.05 s, not every minute
-    assert g["runs"][-1]["ended"] == "last" and g["goodput_pct"] > 0
+    assert g["runs"][-1]["ended"] == "closed" and g["goodput_pct"] > 0  # the last run ran to its end
     assert abs(g["goodput_s"] + sum(g["badput"][k] for k in ("checkpoint_stall_s", "lost_work_s", "restart_load_s"))
                - g["wall_s"]) < 0.01
 

@@ -123,7 +123,7 @@ def test_real_runs_leave_a_start_per_run_a_record_per_save_and_a_failure_for_a_c
     first = train(tmp_path, range(1, 4), crash_at=3)  # saves 1 and 2, reports 3, dies on an exception
     second = train(tmp_path, range(3, 6))  # resumes from 2, closes cleanly
     g = ckpt.open(tmp_path).goodput()
-    assert [(s.resumed_from, s.ended, s.world_size) for s in g.starts] == [(None, "failed", 1), (2, "last", 1)]
+    assert [(s.resumed_from, s.ended, s.world_size) for s in g.starts] == [(None, "failed", 1), (2, "closed", 1)]
     assert [step for step, _ in g.starts[0].saves] == [1, 2] and [s for s, _ in g.starts[1].saves] == [3, 4, 5]
     recs = journal.read(LocalStorage(tmp_path))
     assert [s.stall_s for s in recs[0].saves + recs[1].saves] == [h.metrics.stall_s for h in first + second]
@@ -236,7 +236,7 @@ def test_under_two_ranks_only_the_coordinator_writes_one_start_per_start(tmp_pat
         ["save-000000000001.json", "save-000000000002.json", "seen.json", "start.json"],
         ["save-000000000003.json", "save-000000000004.json", "seen.json", "start.json"]]
     g = ckpt.open(tmp_path).goodput()
-    assert [(s.world_size, s.resumed_from, s.ended) for s in g.starts] == [(2, None, "closed"), (2, 2, "last")]
+    assert [(s.world_size, s.resumed_from, s.ended) for s in g.starts] == [(2, None, "closed"), (2, 2, "closed")]
 
 
 def test_gc_prunes_the_journal_past_its_bound(tmp_path, monkeypatch):
