@@ -197,7 +197,8 @@ def test_every_auto_plans_for_the_failure_rate_the_journal_observed(tmp_path, ca
         c = auto_interval_after_one_save(root)
     iv = c.interval
     assert iv.mtbf_s == (2 * 14400 + 750) / 4 < 14400
-    assert iv.young_daly_s == pytest.approx(math.sqrt(2 * iv.stall_s * iv.mtbf_s))  # shorter by √(14400 / mtbf)
+    assert iv.young_daly_s == pytest.approx(math.sqrt(2 * iv.stall_s * iv.mtbf_s))
+    assert iv.young_daly_s < 0.72 * math.sqrt(2 * iv.stall_s * 14400)  # shorter by √(14400 / 7387.5) ≈ 1.4
     assert "2 failures in 750s up" in iv.describe() and "plans for a failure every 7388s" in caplog.text
     c.close()
 
