@@ -59,7 +59,7 @@ def plot(g: Goodput, path: str | os.PathLike) -> None:
     matplotlib.use("Agg")  # a file, never a window
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * max(1, len(g.starts))))
+    fig, ax = plt.subplots(figsize=(10, 1.8 + 0.45 * max(1, len(g.starts))))
     t0 = g.starts[0].begin if g.starts else 0.0
     for s in g.starts:
         y = s.index
@@ -72,6 +72,13 @@ def plot(g: Goodput, path: str | os.PathLike) -> None:
             ax.plot([t - t0, t - t0], [y - 0.35, y + 0.35], color="black", linewidth=0.8)
         if s.ended == "failed":
             ax.plot([s.end - t0], [y], marker="x", color="#c00000", markersize=9, mew=2)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="#bbbbbb", label="start-up and load"), Patch(color="#3a7bd5", label="training kept"),
+                       Patch(color="#e4572e", label="work lost"), Line2D([], [], color="black", label="save"),
+                       Line2D([], [], color="#c00000", marker="x", linestyle="", label="failure")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, frameon=False, fontsize="small")
     ax.set_yticks([s.index for s in g.starts], [f"start {s.index}" for s in g.starts])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first start")
