@@ -12,7 +12,10 @@ started again, as a training job under a scheduler does. The harness
 3. after each kill, verifies the newest committed step (every chunk re-hashed) and starts the command
    again; the restarted run must resume from exactly that step (or start fresh if none was committed);
 4. lets the last run finish, and compares its newest step with the reference's: every tensor of every
-   rank bit for bit, and every plain value.
+   rank bit for bit, and every plain value;
+5. reports the goodput of the chaos runs from the run journal they left (:mod:`ckpt.goodput`): each
+   kill is a failure there, with the work it lost. The runs write their last-seen time every
+   ``CHAOS_SEEN_S`` seconds (not every minute), so that lost work is measured to within that.
 
 It watches the runs through the event record (:mod:`ckpt.events`) the command writes through ckpt, so
 the command needs no changes. Randomness comes from ``seed`` alone, so a failure can be replayed.
@@ -29,16 +32,21 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from . import events
-from .errors import ConfigError, NotACheckpointError
+from . import events, journal
+from .errors import CheckpointError, ConfigError, NotACheckpointError
 from .reader import Reader
+
+if TYPE_CHECKING:
+    from .goodput import Goodput
 
 PLACEHOLDER = "{dir}"
 POLL_S = 0.005  # how often the event record is read while waiting for a moment to kill
+CHAOS_SEEN_S = 0.05  # the runs' journal last-seen period
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Attempt:
     index: int
     plan: str  # what the harness meant to do: "during a save", "at 1.23 s of training", "to the end"
     killed: str | None = None  # what happened: "4 ms after the save of step 40 began", ...
+    killed_at: float | None = None  # when (seconds since the epoch)
     resumed_from: int | None = None  # the step its ranks loaded; None: started fresh
     fresh: bool = False
     rc: int | None = None
@@ -60,7 +69,8 @@ class Attempt:
         return not self.problems
 
     def to_json(self) -> dict:
-        return {"run": self.index, "plan": self.plan, "killed": self.killed, "resumed_from": self.resumed_from,
+        return {"run": self.index, "plan": self.plan, "killed": self.killed, "killed_at": self.killed_at,
+                "resumed_from": self.resumed_from,
                 "fresh": self.fresh, "rc": self.rc, "latest": self.latest, "verified": self.verified,
                 "problems": self.problems}
 
@@ -76,6 +86,7 @@ class Report:
     compared: int = 0  # tensors and values compared with the reference
     different: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # of the whole run (reference failed, …)
+    goodput: Goodput | None = None  # of the chaos runs, from their journal
 
     @property
     def kills_done(self) -> int:
@@ -89,7 +100,8 @@ class Report:
         return {"schema": "ckpt.chaos/1", "ok": self.ok, "command": self.command, "seed": self.seed,
                 "kills_asked": self.kills, "kills_done": self.kills_done, "reference_s": round(self.reference_s, 3),
                 "reference_step": self.reference_step, "runs": [a.to_json() for a in self.attempts],
-                "compared": self.compared, "different": self.different, "problems": self.problems}
+                "compared": self.compared, "different": self.different, "problems": self.problems,
+                "goodput": None if self.goodput is None else self.goodput.to_json()}
 
 
 class _Run:
@@ -97,7 +109,7 @@ class _Run:
 
     def __init__(self, argv: list[str], log: str, evfile: str):
         self.evfile = evfile
-        env = {**os.environ, events.ENV: evfile}
+        env = {journal.ENV_SEEN: str(CHAOS_SEEN_S), **os.environ, events.ENV: evfile}
         self._out = open(log, "wb")
         self.started = time.monotonic()
         try:
@@ -108,6 +120,7 @@ class _Run:
             raise ConfigError(f"cannot start {argv[0]!r}: {e}") from e
         self.log = log
         self.timed_out = False
+        self.killed_at: float | None = None
 
     def events(self) -> list[dict]:
         return events.read(self.evfile)
@@ -269,9 +282,10 @@ def _kill(r: _Run, plan: str, rng: random.Random, deadline: float) -> str | None
         what, scale = "{:.2f} s into training", 1.0
     if r.proc.poll() is not None:
         return None
-    since = time.time() - t
+    now = time.time()
     r.kill()
-    return what.format(since * scale)
+    r.killed_at = now
+    return what.format((now - t) * scale)
 
 
 def _check(a: Attempt, r: _Run, expect: int | None, ckdir: str) -> None:
@@ -354,6 +368,7 @@ def run(command: list[str], workdir: str, *, kills: int = 3, seed: int = 0, time
         deadline = time.monotonic() + timeout
         if i < kills:
             a.killed = _kill(r, plan, rng, deadline)
+            a.killed_at = r.killed_at
         a.rc = r.finish(deadline)
         _check(a, r, expect, chaos_dir)
         say(f"run {a.index}: {a.killed or f'ended with exit code {a.rc}'}; newest committed step {a.latest}"
@@ -363,6 +378,11 @@ def run(command: list[str], workdir: str, *, kills: int = 3, seed: int = 0, time
                 say(f"run {a.index} ended before the kill; no more kills")
             break
 
+    try:
+        with Reader(chaos_dir) as rd:
+            report.goodput = rd.goodput()
+    except CheckpointError:  # nothing there (the command never saved): no goodput to report
+        pass
     final = report.attempts[-1]
     if final.killed is None and final.rc == 0:
         if final.latest != report.reference_step:

@@ -31,6 +31,7 @@ from .flatten import flatten
 from .format import manifest as mf
 from .format.chunk import verify_object
 from .handle import REFUSED_FOR_EARLIER, SaveHandle, SaveLedger, SaveMetrics
+from .journal import Journal
 from .lease import Leases
 from .load.reads import staging_memory
 from .load.step_choice import Loader, LoadStats, RankMap
@@ -143,6 +144,8 @@ class Checkpointer:
                                       options.check_finite, pair=options.deltas)
         self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead,
                                   options.preemption_deadline, finish=self._ledger.settle)
+        self._journal = self._open_journal()  # the run journal: rank 0 writes it
+        self._clean_end = True  # False: closed by __exit__ on an exception (the journal says so)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
         self._loader = Loader(self.storage, self._comm, self._io, manifests, self._tiers,
                               staged=options.staged_load, lend=self._lend_buffer)
@@ -186,6 +189,31 @@ class Checkpointer:
 
         return open_local_commits(self.storage, self._comm, self.options, process_group, self._io,
                                   self._writer.in_use)
+
+    def _open_journal(self) -> Journal | None:
+        """The coordinator's run journal (:mod:`ckpt.journal`); with ``every="auto"``, the failures of
+        earlier starts it holds tune the interval (read on the journal's thread)."""
+        if self._comm.rank != 0:
+            return None
+        history = None
+        if self.options.every == "auto":
+            from .goodput import auto_mtbf
+
+            prior, schedule = self.options.mtbf, self._schedule
+
+            def history(records: list) -> None:
+                found = auto_mtbf(prior, records)
+                if found is not None:
+                    schedule.observe(*found)
+        return Journal(self.storage.durable_tier(), self._comm.world, history=history)
+
+    def _journal_save(self, step: int, wall: float, metrics: SaveMetrics) -> Callable[[Future], None]:
+        journal = self._journal
+
+        def committed(f: Future) -> None:  # on the commit thread: only queues
+            if journal is not None and not f.cancelled() and f.exception() is None:
+                journal.saved(step, wall, metrics.stall_s)
+        return committed
 
     def _after_commit(self, committed: mf.Manifest, persisted: bool) -> None:
         """Coordinator, after a commit: the checkpoint path's retention, when the save went there."""
@@ -243,9 +271,12 @@ class Checkpointer:
             CheckpointError: with ``on_save_error="raise"`` (the default), the error of an earlier save that
                 failed in the background, unseen (nothing is saved then: call again to retry).
         """
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         flag("persist", persist, none=True)
         self._check_open()
+        if self._journal is not None:
+            self._journal.started(None, 0.0)  # fresh: written now (as loaded, or without a load)
+            self._journal.step = step
         self._loader.check_whole(step)
         self._ledger.claim(step)
         events.emit("save", self.rank, step=step)
@@ -278,6 +309,8 @@ class Checkpointer:
         job = SaveJob(step=step, seq=seq, snapshot=snap, structure=flat.structure, metrics=metrics, started=started,
                       on_local=handle.mark_local, persist=persists, storage=self.storage.view(persists))
         self._ledger.add(handle)
+        if self._journal is not None:
+            future.add_done_callback(self._journal_save(step, wall, metrics))
         at_exit.saving(self, future)  # finished at interpreter exit, even if nobody closes this
         self._protocol.submit(job, future)
         self._schedule.saved(handle)
@@ -318,6 +351,8 @@ class Checkpointer:
             this is the emergency save).
         """
         self._check_open()
+        if self._journal is not None:
+            self._journal.step = step  # the last-seen record says how far the loop got
         return self._schedule.should_save(step)
 
     @property
@@ -406,6 +441,7 @@ class Checkpointer:
         flag("fallback", fallback)
         self._check_open()
         self._wait_pending()
+        began = time.perf_counter()
         strict = self.options.strict if strict is None else strict
         allow_pickle = self.options.allow_pickle if allow_pickle is None else allow_pickle
         try:
@@ -417,6 +453,9 @@ class Checkpointer:
                 e.args = (f"{e} (The state was partly overwritten before this failed: load a step before training "
                           "on; saves are refused until then.)", *e.args[1:])
             raise
+        if self._journal is not None:  # the first load of this start: the journal's start record
+            self._journal.started(None if done is None else done.manifest.step, time.perf_counter() - began,
+                                  defer=done is None)
         if done is None:
             return None
         m, self.last_load = done.manifest, done.stats
@@ -495,6 +534,8 @@ class Checkpointer:
             at_exit.untrack(self)
             self._schedule.close()
             self._commit_thread.shutdown(wait=True)
+            if self._journal is not None:  # after the commits: their records are queued
+                self._journal.close(clean=self._clean_end)
             self._retention_thread.close()
             self._io.shutdown(wait=True)
             self._leases.release()
@@ -518,6 +559,7 @@ class Checkpointer:
         if exc_type is None:
             self.close()
         else:  # don't hide the body's exception behind a save failure
+            self._clean_end = False
             try:
                 self.close()
             except CheckpointError as e:

@@ -8,6 +8,7 @@
     ckpt export  URL [--step S] --to FILE.safetensors|FILE.pt [--keys PREFIX] [--rank R]
     ckpt export  URL [--step S] --to DIR --format hf|dcp [--max-shard-size 5GB] [--dtype bf16] [--keys P --strip-prefix]
     ckpt import  SRC URL --step N [--key model | --top-level] [--keys PREFIX --strip-prefix]
+    ckpt goodput URL [--json] [--plot FILE.png]
     ckpt chaos   [--kills N] [--seed S] [--timeout T] [--workdir DIR] -- COMMAND ... {dir} ...
 
 URL is a directory or any fsspec URL (``--storage-option KEY=VALUE`` passes options). It needs no
@@ -22,7 +23,8 @@ import argparse
 import json
 import shutil
 import sys
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from . import cli_parser
 from .console import (
@@ -44,6 +46,9 @@ from .reader.collect import GcReport
 from .reader.listing import local_tiers, ls
 from .reader.verify import VerifyResult
 from .tree import preview
+
+if TYPE_CHECKING:
+    from .goodput import Goodput
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
 
@@ -253,7 +258,7 @@ def _print_gc(args: argparse.Namespace, rep: GcReport) -> None:
     for i in removed:
         counts[i.kind] = counts.get(i.kind, 0) + 1
     names = {"step": "retained-away step(s)", "chunk": "chunk(s) only they used", "orphan": "orphan chunk(s)",
-             "temp": "temp file(s)", "incomplete": "incomplete step(s)"}
+             "temp": "temp file(s)", "incomplete": "incomplete step(s)", "journal": "run journal record(s)"}
     parts = [f"{counts[k]} {names[k]}" for k in names if k in counts]
     out.write(f"{verb}: {', '.join(parts) or 'nothing'}; {human_bytes(rep.bytes)}")
     if plan.young:
@@ -317,6 +322,63 @@ def cmd_import(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- goodput ------------------------------------------------------------------------------------------
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+def _secs(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.1f}s" if s < 120 else f"{s / 60:.1f}min" if s < 7200 else f"{s / 3600:.1f}h"
+
+
+def print_goodput(g: Goodput, out: Out, where: str) -> None:
+    """``ckpt goodput``'s text (``ckpt chaos`` prints it too)."""
+    out.write(f"{where}: {len(g.starts)} start(s), {len(g.failures)} failure(s), MTBF observed {_secs(g.mtbf_s)} "
+              f"({_secs(g.exposure_s)} up)")
+    if not g.starts:
+        return
+    step = lambda s: "-" if s is None else str(s)  # noqa: E731
+    out.table(["start", "began (UTC)", "ranks", "host", "resumed from", "restart", "load", "up", "saves", "stall",
+               "ended"],
+              [[s.index, _utc(s.begin), s.world_size, s.host, "fresh" if s.resumed_from is None else s.resumed_from,
+                _secs(s.ready - s.begin), _secs(s.load_s), _secs(s.end - s.begin), len(s.saves), _secs(s.stall_s),
+                s.ended] for s in g.starts], {0, 2, 5, 6, 7, 8, 9}, fit={3: "middle"}, drop=[3, 2, 9])
+    out.write(f"goodput {g.share(g.good_s):.1f}% of {_secs(g.wall_s)} from the first start to the last seen")
+    out.write(f"badput {g.share(g.wall_s - g.good_s):.1f}%: checkpoint stalls {g.share(g.stall_s):.1f}%, lost work "
+              f"{g.share(g.lost_s):.1f}%, restart and load {g.share(g.restart_s):.1f}% (load {g.share(g.load_s):.1f}%)")
+    if g.failures:
+        out.table(["failed start", "last seen (UTC)", "resumed from", "lost work", "lost steps", "down", "restart",
+                   "load"],
+                  [[f.start, _utc(f.at), "fresh" if f.resumed_from is None else f.resumed_from, _secs(f.lost_s),
+                    step(f.lost_steps), _secs(f.down_s), _secs(f.restart_s), _secs(f.load_s)] for f in g.failures],
+                  {0, 2, 3, 4, 5, 6, 7})
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    g = _open(args).goodput()
+    if args.json:
+        _dump(g.to_json())
+    else:
+        print_goodput(g, Out(), args.url)
+    if args.plot:
+        from .goodput_chart import plot, terminal_chart
+
+        try:
+            plot(g, args.plot)
+        except ImportError:
+            print(f"ckpt: note: matplotlib is not installed (pip install 'ckpt[plot]'), so {args.plot} was not "
+                  "written; the timeline here instead:", file=sys.stderr)
+            out = Out(sys.stderr if args.json else sys.stdout)  # --json: stdout holds the document alone
+            for line in terminal_chart(g, out.width if out.tty else 100):
+                out.write(line)
+        else:
+            print(f"ckpt: wrote the timeline to {args.plot}", file=sys.stderr)
+    return EXIT_OK
+
+
 # -- chaos --------------------------------------------------------------------------------------------
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -356,6 +418,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         if any("rng" in n for n in report.different):
             out.write("(random states that differ: does the command seed Python's, numpy's and torch's "
                       "generators? If it need not, leave them out with --ignore PREFIX)")
+    if report.goodput is not None:
+        print_goodput(report.goodput, out, "the chaos runs")
     out.write(f"{report.kills_done} of {report.kills} kill(s) done, seed {report.seed}: "
               + ("every resume came from a committed step that verifies, and nothing differs" if report.ok
                  else "FAILED") + ("" if args.workdir or not args.keep else f" (runs kept in {workdir})"))
@@ -364,7 +428,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     return cli_parser.build_parser({"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff,
-                                    "gc": cmd_gc, "export": cmd_export, "import": cmd_import, "chaos": cmd_chaos})
+                                    "gc": cmd_gc, "export": cmd_export, "import": cmd_import, "chaos": cmd_chaos,
+                                    "goodput": cmd_goodput})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,6 +85,13 @@ def build_parser(commands: dict[str, Callable[[argparse.Namespace], int]]) -> ar
                      help="in each --local tier, keep only the newest N committed steps")
     gcp.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
 
+    gp = add("goodput", "starts, failures, observed MTBF, goodput and badput (stalls, lost work, restart and load), "
+                        "from the run journal")
+    gp.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
+    gp.add_argument("--plot", metavar="FILE.png",
+                    help="draw the timeline (each start a bar, saves as ticks, failures and lost work marked) into "
+                         "FILE with matplotlib (pip install 'ckpt[plot]'); without it, draw it on the terminal")
+
     exp = add("export", "write one step as a single unsharded .safetensors or .pt file, Hugging Face shards or a "
                         "plain DCP directory")
     exp.add_argument("--step", type=cli_types.step, help="step to export (default: the latest)")

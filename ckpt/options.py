@@ -210,7 +210,8 @@ class ScheduleOptions(_Record):
         "arrived is logged at once", shown="False")
     mtbf: float = _option(
         DEFAULT_MTBF, _seconds,
-        "mean time between failures in seconds that `every=\"auto\"` plans for (default 4 h)")
+        "mean time between failures in seconds that `every=\"auto\"` plans for (default 4 h); once the run journal "
+        "holds two failures, blended with the rate observed ([Goodput](#goodput-what-failures-cost-a-run))")
     max_overhead: float = _option(
         DEFAULT_MAX_OVERHEAD, _share,
         "the share of training time saves may stall it under `every=\"auto\"`")

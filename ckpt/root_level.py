@@ -53,6 +53,8 @@ def roots_meant(storage: Storage, where: str) -> tuple[str, list[str]] | None:
         return f"the {paths.CHUNKS}/ directory", [_parent(where)]
     if base in (paths.LEASES, paths.RETIRED) and all(n.endswith(".json") for n in names):
         return f"the {base}/ directory", [_parent(where)]
+    if base == paths.JOURNAL and all(paths.JOURNAL_START_RE.match(n) for n in names):
+        return f"the {base}/ directory", [_parent(where)]
     roots = [n for n in names[:PROBES] if storage.list(f"{n}/{paths.STEPS}")]
     if roots:
         return "a directory of checkpoint roots", [_join(where, n) for n in roots]

@@ -19,7 +19,9 @@ apart, so none has passed it) and the step itself alone.
 ``every="auto"`` is Young and Daly's first-order optimum τ = √(2·δ·M), where δ is the measured stall
 of a save (what the training loop waits for) and M the mean time between failures (``mtbf``),
 kept above δ / ``max_overhead`` (the stall budget, 2% of training time by default) and above the
-time the last save took to commit (never more often than saves complete).
+time the last save took to commit (never more often than saves complete). Once the run journal
+(:mod:`ckpt.journal`) holds enough failures of earlier starts, M is ``mtbf`` blended with the failure
+rate observed (:func:`ckpt.goodput.blend_mtbf`), and the interval says so.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class Interval:
     young_daly_s: float | None = None  # √(2·δ·M)
     budget_s: float | None = None  # δ / max_overhead
     commit_s: float | None = None  # how long the last save took to commit
+    mtbf_why: str | None = None  # where mtbf_s comes from, when not the mtbf option alone (the journal)
 
     def describe(self) -> str:
         if self.kind == "steps":
@@ -133,18 +136,20 @@ class Interval:
             if self.seconds is None:
                 return "auto: the first save measures the stall"
             why = (f"Young/Daly √(2·{self.stall_s:.3f}s·{self.mtbf_s:.0f}s) = {self.young_daly_s:.1f}s, "
-                   f"stall budget needs ≥ {self.budget_s:.1f}s, last save committed in {self.commit_s or 0:.1f}s")
+                   f"stall budget needs ≥ {self.budget_s:.1f}s, last save committed in {self.commit_s or 0:.1f}s"
+                   + (f"; {self.mtbf_why}" if self.mtbf_why else ""))
             return f"auto: every {self.seconds:.1f}s ({why})"
         return "only when asked"
 
 
-def auto_interval(stall_s: float, mtbf_s: float, max_overhead: float, commit_s: float | None) -> Interval:
+def auto_interval(stall_s: float, mtbf_s: float, max_overhead: float, commit_s: float | None,
+                  mtbf_why: str | None = None) -> Interval:
     """Young/Daly's interval for a save that stalls training ``stall_s``, bounded below by the stall
     budget and by how long a save takes to commit."""
     yd = math.sqrt(2 * stall_s * mtbf_s)
     budget = stall_s / max_overhead
     return Interval("auto", seconds=max(yd, budget, commit_s or 0.0), stall_s=stall_s, mtbf_s=mtbf_s,
-                    young_daly_s=yd, budget_s=budget, commit_s=commit_s)
+                    young_daly_s=yd, budget_s=budget, commit_s=commit_s, mtbf_why=mtbf_why)
 
 
 # -- signals ---------------------------------------------------------------------------------------------
@@ -240,6 +245,7 @@ class Schedule:
         self.every = every
         self.signals = signals
         self.mtbf = mtbf
+        self.mtbf_why: str | None = None  # set with mtbf by observe()
         self.max_overhead = max_overhead
         self.signalled: int | None = None  # set by the signal handler
         self.signalled_at: float | None = None  # time.monotonic() when it was
@@ -370,10 +376,18 @@ class Schedule:
             return "interval"
         return None
 
+    def observe(self, mtbf: float, why: str) -> None:
+        """Plan ``every="auto"`` for a mean time between failures of ``mtbf`` seconds from now on
+        (learnt from the run journal, on its thread; ``why`` says how)."""
+        if mtbf != self.mtbf:
+            log.info("every='auto' plans for a failure every %.0fs: %s", mtbf, why)
+        self.mtbf_why = why
+        self.mtbf = mtbf
+
     def _auto(self) -> float | None:
         if self._stall is None:
             return None  # no save measured yet: save now, to measure one
-        new = auto_interval(self._stall, self.mtbf, self.max_overhead, self._commit_s)
+        new = auto_interval(self._stall, self.mtbf, self.max_overhead, self._commit_s, self.mtbf_why)
         old = self.interval.seconds
         self.interval = new
         if old is None or abs(new.seconds - old) > 0.2 * old:  # type: ignore[operator]

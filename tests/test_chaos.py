@@ -39,6 +39,9 @@ def test_a_correct_training_script_survives_kills_during_saves_and_training(caps
     assert first["fresh"] and second["resumed_from"] == first["latest"] and last["resumed_from"] == second["latest"]
     assert all(r["verified"] for r in rep["runs"])
     assert rep["compared"] > 10 and not rep["different"]
+    g = rep["goodput"]  # from the chaos runs' journal: each kill a failure
+    assert (g["starts"], g["failures"]) == (3, 2) and [f["resumed_from"] for f in g["failure_list"]] == [
+        second["resumed_from"], last["resumed_from"]]
     assert sorted(os.listdir(work)) == ["chaos", "chaos-1.events", "chaos-1.log", "chaos-2.events", "chaos-2.log",
                                         "chaos-3.events", "chaos-3.log", "reference", "reference.events",
                                         "reference.log"]
@@ -58,16 +61,40 @@ def test_a_torchrun_job_is_killed_whole_and_resumes(capsys, monkeypatch):
     assert rep["compared"] > 20
 
 
-def test_a_script_that_forgets_its_data_position_is_caught(capsys, tmp_path, monkeypatch):
+def test_a_script_that_forgets_its_data_position_is_caught(capsys, tmp_path, tmp_path_factory, monkeypatch):
+    """And its goodput is reported from the runs' journal: the kill is a failure there, whose lost work,
+    in steps, is what the next run did again."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    progress = tmp_path_factory.mktemp("progress") / "steps"
     rc, rep = chaos(capsys, "--kills", "1", "--", sys.executable, os.path.join(HERE, "chaos_child.py"), "{dir}",
-                    "60", "5")
+                    "60", "5", str(progress))
     assert rc == 1 and not rep["ok"]
     killed, last = rep["runs"]
     assert killed["latest"] is not None and last["resumed_from"] == killed["latest"]  # the resume itself was right
     assert all(r["verified"] and not r["problems"] for r in rep["runs"])
     assert {"model/weight", "model/bias"} <= set(rep["different"])  # but the weights are not
     assert not os.listdir(tmp_path)  # without --workdir the runs were in a temporary directory, removed
+    check_lost_work(rep, [line.split() for line in progress.read_text().splitlines()])
+
+
+def check_lost_work(rep: dict, progress: list[list[str]]) -> None:
+    """The chaos runs' goodput: a failure per kill, each losing the steps the next run did again (the
+    journal's last-seen time trails the kill by at most the steps made after it). ``progress``: the
+    "pid step time" lines of the reference run, then of each chaos run."""
+    runs, g = rep["runs"], rep["goodput"]
+    assert g["starts"] == len(runs) and g["failures"] == rep["kills_done"] >= 1, json.dumps(g, indent=1)
+    pids = list(dict.fromkeys(p for p, _, _ in progress))[1:]  # each chaos run's, in order
+    assert len(pids) == len(runs)
+    for killed, after, f in zip(runs, runs[1:], g["failure_list"]):
+        assert f["resumed_from"] == after["resumed_from"] and f["at"] <= killed["killed_at"]
+        done = [(int(s), float(t)) for p, s, t in progress if p == pids[killed["run"] - 1]]
+        redone = max(s for s, _ in done) - (after["resumed_from"] or 0)  # steps the next run did again
+        unseen = sum(t > f["at"] for _, t in done)  # steps made after the journal last saw the run
+        assert 0 <= redone - f["lost_steps"] <= unseen + 1, (redone, f, unseen)
+        assert f["lost_s"] >= 0 and killed["killed_at"] - f["at"] < 2.0  # seen every 0.05 s, not every minute
+    assert g["runs"][-1]["ended"] == "closed" and g["goodput_pct"] > 0  # the last run ran to its end
+    assert abs(g["goodput_s"] + sum(g["badput"][k] for k in ("checkpoint_stall_s", "lost_work_s", "restart_load_s"))
+               - g["wall_s"]) < 0.01
 
 
 def test_usage_errors(capsys):

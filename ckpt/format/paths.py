@@ -8,6 +8,9 @@ A root holds (see docs/format.md)::
     steps/<step:012d>/parity-g<g>*       parity layout and blocks of a node's local tier (peers)
     leases/<id>.json                     who is writing into the root, renewed while they are
     retired/<id>.json                    chunks retention left for the last writer to delete
+    journal/<start>/start.json           the run journal: one start of the job (rank 0 writes it)
+    journal/<start>/seen.json            that start's last-seen time, replaced every few minutes
+    journal/<start>/save-<step:012d>.json  a save that start committed: its time and stall
 
 Keys are relative to the root and use ``/``; a storage backend maps them to files or objects.
 """
@@ -20,6 +23,7 @@ STEPS = "steps"
 CHUNKS = "chunks"
 LEASES = "leases"
 RETIRED = "retired"
+JOURNAL = "journal"
 MANIFEST = "MANIFEST.json"
 
 STEP_DIR_RE = re.compile(r"^\d{12,19}$")  # step_dir's own names: 12 digits, more for steps >= 10**12
@@ -51,6 +55,22 @@ def lease_key(lease_id: str) -> str:
 
 def retired_key(name: str) -> str:
     return f"{RETIRED}/{name}"
+
+
+def journal_start_key(start: str) -> str:
+    return f"{JOURNAL}/{start}/start.json"
+
+
+def journal_seen_key(start: str) -> str:
+    return f"{JOURNAL}/{start}/seen.json"
+
+
+def journal_save_key(start: str, step: int) -> str:
+    return f"{JOURNAL}/{start}/save-{step:012d}.json"
+
+
+JOURNAL_START_RE = re.compile(r"^\d{15}-[0-9a-f]{8}$")  # a start's name: its time in ms, then 8 random hex digits
+JOURNAL_SAVE_RE = re.compile(r"^save-(\d{12,19})\.json$")
 
 
 def parity_layout_name(group: int) -> str:

@@ -14,7 +14,9 @@ running right now (in another process) may be about to commit it:
 Optionally, retention (``keep_last``) deletes committed steps too, in the crash-safe order of
 :func:`ckpt.retention.delete_steps`. Nothing referenced by a committed manifest is ever deleted
 (except by that retention, manifest first), so a gc killed at any point leaves every committed
-step loadable. Chunks that retention elsewhere *parked* (``retired/``) are deleted too.
+step loadable. Chunks that retention elsewhere *parked* (``retired/``) are deleted too, and the run
+journal (``journal/``) is pruned past its bound (:func:`ckpt.journal.prune`): the starts before the
+newest 200, and past the newest 1,000 save records those of steps no longer committed.
 
 While a writer holds a live lease on the root (:mod:`ckpt.lease`), gc deletes no chunk, temp file
 or unfinished step: they may be that writer's, and a chunk it is about to reuse must not go. It
@@ -27,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .. import journal
 from ..format import manifest as mf
 from ..format import paths
 from ..format.chunk import is_chunk_hash
@@ -44,7 +47,8 @@ TMP_MARK = ".tmp-"
 class Item:
     """One object (or incomplete step directory) gc removes or keeps."""
 
-    kind: str  # "step" (retention), "chunk" (of a retained-away step, or parked), "orphan", "temp", "incomplete"
+    kind: str  # "step" (retention), "chunk" (of a retained-away step, or parked), "orphan", "temp", "incomplete",
+    # "journal" (a run journal record past its bound)
     key: str
     bytes: int
     age_s: float | None  # None: the backend does not report modification times
@@ -102,6 +106,9 @@ def plan(reader: Reader, *, grace_s: float, keep_last: int | None = None, now: f
     now = time.time() if now is None else now
     p = GcPlan(grace_s=grace_s, writers=[x for x in list_leases(storage) if x.kind == "writer" and x.live(now)])
     referenced = _retention(reader, p, keep_last, now, drop_after)
+    if not p.unreadable:  # journal records past the bound: a live writer's newest start is never among them
+        kept = set(reader.committed) - set(p.retention)
+        p.remove += [Item("journal", k, _size(storage, k), _age(storage, k, now)) for k in journal.prune(storage, kept)]
     if p.writers:  # a live writer: its chunks and unfinished work are not ours to judge
         return p
     _unfinished(reader, p, now)
@@ -203,6 +210,12 @@ def run(reader: Reader, p: GcPlan, delete_many: DeleteMany | None = None) -> lis
     with leases.deleting() as writers:
         p.writers = writers
         remaining = [s for s in reader.committed if s not in p.retention]
+        records = [i for i in p.remove if i.kind == "journal"]
+        delete_many([i.key for i in records])
+        for d in sorted({i.key.rsplit("/", 1)[0] for i in records}):
+            if not storage.list(d):
+                storage.delete(d)  # a pruned start's directory (where the backend has directories)
+        done += records
         if p.retention:
             _, doomed = delete_steps(storage, reader.manifests, p.retention, remaining, delete_many,
                                      park=bool(writers))

@@ -10,6 +10,7 @@
         ck.verify(all=True).ok                    # every chunk re-read and re-hashed
         ck.export(300, "model.safetensors", keys="model/", strip_prefix=True)
         ck.export(300, "hf-model", format="hf", keys="model/", strip_prefix=True)  # shards + index
+        ck.goodput().to_json()                    # starts, failures, goodput: what `ckpt goodput --json` prints
 
 The ``ckpt`` command line is built on it: each command is one call here, formatted there. Nothing
 here unpickles unless ``load_into`` is told to: a value saved with pickle comes back as a
@@ -40,6 +41,7 @@ from .verify import VerifyResult, verify
 if TYPE_CHECKING:  # tensors, diffs and exports import torch when first used: ls and inspect need none
     import torch
 
+    from ..goodput import Goodput
     from .diff import Diff
     from .export import ExportResult
 
@@ -126,7 +128,8 @@ class Reader:
             raise NotACheckpointError(f"{storage.describe()}: no such checkpoint directory")
         self.committed: list[int] = mf.committed_steps(storage)
         self.incomplete: list[int] = [s for s in mf.step_candidates(storage) if s not in set(self.committed)]
-        if not self.committed and not self.incomplete and not storage.list(paths.CHUNKS):
+        if not self.committed and not self.incomplete and not storage.list(paths.CHUNKS) \
+                and not storage.list(paths.JOURNAL):  # a run's journal alone: its first save never committed
             check_root_level(storage, self.url)  # a level of a root, or a directory of roots: name the root meant
             raise NotACheckpointError(f"{storage.describe()} holds no ckpt checkpoint (no steps, no chunks)")
         self.manifests = mf.ManifestCache(storage)
@@ -314,6 +317,15 @@ class Reader:
         plan = collect.plan(self, grace_s=grace_s, keep_last=keep_last, drop_after=drop_after)
         removed = plan.remove if dry_run else collect.run(self, plan)
         return collect.GcReport(self.url, plan, removed, dry_run)
+
+    def goodput(self) -> Goodput:
+        """The run's starts, failures (mean time between them, per failure the work lost, the restart
+        and the load), goodput and badput, from its journal (:mod:`ckpt.goodput` defines each);
+        ``.to_json()``: what ``ckpt goodput --json`` prints."""
+        from .. import journal
+        from ..goodput import analyse
+
+        return analyse(journal.read(self.storage))
 
     # -- contents ----------------------------------------------------------------------------------
     def tensors(self, step: Step = None, keys: str | Sequence[str] | None = None, *, rank: int = 0
