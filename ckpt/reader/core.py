@@ -319,9 +319,12 @@ class Reader:
         return collect.GcReport(self.url, plan, removed, dry_run)
 
     def goodput(self) -> Goodput:
-        """The run's starts, failures (mean time between them, per failure the work lost, the restart
-        and the load), goodput and badput, from its journal (:mod:`ckpt.goodput` defines each);
-        ``.to_json()``: what ``ckpt goodput --json`` prints."""
+        """What failures cost the run, from its journal (:mod:`ckpt.goodput` defines each figure).
+
+        Returns:
+            Goodput: the starts, the failures (mean time between them, per failure the work lost, the restart
+            and the load), goodput and badput; ``.to_json()`` is what ``ckpt goodput --json`` prints.
+        """
         from .. import journal
         from ..goodput import analyse
 
