@@ -328,7 +328,7 @@ def rounds(world: int) -> dict[str, dict[str, int]]:
     rounds of ``load("latest")`` (:class:`ckpt.load.step_choice.Loader`), with the documents they post
     and the reductions they run."""
     from ckpt.commit import Decision, Report, Status
-    from ckpt.load.step_choice import _failures, _oldest, _outcome, _ready
+    from ckpt.load.step_choice import _coordinators, _failures, _outcome, _ready
 
     cs = comms(world)
 
@@ -351,7 +351,7 @@ def rounds(world: int) -> dict[str, dict[str, int]]:
 
     def load(r: int) -> None:
         comm = cs[r]
-        comm.agree(100, _oldest)
+        comm.agree({"steps": [100], "root": None} if r == 0 else None, _coordinators)  # rank 0 listed
         comm.agree(_outcome(None), _ready)  # a rank that took every entry sends no bitmap
         comm.agree(_outcome(None), _failures)
 

@@ -81,6 +81,7 @@ class WriteAssignment:
     error: str | None = None
     mismatch: bool = False
     ranks: list[int] = field(default_factory=list)
+    fresh: list[int] = field(default_factory=list)  # of ``write``: where a pack of small replicated ones begins
 
     def raise_error(self) -> None:
         if self.error is None:
@@ -91,7 +92,7 @@ class WriteAssignment:
 
     def to_json(self) -> dict:
         return {"write": self.write, "per_rank": self.per_rank, "bytes": self.bytes, "error": self.error,
-                "mismatch": self.mismatch, "ranks": self.ranks}
+                "mismatch": self.mismatch, "ranks": self.ranks, "fresh": self.fresh}
 
     @classmethod
     def from_json(cls, doc: dict) -> WriteAssignment:
@@ -105,7 +106,10 @@ def _top(key: str, tops: set[str] | dict[str, str]) -> str | None:
     return head if head in tops else None
 
 
-def assign(invs: list[Inventory]) -> list[WriteAssignment]:
+PACK_BELOW = 64 * 1024  # a replicated box smaller than this is packed with its like, not balanced alone
+
+
+def assign(invs: list[Inventory], chunk_size: int = 16 << 20) -> list[WriteAssignment]:
     """Who writes what: one :class:`WriteAssignment` per rank, or the same error for every rank.
 
     * A top-level key is per-rank when some rank declares it (``PerRank``, ``RNGState``) or its
@@ -118,6 +122,12 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
       must cover the tensor. A box held by several ranks (replicated tensors, ``Replicate``
       placements) is written once, by the candidate with the fewest bytes so far, largest boxes
       first, so the bytes to write are balanced across ranks.
+    * Small boxes held by several ranks (below :data:`PACK_BELOW` and a quarter chunk: AdamW's 0-d
+      ``step`` per parameter) are packed, not spread one per rank: those held by the same ranks go
+      together in packs of at most ``chunk_size`` bytes, each pack to the holder with the fewest bytes
+      so far, last in its buffer and starting a chunk of its own (``fresh``). A rank loading them then
+      reads one chunk per pack it needs, not a chunk of every rank; the balance moves by at most a
+      pack per rank.
     """
     world = len(invs)
     bad = [r for r, inv in enumerate(invs) if inv.error is not None]
@@ -176,13 +186,45 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
                             f"{why} (boxes {desc}{' …' if len(boxes) > 6 else ''})")
         for box, holders in ent.boxes.items():
             items.append((holders[0][2], key, box, holders))
+    small = min(PACK_BELOW, chunk_size // 4)  # below the layout's "large": packed into shared chunks
+    packed = [it for it in items if len(it[3]) > 1 and it[0] < small]
     # Forced items (one holder) first, then the rest, largest first: greedy balancing.
-    items.sort(key=lambda it: (len(it[3]) > 1, -it[0], it[1], it[2]))
+    items = sorted((it for it in items if len(it[3]) == 1 or it[0] >= small),
+                   key=lambda it: (len(it[3]) > 1, -it[0], it[1], it[2]))
     for _nbytes, _key, _box, holders in items:
         r, i, nbytes = min(holders, key=lambda h: (loads[h[0]], h[0]))
         writes[r].append(i)
         loads[r] += nbytes
-    return [WriteAssignment(sorted(w), sorted(per_rank), loads[r]) for r, w in enumerate(writes)]
+    out = [sorted(w) for w in writes]
+    fresh: list[list[int]] = [[] for _ in range(world)]
+    for pack in _packs(packed, chunk_size):
+        r = min((h[0] for h in pack[0][3]), key=lambda q: (loads[q], q))
+        fresh[r].append(len(out[r]))
+        for _nbytes, _key, _box, holders in pack:
+            i, nbytes = next((i, n) for q, i, n in holders if q == r)
+            out[r].append(i)
+            loads[r] += nbytes
+    return [WriteAssignment(w, sorted(per_rank), loads[r], fresh=[w[j] for j in fresh[r]])
+            for r, w in enumerate(out)]
+
+
+def _packs(items: list[tuple], chunk_size: int) -> list[list[tuple]]:
+    """Small replicated boxes in packs: those with the same holders together, in key order, each pack
+    at most ``chunk_size`` bytes as the layout places them (each on a cache line: 64 bytes at least)."""
+    groups: dict[tuple[int, ...], list[tuple]] = {}
+    for it in sorted(items, key=lambda it: (it[1], it[2])):
+        groups.setdefault(tuple(h[0] for h in it[3]), []).append(it)
+    out: list[list[tuple]] = []
+    for group in groups.values():
+        size = chunk_size  # the first item opens a pack
+        for it in group:
+            room = -(-max(it[0], 1) // 64) * 64
+            if size + room > chunk_size:
+                out.append([])
+                size = 0
+            out[-1].append(it)
+            size += room
+    return out
 
 
 @dataclass
@@ -196,7 +238,7 @@ class _Shared:
 
 # -- the plan round -------------------------------------------------------------------------------
 
-def exchange_plan(comm: Comm, seq: int, inventory: Inventory) -> WriteAssignment:
+def exchange_plan(comm: Comm, seq: int, inventory: Inventory, chunk_size: int = 16 << 20) -> WriteAssignment:
     """Send this rank's inventory; the coordinator answers every rank with its assignment.
     Raises the assignment's error (the same on every rank) if the save cannot go ahead."""
 
@@ -207,7 +249,7 @@ def exchange_plan(comm: Comm, seq: int, inventory: Inventory) -> WriteAssignment
                                           "rank at the same save)", ranks=got.missing).to_json()] * comm.world
         invs = [Inventory(error=got.errors[r]) if r in got.errors else Inventory.from_json(got.docs[r])
                 for r in range(comm.world)]
-        return [a.to_json() for a in assign(invs)]
+        return [a.to_json() for a in assign(invs, chunk_size)]
 
     doc = comm.round("plan", seq).run(inventory.to_json(), plan, what=f"save {seq}'s plan", each=True)
     answer = WriteAssignment.from_json(doc)
