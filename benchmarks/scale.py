@@ -120,7 +120,8 @@ def law(points: dict[int, float], div: float, degree: int = 1) -> str:
     if degree == 2 and len(coeffs) == 3:
         terms = [f"{c:.3g}{x}" for c, x in zip(coeffs, ("·N²", "·N", "")) if abs(c) > 1e-6]
         return " + ".join(terms).replace("+ -", "- ") or "0"
-    return f"{coeffs[0] / div:+.3g} per rank"
+    slope = coeffs[0] / div
+    return f"{slope if abs(slope) > 1e-9 else 0.0:+.3g} per rank"  # a flat line fits to ±1e-18
 
 
 # Each row: (label, how to get the value from one case, unit divisor, digits).
