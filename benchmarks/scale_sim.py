@@ -154,7 +154,7 @@ def rank_report(writer: Writer, flat: Flat, answer: WriteAssignment, rank: int, 
     layout (:func:`make_layout` over the tensors the plan gave it) and the chunks it wrote."""
     keys = list(flat.tensors)
     write = [keys[i] for i in answer.write]
-    layout = make_layout({k: flat.tensors[k] for k in write}, chunk_size)
+    layout = make_layout({k: flat.tensors[k] for k in write}, chunk_size, frozenset(keys[i] for i in answer.fresh))
     puts = [_Put(fake_hash(rank, i), mf.ChunkInfo(c.length, c.length + HEADER_SIZE, "raw/1"), "created")
             for i, c in enumerate(layout.chunks)]
     snapshot = SimpleNamespace(buffer=SimpleNamespace(layout=layout), leaves={k: flat.leaves[k] for k in write})
@@ -247,10 +247,10 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
             for q in range(1, world):
                 comm.shared.get(f"plan/0/{q}", time.monotonic() + comm.timeout)
             t = time.thread_time()
-            answer = exchange_plan(comm, 0, inv)
+            answer = exchange_plan(comm, 0, inv, chunk_size)
             plan_s.append(time.thread_time() - t)
         else:
-            answer = exchange_plan(comm, 0, inv)
+            answer = exchange_plan(comm, 0, inv, chunk_size)
         del inv
         with one_at_a_time:
             part = rank_report(make_writer(disks[r]), ranks.flat(r), answer, r, step, chunk_size)
@@ -314,10 +314,11 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
     feeds = plan.reads
     match_s = time.thread_time() - t
     assert not plan.stages  # loading on the world size that saved: every box is a saved shard
-    sources = {int(h[:12], 16) for h in feeds}
+    sources = {int(h[:12], 16) for h in feeds}  # the writer of each chunk (fake_hash)
     return {"load_parse_s": parse_s, "load_match_s": match_s, "load_get_bytes": disk.read_bytes,
             "load_get_requests": sum(disk.calls.values()), "load_manifest_rss": mem.held,
             "load_parse_peak_rss": mem.peak, "load_chunks": len(feeds), "load_source_ranks": len(sources),
+            "load_other_chunks": sum(1 for h in feeds if int(h[:12], 16) != r),
             "tensors": len(m.tensors), "shards": sum(len(t.shards) for t in m.tensors), "chunks": len(m.chunks),
             "step_writers": len({t.shards[0].rank for t in m.tensors if not t.shape})}
 
@@ -328,7 +329,7 @@ def rounds(world: int) -> dict[str, dict[str, int]]:
     rounds of ``load("latest")`` (:class:`ckpt.load.step_choice.Loader`), with the documents they post
     and the reductions they run."""
     from ckpt.commit import Decision, Report, Status
-    from ckpt.load.step_choice import _failures, _oldest, _outcome, _ready
+    from ckpt.load.step_choice import _coordinators, _failures, _outcome, _ready
 
     cs = comms(world)
 
@@ -351,7 +352,7 @@ def rounds(world: int) -> dict[str, dict[str, int]]:
 
     def load(r: int) -> None:
         comm = cs[r]
-        comm.agree(100, _oldest)
+        comm.agree({"steps": [100], "root": None} if r == 0 else None, _coordinators)  # rank 0 listed
         comm.agree(_outcome(None), _ready)  # a rank that took every entry sends no bitmap
         comm.agree(_outcome(None), _failures)
 

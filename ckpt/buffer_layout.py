@@ -13,7 +13,9 @@ Layout rules:
 * a large tensor (at least a quarter chunk) starts a fresh chunk and is cut into ``chunk_size``
   pieces, its last piece ending where it ends, so partial reads of it touch only its own chunks;
 * small tensors are packed together into shared chunks of up to ``chunk_size`` bytes, so a
-  checkpoint is not thousands of tiny objects.
+  checkpoint is not thousands of tiny objects; a key of ``fresh`` starts a new one (the planner's
+  packs of small replicated tensors, which other ranks read: a pack in one chunk, without this
+  rank's own tensors).
 """
 
 from __future__ import annotations
@@ -88,13 +90,16 @@ def aligned(pos: int, nbytes: int, itemsize: int) -> int:
     return -(-pos // align) * align
 
 
-def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int) -> BufferLayout:
-    """Lay out ``tensors`` (in order) in one buffer and cut it into chunks."""
+def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int, fresh: frozenset[str] = frozenset()
+                ) -> BufferLayout:
+    """Lay out ``tensors`` (in order) in one buffer and cut it into chunks; the first byte of each
+    key of ``fresh`` starts a chunk."""
     slots: list[TensorSlot] = []
     chunks: list[ChunkSlot] = []
     large = max(ALIGN, chunk_size // 4)
     pos = 0
     pack_start = 0  # start of the open pack chunk; pack is empty while pack_start == pos
+    cut = False  # the next tensor with bytes starts a chunk
 
     def close_pack(end: int) -> None:
         nonlocal pack_start
@@ -105,6 +110,7 @@ def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int) -> BufferLayo
     for key, t in tensors.items():
         dtype_name(t.dtype)
         nbytes = t.numel() * t.element_size()
+        cut = cut or key in fresh
         if nbytes == 0:
             slots.append(TensorSlot(key, t.dtype, tuple(t.shape), pos, 0, t.device.type))
             continue
@@ -117,13 +123,14 @@ def make_layout(tensors: dict[str, torch.Tensor], chunk_size: int) -> BufferLayo
             pack_start = pos
         else:
             opens = pack_start == pos  # the first tensor of a new pack chunk
-            if opens or start + nbytes - pack_start > chunk_size:
+            if opens or cut or start + nbytes - pack_start > chunk_size:
                 start = -(-pos // ALIGN) * ALIGN  # a chunk starts on a cache line
                 if opens:
                     pack_start = start
                 else:
                     close_pack(start)
             pos = start + nbytes
+        cut = False
         slots.append(TensorSlot(key, t.dtype, tuple(t.shape), start, nbytes, t.device.type))
     close_pack(pos)
     # Chunks must tile the buffer without gaps (padding belongs to the chunk before it).

@@ -367,6 +367,7 @@ class CommitProtocol:
                 self.comm.round("commit", old).cleanup(("posts", "answer"))
                 self.comm.round("go", old).cleanup(("answer",))
                 self.comm.round("plan", old).cleanup(("posts", "answers"))
+                self.comm.round("plan-parts", old).cleanup(("posts", "answers"))  # where the plan asked for parts
             except DistributedSaveError as e:
                 log.error("%s", e)
 

@@ -4,8 +4,12 @@ records through one coordination round (:func:`exchange_plan`)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import tree as st
 from .errors import DistributedSaveError, StateMismatchError
@@ -81,6 +85,7 @@ class WriteAssignment:
     error: str | None = None
     mismatch: bool = False
     ranks: list[int] = field(default_factory=list)
+    fresh: list[int] = field(default_factory=list)  # of ``write``: where a pack of small replicated ones begins
 
     def raise_error(self) -> None:
         if self.error is None:
@@ -91,7 +96,7 @@ class WriteAssignment:
 
     def to_json(self) -> dict:
         return {"write": self.write, "per_rank": self.per_rank, "bytes": self.bytes, "error": self.error,
-                "mismatch": self.mismatch, "ranks": self.ranks}
+                "mismatch": self.mismatch, "ranks": self.ranks, "fresh": self.fresh}
 
     @classmethod
     def from_json(cls, doc: dict) -> WriteAssignment:
@@ -105,7 +110,10 @@ def _top(key: str, tops: set[str] | dict[str, str]) -> str | None:
     return head if head in tops else None
 
 
-def assign(invs: list[Inventory]) -> list[WriteAssignment]:
+PACK_BELOW = 64 * 1024  # a replicated box smaller than this is packed with its like, not balanced alone
+
+
+def assign(invs: list[Inventory], chunk_size: int = 16 << 20) -> list[WriteAssignment]:
     """Who writes what: one :class:`WriteAssignment` per rank, or the same error for every rank.
 
     * A top-level key is per-rank when some rank declares it (``PerRank``, ``RNGState``) or its
@@ -118,6 +126,12 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
       must cover the tensor. A box held by several ranks (replicated tensors, ``Replicate``
       placements) is written once, by the candidate with the fewest bytes so far, largest boxes
       first, so the bytes to write are balanced across ranks.
+    * Small boxes held by several ranks (below :data:`PACK_BELOW` and a quarter chunk: AdamW's 0-d
+      ``step`` per parameter) are packed, not spread one per rank: those held by the same ranks go
+      together in packs of at most ``chunk_size`` bytes, each pack to the holder with the fewest bytes
+      so far, last in its buffer and starting a chunk of its own (``fresh``). A rank loading them then
+      reads one chunk per pack it needs, not a chunk of every rank; the balance moves by at most a
+      pack per rank.
     """
     world = len(invs)
     bad = [r for r, inv in enumerate(invs) if inv.error is not None]
@@ -176,13 +190,45 @@ def assign(invs: list[Inventory]) -> list[WriteAssignment]:
                             f"{why} (boxes {desc}{' …' if len(boxes) > 6 else ''})")
         for box, holders in ent.boxes.items():
             items.append((holders[0][2], key, box, holders))
+    small = min(PACK_BELOW, chunk_size // 4)  # below the layout's "large": packed into shared chunks
+    packed = [it for it in items if len(it[3]) > 1 and it[0] < small]
     # Forced items (one holder) first, then the rest, largest first: greedy balancing.
-    items.sort(key=lambda it: (len(it[3]) > 1, -it[0], it[1], it[2]))
+    items = sorted((it for it in items if len(it[3]) == 1 or it[0] >= small),
+                   key=lambda it: (len(it[3]) > 1, -it[0], it[1], it[2]))
     for _nbytes, _key, _box, holders in items:
         r, i, nbytes = min(holders, key=lambda h: (loads[h[0]], h[0]))
         writes[r].append(i)
         loads[r] += nbytes
-    return [WriteAssignment(sorted(w), sorted(per_rank), loads[r]) for r, w in enumerate(writes)]
+    out = [sorted(w) for w in writes]
+    fresh: list[list[int]] = [[] for _ in range(world)]
+    for pack in _packs(packed, chunk_size):
+        r = min((h[0] for h in pack[0][3]), key=lambda q: (loads[q], q))
+        fresh[r].append(len(out[r]))
+        for _nbytes, _key, _box, holders in pack:
+            i, nbytes = next((i, n) for q, i, n in holders if q == r)
+            out[r].append(i)
+            loads[r] += nbytes
+    return [WriteAssignment(w, sorted(per_rank), loads[r], fresh=[w[j] for j in fresh[r]])
+            for r, w in enumerate(out)]
+
+
+def _packs(items: list[tuple], chunk_size: int) -> list[list[tuple]]:
+    """Small replicated boxes in packs: those with the same holders together, in key order, each pack
+    at most ``chunk_size`` bytes as the layout places them (each on a cache line: 64 bytes at least)."""
+    groups: dict[tuple[int, ...], list[tuple]] = {}
+    for it in sorted(items, key=lambda it: (it[1], it[2])):
+        groups.setdefault(tuple(h[0] for h in it[3]), []).append(it)
+    out: list[list[tuple]] = []
+    for group in groups.values():
+        size = chunk_size  # the first item opens a pack
+        for it in group:
+            room = -(-max(it[0], 1) // 64) * 64
+            if size + room > chunk_size:
+                out.append([])
+                size = 0
+            out[-1].append(it)
+            size += room
+    return out
 
 
 @dataclass
@@ -195,22 +241,136 @@ class _Shared:
 
 
 # -- the plan round -------------------------------------------------------------------------------
+# What crosses the store (issue 35 item 5: 40 MB at 64 ranks for a 70B state, 10 GB at 16,384, when
+# every rank sent its whole inventory). Most of an inventory is the same on every rank: per top-level
+# key, its layout and each tensor's key, kind, dtype and global shape (a "part"). A rank sends a digest
+# of each part and, compressed, what is its own: each tensor's box and bytes, the per-rank tensors
+# whole, its top-level digests (a few hundred bytes for a 70B state). The coordinator knows its own
+# parts; for a digest it has not seen (pipeline stages: a part per stage; a key whose plain values
+# differ), a second round asks the first rank holding it for the part. Answers travel compressed too.
 
-def exchange_plan(comm: Comm, seq: int, inventory: Inventory) -> WriteAssignment:
-    """Send this rank's inventory; the coordinator answers every rank with its assignment.
-    Raises the assignment's error (the same on every rank) if the save cannot go ahead."""
+def pack(value: object) -> str:
+    """``value`` (JSON) as deflated JSON, base64: how an inventory's own part and an answer travel."""
+    return base64.b64encode(zlib.compress(json.dumps(value, separators=(",", ":")).encode(), 6)).decode()
 
-    def plan(got: Gathered) -> list[dict]:
+
+def unpack(text: str) -> Any:
+    return json.loads(zlib.decompress(base64.b64decode(text)))
+
+
+def _digest(part: dict) -> str:
+    return hashlib.sha256(json.dumps(part, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def split(inv: Inventory) -> tuple[dict[str, dict], dict]:
+    """``inv`` as the parts ranks share, by top-level key (its layout; each tensor's key, kind, dtype,
+    global shape), and its own part (top-level digests, per-rank keys, and per tensor in order either
+    [top, offsets, lengths, bytes] or, per-rank, the whole row)."""
+    parts: dict[str, dict] = {}
+    rows: list[list] = []
+    for row in inv.tensors:
+        top = _top(row.key, inv.tops)
+        if row.kind == "rank" or top is None or top in inv.per_rank:
+            rows.append(list(row))
+            continue
+        part = parts.setdefault(top, {"layout": inv.layouts.get(top), "rows": []})
+        part["rows"].append([row.key, row.kind, row.dtype, row.global_shape])
+        rows.append([top, row.offsets, row.lengths, row.nbytes])
+    for top in inv.layouts:
+        parts.setdefault(top, {"layout": inv.layouts[top], "rows": []})
+    return parts, {"tops": inv.tops, "per_rank": inv.per_rank, "rows": rows}
+
+
+def join(parts: dict[str, dict], own: dict) -> Inventory:
+    """The inventory :func:`split` took apart."""
+    shared = {top: iter(part["rows"]) for top, part in parts.items()}
+    rows = []
+    for r in own["rows"]:
+        if len(r) == 4:
+            key, kind, dtype, shape = next(shared[r[0]])
+            rows.append(InventoryRow(key, kind, dtype, shape, r[1], r[2], r[3]))
+        else:
+            rows.append(InventoryRow(*r))
+    return Inventory(own["tops"], own["per_rank"], rows,
+                     layouts={top: p["layout"] for top, p in parts.items() if p["layout"] is not None})
+
+
+def _answer(a: WriteAssignment) -> dict:
+    """An assignment as it travels: the tensors written as deflated differences (runs of 1 mostly)."""
+    if a.error is not None:
+        return a.to_json()
+    steps = [i - before for before, i in zip([-1, *a.write], a.write)]
+    return {"w": pack(steps), "f": a.fresh, "p": a.per_rank, "b": a.bytes}
+
+
+def _assignment(doc: dict) -> WriteAssignment:
+    if "w" not in doc:
+        return WriteAssignment.from_json(doc)
+    write, at = [], -1
+    for step in unpack(doc["w"]):
+        at += step
+        write.append(at)
+    return WriteAssignment(write, doc["p"], doc["b"], fresh=doc["f"])
+
+
+def exchange_plan(comm: Comm, seq: int, inventory: Inventory, chunk_size: int = 16 << 20) -> WriteAssignment:
+    """Send this rank's inventory (digests of the parts ranks share, its own part compressed); the
+    coordinator answers every rank with its assignment, after asking in a second round for the parts
+    whose digest it has not seen. Raises the assignment's error (the same on every rank) if the save
+    cannot go ahead."""
+    parts, own = split(inventory)
+    digests = {top: _digest(part) for top, part in parts.items()}
+    known = {digests[top]: part for top, part in parts.items()} if comm.rank == 0 else {}
+    posted: dict[int, dict] = {}
+
+    def failed(got: Gathered) -> list[dict] | None:
         if got.missing:
             return [WriteAssignment(error=f"rank(s) {got.missing} did not join the save plan within "
                                           f"{comm.timeout:.0f}s (the state's structure must change on every "
                                           "rank at the same save)", ranks=got.missing).to_json()] * comm.world
-        invs = [Inventory(error=got.errors[r]) if r in got.errors else Inventory.from_json(got.docs[r])
-                for r in range(comm.world)]
-        return [a.to_json() for a in assign(invs)]
+        if got.errors:
+            return [_answer(a) for a in assign([Inventory(error=got.errors.get(r)) for r in range(comm.world)])]
+        return None
 
-    doc = comm.round("plan", seq).run(inventory.to_json(), plan, what=f"save {seq}'s plan", each=True)
-    answer = WriteAssignment.from_json(doc)
+    def plan() -> list[dict]:
+        invs = [join({top: known[d] for top, d in posted[r]["d"].items()}, unpack(posted[r]["p"]))
+                for r in range(comm.world)]
+        return [_answer(a) for a in assign(invs, chunk_size)]
+
+    def first(got: Gathered) -> list[dict]:
+        if (bad := failed(got)) is not None:
+            return bad
+        posted.update(got.docs)
+        asked: dict[str, tuple[int, str]] = {}  # an unseen digest: the first rank holding it, and its key
+        for r in range(comm.world):
+            for top, d in posted[r]["d"].items():
+                if d not in known:
+                    asked.setdefault(d, (r, top))
+        if not asked:
+            return plan()
+        send: list[list[str]] = [[] for _ in range(comm.world)]
+        for r, top in asked.values():
+            send[r].append(top)
+        return [{"send": tops} for tops in send]
+
+    def second(got: Gathered) -> list[dict]:
+        if (bad := failed(got)) is not None:
+            return bad
+        for r, sent in got.docs.items():
+            for top, text in (sent or {}).items():
+                part = unpack(text)
+                if _digest(part) != posted[r]["d"].get(top):
+                    raise DistributedSaveError(f"rank {r} sent a part of its inventory ({top!r}) that does not "
+                                               "match its digest", ranks=[r])
+                known[_digest(part)] = part
+        return plan()
+
+    what = f"save {seq}'s plan"
+    doc = comm.round("plan", seq).run({"d": digests, "p": pack(own)}, first, what=what, each=True)
+    if "send" in doc:  # the coordinator lacks parts: this rank sends those it was asked for
+        mine = {top: pack(parts[top]) for top in doc["send"]}
+        doc = comm.round("plan-parts", seq).run(mine, second, what=what, each=True)
+    answer = _assignment(doc)
     answer.raise_error()
     return answer
 

@@ -38,7 +38,8 @@ reading their parts, merging), and as long again whenever the coordinator's prog
 ``<name>/<seq>/progress``      how often the coordinator's gather moved on after a long wait
 =============================  =================================================================
 
-The rounds ckpt runs: ``plan``, ``go``, ``commit`` (one each per save, removed 16 saves later),
+The rounds ckpt runs: ``plan`` (and ``plan-parts`` where it asks for them), ``go``, ``commit`` (one
+each per save, removed 16 saves later),
 ``agree`` (numbered per Comm, each removed by the next), ``peers`` (once) and ``save`` (the next save
 the schedule asks for: a first-proposal-wins :meth:`Round.propose`, not a gathering).
 """

@@ -52,6 +52,7 @@ class Share:
 
     write: tuple[str, ...]
     per_rank: frozenset[str]
+    fresh: frozenset[str] = frozenset()  # where a pack of small replicated tensors starts a chunk
 
 
 @dataclass
@@ -125,14 +126,15 @@ class Snapshotter:
         if buf is not None and skip_if_busy and buf.busy and sig == self._signature:
             return None
         if buf is None or sig != self._signature or self._share is None:
-            answer = exchange_plan(self.comm, seq, Inventory.of(flat))
+            answer = exchange_plan(self.comm, seq, Inventory.of(flat), self.chunk_size)
             keys = list(flat.tensors)
-            share = Share(tuple(keys[i] for i in answer.write), frozenset(answer.per_rank))
+            share = Share(tuple(keys[i] for i in answer.write), frozenset(answer.per_rank),
+                          frozenset(keys[i] for i in answer.fresh))
             if buf is not None:  # the structure changed: wait for the old buffer, then let it go
                 buf.acquire()
                 buf.release()
             self.buffer = self.spare = buf = None
-            layout = make_layout({k: flat.tensors[k] for k in share.write}, self.chunk_size)
+            layout = make_layout({k: flat.tensors[k] for k in share.write}, self.chunk_size, share.fresh)
             buf = HostBuffer(layout, native=self.native, threads=self.threads, memory=self._reserved(layout.nbytes))
             self.buffer, self._signature, self._share = buf, sig, share
             self.layouts_made += 1

@@ -3,6 +3,7 @@ in-memory store that waits as a TCPStore does."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -202,3 +203,43 @@ def test_a_coordinator_that_fails_before_the_plan_tells_the_ranks_waiting_for_on
     for r in (1, 2):
         assert isinstance(raised[r], DistributedSaveError) and raised[r].ranks == [0]  # type: ignore[attr-defined]
         assert "save 3's plan failed on rank 0: ValueError: an unsupported value" in str(raised[r])
+
+
+def test_the_plan_round_sends_digests_and_each_part_the_ranks_share_once():
+    """Issue 35 item 5: a rank sends digests of the parts of its inventory the ranks share (per
+    top-level key: layout, keys, dtypes, shapes) and its own part compressed (boxes, bytes); the
+    coordinator asks in a second round for a part it has not seen, from one rank (here the first of
+    the second pipeline stage), and answers each rank compactly. The plan is :func:`assign`'s."""
+    import torch
+
+    import ckpt
+    from ckpt.flatten import flatten
+    from ckpt.planning import assign
+
+    def inventory(r: int, stages: int) -> Inventory:
+        per = 8 // stages
+        layers = range(r // per * 64, r // per * 64 + 64) if stages > 1 else range(64)
+        shard = lambda: ckpt.LocalShard(torch.zeros(2, 16), offsets=(2 * (r % per), 0),  # noqa: E731
+                                        global_shape=(2 * per, 16))
+        return Inventory.of(flatten({"model": {f"l{i}": shard() for i in layers},
+                                     "optim": {str(i): {"exp_avg": shard(), "step": torch.tensor(1.0)} for i in layers},
+                                     "rng": ckpt.PerRank(torch.full((2,), float(r)))}))
+
+    for stages in (1, 2):
+        invs = [inventory(r, stages) for r in range(8)]
+        out, raised, board = in_threads(8, lambda c, invs=invs: exchange_plan(c, 0, invs[c.rank], 64 * 1024),
+                                        timeout=30.0)
+        assert not raised, raised
+        direct = assign(invs, 64 * 1024)
+        assert [out[r] for r in range(8)] == direct and sum(len(a.write) for a in direct) > 8 * 64 * 2
+        sent = {r: len(board.keys[f"plan/0/{r}"]) for r in range(1, 8)}
+        whole = len(json.dumps(invs[1].to_json()))
+        assert max(sent.values()) * 10 < whole, (sent, whole)  # digests and deflated boxes, not the inventory
+        assert max(len(board.keys[f"plan{s}/0/answer/{r}"]) for r in range(1, 8) for s in ("", "-parts")
+                   if f"plan{s}/0/answer/{r}" in board.keys) < 300
+        parts = {r: json.loads(board.keys[f"plan-parts/0/{r}"])["v"] for r in range(1, 8)
+                 if f"plan-parts/0/{r}" in board.keys}
+        if stages == 1:  # every rank's parts are the coordinator's: one round
+            assert parts == {}
+        else:  # the second stage's parts, once, from its first rank
+            assert [r for r, p in parts.items() if p] == [4] and sorted(parts[4]) == ["model", "optim"]

@@ -67,6 +67,17 @@ def test_every_chunk_starts_on_a_cache_line_with_small_mixed_tensors():
         assert off % slot.dtype.itemsize == 0  # elements aligned within their chunk
 
 
+def test_a_fresh_key_starts_a_chunk_of_its_own():
+    """The planner's packs of small replicated tensors: each starts a chunk (an empty tensor first
+    passes the cut on), so a rank reading a pack reads none of the writer's own tensors."""
+    tensors = {**_tensors([100, 3000, 0, 4, 8]), "t5": torch.zeros((), dtype=torch.float32)}
+    plain = make_layout(tensors, 64 * 1024)
+    cut = make_layout(tensors, 64 * 1024, frozenset({"t2", "t5"}))
+    assert len(plain.chunks) == 1 and len(cut.chunks) == 3
+    starts = {c.offset for c in cut.chunks}
+    assert {s.key for s in cut.slots if s.offset in starts and s.nbytes} == {"t0", "t3", "t5"}
+
+
 def test_layout_is_stable_for_the_same_structure():
     a = make_layout(_tensors([5, 1 << 20, 17]), 1 << 20)
     b = make_layout(_tensors([5, 1 << 20, 17]), 1 << 20)
@@ -146,17 +157,51 @@ def inv(tensors, tops=None, per_rank=()):
 
 
 def test_replicated_tensors_are_written_once_with_balanced_bytes():
-    tensors = [[f"m/t{i}", "replicated", "float32", [n], [0], [n], 4 * n]
-               for i, n in enumerate([1000, 900, 800, 700, 600, 500, 400, 300])]
+    tensors = [[f"m/t{i}", "replicated", "float32", [n], [0], [n], 4 * n]  # 1.2-4 MB each: balanced, not packed
+               for i, n in enumerate([n * 1000 for n in (1000, 900, 800, 700, 600, 500, 400, 300)])]
     plans = assign([inv(tensors) for _ in range(3)])
     writes = [p.write for p in plans]
     assert sorted(i for w in writes for i in w) == list(range(8))  # each written exactly once
     loads = [p.bytes for p in plans]
-    assert max(loads) - min(loads) <= 4 * 1000
+    assert max(loads) - min(loads) <= 4 * 1000 * 1000 and not any(p.fresh for p in plans)
     # shards with one holder are forced, and a Replicate placement's duplicate boxes written once
     sh = [[["m/s", "shard", "float32", [10, 4], [r * 5, 0], [5, 4], 80]] for r in (0, 1, 0, 1)]
     plans = assign([inv(t) for t in sh])
     assert sum(len(p.write) for p in plans) == 2
+
+
+def test_small_replicated_tensors_are_packed_on_few_ranks_each_pack_a_chunk_of_its_own():
+    """Issue 35 item 6: AdamW's 0-d steps (one per parameter) and other small replicated boxes go in
+    packs, not one per rank: a load then reads one chunk per pack, not a chunk of every rank."""
+    world, chunk = 8, 64 * 1024
+    shard = [[f"m/w{i}", "shard", "float32", [world * 4096], [0], [4096], 16384] for i in range(40)]
+    steps = [[f"o/{i}/step", "replicated", "float32", [], [], [], 4] for i in range(40)]
+    norms = [[f"m/n{i}", "replicated", "float32", [2048], [0], [2048], 8192] for i in range(20)]  # 160 KiB
+    big = [["m/big", "replicated", "float32", [65536], [0], [65536], 262144]]  # not small: balanced alone
+
+    def rows(r):  # the shards interleaved with the small ones, as a flattened optimizer state is
+        own = [[k, kind, dt, g, [r * 4096], n, b] for k, kind, dt, g, _, n, b in shard]
+        return [x for pair in zip(own, steps) for x in pair] + norms + big
+
+    invs = [inv(rows(r), tops={"m": "same", "o": "same"}) for r in range(world)]
+    plans = assign(invs, chunk)
+    keys = [[invs[r].tensors[i].key for i in p.write] for r, p in enumerate(plans)]
+    small = {k for k, *_ in steps + norms}
+    packs = [[k for k in ks if k in small] for ks in keys]
+    assert sum(map(len, packs)) == len(small) and len([p for p in packs if p]) <= 3, packs  # 3 packs
+    for p, ks, pack in zip(plans, keys, packs):
+        if pack:  # last in the rank's buffer, each pack starting a chunk: 40 steps + 160 KiB of norms, two packs
+            assert ks[-len(pack):] == pack and len(p.fresh) >= 1 and p.fresh[0] == p.write[len(ks) - len(pack)]
+    assert sum(len(p.fresh) for p in plans) == 3  # 40·64 + 160 KiB in 64 KiB chunks: 3 packs
+    assert sum(len(k) for k in keys) == 40 * world + len(small) + 1
+    loads = [p.bytes for p in plans]
+    assert max(loads) - min(loads) <= 262144 + chunk  # the balance moves by a pack at most
+    # a small box held by some ranks only (tensor parallel's replicas) is packed among those ranks
+    tp = [inv([[f"m/ln{i}", "shard", "float32", [16], [r // 4 * 8], [8], 32] for i in range(3)])
+          for r in range(world)]
+    plans = assign(tp, chunk)
+    writers = [r for r, p in enumerate(plans) if p.write]
+    assert len(writers) == 2 and writers[0] < 4 <= writers[1] and all(len(plans[r].write) == 3 for r in writers)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -13,7 +13,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from .. import events
+from .. import errors, events
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -124,12 +124,9 @@ class Loader:
                 raise advise(err, "Load another step (ckptr.steps() lists them), or load('latest', state, "
                                    "fallback=True) for the newest that verifies.")
             return done
-        steps = self.steps()
-        if self.comm.world > 1:  # every rank must pick the same step, even if listings lag
-            newest = self.comm.agree(steps[-1] if steps else None, _oldest)
-            steps = [s for s in steps if newest is not None and s <= newest]
+        steps, root = self._listing()
         if not steps:
-            if self.storage.root_state() == "missing":  # a typo in the path must not pass for a new run
+            if root == "missing":  # a typo in the path must not pass for a new run
                 log.warning("starting fresh: nothing at %s (if this run should resume, check the path)",
                             self.storage.describe())
             else:
@@ -154,6 +151,31 @@ class Loader:
         raise CorruptCheckpointError(f"no committed step in {self.storage.describe()} loads cleanly; "
                                      f"the newest failed: {first_error}",
                                      object=first_error.object, chunk=first_error.chunk) from first_error
+
+    def _listing(self) -> tuple[list[int], str | None]:
+        """The committed steps and, when there are none, the root's state (a new run, or a wrong path?).
+
+        With several ranks only the coordinator lists (and HEADs each step's manifest) and hands its
+        answer to the others in the first ``agree`` round: a load costs one listing, not one per rank,
+        and every rank picks from the same steps. An error of that listing is raised on every rank,
+        of the same class."""
+        if self.comm.world == 1:
+            steps = self.steps()
+            return steps, None if steps else self.storage.root_state()
+        listing: dict | None = None  # the others post nothing of their own
+        err: CheckpointError | None = None
+        if self.comm.rank == 0:
+            try:
+                steps = self.steps()
+                listing = {"steps": steps, "root": None if steps else self.storage.root_state()}
+            except CheckpointError as e:
+                listing, err = {"error": type(e).__name__, "message": str(e)}, e
+        answer = self.comm.agree(listing, _coordinators)
+        if "error" in answer:
+            if self.comm.rank == 0 and err is not None:
+                raise err
+            raise _rebuilt(answer["error"], answer["message"])
+        return [int(s) for s in answer["steps"]], answer["root"]
 
     def _attempt(self, step: int, state: dict[str, Any], strict: bool, allow_pickle: bool, rank_map: RankMap | None,
                  manifest: mf.Manifest | None = None, before_read: Callable[[set[str]], None] | None = None
@@ -233,9 +255,17 @@ def _outcome(err: CheckpointError | None) -> dict:
             "mismatch": isinstance(err, StateMismatchError), "message": str(err)[:2000] if err is not None else ""}
 
 
-def _oldest(views: list[int | None]) -> int | None:
-    """The newest step every rank sees (None when some rank sees none)."""
-    return None if any(v is None for v in views) else min(v for v in views if v is not None)
+def _coordinators(views: list[Any]) -> Any:
+    """The coordinator's listing, for every rank (the others posted nothing of their own)."""
+    return views[0]
+
+
+def _rebuilt(name: str, message: str) -> CheckpointError:
+    """The coordinator's listing error as this rank raises it: the same class where it is ckpt's."""
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = CheckpointError
+    return cls(message)
 
 
 def _failures(views: list[dict]) -> list[tuple[int, dict]]:

@@ -35,11 +35,12 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
     newest (or that) step of the checkpoint path."""
     peers = tiers.peers
     remote = tiers.storage.remote
-    # which steps each rank's tier and view of the checkpoint path hold: a coordination round (gloo moves bytes only)
-    held = tiers.comm.agree({"local": mf.committed_steps(tiers.local), "remote": mf.committed_steps(remote)},
-                            _where_held)
+    # which steps each rank's tier holds, and (rank 0 lists it alone) the checkpoint path: a coordination round
+    # (gloo moves bytes only)
+    held = tiers.comm.agree({"local": mf.committed_steps(tiers.local),
+                             "remote": mf.committed_steps(remote) if tiers.comm.rank == 0 else None}, _where_held)
     holder: dict[int, int] = {s: r for s, r in held["holder"]}
-    remote_steps = set(held["remote"])  # every rank sees them
+    remote_steps = set(held["remote"])  # as rank 0 listed them
     newest_remote = max(remote_steps) if remote_steps else None
     if step == "latest":
         candidates = sorted((s for s in holder if newest_remote is None or s >= newest_remote), reverse=True)
@@ -111,13 +112,12 @@ def load(tiers: LocalCommits, attempt: Attempt, step: int | Literal["latest"], f
 
 def _where_held(views: list[dict]) -> dict:
     """The coordinator's summary of every rank's steps: the lowest rank holding each step in its tier,
-    and the steps every rank sees in the checkpoint path."""
+    and the steps of the checkpoint path (the coordinator's listing: one a load, not one per rank)."""
     holder: dict[int, int] = {}
     for r, v in enumerate(views):
         for s in v["local"]:
             holder.setdefault(s, r)
-    remote = set.intersection(*(set(v["remote"]) for v in views))
-    return {"holder": sorted(holder.items()), "remote": sorted(remote)}
+    return {"holder": sorted(holder.items()), "remote": sorted(views[0]["remote"])}
 
 
 def _load_local(tiers: LocalCommits, attempt: Attempt, step: int, m: mf.Manifest, data: bytes, survey: Survey
