@@ -23,6 +23,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleFormatError,
+    ManifestTooLargeError,
     NotACheckpointError,
     StateMismatchError,
 )
@@ -283,7 +284,7 @@ def committed_steps(storage: Storage) -> list[int]:
 def _read_bounded(storage: Storage, key: str) -> bytes | bytearray:
     data = storage.read_object(key, MAX_MANIFEST_BYTES)
     if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"manifest {key} is larger than {MAX_MANIFEST_BYTES >> 20} MiB; it is damaged",
+        raise CorruptCheckpointError(f"manifest {key} is larger than {MAX_MANIFEST_BYTES:,} bytes; it is damaged",
                                      object=key)
     return data
 
@@ -372,9 +373,16 @@ class ManifestCache:
 
 def committable(step: int, m: Manifest) -> bytes:
     """The manifest's bytes, once they pass the parse every reader runs on them (every field
-    checked, each tensor's shards tiling its shape, chunk sizes bounded): a step that could never
-    load is not committed, so retention never drops a good step for it."""
+    checked, each tensor's shards tiling its shape, chunk sizes bounded) and the reader's size cap
+    (:data:`MAX_MANIFEST_BYTES`, else :class:`ManifestTooLargeError`): a step that could never load is
+    not committed, so retention never drops a good step for it."""
     data = m.to_json()
+    if len(data) > MAX_MANIFEST_BYTES:  # read at call time: a test lowers it to try the limit
+        raise ManifestTooLargeError(
+            f"step {step} was not committed: its manifest would be {len(data):,} bytes, and a reader refuses a "
+            f"manifest over {MAX_MANIFEST_BYTES:,} bytes, so the step could never be loaded. Nothing was changed; "
+            "the committed steps are as they were. Save fewer tensors per step (or on fewer ranks)",
+            size=len(data), limit=MAX_MANIFEST_BYTES)
     try:
         back = parse(data, name=manifest_key(step))
     except CheckpointError as e:
