@@ -1,0 +1,52 @@
+"""Which rank reports a load reads, for a step whose ``MANIFEST.json`` is an index (format v6,
+:mod:`ckpt.format.index`): the index gives every tensor's shards as boxes (its layouts), so a rank
+matches the step to its state on those boxes alone, finds the saved ranks whose boxes meet a box it
+loads (its own shards, every whole tensor it takes, the per-rank state of the saved rank it maps
+to), and reads only their reports, each checked against the index. What it builds is the manifest
+:func:`ckpt.load.plan.plan_load` takes: every tensor, with the shards of those ranks and their chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CheckpointError
+from ..flatten import flatten
+from ..format import index as ix_
+from ..format import manifest as mf
+from ..format.boxes import intersect, volume
+from ..storage import Storage
+from .match import RankMap, match
+from .plan import _destinations
+
+
+def needed_ranks(ix: ix_.Index, state: dict[str, Any], rank: int = 0, world: int = 1,
+                 rank_map: RankMap | None = None) -> list[int] | None:
+    """The saved ranks whose reports hold a box rank ``rank`` of ``world`` loads of step index ``ix``
+    into ``state``; None where the state does not fit the step (the load then reads every report,
+    and its plan raises the error it would raise on a whole manifest). Pure."""
+    sk = ix.skeleton()
+    try:
+        target = flatten(state, for_target=True)
+        found = match(sk, state, target, rank, world, rank_map)
+        dests = _destinations(sk, found, target)
+    except CheckpointError:
+        return None
+    need: set[int] = set()
+    for key, owner, box in dests.requests:
+        if volume(box[1]) == 0:
+            continue
+        for s in found.entries[(key, owner)].shards:
+            if s.rank not in need:
+                inter = intersect(box, (tuple(s.offsets), tuple(s.lengths)))
+                if inter is not None and volume(inter[1]) > 0:
+                    need.add(s.rank)
+    return sorted(need)
+
+
+def step_for_load(storage: Storage, ix: ix_.Index, state: dict[str, Any], rank: int = 0, world: int = 1,
+                  rank_map: RankMap | None = None) -> mf.Manifest:
+    """The manifest a load of ``state`` as rank ``rank`` of ``world`` plans from: the reports of
+    :func:`needed_ranks` read and checked against the index (all of them where the state does not fit)."""
+    ranks = needed_ranks(ix, state, rank, world, rank_map)
+    return ix_.partial_step(ix, ix_.read_reports(storage, ix, list(range(ix.world_size)) if ranks is None else ranks))
