@@ -141,3 +141,27 @@ def test_verify_and_inspect_read_a_v6_step(saved, capsys):
     with ckpt.open(saved) as r:
         t = r.tensors(2)
     assert torch.equal(t["w"], full(2)) and torch.equal(t["b"], torch.full((4,), 2.0))
+
+
+def test_a_report_whose_boxes_differ_from_its_layout_is_refused(saved):
+    data = LocalStorage(saved).read_object(paths.manifest_key(2), 1 << 20)
+    doc = json.loads(data)
+    lay = next(lay for lay in doc["layouts"] if len(lay) == 2)
+    lay[0][0], lay[1][0] = lay[1][0], lay[0][0]  # the ranks' boxes swapped: still a tiling, not what they saved
+    ix = mf.parse_committed(json.dumps(doc).encode(), name="MANIFEST.json")
+    assert isinstance(ix, index.Index)
+    with pytest.raises(CorruptCheckpointError, match="rank-00000.json does not match its index at tensor 'w'"):
+        index.read_reports(LocalStorage(saved), ix, [0])
+
+
+def test_the_commit_refuses_an_index_over_the_readers_cap(saved, monkeypatch):
+    storage = LocalStorage(saved)
+    ix = mf.read_committed(storage, 2)
+    assert isinstance(ix, index.Index)
+    parts = list(index.read_reports(storage, ix, [0, 1]).values())
+    data = ix.to_json()
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(data))
+    assert index.committable(2, ix, parts) == data
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(data) - 1)
+    with pytest.raises(ckpt.ManifestTooLargeError, match="step 2 was not committed"):
+        index.committable(2, ix, parts)
