@@ -223,19 +223,19 @@ def _pts(res: dict[str, Any], get: Any) -> list[dict[int, float]]:
 
 def assert_current_laws(res: dict[str, Any]) -> None:
     """What holds today, whatever the branches fixing the rest do: the manifest (the step index,
-    format v6) grows with N (a box per rank per distinct layout) and no faster than linearly; every
-    rank GETs it once, and only the rank reports holding boxes it loads; rank 0 reads every report
-    once per save; a rank's load reads its own boxes' chunks only; every round's requests are
-    counted, at least one per rank and O(N) in all (issue 35 item 1)."""
+    format v6: a box per rank per distinct layout, small tensors saved by few ranks inlined) grows no
+    faster than linearly in N; every rank GETs it once, and only the rank reports holding boxes it
+    loads; rank 0 reads every report once per save; a rank's load reads its own boxes' chunks only;
+    every round's requests are counted, at least one per rank and O(N) in all (issue 35 item 1)."""
     for pts in _pts(res, lambda c: c["manifest_bytes"]):
         (n1, a), (n2, b) = sorted(pts.items())[:2]
-        assert a < b <= a * (n2 / n1) * 1.1, f"manifest bytes {a} at N={n1}, {b} at N={n2}: not linear in N"
+        assert 0 < b <= a * (n2 / n1) * 1.1, f"manifest bytes {a} at N={n1}, {b} at N={n2}: not linear in N"
     for by_layout in res["cases"].values():
         for by_n in by_layout.values():
             for n, c in by_n.items():
                 assert 1 <= c["load_reports"] <= int(n) and c["load_get_requests"] == 1 + c["load_reports"], (n, c)
                 assert c["load_get_bytes"] > c["manifest_bytes"], (n, c)  # the index, then reports
-                assert c["commit_report_reads"] == int(n), (n, c["commit_requests"])  # as stored: the index names them
+                assert c["commit_report_reads"] == int(n) - 1, (n, c["commit_requests"])  # its own report it has
                 assert c["shards"] >= c["tensors"] and 0 < c["load_chunks"] < c["chunks"], (n, c)
                 assert c["dcp"]["metadata_bytes"] > 0 and c["plan_store"]["requests"] >= 2 * int(n)
     for n, r in res["rounds"].items():
@@ -245,9 +245,9 @@ def assert_current_laws(res: dict[str, Any]) -> None:
 
 def assert_metadata_laws(res: dict[str, Any]) -> None:
     """Issue 35 item 2: the metadata a rank GETs at load, and the CPU it spends on it, do not grow
-    with N. With the step index (format v6) a rank reads the index and the reports holding boxes it
-    loads; this holds once replicated tiny tensors (AdamW's 0-d ``step``) no longer sit one per rank
-    (item 6): until then a rank reads the report of every rank that saved one."""
+    with N: with the step index (format v6) a rank reads the index and the reports holding boxes it
+    loads (on the world size that saved: its own; small tensors saved by few ranks, such as AdamW's
+    0-d ``step``, are inlined in the index)."""
     for pts in _pts(res, lambda c: c["load_get_bytes"]):
         assert exponent(pts) < 0.2, f"bytes a rank GETs at load grow as N^{exponent(pts):.2f}"
     for pts in _pts(res, lambda c: c["load_parse_s"] + c["load_match_s"]):

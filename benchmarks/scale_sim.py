@@ -232,7 +232,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     Times are CPU seconds of the thread doing the part (``time.thread_time``: the other simulated
     ranks and other processes on the machine do not count; all of it is single-threaded Python)."""
     from ckpt.commit import _read_part
-    from ckpt.format import paths
+    from ckpt.format import index, paths
     from ckpt.storage.local import LocalStorage
 
     inner = LocalStorage(root)
@@ -240,6 +240,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     cs = comms(world)
     ranks = Ranks(model, layout, world)
     plan_s: list[float] = []
+    parts: dict[int, mf.Manifest] = {}
     one_at_a_time = threading.Semaphore(1)  # every rank's report after the plan: one flattened state alive at once
 
     def rank(r: int) -> int:
@@ -257,6 +258,8 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
         with one_at_a_time:
             part = rank_report(make_writer(disks[r]), ranks.flat(r), answer, r, step, chunk_size)
             disks[r].write(paths.rank_key(step, r), [part.to_json()])
+            if r == 0:
+                parts[0] = part
         return answer.bytes
 
     written = on_threads(world, rank)
@@ -267,10 +270,12 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     coord.reset_counts()
     coord.read_bytes = 0
     writer = make_writer(coord)
+    own = parts.pop(0)
 
-    def commit() -> None:  # as CommitProtocol._coordinate: every report as stored, then Writer.commit
-        read = [_read_part(writer, step, r) for r in range(world)]
-        writer.commit(step, [p for p, _ in read], frozenset(), storage=coord, reports=[ref for _, ref in read])
+    def commit() -> None:  # as CommitProtocol._coordinate: the others' reports as stored, then Writer.commit
+        read = [_read_part(writer, step, r) for r in range(1, world)]
+        refs = [index.report_ref(step, 0, own.to_json())] + [ref for _, ref in read]
+        writer.commit(step, [own] + [p for p, _ in read], frozenset(), storage=coord, reports=refs)
 
     t = time.thread_time()
     commit()

@@ -331,8 +331,10 @@ class CommitProtocol:
                 assert part is not None  # this rank reported ok
                 refs: list[index.ReportRef] | None = None
                 if self.hooks is None:  # the reports as stored: the step's index names them (format v6)
-                    read = list(self.io.map(lambda r: _read_part(self.writer, job.step, r), range(comm.world)))
-                    parts, refs = [p for p, _ in read], [ref for _, ref in read]
+                    read = list(self.io.map(lambda r: _read_part(self.writer, job.step, r), range(1, comm.world)))
+                    parts = [part] + [p for p, _ in read]
+                    if comm.world > 1:  # its own report: the bytes it wrote (to_json is deterministic)
+                        refs = [index.report_ref(job.step, 0, part.to_json())] + [ref for _, ref in read]
                 else:  # local commits: every tier gets the whole manifest (the reports are not on every tier)
                     parts = [part] + [_sent_part(docs[r], job.step, r) for r in range(1, comm.world)]
                 committed = self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage,
@@ -385,7 +387,7 @@ def _sent_part(report: dict, step: int, rank: int) -> mf.Manifest:
 
 
 def _read_part(writer: Writer, step: int, rank: int) -> tuple[mf.Manifest, index.ReportRef]:
-    """Rank ``rank``'s report as stored (this rank's own too: the index names the stored bytes)."""
+    """Rank ``rank``'s report as stored, and how the step's index names those bytes."""
     try:
         data = mf.read_rank_bytes(writer.storage, step, rank)
         return mf.parse_rank_part(data, step, rank), index.report_ref(step, rank, data)

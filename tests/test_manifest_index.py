@@ -18,7 +18,7 @@ from ckpt.format import manifest as mf
 from ckpt.storage import LocalStorage
 from ckpt.testing import FaultyStorage, run_ranks
 
-ROWS, COLS = 12, 6
+ROWS, COLS = 12, 100  # w: 4,800 bytes, over what the index inlines
 
 
 def full(step: int) -> torch.Tensor:
@@ -65,7 +65,9 @@ def saved(tmp_path_factory):
 def test_a_two_rank_step_commits_an_index_naming_its_reports(saved):
     storage = LocalStorage(saved)
     doc = json.loads(storage.read_object(paths.manifest_key(2), 1 << 20))
-    assert doc["format_version"] == 6 and doc["kind"] == "index" and "chunks" not in doc
+    assert doc["format_version"] == 6 and doc["kind"] == "index"
+    inlined = [g[0] for t in doc["tensors"] for segs in t.get("segments", ()) for g in segs]
+    assert set(doc["chunks"]) == set(inlined)  # only the inlined tensor's chunk: no step-wide chunk table
     assert [r["key"] for r in doc["reports"]] == [paths.rank_key(2, 0), paths.rank_key(2, 1)]
     for r, ref in enumerate(doc["reports"]):
         data = storage.read_object(ref["key"], 1 << 20)
@@ -85,15 +87,39 @@ def test_a_two_rank_step_loads_bit_exact_through_the_index(saved, world):
 
 @pytest.mark.multiprocess
 def test_a_rank_loading_its_own_shard_reads_only_its_own_report(saved):
-    got = run_ranks(2, load_body, saved, ("w",), timeout=120)
-    assert [g["reports"] for g in got] == [[paths.rank_key(2, 0)], [paths.rank_key(2, 1)]]
-    assert all(g["w"] for g in got)
-    # with the replicated tensor too: its own report, and the one rank that saved "b"
-    holder = next(s.rank for t in mf.read_step(LocalStorage(saved), 2).tensors if t.key == "b" for s in t.shards)
-    got = run_ranks(2, load_body, saved, ("w", "b", "step"), timeout=120)
-    for r, g in enumerate(got):
-        assert g["reports"] == sorted({paths.rank_key(2, r), paths.rank_key(2, holder)}), g
-        assert g["w"] and g["b"]
+    """N -> N: each rank reads the index and its own report; the replicated "b", saved whole by one
+    rank and small, is inlined in the index (no other rank's report is read for it)."""
+    ix = mf.read_committed(LocalStorage(saved), 2)
+    assert isinstance(ix, index.Index)
+    inlined = {t.key for t in ix.tensors if t.segments is not None}
+    assert inlined == {"b"} and ix.chunks
+    for keys in (("w",), ("w", "b", "step")):
+        got = run_ranks(2, load_body, saved, keys, timeout=120)
+        assert [g["reports"] for g in got] == [[paths.rank_key(2, 0)], [paths.rank_key(2, 1)]], keys
+        assert all(g["w"] and g.get("b", True) for g in got), got
+
+
+def test_a_rank_that_needs_only_inlined_tensors_reads_no_report(saved):
+    disk = FaultyStorage(LocalStorage(saved))
+    state = {"b": torch.zeros(4), "step": 0}
+    assert ckpt.Checkpointer(saved, storage=disk).load(2, state, strict=False) == 2
+    assert torch.equal(state["b"], torch.full((4,), 2.0)) and state["step"] == 2
+    assert not [k for op, k in disk.log if op == "read_object" and "/rank-" in k]
+
+
+def test_an_inlined_tensor_that_differs_from_its_report_is_refused(saved):
+    storage = LocalStorage(saved)
+    doc = json.loads(storage.read_object(paths.manifest_key(2), 1 << 20))
+    entry = next(t for t in doc["tensors"] if "segments" in t)
+    segs = entry["segments"][0]
+    segs[0][1] += 4  # four bytes further into the chunk: not where its rank saved it
+    segs[0][2] -= 4
+    segs.append([segs[0][0], 0, 4])
+    ix = mf.parse_committed(json.dumps(doc).encode(), name="MANIFEST.json")
+    assert isinstance(ix, index.Index)
+    owner = ix.layouts[next(t.layout for t in ix.tensors if t.segments is not None)][0][0]
+    with pytest.raises(CorruptCheckpointError, match="inlined segments"):
+        index.read_reports(storage, ix, [owner])
 
 
 def tampered_copy(saved: str, tmp_path, edit) -> str:
@@ -165,3 +191,12 @@ def test_the_commit_refuses_an_index_over_the_readers_cap(saved, monkeypatch):
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(data) - 1)
     with pytest.raises(ckpt.ManifestTooLargeError, match="step 2 was not committed"):
         index.committable(2, ix, parts)
+
+
+def test_an_inlined_chunk_claiming_more_than_its_rank_saved_is_refused(saved):
+    doc = json.loads(LocalStorage(saved).read_object(paths.manifest_key(2), 1 << 20))
+    h = next(iter(doc["chunks"]))
+    doc["chunks"][h][0] = 1 << 33  # a reader would allocate 8 GiB to decode it
+    doc.pop("spans", None)
+    with pytest.raises(CorruptCheckpointError, match=f"chunk {h} claims {1 << 33} bytes, more than rank"):
+        mf.parse_committed(json.dumps(doc).encode(), name="MANIFEST.json")

@@ -1,6 +1,7 @@
 """benchmarks/scale.py at a small N (a two-layer Llama shape, 8 and 32 simulated ranks, both layouts):
 it runs ckpt's own save and load code, counts the store's and the storage's requests, writes its
-table, and the growth laws that hold today hold (:func:`scale.assert_current_laws`).
+table, and the growth laws that hold today hold (:func:`scale.assert_current_laws`), with item 2's
+(:func:`scale.assert_metadata_laws`: the metadata a rank reads at load, and its CPU, not growing with N).
 
 Issue 35's target laws (:func:`scale.assert_target_laws`: O(N) store requests per round, a rank's
 load not reading a manifest that grows with N, ...) are what the rounds, sweep and loadplan branches
@@ -39,6 +40,7 @@ def results(tmp_path_factory):
 def test_the_scale_benchmark_measures_every_row_and_the_laws_that_hold_today(results):
     res, out = results
     scale.assert_current_laws(res)
+    scale.assert_metadata_laws(res)  # item 2 (the step index): on; the other targets wait for their branches
     if TARGET_LAWS:
         scale.assert_target_laws(res)
     md = (out / "scale.md").read_text()

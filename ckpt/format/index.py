@@ -15,6 +15,7 @@ committed step. ``docs/format.md`` is the specification.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -26,8 +27,9 @@ from .._gc import paused
 from ..errors import CorruptCheckpointError, ManifestTooLargeError
 from ..tree import ITEMSIZE
 from . import manifest as mf
+from . import spans
 from .boxes import Box, check_tiles
-from .entries import MAX_WORLD, Shard, TensorEntry, bad, ints, is_int
+from .entries import ALIGN, MAX_WORLD, Segment, Shard, TensorEntry, bad, closure, ints, is_int, parse_chunks
 from .paths import manifest_key, rank_key
 from .tree_check import problem
 
@@ -35,6 +37,12 @@ if TYPE_CHECKING:
     from ..storage.base import Storage
 
 INDEX_VERSION = 6
+# A global tensor of at most INLINE_BYTES in at most INLINE_SHARDS shards has its segments in the index:
+# small and saved by few ranks (replicated state each rank saves a part of, a 0-d AdamW step), it is
+# what every loading rank needs whole, for which it would read a report per shard. (One sharded over
+# more ranks is what each rank loads a part of: its own report holds it.)
+INLINE_BYTES = 4096
+INLINE_SHARDS = 8
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 Layout = tuple[tuple[int, Box], ...]  # (saved rank, box) of each shard, in order
@@ -63,6 +71,7 @@ class IndexEntry:
     shape: tuple[int, ...]
     layout: int
     rank: int | None = None
+    segments: tuple[tuple[Segment, ...], ...] | None = None  # inlined: per shard of its layout, its segments
 
 
 @dataclass
@@ -76,6 +85,7 @@ class Index:
     created: float
     writer: str
     stats: dict[str, Any]
+    chunks: dict[str, mf.ChunkInfo] = field(default_factory=dict)  # the inlined tensors' chunks (and bases)
     format_version: int = INDEX_VERSION
     kind: str = "index"
     _entries: dict[tuple[str, int | None], IndexEntry] | None = field(default=None, repr=False, compare=False)
@@ -87,6 +97,10 @@ class Index:
                "tensors": [_entry_json(t) for t in self.tensors],
                "layouts": [[[r, list(o), list(n)] for r, (o, n) in lay] for lay in self.layouts],
                "reports": [{"key": x.key, "size": x.size, "digest": x.digest} for x in self.reports]}
+        if self.chunks:
+            doc["chunks"] = {h: c.to_json() for h, c in self.chunks.items()}
+            if (span_doc := spans.to_json(self.chunks)) is not None:
+                doc["spans"] = span_doc
         with paused():
             return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
@@ -113,7 +127,15 @@ def _entry_json(t: IndexEntry) -> dict:
     doc: dict[str, Any] = {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "layout": t.layout}
     if t.rank is not None:
         doc["rank"] = t.rank
+    if t.segments is not None:
+        doc["segments"] = [[[g.chunk, g.offset, g.length] for g in segs] for segs in t.segments]
     return doc
+
+
+def _inline(t: TensorEntry) -> bool:
+    """Is ``t`` written into the index itself: a small global tensor (AdamW's 0-d ``step``, a bias
+    kept on one rank), which every loading rank needs and would read another rank's report for?"""
+    return t.rank is None and len(t.shards) <= INLINE_SHARDS and t.nbytes <= INLINE_BYTES
 
 
 def _layout_of(t: TensorEntry) -> Layout:
@@ -123,10 +145,11 @@ def _layout_of(t: TensorEntry) -> Layout:
 def build(m: mf.Manifest, reports: list[ReportRef]) -> Index:
     """The index of whole-step manifest ``m`` (merged from the rank reports ``reports`` name, in rank order)."""
     ids: dict[Layout, int] = {}
-    entries = [IndexEntry(t.key, t.dtype, tuple(t.shape), ids.setdefault(_layout_of(t), len(ids)), t.rank)
-               for t in m.tensors]
+    entries = [IndexEntry(t.key, t.dtype, tuple(t.shape), ids.setdefault(_layout_of(t), len(ids)), t.rank,
+                          tuple(tuple(sh.segments) for sh in t.shards) if _inline(t) else None) for t in m.tensors]
+    chunks = closure(m.chunks, [g.chunk for t in entries for segs in t.segments or () for g in segs])
     return Index(step=m.step, world_size=m.world_size, structure=m.structure, tensors=entries, layouts=list(ids),
-                 reports=list(reports), created=m.created, writer=m.writer, stats=m.stats)
+                 reports=list(reports), created=m.created, writer=m.writer, stats=m.stats, chunks=chunks)
 
 
 # -- reading an untrusted index -------------------------------------------------------------------
@@ -158,11 +181,13 @@ def parse_doc(doc: dict, name: str) -> Index:
             c.check(isinstance(v.get("v"), list) and len(v["v"]) == world,
                     f"per-rank key {k!r} must hold one value per rank ({world})")
     layouts = [_parse_layout(x, world, c) for x in _list(doc.get("layouts"), "layouts", c)]
+    chunks = parse_chunks(doc.get("chunks", {}), name)
+    spans.parse(doc.get("spans"), chunks, name)
     tensors: list[IndexEntry] = []
     seen: set[tuple[str, int | None]] = set()
     shape_of: dict[int, tuple[int, ...]] = {}  # each layout's boxes tile one shape (checked once)
     for t in _list(doc.get("tensors"), "tensors", c):
-        e = _parse_entry(t, world, len(layouts), c)
+        e = _parse_entry(t, world, layouts, chunks, c)
         c.check((e.key, e.rank) not in seen, f"tensor {e.key!r} is listed twice")
         seen.add((e.key, e.rank))
         lay = layouts[e.layout]
@@ -180,11 +205,13 @@ def parse_doc(doc: dict, name: str) -> Index:
         tensors.append(e)
     why = problem(structure, {t.key for t in tensors})
     c.check(why is None, f"its structure holds {why}")
+    _check_inline_chunks(tensors, layouts, chunks, c)
     raw_reports = _list(doc.get("reports"), "reports", c)
     c.check(len(raw_reports) == world, f"reports must name one report per rank ({world})")
     reports = [_parse_report(x, step, r, c) for r, x in enumerate(raw_reports)]
     return Index(step=step, world_size=world, structure=structure, tensors=tensors, layouts=layouts, reports=reports,
-                 created=float(created), writer=writer, stats=stats, format_version=doc["format_version"])
+                 created=float(created), writer=writer, stats=stats, chunks=chunks,
+                 format_version=doc["format_version"])
 
 
 class _Checker:
@@ -211,7 +238,8 @@ def _parse_layout(x: Any, world: int, c: _Checker) -> Layout:
     return tuple(out)
 
 
-def _parse_entry(t: Any, world: int, n_layouts: int, c: _Checker) -> IndexEntry:
+def _parse_entry(t: Any, world: int, layouts: list[Layout], chunks: dict[str, mf.ChunkInfo], c: _Checker
+                 ) -> IndexEntry:
     c.check(isinstance(t, dict) and isinstance(t.get("key"), str), "tensor entry without a key")
     key = t["key"]
     owner = t.get("rank")
@@ -220,8 +248,60 @@ def _parse_entry(t: Any, world: int, n_layouts: int, c: _Checker) -> IndexEntry:
     c.check(isinstance(dtype, str) and dtype in ITEMSIZE, f"tensor {key!r} has unknown dtype {str(dtype)[:40]!r}")
     shape: Any = t.get("shape")
     c.check(ints(shape) and len(shape) <= 64, f"tensor {key!r} has a bad shape")
-    c.check(is_int(t.get("layout"), 0, n_layouts - 1), f"tensor {key!r} names no layout of the index")
-    return IndexEntry(key, dtype, tuple(shape), t["layout"], owner)
+    c.check(is_int(t.get("layout"), 0, len(layouts) - 1), f"tensor {key!r} names no layout of the index")
+    raw: Any = t.get("segments")
+    if raw is None:
+        return IndexEntry(key, dtype, tuple(shape), t["layout"], owner)
+    lay = layouts[t["layout"]]
+    c.check(owner is None and len(lay) <= INLINE_SHARDS and math.prod(shape) * ITEMSIZE[dtype] <= INLINE_BYTES,
+            f"tensor {key!r} is inlined, but is not a global tensor of at most {INLINE_BYTES} bytes in at most "
+            f"{INLINE_SHARDS} shards")
+    per_shard = _list(raw, f"segments of tensor {key!r}", c)
+    c.check(len(per_shard) == len(lay), f"tensor {key!r}: its segments must list one list per shard of its layout")
+    out = []
+    for (_, (_, lens)), raw_segs in zip(lay, per_shard):
+        segs = []
+        for g in _list(raw_segs, f"segments of tensor {key!r}", c):
+            c.check(isinstance(g, list) and len(g) == 3 and isinstance(g[0], str) and is_int(g[1])
+                    and is_int(g[2]), f"tensor {key!r}: segment must be [chunk, offset, length]")
+            info = chunks.get(g[0])
+            c.check(info is not None and g[1] + g[2] <= info.size,
+                    f"tensor {key!r}: a segment is not inside a chunk of the index's chunk table")
+            segs.append(Segment(g[0], g[1], g[2]))
+        c.check(sum(g.length for g in segs) == math.prod(lens) * ITEMSIZE[dtype],
+                f"tensor {key!r}: the segments of a shard do not hold its bytes")
+        out.append(tuple(segs))
+    return IndexEntry(key, dtype, tuple(shape), t["layout"], owner, tuple(out))
+
+
+def _check_inline_chunks(tensors: list[IndexEntry], layouts: list[Layout], chunks: dict[str, mf.ChunkInfo],
+                         c: _Checker) -> None:
+    """The index's chunk table holds only the inlined tensors' chunks and their bases, and no chunk
+    claims more bytes than the rank whose inlined tensor names it saved in all, padding included (a
+    reader allocates a chunk's size: it is believed as far as the step's tensors account for it)."""
+    owner: dict[str, int] = {}  # chunk -> the rank of an inlined shard naming it
+    for t in tensors:
+        for (r, _), segs in zip(layouts[t.layout], t.segments or ()):
+            for g in segs:
+                owner[g.chunk] = r
+    bases = {x.base for x in chunks.values() if x.base is not None}
+    stray = [h for h in chunks if h not in owner and h not in bases]
+    c.check(not stray, f"chunk {stray[0] if stray else ''} of the index's table is named by no inlined tensor")
+    ranks = set(owner.values())
+    if not ranks:
+        return
+    per_layout_items = [0] * len(layouts)  # sum of item sizes, and count, of the tensors naming each layout
+    per_layout_count = [0] * len(layouts)
+    for t in tensors:
+        per_layout_items[t.layout] += ITEMSIZE[t.dtype]
+        per_layout_count[t.layout] += 1
+    saved = dict.fromkeys(ranks, ALIGN)  # bytes each such rank saved, every tensor's padding counted
+    for i, lay in enumerate(layouts):
+        for r, (_, lens) in lay:
+            if r in saved:
+                saved[r] += math.prod(lens) * per_layout_items[i] + ALIGN * per_layout_count[i]
+    for h, r in owner.items():
+        c.check(chunks[h].size <= saved[r], f"chunk {h} claims {chunks[h].size} bytes, more than rank {r} saved")
 
 
 def _parse_report(x: Any, step: int, rank: int, c: _Checker) -> ReportRef:
@@ -239,7 +319,7 @@ def read_reports(storage: Storage, ix: Index, ranks: list[int]) -> dict[int, mf.
     """The reports of ``ranks``, each read, checked to be the bytes the index names (size and
     digest: else :class:`CorruptCheckpointError` naming it) and to hold the boxes the index's
     layouts give that rank."""
-    boxes = _boxes_by_rank(ix, set(ranks))
+    boxes = LayoutBoxes(ix, set(ranks))
     out = {}
     for r in ranks:
         ref = ix.reports[r]
@@ -254,45 +334,60 @@ def read_reports(storage: Storage, ix: Index, ranks: list[int]) -> dict[int, mf.
                 f"{xxhash.xxh3_128_hexdigest(data)}; the index says {ref.size} bytes, {ref.digest}); the step is "
                 "damaged", object=ref.key)
         part = mf.parse_rank_part(data, ix.step, r)
-        check_report(ix, r, part, boxes.get(r, {}))
+        check_report(ix, r, part, boxes)
         out[r] = part
     return out
 
 
-def _boxes_by_rank(ix: Index, ranks: set[int]) -> dict[int, dict[tuple[str, int | None], list[Box]]]:
-    """Per saved rank of ``ranks``, per tensor (key, owner), the boxes the index's layouts give it
-    (the layouts' sizes plus tensors × ``ranks``: not tensors × world size)."""
-    per_layout: list[dict[int, list[Box]]] = []
-    for lay in ix.layouts:
-        d: dict[int, list[Box]] = {}
-        for r, b in lay:
-            if r in ranks:
-                d.setdefault(r, []).append(b)
-        per_layout.append(d)
-    out: dict[int, dict[tuple[str, int | None], list[Box]]] = {}
-    for t in ix.tensors:
-        for r, bs in per_layout[t.layout].items():
-            out.setdefault(r, {})[(t.key, t.rank)] = bs
-    return out
+class LayoutBoxes:
+    """Per layout of an index, the boxes each saved rank of ``ranks`` (None: every rank) holds, and
+    per rank how many tensors the index gives it: the layouts' sizes plus the ranks, never tensors ×
+    ranks (2,892 tensors on 16,384 ranks share a few dozen layouts)."""
+
+    def __init__(self, ix: Index, ranks: set[int] | None = None):
+        self.per_layout: list[dict[int, list[Box]]] = []
+        for lay in ix.layouts:
+            d: dict[int, list[Box]] = {}
+            for r, b in lay:
+                if ranks is None or r in ranks:
+                    d.setdefault(r, []).append(b)
+            self.per_layout.append(d)
+        uses = [0] * len(ix.layouts)
+        for t in ix.tensors:
+            uses[t.layout] += 1
+        self.tensors_of: dict[int, int] = {}
+        for i, d in enumerate(self.per_layout):
+            for r in d:
+                self.tensors_of[r] = self.tensors_of.get(r, 0) + uses[i]
 
 
-def check_report(ix: Index, rank: int, part: mf.Manifest, mine: dict[tuple[str, int | None], list[Box]]) -> None:
+def check_report(ix: Index, rank: int, part: mf.Manifest, boxes: LayoutBoxes) -> None:
     """Rank ``rank``'s report holds exactly the tensors and boxes the index gives that rank."""
     name = rank_key(ix.step, rank)
-    dtypes = ix.entries()
-    got = set()
+    entries = ix.entries()
     for t in part.tensors:
-        e = dtypes.get((t.key, t.rank))
-        boxes = [(tuple(s.offsets), tuple(s.lengths)) for s in t.shards]
-        if e is None or e.dtype != t.dtype or e.shape != tuple(t.shape) or boxes != mine.get((t.key, t.rank)) \
-                or any(s.rank != rank for s in t.shards):
+        e = entries.get((t.key, t.rank))
+        if (e is None or e.dtype != t.dtype or e.shape != tuple(t.shape) or any(s.rank != rank for s in t.shards)
+                or [(tuple(s.offsets), tuple(s.lengths)) for s in t.shards] != boxes.per_layout[e.layout].get(rank)
+                or (e.segments is not None and not _same_inline(ix, e, rank, t, part))):
             raise CorruptCheckpointError(f"step {ix.step}: rank report {name} does not match its index at tensor "
-                                         f"{t.key!r} (dtype, shape or shard boxes); the step is damaged", object=name)
-        got.add((t.key, t.rank))
-    lacking = [k for k in mine if k not in got]
-    if lacking:
-        raise CorruptCheckpointError(f"step {ix.step}: rank report {name} lacks tensor {lacking[0][0]!r} that its "
-                                     "index gives that rank; the step is damaged", object=name)
+                                         f"{t.key!r} (dtype, shape, shard boxes or inlined segments); the step is "
+                                         "damaged", object=name)
+    if len(part.tensors) != boxes.tensors_of.get(rank, 0):  # each listed once (the parse checks): none lacking
+        raise CorruptCheckpointError(f"step {ix.step}: rank report {name} lists {len(part.tensors)} tensors, and its "
+                                     f"index gives that rank {boxes.tensors_of.get(rank, 0)}; the step is damaged",
+                                     object=name)
+
+
+def _same_inline(ix: Index, e: IndexEntry, rank: int, t: TensorEntry, part: mf.Manifest) -> bool:
+    """An inlined tensor's segments on ``rank``, and the chunk entries they need, are the ones its
+    report ``part`` lists (entry ``t``)."""
+    assert e.segments is not None
+    mine = [segs for (r, _), segs in zip(ix.layouts[e.layout], e.segments) if r == rank]
+    if mine != [tuple(s.segments) for s in t.shards]:
+        return False
+    need = closure(ix.chunks, [g.chunk for segs in mine for g in segs])
+    return all(part.chunks.get(h) == info for h, info in need.items())
 
 
 def partial_step(ix: Index, parts: dict[int, mf.Manifest]) -> mf.Manifest:
@@ -308,7 +403,17 @@ def partial_step(ix: Index, parts: dict[int, mf.Manifest]) -> mf.Manifest:
             chunks[h] = replace(info, spans=have.spans) if have is not None and info.spans is None else info
         for t in part.tensors:
             found.setdefault((t.key, t.rank), []).extend(t.shards)
-    tensors = [TensorEntry(t.key, t.dtype, list(t.shape), found.get((t.key, t.rank), []), t.rank) for t in ix.tensors]
+    tensors = []
+    for e in ix.tensors:
+        if e.segments is not None:  # inlined: from the index (the reports read were checked to agree)
+            shards = [Shard(r, list(offs), list(lens), list(segs))
+                      for (r, (offs, lens)), segs in zip(ix.layouts[e.layout], e.segments)]
+        else:
+            shards = found.get((e.key, e.rank), [])
+        tensors.append(TensorEntry(e.key, e.dtype, list(e.shape), shards, e.rank))
+    for h, info in ix.chunks.items():
+        have = chunks.get(h)
+        chunks[h] = info if have is None else replace(have, spans=have.spans or info.spans)
     return ix._manifest(tensors, chunks)
 
 
@@ -333,10 +438,10 @@ def committable(step: int, ix: Index, parts: list[mf.Manifest]) -> bytes:
         back = mf.parse_committed(data, name=manifest_key(step))
         if not isinstance(back, Index) or back.step != step:
             raise CorruptCheckpointError(f"it describes step {back.step}")
-        boxes = _boxes_by_rank(back, {p.rank for p in parts if p.rank is not None})
+        boxes = LayoutBoxes(back)
         for p in parts:
             assert p.rank is not None
-            check_report(back, p.rank, p, boxes.get(p.rank, {}))
+            check_report(back, p.rank, p, boxes)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"step {step} was not committed: its index would not load ({e}). Nothing was "
                                      "changed; the committed steps are as they were") from e

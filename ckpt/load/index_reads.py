@@ -14,7 +14,7 @@ from ..errors import CheckpointError
 from ..flatten import flatten
 from ..format import index as ix_
 from ..format import manifest as mf
-from ..format.boxes import intersect, volume
+from ..format.boxes import Box, intersect, volume
 from ..storage import Storage
 from .match import RankMap, match
 from .plan import _destinations
@@ -33,14 +33,19 @@ def needed_ranks(ix: ix_.Index, state: dict[str, Any], rank: int = 0, world: int
     except CheckpointError:
         return None
     need: set[int] = set()
-    for key, owner, box in dests.requests:
-        if volume(box[1]) == 0:
+    entries = ix.entries()
+    done: set[tuple[int, Box]] = set()  # tensors sharded alike share a layout: each (layout, box) met once
+    for key, owner, (offs, lens) in dests.requests:
+        e = entries[(key, owner)]
+        lay, box = e.layout, (tuple(offs), tuple(lens))
+        if volume(lens) == 0 or e.segments is not None or (lay, box) in done:  # inlined: in the index itself
             continue
-        for s in found.entries[(key, owner)].shards:
-            if s.rank not in need:
-                inter = intersect(box, (tuple(s.offsets), tuple(s.lengths)))
+        done.add((lay, box))
+        for r, saved in ix.layouts[lay]:
+            if r not in need:
+                inter = intersect(box, saved)
                 if inter is not None and volume(inter[1]) > 0:
-                    need.add(s.rank)
+                    need.add(r)
     return sorted(need)
 
 
