@@ -8,6 +8,7 @@ to), and reads only their reports, each checked against the index. What it build
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointError
@@ -16,27 +17,29 @@ from ..format import index as ix_
 from ..format import manifest as mf
 from ..format.boxes import Box, intersect, volume
 from ..storage import Storage
-from .match import RankMap, match
-from .plan import _destinations
+from .match import Match, RankMap, match
 
 
 def needed_ranks(ix: ix_.Index, state: dict[str, Any], rank: int = 0, world: int = 1,
                  rank_map: RankMap | None = None) -> list[int] | None:
     """The saved ranks whose reports hold a box rank ``rank`` of ``world`` loads of step index ``ix``
-    into ``state``; None where the state does not fit the step (the load then reads every report,
-    and its plan raises the error it would raise on a whole manifest). Pure."""
+    into ``state``; None where the state does not match the step (the load then reads every report,
+    and its plan raises the error it would raise on a whole manifest). Pure. (The loader gives an
+    optimizer over DTensors without state yet its state first, :func:`ckpt.load.apply.init_optimizers`:
+    else its whole tensors would be asked for.)"""
     sk = ix.skeleton()
     try:
         target = flatten(state, for_target=True)
         found = match(sk, state, target, rank, world, rank_map)
-        dests = _destinations(sk, found, target)
     except CheckpointError:
         return None
     need: set[int] = set()
     entries = ix.entries()
     done: set[tuple[int, Box]] = set()  # tensors sharded alike share a layout: each (layout, box) met once
-    for key, owner, (offs, lens) in dests.requests:
-        e = entries[(key, owner)]
+    for key, owner, offs, lens in _boxes(found, target):
+        e = entries.get((key, owner))
+        if e is None:
+            return None  # the structure names a tensor the index lacks: the plan says so
         lay, box = e.layout, (tuple(offs), tuple(lens))
         if volume(lens) == 0 or e.segments is not None or (lay, box) in done:  # inlined: in the index itself
             continue
@@ -47,6 +50,22 @@ def needed_ranks(ix: ix_.Index, state: dict[str, Any], rank: int = 0, world: int
                 if inter is not None and volume(inter[1]) > 0:
                     need.add(r)
     return sorted(need)
+
+
+def _boxes(found: Match, target: Any) -> Iterator[tuple[str, int | None, tuple[int, ...], tuple[int, ...]]]:
+    """(saved key, owner, offsets, lengths) of each box this rank loads: as :func:`ckpt.load.plan._destinations`
+    places them (a rank's pieces of a sharded tensor; per-rank and absent tensors whole), without
+    its checks or its allocations (the plan makes them, on the manifest these boxes select)."""
+    for key, owner, tkey in found.wanted:
+        e = found.entries.get((key, owner))
+        shape = tuple(e.shape) if e is not None else ()
+        whole = ((0,) * len(shape), shape)
+        if tkey is None or target.tensors.get(tkey) is None or owner is not None:
+            yield key, owner, *whole
+            continue
+        for pk in target.piece_keys(tkey):
+            offs, lens = target.leaves[pk].box
+            yield key, owner, tuple(offs), tuple(lens)
 
 
 def step_for_load(storage: Storage, ix: ix_.Index, state: dict[str, Any], rank: int = 0, world: int = 1,

@@ -29,6 +29,7 @@ from ..format.planes import trim_scratch
 from ..ranks import Comm
 from ..storage import Storage
 from . import held
+from .apply import init_optimizers
 from .index_reads import step_for_load
 from .into_state import Lend, LoadStats, RankMap, load_into
 
@@ -211,6 +212,8 @@ class Loader:
         if isinstance(got, mf.Manifest):
             m, whole = got, True
         else:  # a step index: only the rank reports this rank needs (not the whole step: kept out of the cache)
+            if init_optimizers(state, got.skeleton()):  # their shards' boxes first (load_into would do it next)
+                changed[0] = True
             m, whole = step_for_load(self.storage, got, state, self.comm.rank, self.comm.world, rank_map), False
         self.storage.reset_tier_counters()
         try:
