@@ -126,11 +126,13 @@ def law(points: dict[int, float], div: float, degree: int = 1) -> str:
 
 # Each row: (label, how to get the value from one case, unit divisor, digits).
 ROWS: list[tuple[str, Any, float, int]] = [
-    ("MANIFEST.json size (MiB)", lambda c: c["manifest_bytes"], MiB, 1),
+    ("MANIFEST.json size (the step index, format v6) (MiB)", lambda c: c["manifest_bytes"], MiB, 1),
     ("each rank at load: GET + parse + check the manifest (CPU s)", lambda c: c["load_parse_s"], 1, 2),
     ("each rank at load: match its boxes to the saved shards (CPU s)", lambda c: c["load_match_s"], 1, 2),
     ("each rank at load: memory holding the parsed manifest (MiB)", lambda c: c["load_manifest_rss"], MiB, 0),
     ("manifest bytes all ranks GET per load (GiB)", lambda c: c["load_get_bytes"] * c["n"], GiB, 1),
+    ("each rank at load: metadata bytes it GETs, index + rank reports (MiB)", lambda c: c["load_get_bytes"], MiB, 1),
+    ("each rank at load: rank reports it GETs (of N)", lambda c: c["load_reports"], 1, 0),
     ("rank 0 per save: GET + parse N rank reports, merge, check, write (CPU s)", lambda c: c["commit_s"], 1, 2),
     ("rank 0 per save: peak memory of that (MiB)", lambda c: c["commit_peak_rss"], MiB, 0),
     ("rank 0 per save: rank-report bytes it GETs (MiB)", lambda c: c["commit_read_bytes"], MiB, 1),
@@ -192,7 +194,7 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-SUMMARY = [("metadata every rank GETs and parses at load (MiB)", "manifest_bytes", "metadata_bytes", MiB),
+SUMMARY = [("metadata every rank GETs and parses at load (MiB)", "load_get_bytes", "metadata_bytes", MiB),
            ("each rank at load: parse it (CPU s)", "load_parse_s", "load_parse_s", 1),
            ("each rank at load: match its boxes (CPU s)", "load_match_s", "load_match_s", 1),
            ("rank 0's plan of the first save (CPU s)", "plan_s", "plan_s", 1)]
@@ -223,17 +225,19 @@ def _pts(res: dict[str, Any], get: Any) -> list[dict[int, float]]:
 
 
 def assert_current_laws(res: dict[str, Any]) -> None:
-    """What holds today, whatever the branches fixing the rest do: the manifest grows with N (a
-    shard per rank per tensor) and no faster than linearly; every rank GETs it whole, once; rank 0
-    reads every report once per save; a rank's load reads its own boxes' chunks only; every round's
-    requests are counted, at least one per rank and O(N) in all (issue 35 item 1)."""
+    """What holds today, whatever the branches fixing the rest do: the manifest (the step index,
+    format v6: a box per rank per distinct layout, small tensors saved by few ranks inlined) grows no
+    faster than linearly in N; every rank GETs it once, and only the rank reports holding boxes it
+    loads; rank 0 reads every report once per save; a rank's load reads its own boxes' chunks only;
+    every round's requests are counted, at least one per rank and O(N) in all (issue 35 item 1)."""
     for pts in _pts(res, lambda c: c["manifest_bytes"]):
         (n1, a), (n2, b) = sorted(pts.items())[:2]
-        assert a < b <= a * (n2 / n1) * 1.1, f"manifest bytes {a} at N={n1}, {b} at N={n2}: not linear in N"
+        assert 0 < b <= a * (n2 / n1) * 1.1, f"manifest bytes {a} at N={n1}, {b} at N={n2}: not linear in N"
     for by_layout in res["cases"].values():
         for by_n in by_layout.values():
             for n, c in by_n.items():
-                assert c["load_get_bytes"] == c["manifest_bytes"] and c["load_get_requests"] == 1, (n, c)
+                assert 1 <= c["load_reports"] <= int(n) and c["load_get_requests"] == 1 + c["load_reports"], (n, c)
+                assert c["load_get_bytes"] > c["manifest_bytes"], (n, c)  # the index, then reports
                 assert c["commit_report_reads"] == int(n) - 1, (n, c["commit_requests"])  # its own report it has
                 assert c["shards"] >= c["tensors"] and 0 < c["load_chunks"] < c["chunks"], (n, c)
                 assert c["dcp"]["metadata_bytes"] > 0 and c["plan_store"]["requests"] >= 2 * int(n)
@@ -254,7 +258,10 @@ def _law_load_bytes(res: dict[str, Any]) -> None:
     for pts in _pts(res, lambda c: c["load_get_bytes"]):
         assert exponent(pts) < 0.2, f"bytes a rank GETs at load grow as N^{exponent(pts):.2f}"
     for pts in _pts(res, lambda c: c["load_parse_s"] + c["load_match_s"]):
-        assert exponent(pts) < 0.3, f"a rank's manifest parse and match grow as N^{exponent(pts):.2f}"
+        # CPU seconds of a few milliseconds on a shared machine: the bytes above are the law's exact half;
+        # here growth counts only past 20 ms of noise (a manifest of tensors x ranks grows far past it)
+        grew = max(pts.values()) - min(pts.values())
+        assert exponent(pts) < 0.3 or grew < 0.02, f"a rank's manifest parse and match grow as N^{exponent(pts):.2f}"
 
 
 def _law_commit_bytes(res: dict[str, Any]) -> None:

@@ -14,10 +14,13 @@ What is simulated, and what is ckpt's code as a real job runs it:
   16 MiB chunks, and :meth:`Writer._report` with a chunk table of made-up hashes (no bytes are hashed,
   encoded or written: every chunk is "raw", without span digests);
 * the commit: rank 0 reads and parses every report (:func:`ckpt.commit._read_part`) and runs
-  :meth:`Writer.commit` (merge, checks, the parse every reader runs, the create-only write);
-* the load: :func:`ckpt.format.manifest.read_step` on one rank, then :func:`ckpt.fill._match`,
-  :func:`~ckpt.load_checks.check_fit` and :func:`ckpt.fill._feeds` (which chunks feed which bytes), the
-  destinations given one-element stand-ins (fill refuses zero-stride targets);
+  :meth:`Writer.commit` (merge, checks, the step index (format v6) checked as every reader checks it,
+  the create-only write);
+* the load: on one rank, :func:`ckpt.format.manifest.read_committed` (the index) and
+  :func:`ckpt.load.index_reads.step_for_load` (the reports of the saved ranks whose boxes it needs,
+  each checked against the index), then :func:`ckpt.load.match.match`,
+  :func:`~ckpt.load.checks.check_fit` and :func:`ckpt.load.plan.plan_boxes` (which chunks feed which
+  bytes), the destinations given one-element stand-ins (a load refuses zero-stride targets);
 * the rounds: :meth:`Comm.agree` three times (what ``load("latest")`` runs) and the commit round's
   ``report`` / ``gather`` / ``publish`` / ``decision``, N threads, every request counted.
 """
@@ -229,7 +232,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     Times are CPU seconds of the thread doing the part (``time.thread_time``: the other simulated
     ranks and other processes on the machine do not count; all of it is single-threaded Python)."""
     from ckpt.commit import _read_part
-    from ckpt.format import paths
+    from ckpt.format import index, paths
     from ckpt.storage.local import LocalStorage
 
     inner = LocalStorage(root)
@@ -268,17 +271,20 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     coord.read_bytes = 0
     writer = make_writer(coord)
     own = parts.pop(0)
+
+    def commit() -> None:  # as CommitProtocol._coordinate: the others' reports as stored, then Writer.commit
+        read = [_read_part(writer, step, r) for r in range(1, world)]
+        refs = [index.report_ref(step, 0, own.to_json())] + [ref for _, ref in read]
+        writer.commit(step, [own] + [p for p, _ in read], frozenset(), storage=coord, reports=refs)
+
     t = time.thread_time()
-    reports = [own] + [_read_part(writer, step, r) for r in range(1, world)]
-    writer.commit(step, reports, frozenset(), storage=coord)
+    commit()
     out["commit_s"] = time.thread_time() - t
-    del reports
     out.update(commit_read_bytes=coord.read_bytes, commit_requests=sum(coord.calls.values()),
                commit_report_reads=coord.calls["read_object"])
     with Traced() as mem:  # the same work again, for its memory: up to the create-only write, which refuses
         try:
-            writer.commit(step, [own] + [_read_part(writer, step, r) for r in range(1, world)], frozenset(),
-                          storage=coord)
+            commit()
         except StepExistsError:
             pass
     out.update(commit_peak_rss=mem.peak, manifest_bytes=inner.size(paths.manifest_key(step)))
@@ -290,18 +296,24 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
     """Rank ``r``'s load up to its first chunk read: the manifest read and checked, its state matched,
     which chunk feeds which bytes (fill's own steps); the reads themselves are not made."""
     from ckpt.load.checks import check_fit
+    from ckpt.load.index_reads import step_for_load
     from ckpt.load.match import match as match_state
     from ckpt.load.plan import Request, plan_boxes
 
+    state = state_of(model, layout, r, world, step)
+
+    def metadata() -> mf.Manifest:  # what Loader._load_step reads before its plan
+        got = mf.read_committed(disk, step)
+        return got if isinstance(got, mf.Manifest) else step_for_load(disk, got, state, r, world)
+
     with Traced() as mem:  # its memory (the parse traced is slower: timed again below)
-        m = mf.read_step(disk, step)
+        m = metadata()
     del m
     disk.reset_counts()
     disk.read_bytes = 0
     t = time.thread_time()
-    m = mf.read_step(disk, step)
+    m = metadata()
     parse_s = time.thread_time() - t
-    state = state_of(model, layout, r, world, step)
     t = time.thread_time()
     target = flatten(state, for_target=True)
     found = match_state(m, state, target, r, world, None)
@@ -314,13 +326,15 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
     feeds = plan.reads
     match_s = time.thread_time() - t
     assert not plan.stages  # loading on the world size that saved: every box is a saved shard
-    sources = {int(h[:12], 16) for h in feeds}  # the writer of each chunk (fake_hash)
-    return {"load_parse_s": parse_s, "load_match_s": match_s, "load_get_bytes": disk.read_bytes,
-            "load_get_requests": sum(disk.calls.values()), "load_manifest_rss": mem.held,
+    sources = {int(h[:12], 16) for h in feeds}
+    got_bytes, requests, reports = disk.read_bytes, sum(disk.calls.values()), disk.calls["read_object"] - 1
+    whole = mf.read_step(disk, step)  # the step's totals, for the table (not part of the load)
+    return {"load_parse_s": parse_s, "load_match_s": match_s, "load_get_bytes": got_bytes,
+            "load_get_requests": requests, "load_reports": reports, "load_manifest_rss": mem.held,
             "load_parse_peak_rss": mem.peak, "load_chunks": len(feeds), "load_source_ranks": len(sources),
             "load_other_chunks": sum(1 for h in feeds if int(h[:12], 16) != r),
-            "tensors": len(m.tensors), "shards": sum(len(t.shards) for t in m.tensors), "chunks": len(m.chunks),
-            "step_writers": len({t.shards[0].rank for t in m.tensors if not t.shape})}
+            "tensors": len(whole.tensors), "shards": sum(len(t.shards) for t in whole.tensors),
+            "chunks": len(whole.chunks), "step_writers": len({t.shards[0].rank for t in whole.tensors if not t.shape})}
 
 
 def rounds(world: int) -> dict[str, dict[str, int]]:

@@ -26,6 +26,7 @@ from .errors import (
     CorruptCheckpointError,
     DistributedSaveError,
     IncompatibleFormatError,
+    ManifestTooLargeError,
     NonFiniteStateError,
     NotACheckpointError,
     NotARootError,
@@ -65,7 +66,8 @@ __all__ = [
     "__version__", "Checkpointer", "Options", "SaveHandle", "SaveMetrics", "LoadStats", "RNGState", "LocalShard",
     "LocalShards", "PerRank", "fence", "open", "import_checkpoint", "Reader", "Pickled", "Replicas", "Parity",
     "CheckpointError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
-    "DistributedSaveError", "IncompatibleFormatError", "NonFiniteStateError", "NotACheckpointError",
+    "DistributedSaveError", "IncompatibleFormatError", "ManifestTooLargeError", "NonFiniteStateError",
+    "NotACheckpointError",
     "NotARootError", "PartialStateError", "ReshardError", "RootInUseError", "StateMismatchError", "StepExistsError",
     "StorageError", "UnsupportedValueError",
 ]

@@ -47,8 +47,8 @@ from typing import Protocol
 
 from . import events
 from .errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
+from .format import index, paths
 from .format import manifest as mf
-from .format import paths
 from .handle import SaveMetrics
 from .lease import Leases
 from .planning import fail_plan
@@ -329,12 +329,16 @@ class CommitProtocol:
                                                      "persist_every decides for all)")
             else:
                 assert part is not None  # this rank reported ok
-                if self.hooks is None:
-                    parts = [part] + list(self.io.map(lambda r: _read_part(self.writer, job.step, r),
-                                                      range(1, comm.world)))
-                else:
+                refs: list[index.ReportRef] | None = None
+                if self.hooks is None:  # the reports as stored: the step's index names them (format v6)
+                    read = list(self.io.map(lambda r: _read_part(self.writer, job.step, r), range(1, comm.world)))
+                    parts = [part] + [p for p, _ in read]
+                    if comm.world > 1:  # its own report: the bytes it wrote (to_json is deterministic)
+                        refs = [index.report_ref(job.step, 0, part.to_json())] + [ref for _, ref in read]
+                else:  # local commits: every tier gets the whole manifest (the reports are not on every tier)
                     parts = [part] + [_sent_part(docs[r], job.step, r) for r in range(1, comm.world)]
-                committed = self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage)
+                committed = self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage,
+                                               reports=refs)
                 decision = Decision(Status.OK, manifest=committed.to_json().decode() if self.hooks is not None else "")
         except StepExistsError as e:
             decision, error = Decision(Status.EXISTS, (), str(e)), e
@@ -383,9 +387,11 @@ def _sent_part(report: dict, step: int, rank: int) -> mf.Manifest:
         raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
 
 
-def _read_part(writer: Writer, step: int, rank: int) -> mf.Manifest:
+def _read_part(writer: Writer, step: int, rank: int) -> tuple[mf.Manifest, index.ReportRef]:
+    """Rank ``rank``'s report as stored, and how the step's index names those bytes."""
     try:
-        return mf.read_rank_part(writer.storage, step, rank)
+        data = mf.read_rank_bytes(writer.storage, step, rank)
+        return mf.parse_rank_part(data, step, rank), index.report_ref(step, rank, data)
     except (CheckpointError, FileNotFoundError, OSError) as e:
         key = paths.rank_key(step, rank)
         raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e

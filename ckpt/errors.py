@@ -48,6 +48,18 @@ class CorruptCheckpointError(CheckpointError):
         self.chunk = chunk
 
 
+class ManifestTooLargeError(CheckpointError):
+    """A save was refused because its step's manifest would be larger than a reader accepts
+    (``limit`` bytes; it would be ``size``): such a step could be committed but never loaded. Nothing
+    was committed; the previous steps are as they were. Save fewer tensors per step (or on fewer
+    ranks), or upgrade to a ckpt whose manifest is an index (format v6)."""
+
+    def __init__(self, message: str, *, size: int = 0, limit: int = 0):
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+
 class StateMismatchError(CheckpointError):
     """The checkpoint does not fit the state it is loaded into (keys, shapes or dtypes)."""
 

@@ -23,9 +23,10 @@ from .buffer_layout import ChunkSlot
 from .encode import CodecSpec, encode
 from .errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from .flatten import tensor_of
+from .format import index, paths, spans
 from .format import manifest as mf
-from .format import paths, spans
 from .format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
+from .format.index import ReportRef
 from .format.tree_check import newest_feature
 from .handle import SaveMetrics
 from .lease import Leases
@@ -370,7 +371,8 @@ class Writer:
             log.warning("removing the chunks of failed step %d failed: %s", job.step, e)
 
     def commit(self, step: int, parts: list[mf.Manifest], per_rank: frozenset[str],
-               storage: Storage | None = None, structure: dict | None = None) -> mf.Manifest:
+               storage: Storage | None = None, structure: dict | None = None,
+               reports: list[ReportRef] | None = None) -> mf.Manifest:
         """Merge every rank's report into the step manifest and commit it (create-only).
 
         Two ranks may encode the same chunk (same bytes, same name) differently: as deltas of their
@@ -380,9 +382,13 @@ class Writer:
         (every base listed, chains bounded) before anything is committed. ``storage``: the save's own
         view (default: the writer's storage). ``structure``: the step's structure tree when the front
         end builds it itself (``ckpt.dcp``: from DCP's metadata), instead of the one merged from the
-        parts (whose own structures must then agree, e.g. be empty)."""
+        parts (whose own structures must then agree, e.g. be empty). ``reports``: how each part is
+        stored (key, size and digest, in rank order): with several ranks, MANIFEST.json is then the
+        step's index (format v6, :mod:`ckpt.format.index`) naming them, unless two reports listed a
+        chunk differently (the stored reports would disagree with the step: the whole manifest is
+        written instead). Returns the whole step's manifest."""
         storage = storage if storage is not None else self.storage
-        self._settle_conflicts(parts, storage)
+        conflicts = self._settle_conflicts(parts, storage)
         step_manifest = mf.merge(step, parts, per_rank)
         if structure is not None:
             step_manifest.structure = structure
@@ -392,7 +398,10 @@ class Writer:
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
                                          f"({e})") from e
-        data = mf.committable(step, step_manifest)
+        if reports is not None and len(parts) > 1 and not conflicts:
+            data = index.committable(step, index.build(step_manifest, reports), parts)
+        else:
+            data = mf.committable(step, step_manifest)
         try:
             storage.commit(paths.manifest_key(step), data)
         except FileExistsError:
@@ -401,7 +410,7 @@ class Writer:
                 f"overwritten. {STEP_EXISTS_ADVICE}") from None
         return step_manifest
 
-    def _settle_conflicts(self, parts: list[mf.Manifest], storage: Storage) -> None:
+    def _settle_conflicts(self, parts: list[mf.Manifest], storage: Storage) -> set[str]:
         seen: dict[str, mf.ChunkInfo] = {}
         conflicts: set[str] = set()
         for part in parts:
@@ -419,6 +428,7 @@ class Writer:
             for part in parts:  # its span digests, of its raw bytes, hold whatever copy stayed
                 if h in part.chunks:
                     part.chunks[h] = dataclasses.replace(truth, spans=part.chunks[h].spans)
+        return conflicts
 
     # -- what the writer trusts to be stored --------------------------------------------------------
     def in_use(self) -> set[str]:

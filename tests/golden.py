@@ -8,8 +8,9 @@ earlier ckpt.
 Each state is a pure function of its step, so a test can rebuild what a golden checkpoint must hold.
 Together they cover what the on-disk format can express: format v1 (tensors and plain values), v2
 (per-rank state, shards of a global tensor saved by two ranks), v3 (numpy values stored as raw
-bytes), v4 (planes and xor chunks: deltas in chains three long); raw and zstd chunks; chunks reused
-from an earlier step; tensors of every dtype family.
+bytes), v4 (planes and xor chunks: deltas in chains three long), v6 (``index``: the sharded state's
+MANIFEST.json as an index naming the two rank reports); raw and zstd chunks; chunks reused from an
+earlier step; tensors of every dtype family.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def main(names: list[str]) -> None:
     from ckpt.testing import run_ranks
 
     makers = {"plain": (plain_state, (1, 2)), "model": (model_state, (1, 2)), "delta": (delta_state, (1, 2, 3)),
-              "sharded": (None, (1, 2))}
+              "sharded": (None, (1, 2)), "index": (None, (1, 2))}
     unknown = set(names) - set(makers)
     if not names or unknown:
         sys.exit(f"usage: python tests/golden.py NAME... (names: {', '.join(makers)})")

@@ -37,7 +37,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["plain", "model", "sharded", "delta"])
+@pytest.mark.parametrize("name", ["plain", "model", "sharded", "delta", "index"])
 def test_the_stored_bytes_are_what_they_were(golden, name):
     root = golden(name)
     assert cli.main(["verify", root, "--all"]) == 0
@@ -96,8 +96,9 @@ def test_a_model_optimizer_scheduler_rng_and_numpy_resume(golden):
         assert type(g) is type(v) and np.array_equal(g, v) and getattr(g, "dtype", None) == getattr(v, "dtype", None)
 
 
-def test_a_two_rank_checkpoint_loads_on_one_process(golden):
-    root = golden("sharded")
+@pytest.mark.parametrize("name", ["sharded", "index"])
+def test_a_two_rank_checkpoint_loads_on_one_process(golden, name):
+    root = golden(name)
     state = {"w": torch.zeros(12, 20), "bias": torch.zeros(7), "pos": ckpt.PerRank({"position": 0}), "step": 0}
     assert ckpt.Checkpointer(root).load(2, state, rank_map=[1]) == 2
     assert torch.equal(state["w"], torch.arange(240.0).reshape(12, 20) * 2)
@@ -115,8 +116,9 @@ def _load_on_rank(rank: int, world: int, root: str) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_two_rank_checkpoint_loads_on_two_ranks(golden):
-    assert run_ranks(2, _load_on_rank, golden("sharded")) == [{"w": True, "pos": True}] * 2
+@pytest.mark.parametrize("name", ["sharded", "index"])
+def test_a_two_rank_checkpoint_loads_on_two_ranks(golden, name):
+    assert run_ranks(2, _load_on_rank, golden(name)) == [{"w": True, "pos": True}] * 2
 
 
 def test_export_of_a_golden_step(golden, tmp_path):

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleFormatError,
+    ManifestTooLargeError,
     NotACheckpointError,
     StateMismatchError,
 )
@@ -51,11 +53,13 @@ from .tree_check import newest_feature, problem
 
 if TYPE_CHECKING:
     from ..storage.base import Storage
+    from .index import Index
 
 
 FORMAT = "ckpt"
-FORMAT_VERSION = 5  # 2 adds per-rank entries and nodes, 3 numpy values as raw bytes, 4 the planes and xor
-# codecs (delta chains); saves write the lowest that fits
+FORMAT_VERSION = 6  # 2 adds per-rank entries and nodes, 3 numpy values as raw bytes, 4 the planes and xor
+# codecs (delta chains), 5 io.BytesIO values, 6 the step index (:mod:`.index`); saves write the lowest that fits
+MANIFEST_VERSION = 5  # the newest version of a manifest with tensors and chunks (a rank report, a whole step)
 MAX_MANIFEST_BYTES = 1 << 30  # a manifest larger than this is refused before it is parsed
 
 
@@ -71,7 +75,7 @@ class Manifest:
     created: float = field(default_factory=time.time)
     writer: str = f"ckpt {__version__}"
     stats: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = MANIFEST_VERSION
 
     def to_json(self) -> bytes:
         with paused():  # see parse()
@@ -141,12 +145,21 @@ def parse(data: bytes | bytearray, *, name: str) -> Manifest:
     Whatever the bytes hold, the outcome is a :class:`Manifest` every field of which has been checked,
     or a :class:`CorruptCheckpointError` (:class:`IncompatibleFormatError` for a newer format): never
     a ``RecursionError``, ``ValueError``, ``KeyError`` or ``TypeError`` from deep, huge or
-    ill-typed JSON."""
+    ill-typed JSON. A step index (format v6) is refused here: :func:`parse_committed` reads both."""
+    got = parse_committed(data, name=name)
+    if not isinstance(got, Manifest):
+        raise bad(name, "it is a step index (format v6) where a manifest with tensors and chunks was expected")
+    return got
+
+
+def parse_committed(data: bytes | bytearray, *, name: str) -> Manifest | Index:
+    """:func:`parse` of a step's ``MANIFEST.json``: a :class:`Manifest`, or the step's
+    :class:`~ckpt.format.index.Index` (format v6, a step saved by several ranks)."""
     with paused():  # a large state's manifest is millions of containers, none in a cycle (see ckpt._gc)
         return _parse(data, name)
 
 
-def _parse(data: bytes | bytearray, name: str) -> Manifest:
+def _parse(data: bytes | bytearray, name: str) -> Manifest | Index:
     try:
         doc = json.loads(data, parse_constant=_no_constants)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, ints of 4300+ digits
@@ -218,7 +231,25 @@ def _parse_v1(doc: dict, name: str) -> Manifest:
 # Version 4 only adds the planes and xor codecs and the base of xor entries in the chunk table.
 # Version 5 only adds io.BytesIO values (bytes nodes with "io": true), which a version-4 reader would
 # hand back as bytes.
-_PARSERS = {1: _parse_v1, 2: _parse_v1, 3: _parse_v1, 4: _parse_v1, 5: _parse_v1}
+# Version 6 is the step index (:mod:`.index`): MANIFEST.json naming the rank reports, which keep version 5.
+
+
+def _parse_v6(doc: dict, name: str) -> Index:
+    from .index import parse_doc
+
+    return parse_doc(doc, name)
+
+
+_PARSERS: dict[int, Callable[[dict, str], Manifest | Index]] = {
+    1: _parse_v1, 2: _parse_v1, 3: _parse_v1, 4: _parse_v1, 5: _parse_v1, 6: _parse_v6}
+
+
+def lowest_version(structure: dict, tensors: list[TensorEntry], chunks: dict[str, ChunkInfo]) -> int:
+    """The lowest manifest version that holds a step of these tensors, structure and chunks (older
+    readers read it)."""
+    simple = all(t.rank is None for t in tensors) and not any(st.is_per_rank(v) for _, v in st.top_items(structure))
+    return max(1 if simple else 2, newest_feature(structure),
+               4 if any(c.codec.split("/")[0] in ("planes", "xor") for c in chunks.values()) else 1)
 
 
 def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = frozenset()) -> Manifest:
@@ -259,12 +290,9 @@ def merge(step: int, parts: list[Manifest], per_rank: set[str] | frozenset = fro
         values.append(st.per_rank_node(per) if united is None else united)
     tensors = list(by_key.values())
     # Version 1 readers load anything without per-rank parts (they refuse multi-shard tensors clearly).
-    simple = all(t.rank is None for t in tensors) and not any(st.is_per_rank(v) for v in values)
     structure = st.dict_node(tops, values)
-    version = max(1 if simple else 2, newest_feature(structure),  # the lowest that holds it: older readers read it
-                  4 if any(c.codec.split("/")[0] in ("planes", "xor") for c in chunks.values()) else 1)
-    return Manifest(step=step, kind="step", structure=structure, tensors=tensors,
-                    chunks=chunks, world_size=len(parts), stats=stats, format_version=version)
+    return Manifest(step=step, kind="step", structure=structure, tensors=tensors, chunks=chunks,
+                    world_size=len(parts), stats=stats, format_version=lowest_version(structure, tensors, chunks))
 
 
 # -- reading manifests from storage ---------------------------------------------------------------
@@ -283,13 +311,14 @@ def committed_steps(storage: Storage) -> list[int]:
 def _read_bounded(storage: Storage, key: str) -> bytes | bytearray:
     data = storage.read_object(key, MAX_MANIFEST_BYTES)
     if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"manifest {key} is larger than {MAX_MANIFEST_BYTES >> 20} MiB; it is damaged",
+        raise CorruptCheckpointError(f"manifest {key} is larger than {MAX_MANIFEST_BYTES:,} bytes; it is damaged",
                                      object=key)
     return data
 
 
-def read_step(storage: Storage, step: int) -> Manifest:
-    """The committed manifest of ``step``, parsed and checked to describe that step.
+def read_committed(storage: Storage, step: int) -> Manifest | Index:
+    """What ``MANIFEST.json`` of ``step`` holds, parsed and checked to describe that step: the whole
+    step's manifest, or its index (format v6: the load path reads only the rank reports it needs).
 
     Raises :class:`CheckpointNotFoundError` if it does not exist, :class:`CorruptCheckpointError`
     if it does not parse or check."""
@@ -298,16 +327,37 @@ def read_step(storage: Storage, step: int) -> Manifest:
         data = _read_bounded(storage, key)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"step {step} has no manifest in {storage.describe()}") from None
-    m = parse(data, name=key)
-    if m.step != step or m.kind != "step":
-        raise CorruptCheckpointError(f"manifest {key} describes step {m.step} ({m.kind}), not step {step}", object=key)
+    m = parse_committed(data, name=key)
+    kind = m.kind if isinstance(m, Manifest) else "index"
+    if m.step != step or kind not in ("step", "index"):
+        raise CorruptCheckpointError(f"manifest {key} describes step {m.step} ({kind}), not step {step}", object=key)
     return m
+
+
+def read_step(storage: Storage, step: int) -> Manifest:
+    """The whole committed step ``step`` as one manifest, parsed and checked: what every tool that
+    needs all of a step reads (verify, inspect, retention, ``ckpt.open``, export, diff, DCP's
+    reader). For a step index (v6), every rank report it names is read, checked against it, and
+    joined (:func:`ckpt.format.index.whole_step`); no caller spells the index format.
+
+    Raises :class:`CheckpointNotFoundError` if it does not exist, :class:`CorruptCheckpointError`
+    if it (or a report it names) does not parse or check."""
+    m = read_committed(storage, step)
+    if isinstance(m, Manifest):
+        return m
+    from .index import whole_step
+
+    return whole_step(storage, m)
+
+
+def read_rank_bytes(storage: Storage, step: int, rank: int) -> bytes | bytearray:
+    """The bytes of rank ``rank``'s report for ``step``, bounded like a manifest."""
+    return _read_bounded(storage, rank_key(step, rank))
 
 
 def read_rank_part(storage: Storage, step: int, rank: int) -> Manifest:
     """Rank ``rank``'s report for ``step`` (what it wrote), parsed and checked to be that report."""
-    key = rank_key(step, rank)
-    return parse_rank_part(_read_bounded(storage, key), step, rank)
+    return parse_rank_part(read_rank_bytes(storage, step, rank), step, rank)
 
 
 def parse_rank_part(data: bytes | bytearray, step: int, rank: int) -> Manifest:
@@ -372,9 +422,16 @@ class ManifestCache:
 
 def committable(step: int, m: Manifest) -> bytes:
     """The manifest's bytes, once they pass the parse every reader runs on them (every field
-    checked, each tensor's shards tiling its shape, chunk sizes bounded): a step that could never
-    load is not committed, so retention never drops a good step for it."""
+    checked, each tensor's shards tiling its shape, chunk sizes bounded) and the reader's size cap
+    (:data:`MAX_MANIFEST_BYTES`, else :class:`ManifestTooLargeError`): a step that could never load is
+    not committed, so retention never drops a good step for it."""
     data = m.to_json()
+    if len(data) > MAX_MANIFEST_BYTES:  # read at call time: a test lowers it to try the limit
+        raise ManifestTooLargeError(
+            f"step {step} was not committed: its manifest would be {len(data):,} bytes, and a reader refuses a "
+            f"manifest over {MAX_MANIFEST_BYTES:,} bytes, so the step could never be loaded. Nothing was changed; "
+            "the committed steps are as they were. Save fewer tensors per step (or on fewer ranks)",
+            size=len(data), limit=MAX_MANIFEST_BYTES)
     try:
         back = parse(data, name=manifest_key(step))
     except CheckpointError as e:

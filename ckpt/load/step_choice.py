@@ -29,6 +29,8 @@ from ..format.planes import trim_scratch
 from ..ranks import Comm
 from ..storage import Storage
 from . import held
+from .apply import init_optimizers
+from .index_reads import step_for_load
 from .into_state import Lend, LoadStats, RankMap, load_into
 
 log = logging.getLogger("ckpt")
@@ -228,7 +230,13 @@ class Loader:
                    rank_map: RankMap | None, changed: list[bool], manifest: mf.Manifest | None = None,
                    before_read: Callable[[set[str]], None] | None = None,
                    ready: Callable[[dict], dict] | None = None) -> LoadResult:
-        m = manifest if manifest is not None else mf.read_step(self.storage, step)
+        got = manifest if manifest is not None else mf.read_committed(self.storage, step)
+        if isinstance(got, mf.Manifest):
+            m, whole = got, True
+        else:  # a step index: only the rank reports this rank needs (not the whole step: kept out of the cache)
+            if init_optimizers(state, got.skeleton()):  # their shards' boxes first (load_into would do it next)
+                changed[0] = True
+            m, whole = step_for_load(self.storage, got, state, self.comm.rank, self.comm.world, rank_map), False
         self.storage.reset_tier_counters()
         try:
             stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
@@ -237,7 +245,8 @@ class Loader:
                               staged=self.staged, lend=self.lend, ready=ready)
         finally:
             trim_scratch()  # reads and chains kept chunk-sized buffers per thread: loads are rare
-        self.manifests.put(m)
+        if whole:
+            self.manifests.put(m)
         tiers = self.storage.tier_counters()
         if tiers is not None:  # which tier each chunk came from; damaged local copies are named
             stats.local_chunks, stats.remote_chunks = tiers.local_hits, tiers.remote_reads
