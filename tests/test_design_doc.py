@@ -1,5 +1,6 @@
-"""What the docs and the docstrings say about the package's modules is true: every `ckpt.something` a
-docstring or a doc cites can be imported."""
+"""What the design doc and the docstrings say about the package's modules is true: docs/design.md's
+module table names every module under ckpt/ and no other, and every `ckpt.something` a docstring or a
+doc cites can be imported."""
 
 from __future__ import annotations
 
@@ -9,10 +10,49 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "ckpt"
+DESIGN = ROOT / "docs" / "design.md"
 
 # Keys of the safetensors metadata an export writes, spelled like modules in the docs that describe them;
 # test_metadata_keys_cited_are_what_export_writes keeps this list to keys the export really writes.
 METADATA_KEYS = {"ckpt.values", "ckpt.values.tagged", "ckpt.step", "ckpt.source", "ckpt.rank"}
+
+
+def module_table() -> dict[str, int]:
+    """The entries of design.md's module table (the table under the header ``| layer | module | owns |``):
+    each backquoted path in its module column, relative to ckpt/ (``format/chunk.py``, a package as
+    ``storage/``), with the line it is on."""
+    entries: dict[str, int] = {}
+    in_table = False
+    for n, line in enumerate(DESIGN.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("| layer | module |"):
+            in_table = True
+            continue
+        if in_table and not line.startswith("|"):
+            break
+        if in_table:
+            cells = line.split("|")
+            if len(cells) > 2:
+                for path in re.findall(r"`([^`]+)`", cells[2]):
+                    entries[path] = n
+    assert entries, f"{DESIGN} has no module table (a table whose header is '| layer | module | owns |')"
+    return entries
+
+
+def package_modules() -> list[str]:
+    """Every module file under ckpt/, relative to it, less the packages' ``__init__.py`` (a package's
+    row names it as ``storage/``, or its modules one by one)."""
+    return sorted(p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if p.name != "__init__.py")
+
+
+def test_the_module_table_names_every_module_and_no_other():
+    table = module_table()
+    packages = {p for p in table if p.endswith("/")}
+    missing = [m for m in package_modules() if m not in table and not any(m.startswith(p) for p in packages)]
+    assert not missing, ("docs/design.md's module table lacks " + ", ".join(f"ckpt/{m}" for m in missing)
+                         + ": add each, backquoted as `" + missing[0] + "`, to the module column of its layer's row "
+                         "(or a row of its own: | | `" + missing[0] + "` | what it owns |)")
+    stale = [f"`{p}` (line {n})" for p, n in table.items() if not (PKG / p).exists()]
+    assert not stale, f"docs/design.md's module table names modules that do not exist under ckpt/: {', '.join(stale)}"
 
 
 CITED = re.compile(r"`(ckpt(?:\.[A-Za-z_]\w*)+)")  # `ckpt.x.y`, ``ckpt.x``, :mod:`ckpt.x`
