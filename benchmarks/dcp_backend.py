@@ -394,7 +394,8 @@ def main() -> None:
         args.batch = 2
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="ckpt-dcp-bench-out-") if args.quick else os.path.join(HERE, "results")
-    torch.set_num_threads(max(1, os.cpu_count() or 2))
+    # every core, unless OMP_NUM_THREADS says otherwise (the smoke test's: on a busy machine threads spin)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 2))
     cmd = command("dcp_backend")
     print(banner(), flush=True)
     print(f"command: {cmd}", flush=True)

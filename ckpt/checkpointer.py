@@ -4,8 +4,8 @@ Follow one tensor through a save: :meth:`Checkpointer.save` flattens the state i
 and tensor leaves (:mod:`ckpt.flatten`), copies the tensors into the host buffer
 (:mod:`ckpt.snapshot`, laid out by :mod:`ckpt.buffer_layout`) and hands the snapshot to the commit protocol
 (:mod:`ckpt.commit`). On a background thread the writer (:mod:`ckpt.writer`) cuts the buffer into
-chunks, hashes, encodes (:mod:`ckpt.codec`) and stores them (:mod:`ckpt.storage`); the coordinator
-commits the step manifest (:mod:`ckpt.manifest`) and applies retention (:mod:`ckpt.retention`).
+chunks, hashes, encodes (:mod:`ckpt.encode`) and stores them (:mod:`ckpt.storage`); the coordinator
+commits the step manifest (:mod:`ckpt.format.manifest`) and applies retention (:mod:`ckpt.retention`).
 Back again: :mod:`ckpt.load` reads the manifest, reads and verifies the chunks it needs, and fills
 the caller's tensors in place.
 """

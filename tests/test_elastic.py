@@ -1,7 +1,8 @@
 """Real torchrun jobs on 127.0.0.1 (gloo, CPU) that lose a worker or are told to stop, and carry on.
 
 The job is examples/train_distributed.py (FSDP2-sharded model and optimizer, per-rank RNG and data
-positions). Each test compares the final weights with an uninterrupted job's.
+positions). A job that lost a worker ends with an uninterrupted job's final weights; a stopped job's
+emergency save holds, bit for bit, what a save of that step on purpose holds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +61,31 @@ def reference(tmp_path_factory):
     return torch.load(d / "final.pt")
 
 
+def comparable(v):
+    """``v`` with every numpy array (a saved RNG state) as its dtype, shape and bytes, so ``==`` compares bits."""
+    if isinstance(v, dict):
+        return {k: comparable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(comparable(x) for x in v)
+    if isinstance(v, np.ndarray):
+        return ("ndarray", v.dtype.str, v.shape, v.tobytes())
+    return v
+
+
+def saved_state(ckdir: str, step: int) -> dict:
+    """Everything step ``step`` in ``ckdir`` holds, every saved rank's: its plain values and, per
+    rank, its tensors' bytes (a dict that compares equal only when every bit does)."""
+    with ckpt.open(ckdir) as ck:
+        world = ck.manifest(step).world_size
+        tensors = [ck.tensors(step, rank=r) for r in range(world)]
+        state = {"world": world, "values": comparable(ck.values(step))}
+    assert any(k.startswith("optim/") for k in tensors[0])
+    for r, ts in enumerate(tensors):
+        state.update({(r, k, t.dtype, tuple(t.shape)): t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                      for k, t in ts.items()})
+    return state
+
+
 def test_a_killed_worker_is_restarted_by_torchrun_and_the_job_ends_identical(tmp_path, reference):
     evfile, out = str(tmp_path / "events"), str(tmp_path / "final.pt")
     p = torchrun(3, str(tmp_path / "ck"), out, evfile, restarts=1)
@@ -101,21 +128,24 @@ def test_a_stopped_job_saves_on_sigterm_and_resumes_on_two_workers(tmp_path, ref
     stopped = ckpt.open(ck).latest()
     assert stopped is not None and stopped % EVERY != 0 and stopped < STEPS  # the emergency save, between intervals
     assert not os.path.exists(out)
+    emergency = saved_state(ck, stopped)  # before the resume's keep_last=3 lets it go
 
     p = torchrun(2, ck, out, evfile)  # the job comes back smaller
     log, _ = p.communicate(timeout=300)
     assert p.returncode == 0, log
     assert [e["step"] for e in events.read(evfile) if e["event"] == "resume"] == [stopped, stopped]
 
-    # The same job saved and stopped at that step on purpose, then resumed on two workers: the same
-    # weights, bit for bit, so the emergency save held exactly the state of that step. (Against the
-    # uninterrupted 3-worker run they differ: two workers draw other dropout masks.)
-    ck2, out2 = str(tmp_path / "ck2"), str(tmp_path / "final2.pt")
-    for nproc, extra in ((3, ["--every", str(stopped), "--stop-after", str(stopped)]), (2, [])):
-        p = torchrun(nproc, ck2, out2, str(tmp_path / "events2"), extra=extra)
-        log, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, log
-    got, want = torch.load(out), torch.load(out2)
-    assert got.keys() == want.keys() == reference.keys()
-    for k in got:
-        assert torch.equal(got[k], want[k]), k
+    # The same job saved and stopped at that step on purpose: the same state, bit for bit, on every
+    # saved rank (shards, per-rank RNG streams and loader positions, the step), so the emergency save
+    # held exactly the state of that step, and the resume above read what an on-purpose save holds. (The
+    # saved state itself is compared: resuming from it once more on two workers, as this test did, read
+    # the same bytes again. Against the uninterrupted run's final weights the resume differs: two
+    # workers draw other dropout masks.)
+    ck2 = str(tmp_path / "ck2")
+    p = torchrun(3, ck2, str(tmp_path / "final2.pt"), str(tmp_path / "events2"),
+                 extra=["--every", str(stopped), "--stop-after", str(stopped)])
+    log, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, log
+    assert saved_state(ck2, stopped) == emergency
+    final = torch.load(out)
+    assert final.keys() == reference.keys()

@@ -1,10 +1,9 @@
 """examples/train_fsdp2_dcp.py under real torchrun (gloo, CPU, 127.0.0.1): an FSDP2 job on DCP's own calls
-over ckpt steps, stopped on 4 ranks and resumed on 2, ends bit-identical to the same job resumed on 2
-from a step saved on purpose.
+over ckpt steps, stopped on 4 ranks and resumed on 2: the stopped step holds, bit for bit, what a run
+that saved that step and nothing else holds, and the 2 ranks resume from exactly it.
 
 4 ranks and 2 sum gradients in another order, so neither is compared with an uninterrupted run on the
-other world size: the reference resumes on 2 ranks from the same step, saved by a run that saved
-nothing else.
+other world size.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 
 import ckpt
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # torchrun jobs, about 40 s on 2 cores
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # three torchrun jobs, about 30 s on 2 cores
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -64,7 +63,7 @@ digest = _example_module().digest  # sha256 of names and bytes in name order, as
 
 def test_stopped_on_4_ranks_resumed_on_2_equals_a_resume_from_a_step_saved_on_purpose(tmp_path):
     stopped, ref = str(tmp_path / "stopped"), str(tmp_path / "ref")
-    out, ref_out = str(tmp_path / "final.pt"), str(tmp_path / "ref.pt")
+    out = str(tmp_path / "final.pt")
 
     # The job: async saves every EVERY steps on 4 ranks, stopped after STOP (saved, committed), resumed on 2.
     log = torchrun(4, stopped, "--every", str(EVERY), "--stop-after", str(STOP))
@@ -76,12 +75,9 @@ def test_stopped_on_4_ranks_resumed_on_2_equals_a_resume_from_a_step_saved_on_pu
     assert f"done: step {STEPS} on 2 rank(s)" in log, log
     assert steps(stopped) == [STOP, 8, STEPS]  # keep_last=3 let step 4 go
 
-    # The reference: 4 ranks save STOP and nothing else, then 2 ranks resume from it.
+    # The reference: 4 ranks save STOP and nothing else.
     torchrun(4, ref, "--every", str(STOP), "--stop-after", str(STOP))
     assert steps(ref) == [STOP]
-    log = torchrun(2, ref, "--every", str(EVERY), "--out", ref_out)
-    [(step, ref_loaded)] = resumed_from(log)
-    assert step == STOP, log
 
     # The saved step: the same model and optimizer state, bit for bit (the async save at step 4 and
     # the reused Stager buffer changed nothing), and the same plain values (the step number).
@@ -94,12 +90,12 @@ def test_stopped_on_4_ranks_resumed_on_2_equals_a_resume_from_a_step_saved_on_pu
     for k in at_stop:
         assert torch.equal(at_stop[k], ref_at_stop[k]), k
     # and what the 2 ranks held after dcp.load and set_state_dict, gathered: the saved tensors, every one
-    # (model and optimizer), resharded from 4 ranks to 2 without a bit changed
-    assert loaded == ref_loaded == digest(at_stop)
+    # (model and optimizer), resharded from 4 ranks to 2 without a bit changed. So the resume started
+    # from exactly the reference's state; a second resume, from the reference, read the same bytes
+    # again and so ended with the same weights (this test ran one until the state itself was compared).
+    assert loaded == digest(at_stop) == digest(ref_at_stop)
 
-    # The end: bit-identical final weights, and they moved from the saved step's (the resume trained).
-    got, want = torch.load(out), torch.load(ref_out)
-    assert got.keys() == want.keys() and len(got) > 0
-    for k in got:
-        assert torch.equal(got[k], want[k]), k
+    # The end: the resume trained on to STEPS, its weights moved from the saved step's.
+    got = torch.load(out)
+    assert len(got) > 0 and {f"model/{k}" for k in got} <= at_stop.keys()
     assert not torch.equal(got["head.weight"], at_stop["model/head.weight"])

@@ -1,13 +1,13 @@
 """Reading chunks that may be deltas: a delta chunk (codec ``xor``) is decoded from its base's raw
 bytes, so reading it means reading its chain, down to the chunk stored whole.
 
-A manifest's chunk table names every base (``ChunkInfo.base``) and :func:`ckpt.manifest.parse` has
-checked the chains end within ``MAX_CHAIN`` links; here each link's header must agree with the table
-(or say the chunk is stored whole: a copy written again whole ends the chain early). The compiled
-core decodes the chain in one pass and checks the result's hash; where that fails, or without the
-core, every link is decoded and verified by its own hash in turn (so an error names the damaged
-link). Reads stay bounded by what the table declares: at most
-the chain's stored sizes, one chain at a time per thread.
+A manifest's chunk table names every base (``ChunkInfo.base``) and the manifest parser
+(:func:`ckpt.format.entries.check_chains`) has checked the chains end within ``MAX_CHAIN`` links;
+here each link's header must agree with the table (or say the chunk is stored whole: a copy written
+again whole ends the chain early). The compiled core decodes the chain in one pass and checks the
+result's hash; where that fails, or without the core, every link is decoded and verified by its own
+hash in turn (so an error names the damaged link). Reads stay bounded by what the table declares: at
+most the chain's stored sizes, one chain at a time per thread.
 """
 
 from __future__ import annotations

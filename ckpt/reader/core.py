@@ -14,8 +14,8 @@
 
 The ``ckpt`` command line is built on it: each command is one call here, formatted there. Nothing
 here unpickles unless ``load_into`` is told to: a value saved with pickle comes back as a
-:class:`Pickled` placeholder. Nothing here imports the writer, the commit protocol or the peers
-(reading tensors imports the loader, which still does).
+:class:`Pickled` placeholder. Nothing here imports the writer, the commit protocol or the peers,
+and neither does the load path it reads tensors through (tests/test_seams.py).
 """
 
 from __future__ import annotations
