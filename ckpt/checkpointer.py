@@ -455,7 +455,7 @@ class Checkpointer:
             raise
         if self._journal is not None:  # the first load of this start: the journal's start record
             self._journal.started(None if done is None else done.manifest.step, time.perf_counter() - began,
-                                  defer=done is None)
+                                  defer=done is None, hosts=self._loader.hosts)
         if done is None:
             return None
         m, self.last_load = done.manifest, done.stats

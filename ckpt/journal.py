@@ -70,6 +70,7 @@ class StartRecord:
     saves_seen: int = 0  # saves committed and stall so far, as last seen (kept when gc prunes save records)
     stall_seen_s: float = 0.0
     saves: list[SaveRecord] = field(default_factory=list)
+    hosts: list[str] | None = None  # the distinct hosts of its ranks (None: not gathered, e.g. no listing load)
 
     @property
     def end(self) -> float:
@@ -77,7 +78,7 @@ class StartRecord:
         return max([self.time, self.ready, self.seen or 0.0] + [s.time for s in self.saves])
 
     def to_json(self) -> dict:
-        return {"id": self.id, "time": self.time, "world_size": self.world_size, "host": self.host,
+        return {"id": self.id, "time": self.time, "world_size": self.world_size, "host": self.host, "hosts": self.hosts,
                 "resumed_from": self.resumed_from, "load_s": self.load_s, "ready": self.ready, "seen": self.seen,
                 "step": self.step, "closed": self.closed,
                 "saves": [{"step": s.step, "time": s.time, "stall_s": s.stall_s} for s in self.saves]}
@@ -95,8 +96,8 @@ def _doc(**fields: Any) -> list[bytes]:
 def write_start(storage: Storage, rec: StartRecord) -> None:
     """Create a start's ``start.json`` (a test writes earlier starts with chosen times through it)."""
     storage.create(paths.journal_start_key(rec.id), _doc(
-        start=rec.id, time=rec.time, world_size=rec.world_size, host=rec.host, resumed_from=rec.resumed_from,
-        load_s=rec.load_s, ready=rec.ready))
+        start=rec.id, time=rec.time, world_size=rec.world_size, host=rec.host, hosts=rec.hosts,
+        resumed_from=rec.resumed_from, load_s=rec.load_s, ready=rec.ready))
 
 
 def write_save(storage: Storage, start: str, save: SaveRecord) -> None:
@@ -130,6 +131,8 @@ def _read_start(storage: Storage, name: str) -> StartRecord | None:
     try:
         rec = StartRecord(name, float(doc["time"]), int(doc["world_size"]), str(doc["host"]),
                           _opt_int(doc.get("resumed_from")), float(doc.get("load_s") or 0.0), float(doc["ready"]))
+        hosts = doc.get("hosts")
+        rec.hosts = [str(h) for h in hosts] if isinstance(hosts, list) else None
         seen = _load(storage, paths.journal_seen_key(name))
         if seen is not None:
             rec.seen, rec.step, rec.closed = float(seen["time"]), _opt_int(seen.get("step")), bool(seen.get("closed"))
@@ -209,14 +212,15 @@ class Journal:
         self._thread: threading.Thread | None = None  # started with the start record: no load nor save, no thread
 
     # -- from the Checkpointer ----------------------------------------------------------------------
-    def started(self, resumed_from: int | None, load_s: float, *, defer: bool = False) -> None:
+    def started(self, resumed_from: int | None, load_s: float, *, defer: bool = False,
+                hosts: list[str] | None = None) -> None:
         """This start is under way (once): resumed from a step (None: fresh) after a load of ``load_s``.
         ``defer``: written only when the first save comes (a fresh start in a root that may not exist
-        yet writes nothing there before its first save)."""
+        yet writes nothing there before its first save). ``hosts``: its ranks' hosts, where gathered."""
         if self._started:
             return
         rec = self._deferred or StartRecord(self.id, self.begin, self.world_size, socket.gethostname(),
-                                            resumed_from, load_s, self.clock())
+                                            resumed_from, load_s, self.clock(), hosts=hosts)
         if defer:
             self._deferred = rec
             return

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 
 import pytest
@@ -218,6 +219,7 @@ def test_a_journal_that_cannot_be_written_fails_no_save(tmp_path, caplog):
 
 
 def two_ranks_body(rank: int, world: int, root: str) -> int:
+    socket.gethostname = lambda: f"node-{rank}"  # type: ignore[assignment]  # two ranks as if on two hosts
     for _ in range(2):  # two starts of the job (one process group, to spawn the ranks once)
         with ckpt.Checkpointer(root, timeout=30) as c:
             state = {"w": ckpt.PerRank(torch.full((2,), float(rank))), "step": 0}
@@ -238,6 +240,9 @@ def test_under_two_ranks_only_the_coordinator_writes_one_start_per_start(tmp_pat
         ["save-000000000003.json", "save-000000000004.json", "seen.json", "start.json"]]
     g = ckpt.open(tmp_path).goodput()
     assert [(s.world_size, s.resumed_from, s.ended) for s in g.starts] == [(2, None, "closed"), (2, 2, "closed")]
+    # every rank's host, gathered by the load's first round (the coordinator's alone in "host")
+    starts = journal.read(LocalStorage(tmp_path))
+    assert [(r.host, r.hosts) for r in starts] == [("node-0", ["node-0", "node-1"])] * 2
 
 
 def test_gc_prunes_the_journal_past_its_bound(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ verified reads into place, is :func:`ckpt.load.into_state.load_into`. Local comm
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class Loader:
         self.io = io
         self.manifests = manifests
         self.partial: int | None = None  # a step whose load failed after it had changed the state
+        self.hosts: list[str] | None = None  # the ranks' hosts, as the coordinator's listing round gathered them
 
     def check_whole(self, step: int) -> None:
         """Raise :class:`PartialStateError` if a load left the state half-overwritten (saving ``step``
@@ -161,18 +163,27 @@ class Loader:
         answer to the others in the first ``agree`` round: a load costs one listing, not one per rank,
         and every rank picks from the same steps. An error of that listing is raised on every rank,
         of the same class."""
+        host = socket.gethostname()
         if self.comm.world == 1:
+            self.hosts = [host]
             steps = self.steps()
             return steps, None if steps else self.storage.root_state()
-        listing: dict | None = None  # the others post nothing of their own
+        listing: dict = {"host": host}  # the others post their host (for the run journal) and nothing else
         err: CheckpointError | None = None
         if self.comm.rank == 0:
             try:
                 steps = self.steps()
-                listing = {"steps": steps, "root": None if steps else self.storage.root_state()}
+                listing.update(steps=steps, root=None if steps else self.storage.root_state())
             except CheckpointError as e:
-                listing, err = {"error": type(e).__name__, "message": str(e)}, e
-        answer = self.comm.agree(listing, _coordinators)
+                listing.update(error=type(e).__name__, message=str(e))
+                err = e
+
+        def coordinators(views: list[Any]) -> Any:
+            """The coordinator's listing, for every rank; the ranks' hosts kept here (on the coordinator)."""
+            self.hosts = sorted({str(v["host"]) for v in views if isinstance(v, dict) and "host" in v})
+            return {k: v for k, v in views[0].items() if k != "host"}
+
+        answer = self.comm.agree(listing, coordinators)
         if "error" in answer:
             if self.comm.rank == 0 and err is not None:
                 raise err
@@ -262,11 +273,6 @@ def _outcome(err: CheckpointError | None) -> dict:
     """What a rank tells the others about its load attempt."""
     return {"ok": err is None, "corrupt": isinstance(err, CorruptCheckpointError),
             "mismatch": isinstance(err, StateMismatchError), "message": str(err)[:2000] if err is not None else ""}
-
-
-def _coordinators(views: list[Any]) -> Any:
-    """The coordinator's listing, for every rank (the others posted nothing of their own)."""
-    return views[0]
 
 
 def _rebuilt(name: str, message: str) -> CheckpointError:
