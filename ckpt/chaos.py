@@ -280,8 +280,8 @@ def _kill(r: _Run, plan: str, rng: random.Random, deadline: float) -> str | None
             return None
         time.sleep(max(0.0, t + float(plan.split()[1]) - time.time()))
         what, scale = "{:.2f} s into training", 1.0
-    if r.proc.poll() is not None:
-        return None
+    if r.proc.poll() is not None or any(e["event"] == "close" for e in r.events()):
+        return None  # it ended first (or is ending: its Checkpointer closed), so no kill interrupts it
     now = time.time()
     r.kill()
     r.killed_at = now

@@ -534,6 +534,7 @@ class Checkpointer:
             at_exit.untrack(self)
             self._schedule.close()
             self._commit_thread.shutdown(wait=True)
+            events.emit("close", self.rank)  # the run's saves are done (a harness kills no run past this)
             if self._journal is not None:  # after the commits: their records are queued
                 self._journal.close(clean=self._clean_end)
             self._retention_thread.close()

@@ -30,21 +30,26 @@ def chaos(capsys, *argv: str) -> tuple[int, dict]:
 def test_a_correct_training_script_survives_kills_during_saves_and_training(capsys, tmp_path):
     work = tmp_path / "work"
     rc, rep = chaos(capsys, "--kills", "2", "--seed", "3", "--workdir", str(work), "--",
-                    sys.executable, os.path.join(ROOT, "examples", "train.py"), "--dir", "{dir}", "--steps", "80",
-                    "--every", "10")
+                    sys.executable, os.path.join(ROOT, "examples", "train.py"), "--dir", "{dir}", "--steps", "240",
+                    "--every", "30")
     assert rc == 0 and rep["ok"], json.dumps(rep, indent=1)[-20000:]
-    assert rep["kills_done"] == 2 and rep["reference_step"] == 80
-    first, second, last = rep["runs"]
-    assert "after the save of step" in first["killed"] and "into training" in second["killed"]
-    assert first["fresh"] and second["resumed_from"] == first["latest"] and last["resumed_from"] == second["latest"]
-    assert all(r["verified"] for r in rep["runs"])
+    assert rep["reference_step"] == 240
+    runs, kills = rep["runs"], rep["kills_done"]
+    first, last = runs[0], runs[-1]
+    assert "after the save of step" in first["killed"] and first["fresh"]
+    # The second kill lands a draw into training; on a machine so loaded that the run is already closing by
+    # then, the harness says it ended first (its Checkpointer closed) and kills nothing: one kill, two runs.
+    assert len(runs) == kills + 1 and kills in (1, 2) and last["killed"] is None
+    if kills == 2:
+        assert "into training" in runs[1]["killed"]
+    assert all(b["resumed_from"] == a["latest"] for a, b in zip(runs, runs[1:]))
+    assert all(r["verified"] for r in runs)
     assert rep["compared"] > 10 and not rep["different"]
-    g = rep["goodput"]  # from the chaos runs' journal: each kill a failure
-    assert (g["starts"], g["failures"]) == (3, 2) and [f["resumed_from"] for f in g["failure_list"]] == [
-        second["resumed_from"], last["resumed_from"]]
-    assert sorted(os.listdir(work)) == ["chaos", "chaos-1.events", "chaos-1.log", "chaos-2.events", "chaos-2.log",
-                                        "chaos-3.events", "chaos-3.log", "reference", "reference.events",
-                                        "reference.log"]
+    g = rep["goodput"]  # from the chaos runs' journal: each kill a failure, resumed from where the next run did
+    assert (g["starts"], g["failures"]) == (len(runs), kills)
+    assert [f["resumed_from"] for f in g["failure_list"]] == [r["resumed_from"] for r in runs[1:]]
+    assert sorted(os.listdir(work)) == sorted(["chaos", "reference", "reference.events", "reference.log"] + [
+        f"chaos-{i}.{ext}" for i in range(1, len(runs) + 1) for ext in ("events", "log")])
 
 
 def test_a_torchrun_job_is_killed_whole_and_resumes(capsys, monkeypatch):
