@@ -36,6 +36,7 @@ import os
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")  # bf16 matmuls of the training steps (see README)
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -229,6 +230,7 @@ def run_target(url: str, so: dict | None, state: dict, train: Callable[[], None]
         t1 = time.perf_counter()
         dcp_load(flat, storage_reader=FsspecReader(where, **dcp_kw))
         t2 = time.perf_counter()
+        fs.rm(where, recursive=True)  # untimed: a round's copy is not kept (0.5 GiB a round fills a disk)
         if r > 0:
             keep("DCP async_save / load", "durable", t1 - t0)
             keep("DCP async_save / load", "load", t2 - t1)
@@ -241,6 +243,7 @@ def run_target(url: str, so: dict | None, state: dict, train: Callable[[], None]
         t1 = time.perf_counter()
         back = st_load(fs.cat_file(where))
         t2 = time.perf_counter()
+        fs.rm(where)
         assert back.keys() == flat.keys()
         if r > 0:
             keep("safetensors", "durable", t1 - t0)
@@ -267,7 +270,17 @@ def main() -> None:
     p.add_argument("--targets", default="local,s3")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--from-json", default=None, help="measure nothing: write the tables of a results JSON")
     args = p.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        md = markdown(doc["results"], doc["command"], doc["machine"])
+        if doc.get("note"):
+            md += f"\n{doc['note']}\n"
+        print(md)
+        write_results(args.out, "bandwidth", md, doc)
+        return
     print(banner(), flush=True)
     rates = [float(r) for r in args.rates.split(",")]
     tmp = tempfile.mkdtemp(prefix="ckpt-bw-")
@@ -308,32 +321,36 @@ def main() -> None:
                                     "methods": med})
                     for name, m in med.items():
                         print(f"   {name:24s} durable {fmt(m['durable'])} s   load {fmt(m['load'])} s", flush=True)
+                    # written as it goes: a run stopped part-way keeps what it measured
+                    write_results(args.out, "bandwidth", markdown(results, command("bandwidth"), banner()),
+                                  {"command": command("bandwidth"), "machine": banner(), "size_gib": args.size_gib,
+                                   "repeats": args.repeats, "results": results})
     finally:
         if srv is not None:
             srv.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    md = markdown(results, args)
+    md = markdown(results, command("bandwidth"), banner())
     print(md)
     write_results(args.out, "bandwidth", md, {"command": command("bandwidth"), "machine": banner(),
                                               "size_gib": args.size_gib, "repeats": args.repeats,
                                               "results": results})
 
 
-def markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [f"`{command('bandwidth')}`", "", banner(), "",
+def markdown(results: list[dict[str, Any]], cmd: str, machine: str) -> str:
+    lines = [f"`{cmd}`", "", machine, "",
              "Seconds (medians); ratios below 1 favour ckpt auto.", "",
              "| state | storage | bandwidth | method | durable s | load s |", "|---|---|---|---|---:|---:|"]
     for r in results:
         bw = "unthrottled" if not r["rate_mb_s"] else f"{r['rate_mb_s']:g} MB/s"
         for name, m in r["methods"].items():
             lines.append(f"| {r['dtype']} | {r['target']} | {bw} | {name} | {fmt(m['durable'])} | {fmt(m['load'])} |")
-    lines += ["", "| state | storage | bandwidth | durable auto/raw | durable auto/DCP | load auto/raw | "
-              "load auto/DCP |", "|---|---|---|---:|---:|---:|---:|"]
+    lines += ["", "| state, storage, bandwidth | durable auto/raw | durable auto/DCP | load auto/raw | "
+              "load auto/DCP |", "|---|---:|---:|---:|---:|"]
     for r in results:
         bw = "unthrottled" if not r["rate_mb_s"] else f"{r['rate_mb_s']:g} MB/s"
         m = r["methods"]
         a, w, d = m["ckpt auto"], m["ckpt raw"], m["DCP async_save / load"]
-        lines.append(f"| {r['dtype']} | {r['target']} | {bw} | {ratio(a['durable'], w['durable'])} | "
+        lines.append(f"| {r['dtype']} AdamW, {r['target']}, {bw} | {ratio(a['durable'], w['durable'])} | "
                      f"{ratio(a['durable'], d['durable'])} | {ratio(a['load'], w['load'])} | "
                      f"{ratio(a['load'], d['load'])} |")
     return "\n".join(lines) + "\n"

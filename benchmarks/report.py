@@ -39,6 +39,10 @@ class Section:
 SECTIONS = [
     Section("save_load", "Save and load: torch.save, DCP, safetensors",
             "python benchmarks/save_load.py --size-gib 1 --repeats 3"),
+    Section("bandwidth", "At a rank's bandwidth: 400 MB/s and 1 GB/s",
+            "python benchmarks/bandwidth.py --size-gib 0.5 --repeats 3"),
+    Section("per_core", "Per core: the codec's throughput, 1 and 2 threads",
+            "python benchmarks/per_core.py --size-gib 0.5 --repeats 3"),
     Section("snapshot_cpu", "The snapshot with the compiled core (CPU)",
             "python benchmarks/snapshot_cpu.py --size-gib 2 --repeats 5"),
     Section("gpu_snapshot", "The snapshot on GPU",
@@ -70,8 +74,12 @@ class Headline:
 
 HEADLINES = [
     Headline("`save()` blocked ÷ a plain memcpy of the state (1 GiB)", "save_load", "ckpt", "blocked ÷ memcpy"),
-    Headline("time to durable ÷ DCP `async_save`'s", "save_load", "ckpt", "durable ÷ DCP async"),
-    Headline("load (every chunk verified) ÷ DCP's load", "save_load", "ckpt", "load ÷ DCP load"),
+    Headline("time to durable ÷ DCP `async_save`'s, storage at 400 MB/s, trained fp32 AdamW", "bandwidth",
+             "fp32 AdamW, local, 400 MB/s", "durable auto/DCP"),
+    Headline("load (every chunk verified) ÷ DCP's load, storage at 400 MB/s, trained fp32 AdamW", "bandwidth",
+             "fp32 AdamW, local, 400 MB/s", "load auto/DCP"),
+    Headline("time to durable ÷ DCP `async_save`'s, storage at 400 MB/s, trained bf16 AdamW", "bandwidth",
+             "bf16 AdamW, local, 400 MB/s", "durable auto/DCP"),
     Headline("upload throughput to S3 ÷ plain s3fs puts", "s3", "ckpt → S3", "throughput ÷ plain s3fs"),
     Headline("resharding load, 4 ranks → 2, ÷ DCP's", "distributed", "4→2", "ckpt ÷ dcp"),
     Headline("SIGTERM → emergency save durable (1 GiB), share of torchrun's 30 s", "failure", "ckpt",
