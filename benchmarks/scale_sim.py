@@ -366,7 +366,9 @@ def rounds(world: int) -> dict[str, dict[str, int]]:
 
     def load(r: int) -> None:
         comm = cs[r]
-        comm.agree({"steps": [100], "root": None} if r == 0 else None, _coordinators)  # rank 0 listed
+        # rank 0 listed; every rank posts its host (the run journal's), as the loader does
+        comm.agree({"steps": [100], "root": None, "host": "node-00000"} if r == 0 else {"host": f"node-{r:05d}"},
+                   _coordinators)
         comm.agree(_outcome(None), _ready)  # a rank that took every entry sends no bitmap
         comm.agree(_outcome(None), _failures)
 

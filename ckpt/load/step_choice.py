@@ -179,9 +179,8 @@ class Loader:
                 err = e
 
         def coordinators(views: list[Any]) -> Any:
-            """The coordinator's listing, for every rank; the ranks' hosts kept here (on the coordinator)."""
             self.hosts = sorted({str(v["host"]) for v in views if isinstance(v, dict) and "host" in v})
-            return {k: v for k, v in views[0].items() if k != "host"}
+            return _coordinators(views)  # the ranks' hosts stay here, on the coordinator
 
         answer = self.comm.agree(listing, coordinators)
         if "error" in answer:
@@ -273,6 +272,11 @@ def _outcome(err: CheckpointError | None) -> dict:
     """What a rank tells the others about its load attempt."""
     return {"ok": err is None, "corrupt": isinstance(err, CorruptCheckpointError),
             "mismatch": isinstance(err, StateMismatchError), "message": str(err)[:2000] if err is not None else ""}
+
+
+def _coordinators(views: list[Any]) -> Any:
+    """The coordinator's listing, for every rank (the others' posts carry only their host)."""
+    return {k: v for k, v in views[0].items() if k != "host"}
 
 
 def _rebuilt(name: str, message: str) -> CheckpointError:
