@@ -27,6 +27,7 @@ ckpt-specific options are taken out of ``storage_options`` before the rest goes 
 
 from __future__ import annotations
 
+import builtins
 import logging
 import random
 import threading
@@ -352,6 +353,11 @@ class S3Storage(FsspecStorage):
         list(self._parts.map(fetch, ranges))
         return bytes(out)
 
+    def list(self, prefix: str) -> list[str]:
+        """The names under ``prefix``, retried as every other request is: a listing meets the same resets,
+        stalls and throttling (the first save's lease check lists, and its failure failed the save)."""
+        return self._retrying("listing", prefix, lambda limit: super(S3Storage, self).list(prefix))
+
     def delete(self, key: str) -> None:
         try:
             self._call("deleting", key, "delete_object", Bucket=self.bucket, Key=self._s3key(key))
@@ -378,7 +384,7 @@ class S3Storage(FsspecStorage):
                 raise StorageError(f"deleting {self.url}/{first.get('Key', '')} failed: {first.get('Code', '')} "
                                    f"{first.get('Message', '')} ({len(errors)} of {len(batch)} keys not deleted)")
 
-    def multipart_uploads(self) -> list[dict]:
+    def multipart_uploads(self) -> builtins.list[dict]:
         """Multipart uploads started under this prefix and neither completed nor aborted."""
         r = self._call("listing multipart uploads of", "", "list_multipart_uploads", Bucket=self.bucket,
                        Prefix=self.prefix)
