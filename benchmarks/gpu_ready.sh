@@ -12,8 +12,8 @@
 # (benchmarks/gpu_snapshot.py; extra arguments in BENCH_ARGS). A phase other than build builds first
 # if the CUDA library is missing. Each phase is cut off after PHASE_LIMIT_S seconds (default 540), so
 # one phase fits a 10-minute command. Logs and the benchmark's tables go to $OUT if set, else
-# benchmarks/results/gpu_ready; a summary line per phase ends the output. docs/design.md, "Running
-# on a GPU", says how to run it through a lent machine.
+# benchmarks/results/gpu_ready; a summary line per phase ends the output.
+# benchmarks/readings/gpu_snapshot.md, "Running it", says how to run it on a lent machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -26,7 +26,8 @@ SUMMARY=()
 usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 
 # ckpt's own imports. A machine that cannot reach a package index gets the missing ones as wheels
-# in .whl/ (carried with the working tree; docs/design.md says how to fetch them).
+# in .whl/ (carried with the working tree; benchmarks/readings/gpu_snapshot.md, "Running it", says how to
+# fetch them).
 deps() {
     if compgen -G ".whl/*.whl" >/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ckpt-site \
@@ -38,8 +39,8 @@ deps() {
 print(" ".join(m for m in ("torch", "numpy", "fsspec", "zstandard", "xxhash", "rich", "safetensors", "pytest")
                if u.find_spec(m) is None))')
     if [ -n "$missing" ]; then
-        echo "missing Python packages: $missing. Where there is no index, put their wheels in .whl/ (docs/design.md," \
-             "'Running on a GPU') and run again."
+        echo "missing Python packages: $missing. Where there is no index, put their wheels in .whl/ (benchmarks/readings/gpu_snapshot.md," \
+             "'Running it') and run again."
         return 1
     fi
 }
