@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 
 from .errors import ConfigError, UnsupportedValueError
-from .format.boxes import Box, intersect, volume
+from .format.boxes import Box, overlap
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -107,13 +107,9 @@ class LocalShards:
                 raise ConfigError(
                     f"LocalShards: every piece must be of the same global tensor; {first!r} ({first.tensor.dtype}) "
                     f"and {p!r} ({p.tensor.dtype}) differ in global shape or dtype")
-        boxes = [p.box for p in pieces if volume(p.box[1]) > 0]
-        if len(boxes) <= 512:
-            for i, a in enumerate(boxes):
-                for b in boxes[i + 1:]:
-                    if intersect(a, b) is not None:
-                        raise ConfigError(f"LocalShards: pieces {list(a[0])}+{list(a[1])} and {list(b[0])}+"
-                                          f"{list(b[1])} overlap; each element of the tensor belongs to one piece")
+        why = overlap([p.box for p in pieces])
+        if why is not None:
+            raise ConfigError(f"LocalShards: the pieces' {why}; each element of the tensor belongs to one piece")
         self.pieces, self.global_shape = pieces, first.global_shape
 
     def __repr__(self) -> str:

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import ckpt
+from ckpt.errors import ConfigError
 from ckpt.format import paths
-from ckpt.format.boxes import Box, check_tiles, intersect, volume
+from ckpt.format.boxes import Box, check_tiles, intersect, overlap, volume
 from ckpt.format.entries import Shard, TensorEntry, check_tiling
 from ckpt.planning import Inventory, InventoryRow, assign
 
@@ -106,6 +107,40 @@ def test_an_overlap_of_the_right_volume_is_found_at_every_shard_count(layout):
     assert plans[0].error is not None and "do not tile" in plans[0].error and "overlap" in plans[0].error
     good = [r._replace(offsets=list(o)) for r, (o, _) in zip(pieces, boxes)]
     assert assign([Inventory({"m": "same"}, [], good)])[0].error is None
+
+
+def test_overlap_agrees_with_brute_force_on_boxes_that_cover_part_of_a_shape():
+    # One rank's pieces: any boxes, a part of the tensor, so only the overlap is checked, not the volume.
+    rng = random.Random(36)
+    found = {True: 0, False: 0}
+    for _ in range(1500):
+        nd = rng.randint(1, 3)
+        boxes: list[Box] = []
+        for _ in range(rng.randint(0, 8)):
+            o = tuple(rng.randint(0, 6) for _ in range(nd))
+            boxes.append((o, tuple(rng.randint(0, 3) for _ in range(nd))))
+        full = [b for b in boxes if volume(b[1]) > 0]
+        meets = any(intersect(a, b) for a, b in itertools.combinations(full, 2))
+        why = overlap(boxes)
+        assert (why is not None) == meets, (boxes, why)
+        assert why is None or "overlap" in why
+        found[meets] += 1
+    assert min(found.values()) > 300  # both answers were exercised
+
+
+@pytest.mark.parametrize("layout", [rows, grid])
+def test_local_shards_refuses_overlapping_pieces_past_512_pieces(layout):
+    # LocalShards checked pairs only up to 512 pieces, and nothing above; now the sweep, at every count.
+    boxes, shape = layout(1024)
+    boxes = boxes[:1000]  # a rank holds part of the tensor: the others hold the rest
+
+    def pieces(bs: list[Box]) -> list[ckpt.LocalShard]:
+        return [ckpt.LocalShard(torch.empty(n), o, shape) for o, n in bs]
+
+    assert len(ckpt.LocalShards(pieces(boxes)).pieces) == 1000
+    bad = shifted(boxes, 900, 0, -1)
+    with pytest.raises(ConfigError, match=r"LocalShards: the pieces' boxes .* overlap"):
+        ckpt.LocalShards(pieces(bad))
 
 
 def test_boxes_too_entangled_for_the_work_bound_are_refused_not_accepted():

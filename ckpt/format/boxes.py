@@ -107,21 +107,10 @@ WORK_FLOOR = 1 << 16
 
 def check_tiles(boxes: Sequence[Box], shape: Sequence[int], work: int | None = None) -> str | None:
     """None if ``boxes`` (those of non-zero volume) tile ``shape`` exactly: each lies inside it, no two
-    share an element and together they hold its volume; else what is wrong, naming the first overlap
-    found.
-
-    No two boxes intersect iff, at every distinct start ``x`` along a sweep dimension, the boxes
-    crossing ``x`` do not intersect on the other dimensions (two boxes that meet both cross the
-    larger of their starts there), checked the same way, down to one dimension, where sorting
-    suffices. The sweep dimension is the one where the boxes cross fewest starts (the rows of a
-    row-sharded tensor, the columns of a column-sharded one), so a dp × tp grid costs a few visits
-    per box and the whole check O(B log B). Work is bounded (``WORK_PER_BOX``): boxes no saved layout
-    makes, arranged to be slow, are reported as not checkable instead of costing time without limit;
-    ``work``: that bound in box visits (default ``WORK_PER_BOX`` per box plus ``WORK_FLOOR``).
+    share an element (:func:`overlap`) and together they hold its volume; else what is wrong, naming the
+    first overlap found.
 
     Example: ``check_tiles([((0,), (2,)), ((2,), (2,))], (4,))`` is None."""
-    starts: list[tuple[int, ...]] = []
-    ends: list[tuple[int, ...]] = []
     total = 0
     for offs, lens in boxes:
         n = volume(lens)
@@ -129,18 +118,39 @@ def check_tiles(boxes: Sequence[Box], shape: Sequence[int], work: int | None = N
             continue
         if len(offs) != len(shape) or any(o < 0 or o + ln > d for o, ln, d in zip(offs, lens, shape)):
             return f"box {_show((offs, lens))} does not lie inside shape {list(shape)}"
-        starts.append(tuple(offs))
-        ends.append(tuple(o + ln for o, ln in zip(offs, lens)))
         total += n
     if total != volume(shape):
         return f"the boxes hold {total} elements, the shape {volume(shape)}"
+    return overlap(boxes, work)
+
+
+def overlap(boxes: Sequence[Box], work: int | None = None) -> str | None:
+    """None if no two of ``boxes`` (those of non-zero volume, all of one rank) share an element; else
+    the first overlap found, or that the boxes are too entangled to check.
+
+    No two boxes intersect iff, at every distinct start ``x`` along a sweep dimension, the boxes
+    crossing ``x`` do not intersect on the other dimensions (two boxes that meet both cross the
+    larger of their starts there), checked the same way, down to one dimension, where sorting
+    suffices. The sweep dimension is the one where the boxes cross fewest starts (the rows of a
+    row-sharded tensor, the columns of a column-sharded one), so a dp × tp grid costs a few visits
+    per box and the whole check O(B log B), at every box count. Work is bounded (``WORK_PER_BOX``):
+    boxes no saved layout makes, arranged to be slow, are reported as not checkable instead of costing
+    time without limit; ``work``: that bound in box visits (default ``WORK_PER_BOX`` per box plus
+    ``WORK_FLOOR``).
+
+    Example: ``overlap([((0,), (3,)), ((2,), (2,))])`` is ``"boxes [0]+[3] and [2]+[2] overlap"``."""
+    kept = [(tuple(o), tuple(n)) for o, n in boxes if volume(n) > 0]
+    if len(kept) < 2:
+        return None
+    starts = [o for o, _ in kept]
+    ends = [tuple(o + n for o, n in zip(offs, lens)) for offs, lens in kept]
     budget = [WORK_PER_BOX * len(starts) + WORK_FLOOR if work is None else work]
-    pair = _meeting(list(range(len(starts))), tuple(range(len(shape))), starts, ends, budget)
+    pair = _meeting(list(range(len(starts))), tuple(range(len(starts[0]))), starts, ends, budget)
     if pair is None:
         return None
     if pair == (-1, -1):
         return f"the {len(starts)} boxes are too entangled to check within bounded work"
-    a, b = ((starts[i], tuple(e - s for s, e in zip(starts[i], ends[i]))) for i in pair)
+    a, b = (kept[i] for i in pair)
     return f"boxes {_show(a)} and {_show(b)} overlap"
 
 
