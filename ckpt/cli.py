@@ -328,14 +328,10 @@ def _utc(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
 
 
-def _secs(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s:.1f}s" if s < 120 else f"{s / 60:.1f}min" if s < 7200 else f"{s / 3600:.1f}h"
-
-
 def print_goodput(g: Goodput, out: Out, where: str) -> None:
     """``ckpt goodput``'s text (``ckpt chaos`` prints it too)."""
+    from .goodput_chart import span_text as _secs
+
     out.write(f"{where}: {len(g.starts)} start(s), {len(g.failures)} failure(s), MTBF observed {_secs(g.mtbf_s)} "
               f"({_secs(g.exposure_s)} up)")
     if not g.starts:

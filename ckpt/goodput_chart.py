@@ -13,7 +13,10 @@ RESTART, KEPT, LOST, SAVE, FAILED = "·", "█", "x", "|", "✗"
 LEGEND = f"{RESTART} start-up and load   {KEPT} training kept   {SAVE} save   {LOST} work lost   {FAILED} failure"
 
 
-def _fmt_span(s: float) -> str:
+def span_text(s: float | None) -> str:
+    """A length of time as the goodput table and chart show it: ``42.0s``, ``3.5min``, ``2.1h``; ``-`` for None."""
+    if s is None:
+        return "-"
     if s < 120:
         return f"{s:.1f}s"
     if s < 7200:
@@ -45,7 +48,7 @@ def terminal_chart(g: Goodput, width: int = 80) -> list[str]:
         if s.ended == "failed":
             row[col(s.end) + 1] = FAILED
         lines.append(f"#{s.index}".ljust(label_w) + "".join(row).rstrip())
-    end = _fmt_span(g.wall_s)
+    end = span_text(g.wall_s)
     lines.append(" " * label_w + "0" + end.rjust(cols - 1))
     lines.append(LEGEND)
     return lines
@@ -82,7 +85,7 @@ def plot(g: Goodput, path: str | os.PathLike) -> None:
     ax.set_yticks([s.index for s in g.starts], [f"start {s.index}" for s in g.starts])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first start")
-    mtbf = "-" if g.mtbf_s is None else _fmt_span(g.mtbf_s)
+    mtbf = span_text(g.mtbf_s)
     ax.set_title(f"goodput {g.share(g.good_s):.1f}%: {len(g.failures)} failure(s), MTBF observed {mtbf}; "
                  f"stall {g.share(g.stall_s):.1f}%, lost {g.share(g.lost_s):.1f}%, "
                  f"restart/load {g.share(g.restart_s):.1f}%")
