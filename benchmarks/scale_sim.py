@@ -7,7 +7,7 @@ What is simulated, and what is ckpt's code as a real job runs it:
   TP8; every shard is a :class:`ckpt.LocalShard` over a zero-stride tensor (one element of memory
   viewed at the shard's shape), so shapes, boxes and byte counts are the 70B/405B ones and the
   values are not there;
-* the plan: :meth:`Inventory.of` -> :meth:`Comm.exchange_plan` (rank 0 runs :func:`ckpt.planning.assign`),
+* the plan: :meth:`Inventory.of` -> :func:`ckpt.planning.exchange_plan` (rank 0 runs :func:`~ckpt.planning.assign`),
   N threads over one in-process store that counts every request; each rank's flattened state is
   rank 0's (:func:`ckpt.flatten.flatten` run once) with the rank's own boxes (:class:`Ranks`);
 * the rank report: :func:`ckpt.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into

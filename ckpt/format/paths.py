@@ -9,7 +9,7 @@ A root holds (see docs/format.md)::
     leases/<id>.json                     who is writing into the root, renewed while they are
     retired/<id>.json                    chunks retention left for the last writer to delete
     journal/<start>/start.json           the run journal: one start of the job (rank 0 writes it)
-    journal/<start>/seen.json            that start's last-seen time, replaced every few minutes
+    journal/<start>/seen.json            that start's last-seen time, replaced every minute (journal.SEEN_S)
     journal/<start>/save-<step:012d>.json  a save that start committed: its time and stall
 
 Keys are relative to the root and use ``/``; a storage backend maps them to files or objects.
