@@ -23,21 +23,21 @@ class SaveMetrics:
         step: the step.
         stall_s: seconds the caller was blocked inside ``save()``.
         raw_bytes: bytes of the state this rank saved.
-        written_bytes: bytes this save put in storage (new chunks, headers included)
+        written_bytes: bytes this save put in storage (new chunks, headers included).
         chunks: chunks of this rank's part of the step.
         chunks_written: chunks this save stored (the others were there already).
-        chunks_reused: chunks already stored (dedup): not written again
-        chunks_delta: chunks written as a delta of the chunk at their place in the previous save
-        host_bytes: host memory the snapshot buffers hold (twice the state with deltas)
-        duration_s: from the save() call until the step was committed
-        skipped: busy="skip" dropped this save
-        local_s: from the save() call until every chunk was durable in the first tier
-        persisted: uploaded to the checkpoint path (persist_every); False: committed to the local tiers only
-        peer_sent_bytes: redundancy: bytes this rank sent to peers (replicas, parity segments)
-        peer_stored_bytes: redundancy: bytes this rank stored for its peers (replicas, parity blocks)
-        peer_s: redundancy: seconds the exchange with peers took (after the snapshot)
-        encoded_bytes: raw bytes of the chunks this rank encoded (new chunks: codec choice and encode)
-        encode_cpu_s: CPU seconds the writer threads spent on them: what the codec costs the machine
+        chunks_reused: chunks already stored (dedup): not written again.
+        chunks_delta: chunks written as a delta of the chunk at their place in the previous save.
+        host_bytes: host memory the snapshot buffers hold (twice the state with deltas).
+        duration_s: from the save() call until the step was committed.
+        skipped: busy="skip" dropped this save.
+        local_s: from the save() call until every chunk was durable in the first tier.
+        persisted: uploaded to the checkpoint path (persist_every); False: committed to the local tiers only.
+        peer_sent_bytes: redundancy: bytes this rank sent to peers (replicas, parity segments).
+        peer_stored_bytes: redundancy: bytes this rank stored for its peers (replicas, parity blocks).
+        peer_s: redundancy: seconds the exchange with peers took (after the snapshot).
+        encoded_bytes: raw bytes of the chunks this rank encoded (new chunks: codec choice and encode).
+        encode_cpu_s: CPU seconds the writer threads spent on them: what the codec costs the machine.
     """
 
     step: int

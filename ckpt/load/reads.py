@@ -45,13 +45,13 @@ class LoadStats:
         step: the step.
         chunks_read: chunks read (each once).
         bytes_read: bytes read from storage (whole chunk objects, or the spans of them a box needed).
-        chunks: the hashes of the chunks read
-        local_chunks: chunks served by the local tier (None: no local tier)
-        remote_chunks: chunks read from the remote tier
-        local_rejected: local copies that failed their check
-        source: "local tiers" (local commits) or "checkpoint" (the checkpoint path)
-        peer_chunks: local commits: chunks this rank got from peers' tiers
-        rebuilt_chunks: local commits: chunks this rank rebuilt from parity
+        chunks: the hashes of the chunks read.
+        local_chunks: chunks served by the local tier (None: no local tier).
+        remote_chunks: chunks read from the remote tier.
+        local_rejected: local copies that failed their check.
+        source: "local tiers" (local commits) or "checkpoint" (the checkpoint path).
+        peer_chunks: local commits: chunks this rank got from peers' tiers.
+        rebuilt_chunks: local commits: chunks this rank rebuilt from parity.
     """
 
     step: int
