@@ -128,8 +128,7 @@ def _summary(i: int, rec: StartRecord, nxt: StartRecord | None) -> StartSummary:
     else:
         at = [t for s, t in saves if s == nxt.resumed_from]
         kept, ended = (_clip(at[-1], ready, end) if at else ready), "failed"
-    recorded = [s for s in rec.saves if s.time <= end]
-    stall = sum(s.stall_s for s in recorded if s.time <= kept)
+    stall = sum(s.stall_s for s in rec.saves if s.time <= kept)  # kept <= end
     stall += max(0.0, rec.stall_seen_s - sum(s.stall_s for s in rec.saves))  # records gc pruned: older saves
     stall = _clip(stall, 0.0, kept - ready)
     return StartSummary(i + 1, rec.id, rec.time, ready, kept, end, rec.world_size, rec.host, rec.resumed_from,

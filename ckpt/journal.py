@@ -77,12 +77,6 @@ class StartRecord:
         """The last moment it is known to have run."""
         return max([self.time, self.ready, self.seen or 0.0] + [s.time for s in self.saves])
 
-    def to_json(self) -> dict:
-        return {"id": self.id, "time": self.time, "world_size": self.world_size, "host": self.host, "hosts": self.hosts,
-                "resumed_from": self.resumed_from, "load_s": self.load_s, "ready": self.ready, "seen": self.seen,
-                "step": self.step, "closed": self.closed,
-                "saves": [{"step": s.step, "time": s.time, "stall_s": s.stall_s} for s in self.saves]}
-
 
 def new_start_id(t: float) -> str:
     """A start's name: sorts by time, and two starts of one millisecond still differ."""
