@@ -23,6 +23,7 @@ from ckpt.load import load_into
 from ckpt.load.plan import BoxPlan, RowStage
 from ckpt.load.windows import windows
 from ckpt.storage import LocalStorage
+from ckpt.testing import run_ranks
 
 MiB = 1 << 20
 
@@ -205,3 +206,61 @@ def test_a_chunk_that_changes_between_the_passes_fails_the_load_naming_it(tmp_pa
                   budget=MiB)
     assert e.value.chunk == h and "part of the state was written" in str(e.value)
     assert _digests(target)["model/w"] == _digests(_state(6))["model/w"]  # windows before it were copied out
+
+
+def test_boxes_of_other_layouts_read_within_the_budget_are_bit_exact(tmp_path):
+    """Column boxes (row stages, staged whole with their tensor) and row boxes (cut into windows)
+    read through a 1 MiB budget: the same bytes as without one."""
+    state = _state(6)
+    with ckpt.Checkpointer(tmp_path, chunk_size=256 * 1024, codec="raw", check_finite=False) as c:
+        c.save(1, state).wait()
+    storage = LocalStorage(str(tmp_path))
+    m = mf.read_committed(storage, 1)
+    assert isinstance(m, mf.Manifest)
+    rows, cols = state["model"]["w"].shape
+    boxes = [("model/w", ((0, 100), (rows, 300)), torch.empty(rows, 300)),
+             ("model/w", ((7, 0), (rows - 7, cols)), torch.empty(rows - 7, cols)),
+             ("optim/bf", ((1000,), (600_000,)), torch.empty(600_000, dtype=torch.bfloat16))]
+    with ThreadPoolExecutor(4) as io:
+        got = ckpt.load.read_boxes(storage, m, boxes, io, budget=MiB)
+    # the column box goes whole with the saved rows it is cut from (over the budget, and said); the rest fit it
+    assert got.passes == 2 and got.windows > 3 and got.staging_bytes <= rows * 300 * 4 + rows * cols * 4 + 128
+    w, bf = state["model"]["w"], state["optim"]["bf"]
+    for (_, _, into), want in zip(boxes, [w[:, 100:400], w[7:], bf[1000:601_000]]):
+        assert torch.equal(into.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def _two_ranks_body(rank: int, world: int, root: str) -> dict:
+    with ckpt.Checkpointer(root, host_memory=0.5) as c:  # the share is split between the two ranks of this host
+        share = c._loader.budget
+    with ckpt.Checkpointer(root, host_memory=MiB, chunk_size=256 * 1024, codec="raw", check_finite=False) as c:
+        c.save(1, _state(4)).wait()
+        target = _state(4, fill=-1.0)
+        c.load(1, target)  # both ranks agree after their first pass, before either writes
+        s = c.last_load
+        assert s is not None
+        return {"share": share, "same": _digests(target) == _digests(_state(4)), "passes": s.passes,
+                "windows": s.windows}
+
+
+@pytest.mark.multiprocess
+def test_ranks_of_a_node_split_a_share_and_load_within_their_budget(tmp_path):
+    out = run_ranks(2, _two_ranks_body, str(tmp_path), timeout=120)
+    want = host_memory.per_rank(0.5, host_memory.machine_memory(), 2)
+    assert [r["share"] for r in out] == [want, want]
+    assert all(r["same"] and r["passes"] == 2 and r["windows"] > 2 for r in out), out
+
+
+def test_an_unstaged_load_reads_strided_tensors_through_windows_in_one_pass(tmp_path):
+    state = _state(6)
+    with ckpt.Checkpointer(tmp_path, host_memory=MiB, chunk_size=256 * 1024, codec="raw", check_finite=False,
+                           staged_load=False) as c:
+        c.save(1, state).wait()
+        target = _state(6, fill=-1.0)
+        w = target["model"]["w"]
+        target["model"]["w"] = torch.full((w.shape[1], w.shape[0]), -1.0).t()  # strided: read via CPU stand-ins
+        c.load(1, target)
+        s = c.last_load
+        assert s is not None and s.passes == 1 and s.windows > 2 and s.staging_bytes <= MiB
+        assert torch.equal(target["model"]["w"].contiguous().view(torch.uint8), state["model"]["w"].view(torch.uint8))
+        assert _digests({"o": target["optim"]}) == _digests({"o": state["optim"]})

@@ -85,7 +85,7 @@ class BoxRequest(NamedTuple):
 
 
 def read_boxes(storage: Storage, m: mf.Manifest, requests: Sequence[BoxRequest | tuple], io: Executor, *,
-               staged: bool = True, lend: Lend | None = None) -> LoadStats:
+               staged: bool = True, lend: Lend | None = None, budget: int | None = None) -> LoadStats:
     """Read each of ``requests`` (``(key, box, into)`` or :class:`BoxRequest`: a box (offsets,
     lengths) of tensor ``key`` of manifest ``m``) into its tensor, every chunk verified; returns
     what was read. Each chunk is read once, only chunks with a needed byte.
@@ -99,6 +99,8 @@ def read_boxes(storage: Storage, m: mf.Manifest, requests: Sequence[BoxRequest |
         staged: read through staging memory, so that a damaged chunk leaves every ``into`` as it
             was; False reads straight into CPU tensors (fresh ones need no staging).
         lend: where staging memory comes from (else it is allocated).
+        budget: the most staging memory to hold (bytes; None: no cap): reads that need more go in
+            windows, twice when staged (:mod:`ckpt.load.windows`).
 
     Raises:
         StateMismatchError: a key the step does not hold, or a tensor of another dtype or shape.
@@ -117,7 +119,7 @@ def read_boxes(storage: Storage, m: mf.Manifest, requests: Sequence[BoxRequest |
     own = [i for i, t in enumerate(into) if t.device.type == "cpu" and t.is_contiguous()]
     elsewhere = sorted(set(range(len(into))) - set(own))
     return read_planned(storage, m, plan, into, io, stand_in=(own if staged else []) + elsewhere, staged=staged,
-                        lend=lend)
+                        lend=lend, budget=budget)
 
 
 def _checked(m: mf.Manifest, entries: dict[tuple[str, int | None], mf.TensorEntry], r: BoxRequest) -> Request:

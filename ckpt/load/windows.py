@@ -18,7 +18,6 @@ says what was held).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import nullcontext
@@ -204,7 +203,7 @@ def _copy_out(plan: BoxPlan, into: list[torch.Tensor], w: Window, space: torch.T
                 src = space[p.at : p.at + s.nbytes].view(t.dtype).view(s.rows)
                 dest[_slices(s.in_dest)].copy_(src[_slices(s.in_stage)])
         copy_back([(into[p.k][p.r0 : p.r1] if into[p.k].dim() else into[p.k], views[p.k])
-                   for p in w.pieces if p.k < n and math.prod(views[p.k].shape)])
+                   for p in w.pieces if p.k < n and views[p.k].numel()])
 
 
 def _slices(box: Box) -> tuple:
