@@ -45,7 +45,8 @@ class LoadStats:
     Attributes:
         step: the step.
         chunks_read: chunks read (each once).
-        bytes_read: bytes read from storage (whole chunk objects, or the spans of them a box needed).
+        bytes_read: bytes read from storage (whole chunk objects, or the spans of them a box needed), over
+            every pass
         chunks: the hashes of the chunks read
         local_chunks: chunks served by the local tier (None: no local tier)
         remote_chunks: chunks read from the remote tier

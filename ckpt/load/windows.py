@@ -18,7 +18,8 @@ says what was held).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import bisect
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -130,7 +131,8 @@ def read_in_windows(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[
     cut = windows(plan, into, stand_in, budget)
     held = max(w.nbytes for w in cut)
     stats.passes, stats.windows, stats.staging_bytes = (2 if staged else 1), len(cut), held
-    in_place = set(range(len(into))) - set(stand_in)
+    in_place = sorted(set(range(len(into))) - set(stand_in))
+    index = feed_index(plan)
     with (lend(held) if lend is not None else nullcontext()) as lent:
         space = lent if lent is not None else staging_memory(held)
         flat = space[:held].numpy()
@@ -138,12 +140,12 @@ def read_in_windows(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[
             before_read(set(plan.reads))
         if staged:
             for w in cut:  # pass 1: every chunk checked, nothing kept
-                stats.bytes_read += _read_window(storage, m, plan, into, io, w, flat, in_place if w is cut[0] else ())
+                stats.bytes_read += _read_window(storage, m, index, into, io, w, flat, in_place if w is cut[0] else ())
         if before_write is not None:
             before_write()
         for w in cut:
             try:
-                stats.bytes_read += _read_window(storage, m, plan, into, io, w, flat,
+                stats.bytes_read += _read_window(storage, m, index, into, io, w, flat,
                                                  () if staged or w is not cut[0] else in_place)
             except CorruptCheckpointError as e:
                 if not staged:
@@ -155,33 +157,39 @@ def read_in_windows(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[
             _copy_out(plan, into, w, space)
 
 
-def _read_window(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[torch.Tensor], io: Executor,
+# Per target, its feeds sorted by where they land: (the positions, (position, chunk, feed) each).
+FeedIndex = dict[int, tuple[list[int], list[tuple[int, str, Feed]]]]
+
+
+def feed_index(plan: BoxPlan) -> FeedIndex:
+    """``plan``'s feeds by target, sorted by where they land (a window finds its own by bisection)."""
+    by: dict[int, list[tuple[int, str, Feed]]] = {}
+    for h, fs in plan.reads.items():
+        for f in fs:
+            by.setdefault(f.into, []).append((f.at, h, f))
+    return {k: ([at for at, _, _ in items], items) for k, items in ((k, sorted(v)) for k, v in by.items())}
+
+
+def _read_window(storage: Storage, m: mf.Manifest, index: FeedIndex, into: list[torch.Tensor], io: Executor,
                  w: Window, flat: np.ndarray, in_place: Any) -> int:
     """Read every chunk that feeds window ``w`` (and the targets ``in_place``, read straight into
     their tensors) into ``flat``, each checked; returns the bytes read."""
-    by_target: dict[int, list[Piece]] = {}
-    for p in w.pieces:
-        by_target.setdefault(p.k, []).append(p)
-    direct = {k: into[k].view(-1).view(torch.uint8).numpy() for k in in_place}
     feeds: dict[str, list[tuple[int, int, np.ndarray, int]]] = {}
-    for h, fs in plan.reads.items():
-        got = [g for f in fs for g in _clip(f, by_target, direct, flat)]
-        if got:
-            feeds[h] = got
+    for k in in_place:
+        dest = into[k].view(-1).view(torch.uint8).numpy()
+        for at, h, f in index.get(k, ([], []))[1]:
+            feeds.setdefault(h, []).append((f.offset, f.length, dest, at))
+    for p in w.pieces:
+        ats, items = index.get(p.k, ([], []))
+        i = max(bisect.bisect_right(ats, p.lo) - 1, 0)
+        while i < len(items) and items[i][0] < p.hi:
+            at, h, f = items[i]
+            lo, hi = max(at, p.lo), min(at + f.length, p.hi)
+            if lo < hi:
+                feeds.setdefault(h, []).append((f.offset + lo - at, hi - lo, flat, p.at + lo - p.lo))
+            i += 1
     return sum(run_all(io, lambda item: read_chunk(storage, m, item[0], item[1]), list(feeds.items()),
                        width=storage.read_width))
-
-
-def _clip(f: Feed, by_target: dict[int, list[Piece]], direct: dict[int, np.ndarray],
-          flat: np.ndarray) -> Iterator[tuple[int, int, np.ndarray, int]]:
-    """What of feed ``f`` lands in this window (or straight in a tensor read in place)."""
-    if f.into in direct:
-        yield (f.offset, f.length, direct[f.into], f.at)
-        return
-    for p in by_target.get(f.into, ()):
-        a, b = max(f.at, p.lo), min(f.at + f.length, p.hi)
-        if a < b:
-            yield (f.offset + a - f.at, b - a, flat, p.at + a - p.lo)
 
 
 def _copy_out(plan: BoxPlan, into: list[torch.Tensor], w: Window, space: torch.Tensor) -> None:
