@@ -19,6 +19,7 @@ from ckpt import host_memory
 from ckpt.errors import ConfigError, CorruptCheckpointError
 from ckpt.format import manifest as mf
 from ckpt.format import paths
+from ckpt.format.chains import MissingChunkError
 from ckpt.load import load_into
 from ckpt.load.plan import BoxPlan, RowStage
 from ckpt.load.windows import windows
@@ -192,20 +193,33 @@ def test_a_damaged_chunk_found_in_the_first_pass_leaves_every_tensor_unchanged(t
         c.save(2, _state(6)).wait()  # nothing changed: saves go on
 
 
-def test_a_chunk_that_changes_between_the_passes_fails_the_load_naming_it(tmp_path):
+@pytest.mark.parametrize("where", ["last window, damaged", "first window, deleted"])
+def test_a_chunk_that_changes_between_the_passes_fails_the_load_naming_it(tmp_path, where):
     with ckpt.Checkpointer(tmp_path, chunk_size=256 * 1024, codec="raw", check_finite=False) as c:
         c.save(1, _state(6)).wait()
     storage = LocalStorage(str(tmp_path))
     m = mf.read_committed(storage, 1)
     assert isinstance(m, mf.Manifest)
-    h = _last_chunk(m, "optim/bf")
+    first = where.startswith("first")
+    h = next(t for t in m.tensors if t.key == "model/w").shards[0].segments[0].chunk if first else \
+        _last_chunk(m, "optim/bf")
+
+    def change() -> None:  # runs once every chunk checked out, before the second pass
+        if first:
+            os.remove(os.path.join(tmp_path, paths.chunk_key(h)))
+        else:
+            _damage(tmp_path, h)
+
     target = _state(6, fill=-1.0)
     with ThreadPoolExecutor(4) as io, pytest.raises(CorruptCheckpointError, match="first pass") as e:
-        # on_change runs once every chunk checked out, before the second pass: the chunk is damaged there
-        load_into(storage, m, target, strict=True, allow_pickle=False, io=io, on_change=lambda: _damage(tmp_path, h),
-                  budget=MiB)
-    assert e.value.chunk == h and "part of the state was written" in str(e.value)
-    assert _digests(target)["model/w"] == _digests(_state(6))["model/w"]  # windows before it were copied out
+        load_into(storage, m, target, strict=True, allow_pickle=False, io=io, on_change=change, budget=MiB)
+    assert e.value.chunk == h
+    if first:  # still the class a missing chunk raises; nothing copied yet
+        assert isinstance(e.value, MissingChunkError) and "nothing was written" in str(e.value)
+        assert _digests(target) == _digests(_state(6, fill=-1.0))
+    else:  # the windows before it were copied out: the state is partial, and the error says so
+        assert "part of the state was written" in str(e.value)
+        assert _digests(target)["model/w"] == _digests(_state(6))["model/w"]
 
 
 def test_boxes_of_other_layouts_read_within_the_budget_are_bit_exact(tmp_path):

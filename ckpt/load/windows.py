@@ -5,8 +5,8 @@ chunks are read window by window into one reused buffer.
 Staged (the default), a load stays atomic in two passes: the first reads and checks every chunk
 window by window and keeps nothing (the caller's tensors untouched, so a damaged chunk changes
 nothing); the second reads each window again, every chunk checked again, and copies it out. A chunk
-that checked out in the first pass and fails in the second (the stored bytes changed during the
-load) fails the load naming it, with the windows before it already copied: the state is then a
+that checked out in the first pass and fails in the second (the stored object was damaged or
+deleted during the load) fails the load naming it, with the windows before it already copied: the state is then a
 mixture of two steps, and saves are refused until a load succeeds (as after a failed
 ``staged_load=False`` load). Unstaged, one pass reads and copies window by window.
 
@@ -150,10 +150,11 @@ def read_in_windows(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[
             except CorruptCheckpointError as e:
                 if not staged:
                     raise
-                raise CorruptCheckpointError(
-                    f"{e} (it checked out in this load's first pass and not in its second: the stored bytes changed "
-                    f"while step {m.step} loaded; {'nothing was' if w is cut[0] else 'part of the state was'} written "
-                    "before this)", object=e.object, chunk=e.chunk) from e
+                done = "nothing was" if w is cut[0] else "part of the state was"
+                raise type(e)(  # the same class (a missing chunk stays MissingChunkError)
+                    f"{e} (it checked out in this load's first pass and not in its second: the stored object changed "
+                    f"or went away while step {m.step} loaded; {done} written before this)",
+                    object=e.object, chunk=e.chunk) from e
             _copy_out(plan, into, w, space)
 
 
