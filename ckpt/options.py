@@ -270,11 +270,9 @@ class IOOptions(_Record):
         "twice this plus 10 ms per rank (longer while it makes progress) before naming rank 0", shown="600")
     host_memory: int | float | None = _option(
         None, _host_memory.check,
-        "the host memory one rank may hold for staging: bytes (an int, at least 1 MiB), or a share of the machine's "
-        "memory (a float in (0, 1]; the cgroup's limit where lower) split among the node's ranks (those of the process "
-        "group on this host, counted once when the Checkpointer opens; alone, `LOCAL_WORLD_SIZE` where set). Today it "
-        "caps a load's staging: a load that needs more reads in windows, in two passes, and stays atomic (see "
-        "[Host memory](#host-memory)); `None`: no cap")
+        "the host memory one rank may hold for staging: bytes (an int, at least 1 MiB) or a share of the machine's "
+        "memory (a float in (0, 1]) split among the node's ranks. Today it caps a load's staging: a load that needs "
+        "more reads in windows, in two passes, still atomic ([Host memory](#host-memory)); `None`: no cap")
 
 
 @dataclass(frozen=True)
