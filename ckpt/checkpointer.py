@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from . import at_exit, events
+from . import at_exit, events, host_memory
 from ._args import flag, flags
 from ._gc import paused
 from .commit import CommitProtocol
@@ -148,7 +148,8 @@ class Checkpointer:
         self._clean_end = True  # False: closed by __exit__ on an exception (the journal says so)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
         self._loader = Loader(self.storage, self._comm, self._io, manifests, self._tiers,
-                              staged=options.staged_load, lend=self._lend_buffer)
+                              staged=options.staged_load, lend=self._lend_buffer,
+                              budget=host_memory.resolve(options.host_memory, self._comm))
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
         self._closed = False

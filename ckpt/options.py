@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 
 from . import _cpus
+from . import host_memory as _host_memory
 from . import options_doc as _docs
 from ._args import flag
 from .encode import CodecSpec
@@ -244,7 +245,7 @@ class RedundancyOptions(_Record):
 
 @dataclass(frozen=True)
 class IOOptions(_Record):
-    """Where and how bytes move: ``local_dir``, ``storage_options``, ``io_threads``, ``timeout``."""
+    """Where and how bytes move: ``local_dir``, ``storage_options``, ``io_threads``, ``timeout``, ``host_memory``."""
 
     local_dir: str | None = _option(
         None, _directory,
@@ -267,6 +268,11 @@ class IOOptions(_Record):
         "reports, load agreement): the save or load fails on every rank with `DistributedSaveError` naming them; a "
         "wait is extended while other ranks' answers keep arriving, and the other ranks wait for the coordinator "
         "twice this plus 10 ms per rank (longer while it makes progress) before naming rank 0", shown="600")
+    host_memory: int | float | None = _option(
+        None, _host_memory.check,
+        "the host memory one rank may hold for staging: bytes (an int, at least 1 MiB) or a share of the machine's "
+        "memory (a float in (0, 1]) split among the node's ranks. Today it caps a load's staging: a load that needs "
+        "more reads in windows, in two passes, still atomic ([Host memory](#host-memory)); `None`: no cap")
 
 
 @dataclass(frozen=True)
@@ -425,7 +431,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
 
     @property
     def io(self) -> IOOptions:
-        """``local_dir``, ``storage_options``, ``io_threads``, ``timeout``."""
+        """``local_dir``, ``storage_options``, ``io_threads``, ``timeout``, ``host_memory``."""
         return self._group(IOOptions)
 
     @property
@@ -481,6 +487,7 @@ class OptionArgs(TypedDict, total=False):
     storage_options: dict[str, Any] | None
     io_threads: int | None
     timeout: float
+    host_memory: int | float | None
     busy: Literal["wait", "skip"]
     on_save_error: Literal["raise", "log"]
     native: bool

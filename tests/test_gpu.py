@@ -334,3 +334,17 @@ def test_the_kernel_copies_every_length_around_its_unrolled_stride(monkeypatch):
     assert pool.last_used["cuda"] == f"native (kernel {len(lengths)}, memcpy 0)"
     for slot in pool.layout.slots:
         assert torch.equal(pool.buffer[slot.offset:slot.offset + slot.nbytes], state[slot.key].cpu()), slot.key
+
+
+def test_a_load_within_host_memory_fills_cuda_tensors_window_by_window(ckdir):
+    """CUDA destinations are staged (CPU stand-ins): under a 1 MiB budget they go through windows of
+    rows, each copied to its rows on the device once both passes checked out."""
+    torch.manual_seed(0)
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(3000, device="cuda")}
+    with ckpt.Checkpointer(ckdir, host_memory=1 << 20, chunk_size=256 * 1024) as c:
+        c.save(1, state).wait()
+        target = {k: torch.full_like(v, -1.0) for k, v in state.items()}
+        c.load(1, target)
+        s = c.last_load
+        assert s is not None and s.passes == 2 and s.windows >= 4 and s.staging_bytes <= 1 << 20
+    assert all(torch.equal(target[k], state[k]) for k in state)

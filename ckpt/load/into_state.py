@@ -35,7 +35,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
               on_change: Callable[[], None] | None = None,
               before_read: Callable[[set[str]], None] | None = None,
               staged: bool = True, lend: Lend | None = None,
-              ready: Callable[[dict], dict] | None = None) -> LoadStats:
+              ready: Callable[[dict], dict] | None = None, budget: int | None = None) -> LoadStats:
     """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
 
     Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
@@ -48,7 +48,8 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     first write into the state (staged: after every chunk checked out; in place: before the
     reads): it may raise to stop the load there (other ranks failed), the state still unchanged,
     and returns what the loading ranks took together (their notes' :func:`ckpt.load.held.union`), so
-    that ``strict`` refuses a key no rank holds. Alone (``world`` 1) that is checked before any read."""
+    that ``strict`` refuses a key no rank holds. Alone (``world`` 1) that is checked before any read.
+    ``budget``: the staging memory it may hold (``host_memory``; :mod:`ckpt.load.windows`)."""
     if init_optimizers(state, m) and on_change is not None:
         on_change()
     plan = plan_load(m, state, rank, world, rank_map, strict=strict, allow_pickle=allow_pickle)
@@ -66,6 +67,6 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     # checked out; for every destination on a device (or strided), and with ``staged`` for the
     # caller's own CPU tensors too. One allocation for all, or memory ``lend`` gives.
     stats = read_planned(storage, m, plan.boxes, plan.into, io, stand_in=(plan.own if staged else []) + plan.elsewhere,
-                         staged=staged, lend=lend, before_read=before_read, before_write=changing)
+                         staged=staged, lend=lend, before_read=before_read, before_write=changing, budget=budget)
     apply_values(state, plan, strict)
     return stats

@@ -30,6 +30,7 @@ from ..tree import DTYPES, dtype_name
 from .apply import copy_back
 from .chunk_reads import read_chunk
 from .plan import BoxPlan, Request, plan_boxes, shape_str
+from .windows import read_in_windows, staging_needed
 
 # Lends staging memory for a load: ``lend(nbytes)`` is a context manager giving a uint8 CPU tensor of
 # at least ``nbytes`` bytes (or None: the load allocates its own), held until the load is done.
@@ -44,7 +45,8 @@ class LoadStats:
     Attributes:
         step: the step.
         chunks_read: chunks read (each once).
-        bytes_read: bytes read from storage (whole chunk objects, or the spans of them a box needed).
+        bytes_read: bytes read from storage (whole chunk objects, or the spans of them a box needed), over
+            every pass.
         chunks: the hashes of the chunks read.
         local_chunks: chunks served by the local tier (None: no local tier).
         remote_chunks: chunks read from the remote tier.
@@ -52,6 +54,10 @@ class LoadStats:
         source: "local tiers" (local commits) or "checkpoint" (the checkpoint path).
         peer_chunks: local commits: chunks this rank got from peers' tiers.
         rebuilt_chunks: local commits: chunks this rank rebuilt from parity.
+        passes: times the chunks were read: 1, or 2 where staging within ``host_memory`` checked every
+            chunk in a first pass before a second copied them out (:mod:`ckpt.load.windows`).
+        windows: the windows of staging memory the reads went through (1: all at once).
+        staging_bytes: the staging memory the load held (stand-ins and row stages).
     """
 
     step: int
@@ -64,6 +70,9 @@ class LoadStats:
     source: str = "checkpoint"
     peer_chunks: int | None = None
     rebuilt_chunks: int | None = None
+    passes: int = 1
+    windows: int = 1
+    staging_bytes: int = 0
 
 
 class BoxRequest(NamedTuple):
@@ -77,7 +86,7 @@ class BoxRequest(NamedTuple):
 
 
 def read_boxes(storage: Storage, m: mf.Manifest, requests: Sequence[BoxRequest | tuple], io: Executor, *,
-               staged: bool = True, lend: Lend | None = None) -> LoadStats:
+               staged: bool = True, lend: Lend | None = None, budget: int | None = None) -> LoadStats:
     """Read each of ``requests`` (``(key, box, into)`` or :class:`BoxRequest`: a box (offsets,
     lengths) of tensor ``key`` of manifest ``m``) into its tensor, every chunk verified; returns
     what was read. Each chunk is read once, only chunks with a needed byte.
@@ -91,6 +100,8 @@ def read_boxes(storage: Storage, m: mf.Manifest, requests: Sequence[BoxRequest |
         staged: read through staging memory, so that a damaged chunk leaves every ``into`` as it
             was; False reads straight into CPU tensors (fresh ones need no staging).
         lend: where staging memory comes from (else it is allocated).
+        budget: the most staging memory to hold (bytes; None: no cap): reads that need more go in
+            windows, twice when staged (:mod:`ckpt.load.windows`).
 
     Raises:
         StateMismatchError: a key the step does not hold, or a tensor of another dtype or shape.
@@ -109,7 +120,7 @@ def read_boxes(storage: Storage, m: mf.Manifest, requests: Sequence[BoxRequest |
     own = [i for i, t in enumerate(into) if t.device.type == "cpu" and t.is_contiguous()]
     elsewhere = sorted(set(range(len(into))) - set(own))
     return read_planned(storage, m, plan, into, io, stand_in=(own if staged else []) + elsewhere, staged=staged,
-                        lend=lend)
+                        lend=lend, budget=budget)
 
 
 def _checked(m: mf.Manifest, entries: dict[tuple[str, int | None], mf.TensorEntry], r: BoxRequest) -> Request:
@@ -138,13 +149,20 @@ def _checked(m: mf.Manifest, entries: dict[tuple[str, int | None], mf.TensorEntr
 def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[torch.Tensor], io: Executor, *,
                  stand_in: Sequence[int] = (), staged: bool = True, lend: Lend | None = None,
                  before_read: Callable[[set[str]], None] | None = None,
-                 before_write: Callable[[], None] | None = None) -> LoadStats:
+                 before_write: Callable[[], None] | None = None, budget: int | None = None) -> LoadStats:
     """Do ``plan``'s reads: request ``i`` lands in ``into[i]`` (its box's shape, the saved dtype; a
     CPU contiguous tensor unless it is in ``stand_in``, the requests read into CPU stand-ins and
     copied to their tensors at the end). ``before_read(chunks)`` runs just before the first read with
     every chunk the reads need; ``before_write()`` just before the reads first write into ``into``
     (``staged``: once every chunk has checked out; else before the first read): it may raise to stop
-    there, nothing written. Every read is finished or cancelled before this returns."""
+    there, nothing written. ``budget``: the bytes of staging memory it may hold (``host_memory``);
+    where the reads need more they go in windows (:mod:`ckpt.load.windows`). Every read is finished or
+    cancelled before this returns."""
+    if budget is not None and staging_needed(plan, into, stand_in) > budget:
+        stats = LoadStats(m.step, chunks_read=len(plan.reads), chunks=sorted(plan.reads))
+        read_in_windows(storage, m, plan, into, io, stand_in=stand_in, staged=staged, budget=budget, lend=lend,
+                        before_read=before_read, before_write=before_write, stats=stats)
+        return stats
     places, need = _places([into[i] for i in stand_in])
     dest = list(into)
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -167,7 +185,8 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
             return flats[k]
 
         feeds = {h: [(f.offset, f.length, target(f.into), f.at) for f in fs] for h, fs in plan.reads.items()}
-        stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds))
+        stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds),
+                          staging_bytes=need + sum(s.nbytes for s in plan.stages))
         if before_read is not None:
             before_read(set(feeds))
         if not staged and before_write is not None:

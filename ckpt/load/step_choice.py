@@ -75,10 +75,12 @@ class Loader:
     the newest older step that loads on every rank is used instead."""
 
     def __init__(self, storage: Storage, comm: Comm, io: Executor, manifests: mf.ManifestCache,
-                 restore: Restore | None = None, *, staged: bool = True, lend: Lend | None = None):
+                 restore: Restore | None = None, *, staged: bool = True, lend: Lend | None = None,
+                 budget: int | None = None):
         self.restore = restore
         self.staged = staged  # reads land in staging memory first: a failed load changes nothing
         self.lend = lend  # where that memory comes from (the Checkpointer's idle host buffer)
+        self.budget = budget  # the most staging memory a load holds (host_memory), or None
         self.storage = storage
         self.comm = comm
         self.io = io
@@ -252,7 +254,7 @@ class Loader:
             stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
                               rank=self.comm.rank, world=self.comm.world, rank_map=rank_map,
                               on_change=lambda: changed.__setitem__(0, True), before_read=before_read,
-                              staged=self.staged, lend=self.lend, ready=ready)
+                              staged=self.staged, lend=self.lend, ready=ready, budget=self.budget)
         finally:
             trim_scratch()  # reads and chains kept chunk-sized buffers per thread: loads are rare
         if whole:
@@ -261,8 +263,9 @@ class Loader:
         if tiers is not None:  # which tier each chunk came from; damaged local copies are named
             stats.local_chunks, stats.remote_chunks = tiers.local_hits, tiers.remote_reads
             stats.local_rejected = list(tiers.local_rejected)
-        log.info("resumed from step %d of %s (%.1f MiB read and verified, %d chunk(s); saved on %d rank(s), "
+        log.info("resumed from step %d of %s (%.1f MiB read and verified, %d chunk(s)%s; saved on %d rank(s), "
                  "loaded as %s)", step, self.storage.describe(), stats.bytes_read / MiB, stats.chunks_read,
+                 f", {stats.passes} passes through {stats.windows} windows of host_memory" if stats.passes > 1 else "",
                  m.world_size, self.comm.describe())
         events.emit("resume", self.comm.rank, step=step)
         return LoadResult(m, stats)
