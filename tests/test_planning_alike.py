@@ -163,3 +163,21 @@ def test_ranks_not_alike_are_planned_whole():
         posted, known = posts(invs)
         assert assign_alike(posted, known, len(invs), 1 << 20) is None
         assert [_assignment(d) for d in plan_posted(posted, known, len(invs), 1 << 20)] == assign(invs, 1 << 20)
+
+
+def test_the_coordinators_work_follows_what_is_distinct_not_ranks_times_tensors(monkeypatch):
+    """A Llama-shaped state of 84 tensors on 64 FSDP2 x TP8 ranks: the overlap check runs once per
+    tensor class (same kind, dtype, shape and boxes on every rank), not once per tensor, and every
+    rank's post names a handful of distinct boxes, not a box per tensor."""
+    import ckpt.planning_alike as alike
+
+    calls: list[int] = []
+    real = alike.check_tiles
+    monkeypatch.setattr(alike, "check_tiles", lambda boxes, shape: calls.append(len(boxes)) or real(boxes, shape))
+    ranks = scale_sim.Ranks(scale_sim.MODELS["tiny"], "fsdp-tp8", 64)
+    invs = [Inventory.of(ranks.flat(r)) for r in range(64)]
+    posted, known = posts(invs)
+    assert all(len(split(inv)[1]["boxes"]) <= 12 for inv in invs) and len(invs[0].tensors) == 84
+    assert [_assignment(d) for d in assign_alike(posted, known, 64, 1 << 20) or []] == assign(invs, 1 << 20)
+    shapes = {(r.kind, r.dtype, tuple(r.global_shape)) for r in invs[0].tensors}
+    assert len(calls) <= 2 * len(shapes) < 84 and max(calls) <= 64, calls
