@@ -254,10 +254,12 @@ class _Shared:
 # What crosses the store (issue 35 item 5: 40 MB at 64 ranks for a 70B state, 10 GB at 16,384, when
 # every rank sent its whole inventory). Most of an inventory is the same on every rank: per top-level
 # key, its layout and each tensor's key, kind, dtype and global shape (a "part"). A rank sends a digest
-# of each part and, compressed, what is its own: each tensor's box and bytes, the per-rank tensors
-# whole, its top-level digests (a few hundred bytes for a 70B state). The coordinator knows its own
-# parts; for a digest it has not seen (pipeline stages: a part per stage; a key whose plain values
-# differ), a second round asks the first rank holding it for the part. Answers travel compressed too.
+# of each part and, compressed, what is its own: its distinct boxes (with bytes) and which one each
+# tensor is, the per-rank tensors whole, its top-level digests (a few hundred bytes for a 70B state).
+# The coordinator knows its own parts; for a digest it has not seen (pipeline stages: a part per stage;
+# a key whose plain values differ), a second round asks the first rank holding it for the part.
+# Answers travel compressed too. Ranks alike are planned from what is distinct among them
+# (planning_alike: ~0.1 ms per rank at 70B, where joining every inventory and planning it cost ~40 ms).
 
 def pack(value: object) -> str:
     """``value`` (JSON) as deflated JSON, base64: how an inventory's own part and an answer travel."""
