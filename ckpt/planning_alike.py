@@ -25,11 +25,17 @@ class _Holders:
     """The ranks holding one box of the tensors of one class (in rank order, a rank once per row of
     it), and at which position of the class's rows each holds it."""
 
-    __slots__ = ("ranks", "pos", "key")
+    __slots__ = ("ranks", "pos", "key", "first")
 
     def __init__(self, ranks: np.ndarray, pos: np.ndarray):
         self.ranks, self.pos = ranks, pos
         self.key = ranks.tobytes()
+        self.first: dict[int, int] = {}  # rank -> the position its first row holding the box is at
+
+    def at(self, r: int) -> int:
+        if r not in self.first:
+            self.first[r] = int(self.pos[int(np.argmax(self.ranks == r))])
+        return self.first[r]
 
 
 def assign_alike(posted: dict[int, dict], known: dict[str, dict], world: int, chunk_size: int
@@ -210,8 +216,8 @@ class _Plan:
         return self.index_maps[mine]
 
     def _index(self, r: int, key: str, holders: _Holders) -> int:
-        p = int(holders.pos[int(np.nonzero(holders.ranks == r)[0][0])])
-        return int(self.index_of(r)[self.key_slots[key][p]])
+        j = self.key_slots[key][holders.at(r)]
+        return j if not self.whole else int(self.index_of(r)[j])
 
     def place(self, chunk_size: int) -> None:
         """The shared boxes: the large ones to the least-loaded holder, largest first; the small ones in
