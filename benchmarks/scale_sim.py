@@ -7,9 +7,11 @@ What is simulated, and what is ckpt's code as a real job runs it:
   TP8; every shard is a :class:`ckpt.LocalShard` over a zero-stride tensor (one element of memory
   viewed at the shard's shape), so shapes, boxes and byte counts are the 70B/405B ones and the
   values are not there;
-* the plan: :meth:`Inventory.of` -> :func:`ckpt.planning.exchange_plan` (rank 0 runs :func:`~ckpt.planning.assign`),
-  N threads over one in-process store that counts every request; each rank's flattened state is
-  rank 0's (:func:`ckpt.flatten.flatten` run once) with the rank's own boxes (:class:`Ranks`);
+* the plan: :meth:`Inventory.of` -> :func:`ckpt.planning.exchange_plan` (rank 0 runs
+  :func:`ckpt.planning.plan_posted`: ranks alike planned from what is distinct among them), N threads
+  over one in-process store that counts every request, then the same round again for rank 0's peak
+  memory; each rank's flattened state is rank 0's (:func:`ckpt.flatten.flatten` run once) with the
+  rank's own boxes (:class:`Ranks`);
 * the rank report: :func:`ckpt.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into
   16 MiB chunks, and :meth:`Writer._report` with a chunk table of made-up hashes (no bytes are hashed,
   encoded or written: every chunk is "raw", without span digests);
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -240,6 +243,8 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     cs = comms(world)
     ranks = Ranks(model, layout, world)
     plan_s: list[float] = []
+    plan_peak: list[int] = []
+    first: list[Any] = [None] * world  # each rank's store requests and bytes in the first round
     parts: dict[int, mf.Manifest] = {}
     one_at_a_time = threading.Semaphore(1)  # every rank's report after the plan: one flattened state alive at once
 
@@ -252,8 +257,16 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
             t = time.thread_time()
             answer = exchange_plan(comm, 0, inv, chunk_size)
             plan_s.append(time.thread_time() - t)
+            first[0] = SimpleNamespace(requests=Counter(comm.requests), bytes=Counter(comm.bytes))
+            for q in range(1, world):  # the same round again, for its memory (the others wait for answers)
+                comm.shared.get(f"plan/1/{q}", time.monotonic() + comm.timeout)
+            with Traced() as mem:
+                exchange_plan(comm, 1, inv, chunk_size)
+            plan_peak.append(mem.peak)
         else:
             answer = exchange_plan(comm, 0, inv, chunk_size)
+            first[r] = SimpleNamespace(requests=Counter(comm.requests), bytes=Counter(comm.bytes))
+            exchange_plan(comm, 1, inv, chunk_size)
         del inv
         with one_at_a_time:
             part = rank_report(make_writer(disks[r]), ranks.flat(r), answer, r, step, chunk_size)
@@ -263,7 +276,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
         return answer.bytes
 
     written = on_threads(world, rank)
-    out: dict[str, Any] = {"plan_s": plan_s[0], "plan_store": totals(cs),
+    out: dict[str, Any] = {"plan_s": plan_s[0], "plan_peak": plan_peak[0], "plan_store": totals(first),  # type: ignore[arg-type]
                            "report_bytes_max": max(d.written_bytes for d in disks),
                            "assigned_bytes_max": max(written), "assigned_bytes_min": min(written)}
     coord = disks[0]
