@@ -13,10 +13,12 @@ What is simulated, and what is ckpt's code as a real job runs it:
 * the rank report: :func:`ckpt.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into
   16 MiB chunks, and :meth:`Writer._report` with a chunk table of made-up hashes (no bytes are hashed,
   encoded or written: every chunk is "raw", without span digests);
-* the commit: rank 0 reads and parses every report (:func:`ckpt.commit._read_part`) and runs
-  :meth:`Writer.commit` (merge, checks, the step index (format v6) checked as every reader checks it,
-  the create-only write);
-* the load: on one rank, :func:`ckpt.format.manifest.read_committed` (the index) and
+* the commit, as :meth:`ckpt.commit.CommitProtocol._commit_summarized` runs it: every rank's
+  summary of its report (:func:`ckpt.commit_index.summarize`, what its commit report carries), then on
+  rank 0 :meth:`ckpt.commit_index.IndexBuilder.build` (the first save of a plan reads every report
+  once to learn the layout; the next save, measured apart, reads none), the index checked as every
+  reader checks it (:func:`ckpt.format.index.committable`) and the create-only write;
+* the load (of the second save): on one rank, :func:`ckpt.format.manifest.read_committed` (the index) and
   :func:`ckpt.load.index_reads.step_for_load` (the reports of the saved ranks whose boxes it needs,
   each checked against the index), then :func:`ckpt.load.match.match`,
   :func:`~ckpt.load.checks.check_fit` and :func:`ckpt.load.plan.plan_boxes` (which chunks feed which
@@ -231,7 +233,11 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     manifest, of ``model`` under ``layout`` on ``world`` simulated ranks; what each part cost.
     Times are CPU seconds of the thread doing the part (``time.thread_time``: the other simulated
     ranks and other processes on the machine do not count; all of it is single-threaded Python)."""
-    from ckpt.commit import _read_part
+    import dataclasses
+    import json
+
+    from ckpt.commit import _read_report
+    from ckpt.commit_index import IndexBuilder, summarize
     from ckpt.format import index, paths
     from ckpt.storage.local import LocalStorage
 
@@ -241,6 +247,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     ranks = Ranks(model, layout, world)
     plan_s: list[float] = []
     parts: dict[int, mf.Manifest] = {}
+    summaries: dict[int, list[dict]] = {step: [{}] * world, step + 1: [{}] * world}
     one_at_a_time = threading.Semaphore(1)  # every rank's report after the plan: one flattened state alive at once
 
     def rank(r: int) -> int:
@@ -257,9 +264,13 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
         del inv
         with one_at_a_time:
             part = rank_report(make_writer(disks[r]), ranks.flat(r), answer, r, step, chunk_size)
-            disks[r].write(paths.rank_key(step, r), [part.to_json()])
-            if r == 0:
-                parts[0] = part
+            for s in (step, step + 1):  # the first save of the plan, and the next (the same layout)
+                p = part if s == step else dataclasses.replace(part, step=s)
+                data = p.to_json()
+                disks[r].write(paths.rank_key(s, r), [data])
+                summaries[s][r] = summarize(p, data, frozenset())
+                if r == 0:
+                    parts[s] = p
         return answer.bytes
 
     written = on_threads(world, rank)
@@ -270,25 +281,38 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     coord.reset_counts()
     coord.read_bytes = 0
     writer = make_writer(coord)
-    own = parts.pop(0)
+    builders = [IndexBuilder()]
 
-    def commit() -> None:  # as CommitProtocol._coordinate: the others' reports as stored, then Writer.commit
-        read = [_read_part(writer, step, r) for r in range(1, world)]
-        refs = [index.report_ref(step, 0, own.to_json())] + [ref for _, ref in read]
-        writer.commit(step, [own] + [p for p, _ in read], frozenset(), storage=coord, reports=refs)
+    def commit(s: int) -> None:  # as CommitProtocol._commit_summarized, on rank 0
+        sums = summaries[s]
+        built = builders[0].build(s, parts[s], sums, frozenset(),
+                                  lambda r: _read_report(coord, s, r, sums[r]["size"]))
+        assert built is not None  # no chunk listed differently by two ranks
+        writer.commit_bytes(s, index.committable(s, built[0], []), coord)
 
-    t = time.thread_time()
-    commit()
-    out["commit_s"] = time.thread_time() - t
-    out.update(commit_read_bytes=coord.read_bytes, commit_requests=sum(coord.calls.values()),
-               commit_report_reads=coord.calls["read_object"])
-    with Traced() as mem:  # the same work again, for its memory: up to the create-only write, which refuses
-        try:
-            commit()
-        except StepExistsError:
-            pass
-    out.update(commit_peak_rss=mem.peak, manifest_bytes=inner.size(paths.manifest_key(step)))
-    out.update(load_one_rank(model, layout, world, disks[world // 2], world // 2, step))
+    for s, tag in ((step, "commit_first_"), (step + 1, "commit_")):
+        coord.reset_counts()
+        coord.read_bytes = 0
+        t = time.thread_time()
+        commit(s)
+        out[tag + "s"] = time.thread_time() - t
+        out.update({tag + "read_bytes": coord.read_bytes, tag + "requests": sum(coord.calls.values()),
+                    tag + "report_reads": coord.calls["read_object"]})
+        if s == step:
+            assert builders[0].learned == 1
+            learned = builders[0]
+            builders[0] = IndexBuilder()  # learning again, for its memory
+        with Traced() as mem:  # the same work again, for its memory: up to the create-only write, which refuses
+            try:
+                commit(s)
+            except StepExistsError:
+                pass
+        out[tag + "peak_rss"] = mem.peak
+        builders[0] = learned
+    assert learned.learned == 1  # the second save read no report
+    out["commit_summary_bytes"] = sum(len(json.dumps(x)) for x in summaries[step + 1])
+    out["manifest_bytes"] = inner.size(paths.manifest_key(step + 1))
+    out.update(load_one_rank(model, layout, world, disks[world // 2], world // 2, step + 1))
     return out
 
 
