@@ -78,7 +78,7 @@ def _chunk(doc: Any, spans: str | None) -> mf.ChunkInfo:
 
 
 class _Values:
-    """Structure values by digest, the least recently used dropped past ``max_bytes`` of their JSON."""
+    """Structure values by digest, the least recently used dropped past ``max_bytes`` (as weighed)."""
 
     def __init__(self, max_bytes: int = CACHE_BYTES):
         self.max_bytes, self.bytes = max_bytes, 0
@@ -189,7 +189,7 @@ class IndexBuilder:
 
     def _keep_values(self, part: mf.Manifest) -> None:
         for _, v in st.top_items(part.structure):
-            self.values.put(st.digest(v), v, len(json.dumps(v)))
+            self.values.put(st.digest(v), v, 4 * len(json.dumps(v)))  # parsed: about 4x its JSON
 
     # -- each save -----------------------------------------------------------------------------------
     def build(self, step: int, own: mf.Manifest, summaries: list[dict], per_rank: frozenset[str],
