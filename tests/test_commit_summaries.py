@@ -154,3 +154,14 @@ def test_the_manifest_cache_is_bounded_by_bytes_and_keeps_an_outlines_chunk_name
     before = storage.calls["read_object"]
     assert cache.chunk_keys(1) == set(whole.chunks) and storage.calls["read_object"] == before  # nothing read
     assert cache.get(1).tensors == whole.tensors  # the step itself is read when asked for
+
+
+def test_a_whole_step_read_report_by_report_is_the_step_every_report_gives(saved):
+    storage = LocalStorage(saved)
+    ix = mf.read_committed(storage, 1)
+    assert isinstance(ix, index.Index)
+    folded = mf.read_step(storage, 1)  # index.whole_step: one report at a time
+    at_once = index.partial_step(ix, index.read_reports(storage, ix, [0, 1]))
+    assert folded.tensors == at_once.tensors and folded.chunks == at_once.chunks
+    w = next(t for t in folded.tensors if t.key == "w")
+    assert len(w.shards) == 2 and sum(len(s.segments) for s in w.shards) >= 2
