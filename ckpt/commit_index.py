@@ -35,21 +35,51 @@ from .errors import CorruptCheckpointError, DistributedSaveError, StateMismatchE
 from .format import index, paths, tree_union
 from .format import manifest as mf
 from .format.boxes import Box
-from .format.entries import Segment, check_chains, closure
+from .format.entries import Segment, check_chains, closure, ints
 from .tree import ITEMSIZE
 
 VALUE_BYTES = 4096  # a per-rank top-level value up to this many JSON bytes travels in the summary itself
 CACHE_BYTES = 256 << 20  # the structure values the coordinator keeps, by digest
 
 
-def layout_digest(part: mf.Manifest) -> str:
-    """The digest of a report's layout: each tensor's key, dtype, shape, owner and boxes, in order."""
+Row = tuple[str, str, list, Any, list]  # a report's tensor: key, dtype, shape, owner, [[offsets, lengths], ...]
+
+
+def _rows(part: mf.Manifest) -> list[Row]:
+    return [(t.key, t.dtype, t.shape, t.rank, [[s.offsets, s.lengths] for s in t.shards]) for t in part.tensors]
+
+
+def _digest(rows: list[Row]) -> str:
     h = xxhash.xxh3_128()
-    for t in part.tensors:
-        h.update(json.dumps([t.key, t.dtype, t.shape, t.rank, [[s.offsets, s.lengths] for s in t.shards]],
-                            separators=(",", ":")).encode())
+    for row in rows:
+        h.update(json.dumps(row, separators=(",", ":")).encode())
         h.update(b"\n")
     return h.hexdigest()
+
+
+def layout_digest(part: mf.Manifest) -> str:
+    """The digest of a report's layout: each tensor's key, dtype, shape, owner and boxes, in order."""
+    return _digest(_rows(part))
+
+
+def _lean(data: bytes, step: int, rank: int) -> tuple[list[Row], list[tuple[str, Any]]]:
+    """A report's layout rows and top-level structure values, without the checked parse of its
+    segments and chunks (every reader checks those; the index built from the rows is parsed back)."""
+    try:
+        doc = json.loads(data)
+        if doc["kind"] != "rank" or doc["rank"] != rank or doc["step"] != step:
+            raise ValueError(f"it describes rank {doc['rank']} step {doc['step']}")
+        rows: list[Row] = []
+        for t in doc["tensors"]:
+            boxes = [[s["offsets"], s["lengths"]] for s in t["shards"]]
+            if not (isinstance(t["key"], str) and isinstance(t["dtype"], str) and ints(t["shape"])
+                    and all(ints(o) and ints(n) for o, n in boxes)):
+                raise ValueError(f"tensor entry {str(t['key'])[:80]!r} is malformed")
+            rows.append((t["key"], t["dtype"], t["shape"], t.get("rank"), boxes))
+        tops = st.top_items(doc["structure"])
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+        raise DistributedSaveError(f"rank {rank}'s report for step {step} is unreadable: {e}", ranks=[rank]) from e
+    return rows, tops
 
 
 def _inlinable(t: mf.TensorEntry) -> bool:
@@ -138,30 +168,30 @@ class IndexBuilder:
         at: dict[tuple[str, int | None], int] = {}  # tensor -> its layout so far (a node)
         meta: dict[tuple[str, int | None], tuple[str, tuple[int, ...], int]] = {}  # dtype, shape, first rank
 
-        def fetch(r: int) -> mf.Manifest:
+        def fetch(r: int) -> tuple[list[Row], list[tuple[str, Any]]]:
             if r == 0:
-                return own
+                return _rows(own), st.top_items(own.structure)
             s = summaries[r]
             data = read(r)
             if len(data) != s["size"] or xxhash.xxh3_128_hexdigest(data) != s["digest"]:
                 raise DistributedSaveError(f"rank {r}'s report for step {step} is not the one it summarized "
                                            f"({len(data)} bytes stored, {s['size']} summarized)", ranks=[r])
-            return mf.parse_rank_part(data, step, r)
+            return _lean(data, step, r)
 
-        for r, part in enumerate(_streamed(io, fetch, range(len(summaries)))):
-            if layout_digest(part) != summaries[r]["layout"]:
+        for r, (rows, tops) in enumerate(_streamed(io, fetch, range(len(summaries)))):
+            if _digest(rows) != summaries[r]["layout"]:
                 raise DistributedSaveError(f"rank {r}'s report for step {step} does not hold the layout it "
                                            "summarized (a bug: please report it)", ranks=[r])
-            self._keep_values(part)
-            for t in part.tensors:
-                k = (t.key, t.rank)
-                have = meta.setdefault(k, (t.dtype, tuple(t.shape), r))
-                if have[:2] != (t.dtype, tuple(t.shape)):
+            self._keep_values(tops)
+            for key, dtype, shape, owner, boxes in rows:
+                k = (key, owner)
+                have = meta.setdefault(k, (dtype, tuple(shape), r))
+                if have[:2] != (dtype, tuple(shape)):
                     raise StateMismatchError(
-                        f"step {step} was not committed: rank {r} saved tensor {t.key!r} as {t.dtype} of shape "
-                        f"{t.shape}, rank {have[2]} as {have[0]} of shape {list(have[1])}; every rank must hold "
+                        f"step {step} was not committed: rank {r} saved tensor {key!r} as {dtype} of shape "
+                        f"{shape}, rank {have[2]} as {have[0]} of shape {list(have[1])}; every rank must hold "
                         "the same tensors")
-                link = (at.get(k, -1), r, tuple((tuple(s.offsets), tuple(s.lengths)) for s in t.shards))
+                link = (at.get(k, -1), r, tuple((tuple(o), tuple(n)) for o, n in boxes))
                 at[k] = nodes.setdefault(link, len(links))
                 if at[k] == len(links):
                     links.append(link)
@@ -187,8 +217,8 @@ class IndexBuilder:
         self.digests = [s["layout"] for s in summaries]
         self.learned += 1
 
-    def _keep_values(self, part: mf.Manifest) -> None:
-        for _, v in st.top_items(part.structure):
+    def _keep_values(self, tops: list[tuple[str, Any]]) -> None:
+        for _, v in tops:
             self.values.put(st.digest(v), v, 4 * len(json.dumps(v)))  # parsed: about 4x its JSON
 
     # -- each save -----------------------------------------------------------------------------------
@@ -218,7 +248,7 @@ class IndexBuilder:
                                          f"({e})") from e
         if self.digests != [s["layout"] for s in summaries]:
             self._learn(step, own, summaries, read, io)
-        self._keep_values(own)
+        self._keep_values(st.top_items(own.structure))
         structure = self._structure(step, own, summaries, per_rank, read)
         stats: dict[str, Any] = {}
         for s in summaries:
@@ -267,9 +297,9 @@ class IndexBuilder:
                 return s["values"][k]
             got = self.values.get(s["tops"][k])
             if got is None:
-                part = mf.parse_rank_part(read(r), step, r)
-                self._keep_values(part)
-                got = dict(st.top_items(part.structure))[k]
+                tops = dict(_lean(read(r), step, r)[1])
+                self._keep_values(list(tops.items()))
+                got = tops[k]
                 if st.digest(got) != s["tops"][k]:
                     raise DistributedSaveError(f"rank {r}'s report for step {step} does not hold the structure it "
                                                "summarized (a bug: please report it)", ranks=[r])
