@@ -62,8 +62,9 @@ def _run(fn: Any, *args: Any, isolate: bool) -> Any:
 
 
 def measure(models: list[str], layouts: list[str], ns: dict[str, list[int]], rounds_ns: list[int], chunk_size: int,
-            isolate: bool = True) -> dict[str, Any]:
-    """Every case measured: ``cases[model][layout][n]`` (``ns[model]``) and ``rounds[n]`` (store requests)."""
+            isolate: bool = True, commit_ns: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Every case measured: ``cases[model][layout][n]`` (``ns[model]``), ``rounds[n]`` (store requests)
+    and ``commits[model][layout][n]`` (rank 0's commit of a later save, run directly at ``commit_ns``)."""
     cases: dict[str, dict[str, dict[str, Any]]] = {}
     for model in models:
         for layout in layouts:
@@ -73,7 +74,18 @@ def measure(models: list[str], layouts: list[str], ns: dict[str, list[int]], rou
                 print(f"{model} {layout} N={n}: {got['wall_s']:.1f}s, manifest {got['manifest_bytes'] / MiB:.1f} MiB,"
                       f" commit {got['commit_s']:.2f}s, plan {got['plan_s']:.2f}s", flush=True)
     rounds = {str(n): _run(scale_sim.rounds, n, isolate=isolate) for n in rounds_ns}
-    return {"cases": cases, "rounds": rounds, "chunk_size": chunk_size}
+    commits: dict[str, dict[str, dict[str, Any]]] = {}
+    for model in models:
+        for layout in layouts:
+            for n in commit_ns:
+                root = tempfile.mkdtemp(prefix="ckpt-scale-")
+                try:
+                    got = _run(scale_sim.steady_commit, scale_sim.MODELS[model], layout, n, root, chunk_size,
+                               isolate=isolate)
+                finally:
+                    shutil.rmtree(root, ignore_errors=True)
+                commits.setdefault(model, {}).setdefault(layout, {})[str(n)] = got
+    return {"cases": cases, "rounds": rounds, "commits": commits, "chunk_size": chunk_size}
 
 
 # -- growth laws ------------------------------------------------------------------------------------------------
@@ -197,6 +209,18 @@ def table(res: dict[str, Any]) -> str:
         pts = {n: float(res["rounds"][str(n)][which][field]) for n in rn}
         vals = extend(pts, degree=2)
         lines.append(f"| {label} | " + " | ".join(_cell(*vals[n], 1, 0) for n in ns) + f" | {law(pts, 1, 2)} |")
+    commits = res.get("commits") or {}
+    for model, by_layout in commits.items():
+        for layout, by_n in by_layout.items():
+            lines += ["", f"**Rank 0's commit of a later save, run directly** ({model}, {layout}; "
+                      "scale_sim.steady_commit: the learned layout and N summaries in hand)", "",
+                      "| N | CPU s | peak memory (MiB) | report bytes read | summaries, all ranks (MiB) | chunks | "
+                      "MANIFEST.json (MiB) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+            for n in sorted(by_n, key=int):
+                c = by_n[n]
+                lines.append(f"| {int(n):,} | {c['commit_s']:.2f} | {c['commit_peak_rss'] / MiB:.0f} | "
+                             f"{c['commit_read_bytes']} | {c['summary_bytes'] / MiB:.1f} | {c['chunks']:,} | "
+                             f"{c['manifest_bytes'] / MiB:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -303,7 +327,17 @@ def _law_replicated(res: dict[str, Any]) -> None:
         assert max(pts.values()) <= 2, f"a rank reads {max(pts.values()):.0f} chunks of other ranks at load"
 
 
+def _law_commit_direct(res: dict[str, Any]) -> None:
+    """Item 4 at the N run directly: rank 0's commit of a later save reads no report, and stays
+    within 60 CPU s and 4 GB (its Python heap) per save."""
+    for by_layout in (res.get("commits") or {}).values():
+        for by_n in by_layout.values():
+            for n, c in by_n.items():
+                assert c["commit_read_bytes"] == 0 and c["commit_s"] <= 60 and c["commit_peak_rss"] <= 4e9, (n, c)
+
+
 TARGET_LAWS = {"rounds": _law_rounds, "load_bytes": _law_load_bytes, "commit_bytes": _law_commit_bytes,
+               "commit_direct": _law_commit_direct,
                "plan_bytes": _law_plan_bytes, "replicated": _law_replicated}
 
 
@@ -349,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ns-for", action="append", default=["llama3-405b=16,32"], metavar="MODEL=NS",
                     help="rank counts for one model instead (default: llama3-405b=16,32)")
     ap.add_argument("--rounds-ns", default="64,256,512", help="rank counts for the store-request rounds")
+    ap.add_argument("--commit-ns", default="4096,16384",
+                    help="rank counts at which rank 0's commit of a later save is run directly")
     ap.add_argument("--chunk-mib", type=float, default=16)
     ap.add_argument("--quick", action="store_true", help="llama3-70b FSDP2 at N = 16, 64; rounds at 16, 64, 128")
     ap.add_argument("--no-plot", action="store_true")
@@ -370,7 +406,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         print(banner())
         res = measure(split(args.models), split(args.layouts), ns,
-                      [int(n) for n in split(args.rounds_ns)], int(args.chunk_mib * MiB), isolate=not args.in_process)
+                      [int(n) for n in split(args.rounds_ns)], int(args.chunk_mib * MiB), isolate=not args.in_process,
+                      commit_ns=tuple(int(n) for n in split(args.commit_ns)))
         res.update(command=command("scale"), machine=machine())
     markdown = table(res)
     print(markdown)

@@ -29,6 +29,7 @@ What is simulated, and what is ckpt's code as a real job runs it:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -399,3 +400,90 @@ def rounds(world: int) -> dict[str, dict[str, int]]:
     on_threads(world, load)
     out["load"] = totals(cs)
     return out
+
+
+def steady_commit(model: Model, layout: str, world: int, root: str, chunk_size: int = 16 * MiB,
+                  step: int = 101) -> dict[str, Any]:
+    """Rank 0's commit of a save after the first of a plan, at ``world`` ranks, run directly (what
+    :func:`save_and_load` cannot reach on this machine): the coordinator holds the layout it learned
+    (every rank's boxes as :func:`box` gives them; each 0-d ``step`` written by rank 0, as the plan
+    packs them), every rank's summary is what :func:`ckpt.commit_index.summarize` makes of a report
+    of its bytes in ``chunk_size`` chunks (made-up names), then :meth:`IndexBuilder.build`, the index
+    checked as every reader checks it, and the create-only write. The summaries' JSON decoding in
+    the commit round is not counted."""
+    import math
+
+    from ckpt.commit_index import IndexBuilder
+    from ckpt.format import index, paths
+    from ckpt.storage.local import LocalStorage
+    from ckpt.tree import digest, top_items
+
+    tp = LAYOUTS[layout]
+    template = flatten(state_of(model, layout, 0, min(world, 8 * tp)))
+    plist = model.params()
+    params = {f"model/{name}": (shape, split) for name, shape, split in plist}
+    groups: dict[tuple, int] = {}  # (shape, split) -> layout id
+    layouts: list[tuple] = []
+    per_rank = [0] * world  # bytes each rank saves
+    tensors = []
+    steps = [k for k in template.tensors if k.endswith("/step")]
+    for key in template.tensors:
+        parts = key.split("/")
+        spec = params[key] if parts[0] == "model" else None if parts[3] == "step" else plist[int(parts[2])][1:]
+        if spec is None:  # a 0-d step: one shard, on rank 0
+            lay = groups.setdefault(("step",), len(layouts))
+            if lay == len(layouts):
+                layouts.append(((0, ((), ())),))
+            tensors.append((key, "float32", (), None, lay))
+            continue
+        shape, split = spec
+        lay = groups.setdefault((shape, split), len(layouts))
+        if lay == len(layouts):
+            boxes: dict[tuple, int] = {}  # a box replicated over TP: written once, by its first rank
+            for r in range(world):
+                b = box(shape, split, r, world, tp)
+                if math.prod(b[1]):
+                    boxes.setdefault(b, r)
+            layouts.append(tuple((r, b) for b, r in boxes.items()))
+        for r, (_, lens) in layouts[lay]:
+            per_rank[r] += 4 * math.prod(lens)
+        tensors.append((key, "float32", tuple(shape), None, lay))
+    builder = IndexBuilder()
+    builder.tensors, builder.layouts = tensors, layouts
+    builder.digests = [f"{r:032x}" for r in range(world)]
+    tops = {k: digest(v) for k, v in top_items(template.structure)}
+    own = mf.Manifest(step=step, kind="rank", rank=0, structure=template.structure, tensors=[], chunks={})
+    step_chunk = fake_hash(0, 1 << 40)
+    summaries = []
+    for r in range(world):
+        chunks = {fake_hash(r, i): [min(chunk_size, per_rank[r] - i * chunk_size),
+                                    min(chunk_size, per_rank[r] - i * chunk_size) + HEADER_SIZE, "raw/1"]
+                  for i in range(-(-per_rank[r] // chunk_size))}
+        inline = {}
+        if r == 0:
+            chunks[step_chunk] = [64 * len(steps), 64 * len(steps) + HEADER_SIZE, "raw/1"]
+            inline = {k: [[[step_chunk, 64 * i, 4]]] for i, k in enumerate(steps)}
+        summaries.append({"size": 1000, "digest": f"{r:032x}", "layout": builder.digests[r], "tops": tops,
+                          "values": {}, "stats": {"raw_bytes": per_rank[r], "chunks": len(chunks)},
+                          "chunks": chunks, "spans": {}, "inline": inline})
+    disk = CountingStorage(LocalStorage(root))
+    writer = make_writer(disk)
+
+    def commit() -> None:
+        built = builder.build(step, own, summaries, frozenset(), lambda r: b"")
+        assert built is not None
+        writer.commit_bytes(step, index.committable(step, built[0], []), disk)
+
+    t = time.thread_time()
+    commit()
+    cpu = time.thread_time() - t
+    with Traced() as mem:
+        try:
+            commit()
+        except StepExistsError:
+            pass
+    assert builder.learned == 0 and disk.calls["read_object"] == 0
+    return {"n": world, "commit_s": cpu, "commit_peak_rss": mem.peak, "commit_read_bytes": disk.read_bytes,
+            "manifest_bytes": disk.inner.size(paths.manifest_key(step)),
+            "chunks": sum(len(s["chunks"]) for s in summaries),
+            "summary_bytes": sum(len(json.dumps(s)) for s in summaries)}
