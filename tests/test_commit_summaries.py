@@ -104,6 +104,11 @@ def test_the_index_from_summaries_is_the_one_merging_every_report_gives(saved):
     ix2, _ = builder.build(1, parts[0], again, per_rank, lambda r: read.append(r) or data[r])
     assert read == [1] and builder.learned == 1
     assert ix2.structure != ix.structure and ix2.layouts == ix.layouts
+    # a value neither in the summary (too large to travel) nor held any more: read from that rank's report
+    builder.values = type(builder.values)()  # emptied
+    bare = [dict(s, values={}) for s in sums]
+    ix3, _ = builder.build(1, parts[0], bare, per_rank, lambda r: read.append(r) or data[r])
+    assert read == [1, 1] and ix3.structure == ix.structure
 
 
 def test_a_changed_layout_is_learned_again_and_one_no_reader_would_load_is_refused(saved):
@@ -165,3 +170,10 @@ def test_a_whole_step_read_report_by_report_is_the_step_every_report_gives(saved
     assert folded.tensors == at_once.tensors and folded.chunks == at_once.chunks
     w = next(t for t in folded.tensors if t.key == "w")
     assert len(w.shards) == 2 and sum(len(s.segments) for s in w.shards) >= 2
+
+
+def test_the_structure_values_rank_0_holds_are_bounded_by_bytes():
+    values = IndexBuilder(cache_bytes=100).values
+    values.put("a", {"x": 1}, 60)
+    values.put("b", {"x": 2}, 60)  # past 100 bytes: the least recently used goes
+    assert values.get("a") is None and values.get("b") == {"x": 2} and values.bytes == 60
