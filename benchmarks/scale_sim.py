@@ -15,10 +15,12 @@ What is simulated, and what is ckpt's code as a real job runs it:
 * the rank report: :func:`ckpt.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into
   16 MiB chunks, and :meth:`Writer._report` with a chunk table of made-up hashes (no bytes are hashed,
   encoded or written: every chunk is "raw", without span digests);
-* the commit: rank 0 reads and parses every report (:func:`ckpt.commit._read_part`) and runs
-  :meth:`Writer.commit` (merge, checks, the step index (format v6) checked as every reader checks it,
-  the create-only write);
-* the load: on one rank, :func:`ckpt.format.manifest.read_committed` (the index) and
+* the commit, as :meth:`ckpt.commit.CommitProtocol._commit_summarized` runs it: every rank's
+  summary of its report (:func:`ckpt.commit_index.summarize`, what its commit report carries), then on
+  rank 0 :meth:`ckpt.commit_index.IndexBuilder.build` (the first save of a plan reads every report
+  once to learn the layout; the next save, measured apart, reads none), the index checked as every
+  reader checks it (:func:`ckpt.format.index.committable`) and the create-only write;
+* the load (of the second save): on one rank, :func:`ckpt.format.manifest.read_committed` (the index) and
   :func:`ckpt.load.index_reads.step_for_load` (the reports of the saved ranks whose boxes it needs,
   each checked against the index), then :func:`ckpt.load.match.match`,
   :func:`~ckpt.load.checks.check_fit` and :func:`ckpt.load.plan.plan_boxes` (which chunks feed which
@@ -29,6 +31,7 @@ What is simulated, and what is ckpt's code as a real job runs it:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -234,7 +237,11 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     manifest, of ``model`` under ``layout`` on ``world`` simulated ranks; what each part cost.
     Times are CPU seconds of the thread doing the part (``time.thread_time``: the other simulated
     ranks and other processes on the machine do not count; all of it is single-threaded Python)."""
-    from ckpt.commit import _read_part
+    import dataclasses
+    import json
+
+    from ckpt.commit import _read_report
+    from ckpt.commit_index import IndexBuilder, summarize
     from ckpt.format import index, paths
     from ckpt.storage.local import LocalStorage
 
@@ -246,6 +253,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     plan_peak: list[int] = []
     first: list[Any] = [None] * world  # each rank's store requests and bytes in the first round
     parts: dict[int, mf.Manifest] = {}
+    summaries: dict[int, list[dict]] = {step: [{}] * world, step + 1: [{}] * world}
     one_at_a_time = threading.Semaphore(1)  # every rank's report after the plan: one flattened state alive at once
 
     def rank(r: int) -> int:
@@ -270,9 +278,13 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
         del inv
         with one_at_a_time:
             part = rank_report(make_writer(disks[r]), ranks.flat(r), answer, r, step, chunk_size)
-            disks[r].write(paths.rank_key(step, r), [part.to_json()])
-            if r == 0:
-                parts[0] = part
+            for s in (step, step + 1):  # the first save of the plan, and the next (the same layout)
+                p = part if s == step else dataclasses.replace(part, step=s)
+                data = p.to_json()
+                disks[r].write(paths.rank_key(s, r), [data])
+                summaries[s][r] = summarize(p, data, frozenset())
+                if r == 0:
+                    parts[s] = p
         return answer.bytes
 
     written = on_threads(world, rank)
@@ -283,25 +295,38 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     coord.reset_counts()
     coord.read_bytes = 0
     writer = make_writer(coord)
-    own = parts.pop(0)
+    builders = [IndexBuilder()]
 
-    def commit() -> None:  # as CommitProtocol._coordinate: the others' reports as stored, then Writer.commit
-        read = [_read_part(writer, step, r) for r in range(1, world)]
-        refs = [index.report_ref(step, 0, own.to_json())] + [ref for _, ref in read]
-        writer.commit(step, [own] + [p for p, _ in read], frozenset(), storage=coord, reports=refs)
+    def commit(s: int) -> None:  # as CommitProtocol._commit_summarized, on rank 0
+        sums = summaries[s]
+        built = builders[0].build(s, parts[s], sums, frozenset(),
+                                  lambda r: _read_report(coord, s, r, sums[r]["size"]))
+        assert built is not None  # no chunk listed differently by two ranks
+        writer.commit_bytes(s, index.committable(s, built[0], []), coord)
 
-    t = time.thread_time()
-    commit()
-    out["commit_s"] = time.thread_time() - t
-    out.update(commit_read_bytes=coord.read_bytes, commit_requests=sum(coord.calls.values()),
-               commit_report_reads=coord.calls["read_object"])
-    with Traced() as mem:  # the same work again, for its memory: up to the create-only write, which refuses
-        try:
-            commit()
-        except StepExistsError:
-            pass
-    out.update(commit_peak_rss=mem.peak, manifest_bytes=inner.size(paths.manifest_key(step)))
-    out.update(load_one_rank(model, layout, world, disks[world // 2], world // 2, step))
+    for s, tag in ((step, "commit_first_"), (step + 1, "commit_")):
+        coord.reset_counts()
+        coord.read_bytes = 0
+        t = time.thread_time()
+        commit(s)
+        out[tag + "s"] = time.thread_time() - t
+        out.update({tag + "read_bytes": coord.read_bytes, tag + "requests": sum(coord.calls.values()),
+                    tag + "report_reads": coord.calls["read_object"]})
+        if s == step:
+            assert builders[0].learned == 1
+            learned = builders[0]
+            builders[0] = IndexBuilder()  # learning again, for its memory
+        with Traced() as mem:  # the same work again, for its memory: up to the create-only write, which refuses
+            try:
+                commit(s)
+            except StepExistsError:
+                pass
+        out[tag + "peak_rss"] = mem.peak
+        builders[0] = learned
+    assert learned.learned == 1  # the second save read no report
+    out["commit_summary_bytes"] = sum(len(json.dumps(x)) for x in summaries[step + 1])
+    out["manifest_bytes"] = inner.size(paths.manifest_key(step + 1))
+    out.update(load_one_rank(model, layout, world, disks[world // 2], world // 2, step + 1))
     return out
 
 
@@ -388,3 +413,90 @@ def rounds(world: int) -> dict[str, dict[str, int]]:
     on_threads(world, load)
     out["load"] = totals(cs)
     return out
+
+
+def steady_commit(model: Model, layout: str, world: int, root: str, chunk_size: int = 16 * MiB,
+                  step: int = 101) -> dict[str, Any]:
+    """Rank 0's commit of a save after the first of a plan, at ``world`` ranks, run directly (what
+    :func:`save_and_load` cannot reach on this machine): the coordinator holds the layout it learned
+    (every rank's boxes as :func:`box` gives them; each 0-d ``step`` written by rank 0, as the plan
+    packs them), every rank's summary is what :func:`ckpt.commit_index.summarize` makes of a report
+    of its bytes in ``chunk_size`` chunks (made-up names), then :meth:`IndexBuilder.build`, the index
+    checked as every reader checks it, and the create-only write. The summaries' JSON decoding in
+    the commit round is not counted."""
+    import math
+
+    from ckpt.commit_index import IndexBuilder
+    from ckpt.format import index, paths
+    from ckpt.storage.local import LocalStorage
+    from ckpt.tree import digest, top_items
+
+    tp = LAYOUTS[layout]
+    template = flatten(state_of(model, layout, 0, min(world, 8 * tp)))
+    plist = model.params()
+    params = {f"model/{name}": (shape, split) for name, shape, split in plist}
+    groups: dict[tuple, int] = {}  # (shape, split) -> layout id
+    layouts: list[tuple] = []
+    per_rank = [0] * world  # bytes each rank saves
+    tensors = []
+    steps = [k for k in template.tensors if k.endswith("/step")]
+    for key in template.tensors:
+        parts = key.split("/")
+        spec = params[key] if parts[0] == "model" else None if parts[3] == "step" else plist[int(parts[2])][1:]
+        if spec is None:  # a 0-d step: one shard, on rank 0
+            lay = groups.setdefault(("step",), len(layouts))
+            if lay == len(layouts):
+                layouts.append(((0, ((), ())),))
+            tensors.append((key, "float32", (), None, lay))
+            continue
+        shape, split = spec
+        lay = groups.setdefault((shape, split), len(layouts))
+        if lay == len(layouts):
+            boxes: dict[tuple, int] = {}  # a box replicated over TP: written once, by its first rank
+            for r in range(world):
+                b = box(shape, split, r, world, tp)
+                if math.prod(b[1]):
+                    boxes.setdefault(b, r)
+            layouts.append(tuple((r, b) for b, r in boxes.items()))
+        for r, (_, lens) in layouts[lay]:
+            per_rank[r] += 4 * math.prod(lens)
+        tensors.append((key, "float32", tuple(shape), None, lay))
+    builder = IndexBuilder()
+    builder.tensors, builder.layouts = tensors, layouts
+    builder.digests = [f"{r:032x}" for r in range(world)]
+    tops = {k: digest(v) for k, v in top_items(template.structure)}
+    own = mf.Manifest(step=step, kind="rank", rank=0, structure=template.structure, tensors=[], chunks={})
+    step_chunk = fake_hash(0, 1 << 40)
+    summaries = []
+    for r in range(world):
+        chunks = {fake_hash(r, i): [min(chunk_size, per_rank[r] - i * chunk_size),
+                                    min(chunk_size, per_rank[r] - i * chunk_size) + HEADER_SIZE, "raw/1"]
+                  for i in range(-(-per_rank[r] // chunk_size))}
+        inline = {}
+        if r == 0:
+            chunks[step_chunk] = [64 * len(steps), 64 * len(steps) + HEADER_SIZE, "raw/1"]
+            inline = {k: [[[step_chunk, 64 * i, 4]]] for i, k in enumerate(steps)}
+        summaries.append({"size": 1000, "digest": f"{r:032x}", "layout": builder.digests[r], "tops": tops,
+                          "values": {}, "stats": {"raw_bytes": per_rank[r], "chunks": len(chunks)},
+                          "chunks": chunks, "spans": {}, "inline": inline})
+    disk = CountingStorage(LocalStorage(root))
+    writer = make_writer(disk)
+
+    def commit() -> None:
+        built = builder.build(step, own, summaries, frozenset(), lambda r: b"")
+        assert built is not None
+        writer.commit_bytes(step, index.committable(step, built[0], []), disk)
+
+    t = time.thread_time()
+    commit()
+    cpu = time.thread_time() - t
+    with Traced() as mem:
+        try:
+            commit()
+        except StepExistsError:
+            pass
+    assert builder.learned == 0 and disk.calls["read_object"] == 0
+    return {"n": world, "commit_s": cpu, "commit_peak_rss": mem.peak, "commit_read_bytes": disk.read_bytes,
+            "manifest_bytes": disk.inner.size(paths.manifest_key(step)),
+            "chunks": sum(len(s["chunks"]) for s in summaries),
+            "summary_bytes": sum(len(json.dumps(s)) for s in summaries)}

@@ -10,9 +10,10 @@ group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each
    reuse by hash can be deleted under them, by the coordinator's retention of the previous save
    (which ran before ``go``) or by anyone else;
 2. write this rank's chunks durably, then its rank report (:meth:`Writer.write_part`);
-3. report ``ok``, ``fail``, ``exists`` or ``nonfinite`` (or ``skip``, from ``save()`` itself) to the
-   coordinator;
-4. the coordinator gathers every report, reads the rank reports, merges them and commits
+3. report ``ok`` (with a summary of its rank report, :func:`ckpt.commit_index.summarize`), ``fail``,
+   ``exists`` or ``nonfinite`` (or ``skip``, from ``save()`` itself) to the coordinator;
+4. the coordinator gathers every report, builds the step's index from the summaries (reading the
+   rank reports only to learn the layout, once per plan: :mod:`ckpt.commit_index`) and commits
    ``MANIFEST.json`` create-only: that write is the commit point. It publishes a :class:`Decision`
    (ok, fail naming the ranks, skip, or exists) that every other rank waits for;
 5. on the coordinator, what comes after a commit (retention) is handed to a thread of its own
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from . import events
+from .commit_index import IndexBuilder, summarize
 from .errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
 from .format import index, paths
 from .format import manifest as mf
@@ -54,6 +56,7 @@ from .lease import Leases
 from .planning import fail_plan
 from .ranks import KEEP_SEQS, Comm, Gathered
 from .retention_thread import DeletionWindow
+from .storage import Storage
 from .writer import SaveJob, Writer
 
 log = logging.getLogger("ckpt")
@@ -143,6 +146,7 @@ class CommitProtocol:
         self.commit_thread = commit_thread
         self.after_commit = after_commit
         self.leases = leases
+        self._index: IndexBuilder | None = None  # rank 0: the step's layout, learned once per plan
         self.log_failures = True  # a failed save is logged as an error (False: its error reaches the caller)
 
     # -- entry points, from save() --------------------------------------------------------------------
@@ -240,6 +244,8 @@ class CommitProtocol:
             report = Report(Status.OK, job.step, persist=job.persist).to_json()
             if hooks is not None and part is not None:  # its rank report travels with it
                 report["part"] = part.to_json().decode()
+            elif part is not None and comm.world > 1:  # what rank 0 builds the step's index from
+                report["summary"] = summarize(part, part.to_json(), job.snapshot.per_rank)
         else:
             status = (Status.EXISTS if isinstance(error, StepExistsError) else
                       Status.NONFINITE if isinstance(error, NonFiniteStateError) else Status.FAIL)
@@ -329,16 +335,11 @@ class CommitProtocol:
                                                      "persist_every decides for all)")
             else:
                 assert part is not None  # this rank reported ok
-                refs: list[index.ReportRef] | None = None
-                if self.hooks is None:  # the reports as stored: the step's index names them (format v6)
-                    read = list(self.io.map(lambda r: _read_part(self.writer, job.step, r), range(1, comm.world)))
-                    parts = [part] + [p for p, _ in read]
-                    if comm.world > 1:  # its own report: the bytes it wrote (to_json is deterministic)
-                        refs = [index.report_ref(job.step, 0, part.to_json())] + [ref for _, ref in read]
-                else:  # local commits: every tier gets the whole manifest (the reports are not on every tier)
-                    parts = [part] + [_sent_part(docs[r], job.step, r) for r in range(1, comm.world)]
-                committed = self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage,
-                                               reports=refs)
+                summaries = [docs[r].get("summary") for r in range(comm.world)] if comm.world > 1 else []
+                if self.hooks is None and summaries and all(summaries):  # the index from summaries alone
+                    committed = self._commit_summarized(job, part, summaries)
+                if committed is None:
+                    committed = self._commit_merged(job, part, docs)
                 decision = Decision(Status.OK, manifest=committed.to_json().decode() if self.hooks is not None else "")
         except StepExistsError as e:
             decision, error = Decision(Status.EXISTS, (), str(e)), e
@@ -346,6 +347,37 @@ class CommitProtocol:
             ranks = tuple(e.ranks) if isinstance(e, DistributedSaveError) and e.ranks else (0,)
             decision, error = Decision(Status.FAIL, ranks, f"rank 0 could not commit: {type(e).__name__}: {e}"), e
         return decision, committed, error
+
+    def _commit_merged(self, job: SaveJob, part: mf.Manifest, docs: dict[int, dict]) -> mf.Manifest:
+        """Rank 0: commit the step merged from every rank's report, read from storage (or, with local
+        commits, sent with the commit reports)."""
+        refs: list[index.ReportRef] | None = None
+        world = self.comm.world
+        if self.hooks is None:  # the reports as stored: the step's index names them (format v6)
+            read = list(self.io.map(lambda r: _read_part(self.writer, job.step, r), range(1, world)))
+            parts = [part] + [p for p, _ in read]
+            if world > 1:  # its own report: the bytes it wrote (to_json is deterministic)
+                refs = [index.report_ref(job.step, 0, part.to_json())] + [ref for _, ref in read]
+        else:  # local commits: every tier gets the whole manifest (the reports are not on every tier)
+            parts = [part] + [_sent_part(docs[r], job.step, r) for r in range(1, world)]
+        return self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage, reports=refs)
+
+    def _commit_summarized(self, job: SaveJob, part: mf.Manifest, summaries: list[dict]) -> mf.Manifest | None:
+        """Rank 0: commit the step's index built from every rank's summary (:mod:`ckpt.commit_index`),
+        reading no report unless the layout changed; None where two ranks listed a chunk differently
+        (then every report is read and merged, as :meth:`Writer.commit` does)."""
+        if self._index is None:
+            self._index = IndexBuilder()
+        storage = self.writer.over(job)
+        built = self._index.build(job.step, part, summaries, job.snapshot.per_rank,
+                                  lambda r: _read_report(storage, job.step, r, summaries[r]["size"]), self.io)
+        if built is None:
+            return None
+        ix, chunks = built
+        self.writer.commit_bytes(job.step, index.committable(job.step, ix, []), storage)
+        return mf.Outline(step=job.step, kind="step", structure=ix.structure, tensors=[], chunks=chunks,
+                          world_size=ix.world_size, created=ix.created, writer=ix.writer, stats=ix.stats,
+                          format_version=ix.format_version)
 
     def _absent(self) -> None:
         if self.hooks is not None:
@@ -384,6 +416,15 @@ def _sent_part(report: dict, step: int, rank: int) -> mf.Manifest:
     try:
         return mf.parse_rank_part(str(report["part"]).encode(), step, rank)
     except CheckpointError as e:
+        raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
+
+
+def _read_report(storage: Storage, step: int, rank: int, size: int) -> bytes:
+    """Rank ``rank``'s report as stored (``size`` bytes, as it summarized it)."""
+    try:
+        return bytes(storage.read_object(paths.rank_key(step, rank), size))
+    except (FileNotFoundError, OSError) as e:
+        key = paths.rank_key(step, rank)
         raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
 
 

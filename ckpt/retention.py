@@ -67,7 +67,7 @@ def abandoned(steps: list[int], newest: int) -> list[int]:
 def _references(cache: mf.ManifestCache, steps: Iterable[int]) -> set[str]:
     out: set[str] = set()
     for s in steps:
-        out |= cache.get(s).chunks.keys()
+        out |= cache.chunk_keys(s)
     return out
 
 
@@ -81,7 +81,7 @@ def delete_steps(storage: Storage, cache: mf.ManifestCache, victims: list[int], 
     garbage: set[str] = set()
     for s in victims:
         try:
-            garbage |= cache.get(s).chunks.keys()
+            garbage |= cache.chunk_keys(s)
         except CheckpointError as e:  # unreadable manifest: drop the step, leave its chunks to `ckpt gc`
             log.warning("retention: step %d has an unreadable manifest (%s); its chunks are left for gc", s, e)
     doomed = sorted(garbage - _references(cache, remaining) - set(keep))

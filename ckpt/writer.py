@@ -402,13 +402,18 @@ class Writer:
             data = index.committable(step, index.build(step_manifest, reports), parts)
         else:
             data = mf.committable(step, step_manifest)
+        self.commit_bytes(step, data, storage)
+        return step_manifest
+
+    def commit_bytes(self, step: int, data: bytes, storage: Storage | None = None) -> None:
+        """Write ``MANIFEST.json`` of ``step`` (checked bytes), create-only: the commit point."""
+        storage = storage if storage is not None else self.storage
         try:
             storage.commit(paths.manifest_key(step), data)
         except FileExistsError:
             raise StepExistsError(
                 f"step {step} is already committed in {storage.describe()}; committed steps are never "
                 f"overwritten. {STEP_EXISTS_ADVICE}") from None
-        return step_manifest
 
     def _settle_conflicts(self, parts: list[mf.Manifest], storage: Storage) -> set[str]:
         seen: dict[str, mf.ChunkInfo] = {}

@@ -26,13 +26,14 @@ from ckpt.planning import Inventory  # noqa: E402
 pytestmark = pytest.mark.slow  # about 10 s: 160 simulated saves' worth of planning on threads
 
 # Issue 35's targets (scale.TARGET_LAWS) that hold: switch the others on as the branches fixing them land.
-HOLDING = {"rounds", "load_bytes", "plan_bytes", "plan_cpu", "replicated"}
+HOLDING = {"rounds", "load_bytes", "commit_bytes", "commit_direct", "plan_bytes", "plan_cpu", "replicated"}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("scale")
-    res = scale.main(["--models", "tiny", "--ns", "8,32", "--rounds-ns", "8,16,32", "--chunk-mib", "0.0625",
+    res = scale.main(["--models", "tiny", "--ns", "8,32", "--rounds-ns", "8,16,32", "--commit-ns", "256",
+                      "--chunk-mib", "0.0625",
                       "--in-process", "--no-plot", "--out", str(out)])
     return res, out
 
@@ -53,6 +54,9 @@ def test_the_scale_benchmark_measures_every_row_and_the_laws_that_hold_today(res
         load = res["rounds"][str(n)]["load"]
         # 3 agree rounds, each a post per rank and O(N) reads in all (the coordinator's N, one answer each)
         assert load["requests_set"] == 3 * n and 3 * (n - 1) <= load["requests_get"] <= 3 * 2 * n, load
+    assert "Rank 0's commit of a later save, run directly" in md
+    direct = res["commits"]["tiny"]  # rank 0's commit of a later save at 256 ranks, run directly
+    assert set(direct) == {"fsdp", "fsdp-tp8"} and direct["fsdp"]["256"]["chunks"] >= 256
     case = res["cases"]["tiny"]["fsdp"]["32"]
     assert case["plan_store"]["requests_set"] >= 2 * (32 - 1) and case["dcp"]["load_read_items"] > 0
 

@@ -15,6 +15,7 @@ committed step. ``docs/format.md`` is the specification.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -44,6 +45,7 @@ INDEX_VERSION = 6
 INLINE_BYTES = 4096
 INLINE_SHARDS = 8
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
+log = logging.getLogger("ckpt")
 
 Layout = tuple[tuple[int, Box], ...]  # (saved rank, box) of each shard, in order
 
@@ -320,23 +322,24 @@ def read_reports(storage: Storage, ix: Index, ranks: list[int]) -> dict[int, mf.
     digest: else :class:`CorruptCheckpointError` naming it) and to hold the boxes the index's
     layouts give that rank."""
     boxes = LayoutBoxes(ix, set(ranks))
-    out = {}
-    for r in ranks:
-        ref = ix.reports[r]
-        try:
-            data = storage.read_object(ref.key, ref.size)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"step {ix.step}: rank report {ref.key}, which its index names, is missing",
-                                         object=ref.key) from None
-        if len(data) != ref.size or xxhash.xxh3_128_hexdigest(data) != ref.digest:
-            raise CorruptCheckpointError(
-                f"step {ix.step}: rank report {ref.key} is not what its index names ({len(data)} bytes, digest "
-                f"{xxhash.xxh3_128_hexdigest(data)}; the index says {ref.size} bytes, {ref.digest}); the step is "
-                "damaged", object=ref.key)
-        part = mf.parse_rank_part(data, ix.step, r)
-        check_report(ix, r, part, boxes)
-        out[r] = part
-    return out
+    return {r: _read_report(storage, ix, r, boxes) for r in ranks}
+
+
+def _read_report(storage: Storage, ix: Index, r: int, boxes: LayoutBoxes) -> mf.Manifest:
+    ref = ix.reports[r]
+    try:
+        data = storage.read_object(ref.key, ref.size)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"step {ix.step}: rank report {ref.key}, which its index names, is missing",
+                                     object=ref.key) from None
+    if len(data) != ref.size or xxhash.xxh3_128_hexdigest(data) != ref.digest:
+        raise CorruptCheckpointError(
+            f"step {ix.step}: rank report {ref.key} is not what its index names ({len(data)} bytes, digest "
+            f"{xxhash.xxh3_128_hexdigest(data)}; the index says {ref.size} bytes, {ref.digest}); the step is "
+            "damaged", object=ref.key)
+    part = mf.parse_rank_part(data, ix.step, r)
+    check_report(ix, r, part, boxes)
+    return part
 
 
 class LayoutBoxes:
@@ -394,32 +397,54 @@ def partial_step(ix: Index, parts: dict[int, mf.Manifest]) -> mf.Manifest:
     """The step as a manifest holding what ``parts`` (rank reports read through :func:`read_reports`)
     say: every tensor, with the shards of those ranks, and their chunks. With every rank's report,
     the whole step."""
-    chunks: dict[str, mf.ChunkInfo] = {}
-    found: dict[tuple[str, int | None], list[Shard]] = {}
+    fold = _Fold()
     for r in sorted(parts):
-        part = parts[r]
+        fold.add(parts[r])
+    return fold.step(ix)
+
+
+class _Fold:
+    """Rank reports folded in one at a time, in rank order (each can be dropped once added)."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, mf.ChunkInfo] = {}
+        self.found: dict[tuple[str, int | None], list[Shard]] = {}
+
+    def add(self, part: mf.Manifest) -> None:
+        chunks = self.chunks
         for h, info in part.chunks.items():
             have = chunks.get(h)  # one report may lack the span digests another has (of the same raw bytes)
             chunks[h] = replace(info, spans=have.spans) if have is not None and info.spans is None else info
         for t in part.tensors:
-            found.setdefault((t.key, t.rank), []).extend(t.shards)
-    tensors = []
-    for e in ix.tensors:
-        if e.segments is not None:  # inlined: from the index (the reports read were checked to agree)
-            shards = [Shard(r, list(offs), list(lens), list(segs))
-                      for (r, (offs, lens)), segs in zip(ix.layouts[e.layout], e.segments)]
-        else:
-            shards = found.get((e.key, e.rank), [])
-        tensors.append(TensorEntry(e.key, e.dtype, list(e.shape), shards, e.rank))
-    for h, info in ix.chunks.items():
-        have = chunks.get(h)
-        chunks[h] = info if have is None else replace(have, spans=have.spans or info.spans)
-    return ix._manifest(tensors, chunks)
+            self.found.setdefault((t.key, t.rank), []).extend(t.shards)
+
+    def step(self, ix: Index) -> mf.Manifest:
+        tensors = []
+        for e in ix.tensors:
+            if e.segments is not None:  # inlined: from the index (the reports read were checked to agree)
+                shards = [Shard(r, list(offs), list(lens), list(segs))
+                          for (r, (offs, lens)), segs in zip(ix.layouts[e.layout], e.segments)]
+            else:
+                shards = self.found.get((e.key, e.rank), [])
+            tensors.append(TensorEntry(e.key, e.dtype, list(e.shape), shards, e.rank))
+        chunks = self.chunks
+        for h, info in ix.chunks.items():
+            have = chunks.get(h)
+            chunks[h] = info if have is None else replace(have, spans=have.spans or info.spans)
+        return ix._manifest(tensors, chunks)
 
 
 def whole_step(storage: Storage, ix: Index) -> mf.Manifest:
-    """The whole step an index names, every report read and checked (what whole-step tools read)."""
-    m = partial_step(ix, read_reports(storage, ix, list(range(ix.world_size))))
+    """The whole step an index names, every report read and checked (what whole-step tools read):
+    one report at a time, folded in and dropped (never N parsed reports at once), with progress
+    logged on a step of many ranks."""
+    boxes, fold = LayoutBoxes(ix), _Fold()
+    every = max(256, ix.world_size // 10)
+    for r in range(ix.world_size):
+        fold.add(_read_report(storage, ix, r, boxes))
+        if ix.world_size >= 1024 and (r + 1) % every == 0:
+            log.info("step %d: read and checked %d of %d rank reports", ix.step, r + 1, ix.world_size)
+    m = fold.step(ix)
     mf.check_chains(m.chunks, manifest_key(ix.step))
     return m
 

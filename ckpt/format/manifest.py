@@ -370,43 +370,88 @@ def parse_rank_part(data: bytes | bytearray, step: int, rank: int) -> Manifest:
     return m
 
 
+class Outline(Manifest):
+    """A step its coordinator committed from the ranks' summaries (:mod:`ckpt.commit_index`): its
+    structure, stats and chunk table (without span digests) and no tensors. A :class:`ManifestCache`
+    keeps only its chunk names (what retention needs); ``get`` reads the step itself."""
+
+
+CACHE_BYTES = 512 << 20  # what a ManifestCache holds at most, by weight()
+
+
+def weight(m: Manifest | frozenset[str]) -> int:
+    """About how much memory a parsed manifest (or a step's chunk names) holds, in bytes."""
+    if isinstance(m, frozenset):
+        return 120 * len(m)
+    shards = sum(len(t.shards) for t in m.tensors)
+    segments = sum(len(s.segments) for t in m.tensors for s in t.shards)
+    return (300 * len(m.tensors) + 250 * shards + 150 * segments + 250 * len(m.chunks)
+            + 4 * len(json.dumps(m.structure)))
+
+
 class ManifestCache:
     """Parsed step manifests by step, each read and checked once while it stays in the cache.
 
     ``get`` raises on a missing or damaged manifest; ``find`` returns None instead and keeps the
-    reason in ``errors`` (for tools that report every step, damaged or not). ``maxsize`` bounds how
-    many manifests are kept (the least recently used go first; None keeps all), so a long run's
-    memory does not grow with its number of steps."""
+    reason in ``errors`` (for tools that report every step, damaged or not). What it holds is bounded
+    by bytes (``max_bytes``, by :func:`weight`) and, where given, by ``maxsize`` manifests; the least
+    recently used go first, so a long run's memory grows neither with its steps nor with its ranks.
+    Of a step committed from summaries (an :class:`Outline`) it keeps the chunk names alone
+    (:meth:`chunk_keys`)."""
 
-    def __init__(self, storage: Storage, maxsize: int | None = None):
+    def __init__(self, storage: Storage, maxsize: int | None = None, max_bytes: int = CACHE_BYTES):
         self.storage = storage
         self.maxsize = maxsize
-        self._by_step: OrderedDict[int, Manifest] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._by_step: OrderedDict[int, tuple[Manifest | frozenset[str], int]] = OrderedDict()
         self.errors: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def put(self, m: Manifest) -> None:
+        """Keep ``m`` (an :class:`Outline`: its chunk names)."""
+        kept: Manifest | frozenset[str] = frozenset(m.chunks) if isinstance(m, Outline) else m
+        w = weight(kept)
         with self._lock:
-            self._by_step[m.step] = m
-            self._by_step.move_to_end(m.step)
+            self._pop(m.step)
+            self._by_step[m.step] = (kept, w)
+            self.bytes += w
             self.errors.pop(m.step, None)
-            while self.maxsize is not None and len(self._by_step) > self.maxsize:
-                self._by_step.popitem(last=False)
+            while len(self._by_step) > 1 and (self.bytes > self.max_bytes
+                                              or (self.maxsize is not None and len(self._by_step) > self.maxsize)):
+                self.bytes -= self._by_step.popitem(last=False)[1][1]
+
+    def _pop(self, step: int) -> None:
+        got = self._by_step.pop(step, None)
+        if got is not None:
+            self.bytes -= got[1]
 
     def drop(self, step: int) -> None:
         with self._lock:
-            self._by_step.pop(step, None)
+            self._pop(step)
             self.errors.pop(step, None)
 
-    def get(self, step: int) -> Manifest:
+    def _held(self, step: int) -> Manifest | frozenset[str] | None:
         with self._lock:
-            m = self._by_step.get(step)
-            if m is not None:
-                self._by_step.move_to_end(step)
-        if m is None:
+            got = self._by_step.get(step)
+            if got is None:
+                return None
+            self._by_step.move_to_end(step)
+            return got[0]
+
+    def get(self, step: int) -> Manifest:
+        m = self._held(step)
+        if not isinstance(m, Manifest):
             m = read_step(self.storage, step)
             self.put(m)
         return m
+
+    def chunk_keys(self, step: int) -> frozenset[str] | set[str]:
+        """The chunks step ``step`` names (what retention keeps or deletes), read only if not held."""
+        m = self._held(step)
+        if isinstance(m, frozenset):
+            return m
+        return set((m if m is not None else self.get(step)).chunks)
 
     def find(self, step: int) -> Manifest | None:
         with self._lock:
