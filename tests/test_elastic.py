@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from conftest import TORCHRUN
 
 import ckpt
 from ckpt import events
@@ -31,7 +31,7 @@ def torchrun(nproc: int, ckdir: str, out: str, evfile: str, restarts: int = 0, e
              **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", events.ENV: evfile}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", str(restarts), "--monitor-interval", "0.1",
            os.path.join(ROOT, "examples", "train_distributed.py"), "--dir", ckdir, "--steps", str(STEPS),
            "--every", str(EVERY), "--out", out, *extra]

@@ -12,10 +12,10 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import TORCHRUN
 
 import ckpt
 
@@ -30,7 +30,7 @@ STEPS, EVERY, STOP = 12, 4, 6  # the stop is not a multiple of EVERY: --stop-aft
 def torchrun(nproc: int, ckdir: str, *extra: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc),
            "--monitor-interval", "0.1", EXAMPLE, "--dir", ckdir,
            "--steps", str(STEPS), *extra]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)

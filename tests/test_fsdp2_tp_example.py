@@ -10,10 +10,10 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import TORCHRUN
 
 import ckpt
 
@@ -37,7 +37,7 @@ def torchrun(argv: list[str], ckdir: str, *extra: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     argv = [ckdir if a == "runs/2d" else EXAMPLE if a == "examples/train_fsdp2_tp.py" else a for a in argv]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--monitor-interval", "0.1", *argv, *extra]
+    cmd = [*TORCHRUN, "--standalone", "--monitor-interval", "0.1", *argv, *extra]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-6000:]
     return p.stdout

@@ -29,7 +29,6 @@ import torch.multiprocessing as mp
 
 from .s3 import free_port
 
-
 # Ranks are forked from one server process that imported these once (multiprocessing's forkserver),
 # not spawned: a spawned rank imported torch afresh, 2-3 CPU-s each, in every test on real ranks (a
 # two-rank group took 3 s to start, 6 s on the loaded machine; 0.2 s forked). Nothing is imported
