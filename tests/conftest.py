@@ -9,8 +9,11 @@ import os
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import logging  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import uuid  # noqa: E402
+from typing import IO  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -25,6 +28,28 @@ from ckpt.testing import FaultyStorage, MotoS3, RcloneS3, storage_options  # noq
 # frozen out of the collection (gc.freeze), as the job is over. The workers are the job's, untouched.
 TORCHRUN = [sys.executable, "-c", "import atexit, gc, runpy; atexit.register(gc.freeze); "
             "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)"]
+
+
+def start_job(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, IO[str]]:
+    """``cmd`` (a torchrun job) running, its output going to a file: a test runs another job beside it
+    (a job's start, rendezvous and end leave a core idle) and reads this one's output with :func:`finish_job`."""
+    log = tempfile.TemporaryFile("w+")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log
+
+
+def finish_job(job: tuple[subprocess.Popen, IO[str]], timeout: float = 300) -> str:
+    """The output of a job from :func:`start_job`, once it ended with exit code 0 (killed if it did not
+    end within ``timeout``)."""
+    p, log = job
+    try:
+        p.wait(timeout=timeout)
+    finally:
+        p.kill()
+    with log:
+        log.seek(0)
+        out = log.read()
+    assert p.returncode == 0, out[-6000:]
+    return out
 
 
 def make_model(seed: int = 0) -> nn.Module:
