@@ -33,7 +33,7 @@ from .s3 import free_port
 # not spawned: a spawned rank imported torch afresh, 2-3 CPU-s each, in every test on real ranks (a
 # two-rank group took 3 s to start, 6 s on the loaded machine; 0.2 s forked). The server only imports
 # modules, so no thread runs in it to be lost by a fork; it keeps the environment it started with, so
-# each rank is handed the caller's (tests/test_testing.py checks both).
+# each rank is handed the caller's (tests/test_testing.py checks that).
 _PRELOAD = ["torch", "torch.distributed", "ckpt", "ckpt.testing"]
 
 
