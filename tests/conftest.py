@@ -9,7 +9,11 @@ import os
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import logging  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 import uuid  # noqa: E402
+from typing import IO  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,6 +21,36 @@ from torch import nn  # noqa: E402
 
 from ckpt.storage.local import LocalStorage  # noqa: E402
 from ckpt.testing import FaultyStorage, MotoS3, RcloneS3, storage_options  # noqa: E402
+
+# ``python -m torch.distributed.run`` less most of the finalization of torchrun's own interpreter, which
+# collected the garbage of everything torch had imported after the job's last worker had ended: 2.5 s
+# on the loaded machine after torchrun's main returned (a process that imported torch: 2.3-3 s, 0.5-0.9 s
+# frozen), in every torchrun job of the suite. Its exit hooks still run (gc.freeze is the first
+# registered, so the last to run); the workers are the job's, untouched.
+TORCHRUN = [sys.executable, "-c", "import atexit, gc, runpy; atexit.register(gc.freeze); "
+            "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)"]
+
+
+def start_job(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, IO[str]]:
+    """``cmd`` (a torchrun job) running, its output going to a file: a test runs another job beside it
+    (a job's start, rendezvous and end leave a core idle) and reads this one's output with :func:`finish_job`."""
+    log = tempfile.TemporaryFile("w+")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log
+
+
+def finish_job(job: tuple[subprocess.Popen, IO[str]], timeout: float = 300) -> str:
+    """The output of a job from :func:`start_job`, once it ended with exit code 0 (killed if it did not
+    end within ``timeout``)."""
+    p, log = job
+    try:
+        p.wait(timeout=timeout)
+    finally:
+        p.kill()
+    with log:
+        log.seek(0)
+        out = log.read()
+    assert p.returncode == 0, out[-6000:]
+    return out
 
 
 def make_model(seed: int = 0) -> nn.Module:

@@ -8,6 +8,7 @@ import sys
 import tempfile
 
 import pytest
+from conftest import TORCHRUN
 
 from ckpt import cli
 
@@ -57,7 +58,7 @@ def test_a_torchrun_job_is_killed_whole_and_resumes(capsys, monkeypatch):
     every rank from the step that verifies, and the final shards and per-rank state of both ranks match."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    rc, rep = chaos(capsys, "--kills", "1", "--", sys.executable, "-m", "torch.distributed.run", "--standalone",
+    rc, rep = chaos(capsys, "--kills", "1", "--", *TORCHRUN, "--standalone",
                     "--nproc-per-node", "2", os.path.join(ROOT, "examples", "train_distributed.py"), "--dir", "{dir}",
                     "--steps", "40", "--every", "10")
     assert rc == 0 and rep["ok"], json.dumps(rep, indent=1)[-20000:]

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from conftest import TORCHRUN
 
 import ckpt
 from ckpt import events
@@ -31,7 +31,7 @@ def torchrun(nproc: int, ckdir: str, out: str, evfile: str, restarts: int = 0, e
              **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", events.ENV: evfile}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", str(restarts), "--monitor-interval", "0.1",
            os.path.join(ROOT, "examples", "train_distributed.py"), "--dir", ckdir, "--steps", str(STEPS),
            "--every", str(EVERY), "--out", out, *extra]
@@ -54,11 +54,20 @@ def wait_for(evfile: str, proc: subprocess.Popen, pred, timeout: float = 120.0) 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The uninterrupted job's final weights, read through a call: the job runs beside the tests until
+    they read them (it shares nothing with theirs; a job's start and end leave a core idle)."""
     d = tmp_path_factory.mktemp("ref")
     p = torchrun(3, str(d / "ck"), str(d / "final.pt"), str(d / "events"))
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out
-    return torch.load(d / "final.pt")
+    weights: list[dict] = []
+
+    def final() -> dict:
+        if not weights:
+            out, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, out
+            weights.append(torch.load(d / "final.pt"))
+        return weights[0]
+    yield final
+    p.kill()
 
 
 def comparable(v):
@@ -107,10 +116,10 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_job_ends_identical(tmp
     newest = max(e["step"] for e in ev if e["event"] == "commit" and e["t"] < restarted)
     assert {e["step"] for e in resumes} == {newest}
     assert newest >= max(e["step"] for e in ev if e["event"] == "commit" and e["t"] < killed_at)
-    got = torch.load(out)
-    assert got.keys() == reference.keys()
+    got, want = torch.load(out), reference()
+    assert got.keys() == want.keys()
     for k in got:
-        assert torch.equal(got[k], reference[k]), k
+        assert torch.equal(got[k], want[k]), k
     assert ckpt.Checkpointer(str(tmp_path / "ck")).latest() == STEPS
 
 
@@ -130,22 +139,27 @@ def test_a_stopped_job_saves_on_sigterm_and_resumes_on_two_workers(tmp_path, ref
     assert not os.path.exists(out)
     emergency = saved_state(ck, stopped)  # before the resume's keep_last=3 lets it go
 
+    # The same job saved and stopped at that step on purpose (its own directory and record: it runs
+    # beside the resume below; each prints a few lines, well within a pipe's buffer).
+    ck2 = str(tmp_path / "ck2")
+    on_purpose = torchrun(3, ck2, str(tmp_path / "final2.pt"), str(tmp_path / "events2"),
+                          extra=["--every", str(stopped), "--stop-after", str(stopped)])
     p = torchrun(2, ck, out, evfile)  # the job comes back smaller
-    log, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, log
+    try:
+        log, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, log
+        on_purpose_log, _ = on_purpose.communicate(timeout=300)
+        assert on_purpose.returncode == 0, on_purpose_log
+    finally:
+        p.kill()
+        on_purpose.kill()
     assert [e["step"] for e in events.read(evfile) if e["event"] == "resume"] == [stopped, stopped]
 
-    # The same job saved and stopped at that step on purpose: the same state, bit for bit, on every
-    # saved rank (shards, per-rank RNG streams and loader positions, the step), so the emergency save
-    # held exactly the state of that step, and the resume above read what an on-purpose save holds. (The
-    # saved state itself is compared: resuming from it once more on two workers, as this test did, read
-    # the same bytes again. Against the uninterrupted run's final weights the resume differs: two
-    # workers draw other dropout masks.)
-    ck2 = str(tmp_path / "ck2")
-    p = torchrun(3, ck2, str(tmp_path / "final2.pt"), str(tmp_path / "events2"),
-                 extra=["--every", str(stopped), "--stop-after", str(stopped)])
-    log, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, log
+    # On purpose, the same state, bit for bit, on every saved rank (shards, per-rank RNG streams and
+    # loader positions, the step), so the emergency save held exactly the state of that step, and the
+    # resume above read what an on-purpose save holds. (The saved state itself is compared: resuming
+    # from it once more on two workers, as this test did, read the same bytes again. Against the
+    # uninterrupted run's final weights the resume differs: two workers draw other dropout masks.)
     assert saved_state(ck2, stopped) == emergency
     final = torch.load(out)
-    assert final.keys() == reference.keys()
+    assert final.keys() == reference().keys()

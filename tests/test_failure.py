@@ -29,10 +29,18 @@ def child_env() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["normal", "exception", "sigint", "dropped", "closed"])
 def test_a_save_in_flight_at_exit_is_committed(tmp_path, how):
-    for attempt in range(3):  # every time, not most of the time
-        root = str(tmp_path / f"ck{attempt}")
-        r = subprocess.run([sys.executable, os.path.join(HERE, "exit_child.py"), root, how], env=child_env(),
-                           capture_output=True, text=True, timeout=120)
+    # every time, not most of the time: three scripts, side by side (each one's start and its save's
+    # fsync leave a core idle), each checked alone
+    roots = [str(tmp_path / f"ck{attempt}") for attempt in range(3)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "exit_child.py"), root, how], env=child_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for root in roots]
+    try:
+        ended = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for root, p, (_, stderr) in zip(roots, procs, ended):
+        r = subprocess.CompletedProcess(p.args, p.returncode, "", stderr)
         codes = {"normal": 0, "dropped": 0, "closed": 0, "exception": 1, "sigint": -signal.SIGINT}
         assert r.returncode == codes[how], r.stderr
         assert "cannot schedule" not in r.stderr

@@ -12,10 +12,11 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
+from typing import IO
 
 import pytest
 import torch
+from conftest import TORCHRUN, finish_job, start_job
 
 import ckpt
 
@@ -27,15 +28,17 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_fsdp2_dcp.py")
 STEPS, EVERY, STOP = 12, 4, 6  # the stop is not a multiple of EVERY: --stop-after saves it itself
 
 
-def torchrun(nproc: int, ckdir: str, *extra: str) -> str:
+def start(nproc: int, ckdir: str, *extra: str) -> tuple[subprocess.Popen, IO[str]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc),
            "--monitor-interval", "0.1", EXAMPLE, "--dir", ckdir,
            "--steps", str(STEPS), *extra]
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-6000:]
-    return p.stdout
+    return start_job(cmd, env)
+
+
+def torchrun(nproc: int, ckdir: str, *extra: str) -> str:
+    return finish_job(start(nproc, ckdir, *extra))
 
 
 def steps(ckdir: str) -> list[int]:
@@ -65,18 +68,22 @@ def test_stopped_on_4_ranks_resumed_on_2_equals_a_resume_from_a_step_saved_on_pu
     stopped, ref = str(tmp_path / "stopped"), str(tmp_path / "ref")
     out = str(tmp_path / "final.pt")
 
-    # The job: async saves every EVERY steps on 4 ranks, stopped after STOP (saved, committed), resumed on 2.
-    log = torchrun(4, stopped, "--every", str(EVERY), "--stop-after", str(STOP))
-    assert "new run" in log and f"stopping after step {STOP}" in log, log
-    assert steps(stopped) == [EVERY, STOP]
-    log = torchrun(2, stopped, "--every", str(EVERY), "--out", out)
-    [(step, loaded)] = resumed_from(log)
-    assert step == STOP, log
-    assert f"done: step {STEPS} on 2 rank(s)" in log, log
-    assert steps(stopped) == [STOP, 8, STEPS]  # keep_last=3 let step 4 go
+    # The reference: 4 ranks save STOP and nothing else; it shares nothing with the job, so runs beside it.
+    reference = start(4, ref, "--every", str(STOP), "--stop-after", str(STOP))
+    try:
+        # The job: async saves every EVERY steps on 4 ranks, stopped after STOP (saved, committed), resumed on 2.
+        log = torchrun(4, stopped, "--every", str(EVERY), "--stop-after", str(STOP))
+        assert "new run" in log and f"stopping after step {STOP}" in log, log
+        assert steps(stopped) == [EVERY, STOP]
+        log = torchrun(2, stopped, "--every", str(EVERY), "--out", out)
+        [(step, loaded)] = resumed_from(log)
+        assert step == STOP, log
+        assert f"done: step {STEPS} on 2 rank(s)" in log, log
+        assert steps(stopped) == [STOP, 8, STEPS]  # keep_last=3 let step 4 go
 
-    # The reference: 4 ranks save STOP and nothing else.
-    torchrun(4, ref, "--every", str(STOP), "--stop-after", str(STOP))
+        finish_job(reference)
+    finally:
+        reference[0].kill()
     assert steps(ref) == [STOP]
 
     # The saved step: the same model and optimizer state, bit for bit (the async save at step 4 and

@@ -10,10 +10,11 @@ import os
 import re
 import shlex
 import subprocess
-import sys
+from typing import IO
 
 import pytest
 import torch
+from conftest import TORCHRUN, finish_job, start_job
 
 import ckpt
 
@@ -33,14 +34,15 @@ def readme_lines() -> list[list[str]]:
     return [shlex.split(ln)[1:] for ln in lines]
 
 
-def torchrun(argv: list[str], ckdir: str, *extra: str) -> str:
+def start(argv: list[str], ckdir: str, *extra: str) -> tuple[subprocess.Popen, IO[str]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     argv = [ckdir if a == "runs/2d" else EXAMPLE if a == "examples/train_fsdp2_tp.py" else a for a in argv]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--monitor-interval", "0.1", *argv, *extra]
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-6000:]
-    return p.stdout
+    return start_job([*TORCHRUN, "--standalone", "--monitor-interval", "0.1", *argv, *extra], env)
+
+
+def torchrun(argv: list[str], ckdir: str, *extra: str) -> str:
+    return finish_job(start(argv, ckdir, *extra))
 
 
 def test_stopped_on_dp2_tp2_resumed_on_dp1_tp2_equals_a_run_on_dp1_tp2_from_the_start(tmp_path):
@@ -49,16 +51,21 @@ def test_stopped_on_dp2_tp2_resumed_on_dp1_tp2_equals_a_run_on_dp1_tp2_from_the_
 
     stop_on_4, resume_on_2 = readme_lines()
     assert stop_on_4[:2] == ["--nproc-per-node", "4"] and resume_on_2[:2] == ["--nproc-per-node", "2"]
-    log = torchrun(stop_on_4, stopped)
-    assert f"new run in {stopped} on dp=2 x tp=2" in log and f"stopping after step {STOP}" in log, log
-    with ckpt.open(stopped) as ck:
-        assert ck.steps() == [EVERY, STOP] and ck.manifest(STOP).world_size == 4
-    log = torchrun(resume_on_2, stopped, "--out", out)
-    assert re.search(rf"^resumed from step {STOP} in .* on dp=1 x tp=2$", log, re.M), log
-    assert f"done: step {STEPS} on dp=1 x tp=2" in log, log
+    # the run on 2 ranks from the start shares nothing with the stopped job: it runs beside it
+    straight_job = start(resume_on_2, straight, "--out", want_out)
+    try:
+        log = torchrun(stop_on_4, stopped)
+        assert f"new run in {stopped} on dp=2 x tp=2" in log and f"stopping after step {STOP}" in log, log
+        with ckpt.open(stopped) as ck:
+            assert ck.steps() == [EVERY, STOP] and ck.manifest(STOP).world_size == 4
+        log = torchrun(resume_on_2, stopped, "--out", out)
+        assert re.search(rf"^resumed from step {STOP} in .* on dp=1 x tp=2$", log, re.M), log
+        assert f"done: step {STEPS} on dp=1 x tp=2" in log, log
 
-    log = torchrun(resume_on_2, straight, "--out", want_out)
-    assert "new run" in log and f"done: step {STEPS} on dp=1 x tp=2" in log, log
+        log = finish_job(straight_job)
+        assert "new run" in log and f"done: step {STEPS} on dp=1 x tp=2" in log, log
+    finally:
+        straight_job[0].kill()
 
     got, want = torch.load(out), torch.load(want_out)
     assert got.keys() == want.keys() and any("wq.weight" in k for k in got)

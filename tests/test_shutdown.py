@@ -8,12 +8,12 @@ from __future__ import annotations
 import gc
 import os
 import subprocess
-import sys
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import TORCHRUN
 
 import ckpt
 from ckpt.testing import run_ranks
@@ -48,7 +48,7 @@ def test_the_distributed_examples_end_before_the_interpreter_finalizes_with_gloo
                                                                                          done):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2",
            os.path.join(HERE, "example_exit_child.py"), example, "--dir", str(tmp_path / "ck"), *args]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert p.returncode == 0 and done in p.stdout, p.stdout[-8000:]

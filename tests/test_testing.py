@@ -11,7 +11,7 @@ import pytest
 import ckpt
 from ckpt.format.chunk import verify_object
 from ckpt.storage import LocalStorage, Storage, open_storage, open_tiered
-from ckpt.testing import FaultyStorage
+from ckpt.testing import FaultyStorage, run_ranks
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -160,3 +160,20 @@ def test_backend_attributes_and_tiers_show_through(tmp_path):
     assert st.tier_counters() == tiered.tier_counters()
     st.close()
     assert st.calls["close"] == 1
+
+
+def _what_a_rank_sees(rank: int, world: int) -> tuple:
+    import os
+    return os.environ.get("CKPT_TEST_MARK"), os.environ.get("CKPT_TEST_GONE"), os.getcwd()
+
+
+def test_run_ranks_hands_each_rank_the_callers_environment_and_directory_now(tmp_path, monkeypatch):
+    """Ranks are forked from a server that an earlier call started, with that moment's environment:
+    a rank sees the caller's environment and directory as they are at this call, as a spawned one did."""
+    monkeypatch.setenv("CKPT_TEST_GONE", "1")
+    run_ranks(1, _what_a_rank_sees)  # the server is up (started with CKPT_TEST_GONE, if by this call)
+    monkeypatch.delenv("CKPT_TEST_GONE")
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("CKPT_TEST_MARK", mark)
+    monkeypatch.chdir(tmp_path)
+    assert run_ranks(2, _what_a_rank_sees) == [(mark, None, str(tmp_path))] * 2
