@@ -26,10 +26,10 @@ reduction, the decision out.
 
 A save runs over the storage its job carries (``Storage.view(persist)``). With local commits
 (``redundancy`` / ``persist_every``), the protocol is handed :class:`SaveHooks`
-(:mod:`ckpt.peers.local_commits`) and knows nothing else of tiers: between 2 and 3 every rank calls
+(:mod:`ckpt.peers.local_commits`) and knows nothing else of them: between 2 and 3 every rank calls
 ``protect`` (the peer exchange, also when it failed or skipped, so nobody waits for it); rank
 reports travel with the commit round's reports; the decision carries the manifest, which every rank's
-``committed`` hook commits to its own tier; ``after_commit`` applies the tiers' retention.
+``committed`` hook commits to its own local directory; ``after_commit`` applies their retention.
 
 A process saving alone runs exactly this, with a :class:`~ckpt.ranks.LocalComm`; its own error is
 then the save's error, instead of a :class:`DistributedSaveError` naming rank 0.
@@ -74,7 +74,7 @@ class Decision:
     status: Status
     ranks: tuple[int, ...] = ()  # the ranks that failed, skipped or did not answer
     message: str = ""
-    manifest: str = ""  # with local commits: the committed manifest, for every rank's own tier
+    manifest: str = ""  # with local commits: the committed manifest, for every rank's local directory
 
     def to_json(self) -> dict:
         return {"status": self.status.value, "ranks": list(self.ranks), "message": self.message,
@@ -87,7 +87,7 @@ class Decision:
 
 class SaveHooks(Protocol):
     """What local commits (:class:`ckpt.peers.local_commits.LocalCommits`) add to each save, on the
-    commit thread; the protocol knows nothing else of tiers or peers. With hooks, rank reports travel
+    commit thread; the protocol knows nothing else of local directories or peers. With hooks, rank reports travel
     through the store and the decision carries the manifest (no storage is shared by every rank)."""
 
     def begin(self, job: SaveJob) -> None:
@@ -104,7 +104,7 @@ class SaveHooks(Protocol):
         """The step is committed; on every rank but the coordinator (whose storage has it)."""
 
     def after_commit(self, job: SaveJob) -> None:
-        """After a commit, on every rank (retention of the local tiers)."""
+        """After a commit, on every rank (retention of the local directories)."""
 
 
 @dataclass(frozen=True)
@@ -335,7 +335,7 @@ class CommitProtocol:
                     parts = [part] + [p for p, _ in read]
                     if comm.world > 1:  # its own report: the bytes it wrote (to_json is deterministic)
                         refs = [index.report_ref(job.step, 0, part.to_json())] + [ref for _, ref in read]
-                else:  # local commits: every tier gets the whole manifest (the reports are not on every tier)
+                else:  # local commits: each local directory gets the whole manifest (not every report is there)
                     parts = [part] + [_sent_part(docs[r], job.step, r) for r in range(1, comm.world)]
                 committed = self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage,
                                                reports=refs)
@@ -377,7 +377,7 @@ class CommitProtocol:
 
 
 def _sent_part(report: dict, step: int, rank: int) -> mf.Manifest:
-    """Rank ``rank``'s rank report, sent with its commit report (its local tier is not readable here)."""
+    """Rank ``rank``'s rank report, sent with its commit report (its local directory is not readable here)."""
     key = paths.rank_key(step, rank)
     if "part" not in report:
         raise DistributedSaveError(f"rank {rank}'s report for step {step} did not arrive", ranks=[rank])

@@ -354,7 +354,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tiered_commits and self.local_dir is None:
+        if self.local_commits and self.local_dir is None:
             what = "redundancy" if self.redundancy is not None else "persist_every"
             raise ConfigError(f"{what} needs local_dir: every save commits to a local directory (NVMe) on each node, "
                               "and only some are uploaded to the checkpoint path")
@@ -439,7 +439,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         return self._group(ValueOptions)
 
     @property
-    def tiered_commits(self) -> bool:
+    def local_commits(self) -> bool:
         """Whether saves commit to each node's local tier (and only some go to the checkpoint path)."""
         return self.redundancy is not None or self.persist_every is not None
 

@@ -12,7 +12,7 @@ from conftest import MiB, fast, s3_url
 
 from ckpt.encode import CodecSpec, encode
 from ckpt.format.chunk import chunk_hash, verify_object
-from ckpt.storage import LocalStorage, Storage, open_storage, open_tiered
+from ckpt.storage import LocalStorage, Storage, open_storage, open_tiered, read_counters
 from ckpt.storage.s3 import S3Storage
 from ckpt.storage.tiered import TieredStorage
 
@@ -278,5 +278,6 @@ def test_tiered_serves_only_verified_local_copies(tmp_path):
     assert st.readv(key, [head, rest]) == len(data) and bytes(head) + bytes(rest) == data
     c = st.tier_counters()
     assert c.local_hits == 1 and c.remote_reads == 1 and c.local_rejected == [key]
-    assert open_storage(str(tmp_path / "plain")).tier_counters() is None  # a single tier has no counters
+    assert read_counters(open_storage(str(tmp_path / "plain"))) is None  # a single tier has no counters
+    assert read_counters(st) == c
     st.close()

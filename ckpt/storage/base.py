@@ -166,23 +166,5 @@ class Storage(abc.ABC):
     def describe(self) -> str:
         return self.url
 
-    def view(self, persist: bool) -> Storage:
-        """The storage one save runs over (``persist``: whether it goes to the checkpoint path; only a
-        tiered storage with local commits answers with another object)."""
-        return self
-
-    def durable_tier(self) -> Storage:
-        """The tier that is the truth: this storage, or the remote behind a local staging tier.
-        Small control objects (leases) go straight there."""
-        return self
-
-    def tier_counters(self) -> TierCounters | None:
-        """Where chunk reads came from since :meth:`reset_tier_counters`, for a storage with a local
-        tier in front of a remote one; None for a single tier."""
-        return None
-
-    def reset_tier_counters(self) -> None:
-        """Start counting :meth:`tier_counters` afresh (a no-op for a single tier)."""
-
     def close(self) -> None:
         """Release threads and connections; waits for background uploads where there are any."""
