@@ -16,12 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
-
-import torch
 
 from . import at_exit, events
 from ._args import flag, flags
@@ -31,15 +27,14 @@ from .flatten import flatten
 from .format import manifest as mf
 from .handle import REFUSED_FOR_EARLIER, SaveHandle, SaveLedger, SaveMetrics
 from .journal import Journal
-from .load.reads import staging_memory
 from .load.step_choice import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
 from .ranks import make_comm
 from .root_level import check_root_level
 from .save.engine import SaveEngine
+from .save.job import SaveJob
 from .schedule import Interval, Schedule
 from .storage.base import Storage
-from .writer import SaveJob
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -119,7 +114,7 @@ class Checkpointer:
         self._clean_end = True  # False: closed by __exit__ on an exception (the journal says so)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
         self._loader = Loader(self.storage, self._comm, engine.io, engine.manifests, engine.local,
-                              staged=options.staged_load, lend=self._lend_buffer)
+                              staged=options.staged_load, lend=engine.lend_buffer)
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
         self._closed = False
@@ -129,34 +124,6 @@ class Checkpointer:
     def _journal(self) -> Journal | None:
         """The run journal this process writes (rank 0), if any."""
         return self._run_journal.journal if self._run_journal is not None else None
-
-    @contextmanager
-    def _lend_buffer(self, nbytes: int) -> Iterator[torch.Tensor | None]:
-        """A load's staging memory. Before the first save: memory kept afterwards as the reserve the
-        first save's host buffer takes over when the sizes agree (one process; with several ranks,
-        where a rank writes what it loads, as with FSDP), so the load's page faults are not paid
-        twice; that save lets it go otherwise, or close() does. Later: the host buffer itself, when it
-        is idle and large enough (a load mid-run then needs no memory of its own); its bytes stop
-        being the previous save's, so the next save encodes no delta against them."""
-        buf = self._snapshots.buffer
-        if buf is None:  # before the first save: memory that save's host buffer can take over
-            space = self._snapshots.reserve
-            if space is None or space.numel() < nbytes:
-                space = staging_memory(nbytes)
-            self._snapshots.reserve = None
-            try:
-                yield space
-            finally:
-                self._snapshots.reserve = space
-            return
-        if buf.nbytes < nbytes or not buf.acquire(timeout=0):
-            yield None
-            return
-        try:
-            buf.generation += 1
-            yield buf.buffer[:nbytes]
-        finally:
-            buf.release()
 
     # -- saving ---------------------------------------------------------------------------------------
     @property

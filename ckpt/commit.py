@@ -54,7 +54,8 @@ from .lease import Leases
 from .planning import fail_plan
 from .ranks import KEEP_SEQS, Comm, Gathered
 from .retention_thread import DeletionWindow
-from .writer import SaveJob, Writer
+from .save.job import SaveJob
+from .writer import Writer
 
 log = logging.getLogger("ckpt")
 

@@ -112,7 +112,7 @@ class Snapshotter:
         self.threads = threads
         self.buffer: HostBuffer | None = None
         # Memory a load staged into before the first save: that save's buffer takes it over when
-        # the sizes agree, so the pages faulted in once serve both (Checkpointer._lend_buffer).
+        # the sizes agree, so the pages faulted in once serve both (SaveEngine.lend_buffer).
         self.reserve: torch.Tensor | None = None
         self.layouts_made = 0  # the first save, and one per structure change
         self._signature: tuple | None = None

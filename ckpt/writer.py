@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import _ext, adopt
 from ._tasks import run_all
@@ -28,31 +28,13 @@ from .format import manifest as mf
 from .format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
 from .format.index import ReportRef
 from .format.tree_check import newest_feature
-from .handle import SaveMetrics
 from .lease import Leases
+from .save.job import SaveJob
 from .snapshot import HostBuffer, Snapshot
 from .storage import Storage
 from .tree import dtype_name
 
 log = logging.getLogger("ckpt")
-
-
-@dataclass
-class SaveJob:
-    """One save on its way from the snapshot to the commit."""
-
-    step: int
-    seq: int  # the save() call's number: the same on every rank
-    snapshot: Snapshot
-    structure: dict
-    metrics: SaveMetrics
-    started: float  # time.perf_counter() of the save() call
-    on_local: Callable[[], None] | None = None  # every chunk durable in the first tier (SaveHandle stage)
-    created: list[str] = field(default_factory=list)  # chunks this save wrote where none was stored
-    hashes: list[str] = field(default_factory=list)  # per chunk of the buffer, once written
-    persist: bool = True  # uploaded to the checkpoint path (else committed to the local tiers only)
-    committed: bool = False  # set once the step is committed (on every rank)
-    storage: Storage | None = None  # the storage this save runs over (``Storage.view(persist)``); None: the writer's
 
 
 @dataclass(frozen=True)

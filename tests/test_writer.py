@@ -20,10 +20,11 @@ from ckpt.format.chunk import decode
 from ckpt.handle import SaveMetrics
 from ckpt.lease import Leases
 from ckpt.ranks import LocalComm
+from ckpt.save.job import SaveJob
 from ckpt.snapshot import Snapshotter
 from ckpt.storage import open_storage
 from ckpt.testing import FaultyStorage
-from ckpt.writer import SaveJob, Writer
+from ckpt.writer import Writer
 
 CHUNK = 64 * 1024
 

@@ -27,8 +27,8 @@ from ..format import paths
 from ..options import Options
 from ..ranks import LocalComm, make_comm
 from ..save.engine import SaveEngine
+from ..save.job import SaveJob
 from ..storage.base import Storage
-from ..writer import SaveJob
 
 log = logging.getLogger("ckpt")
 
@@ -73,7 +73,7 @@ class Kept:
                 self.settle()
             except Exception as e:  # the step stays committed at the checkpoint path
                 log.warning("could not commit the last DCP save to the local directory: %s", e)
-            self.engine.close()
+            self.engine.close(announce=False)
 
     def _in_flight(self) -> list[int]:
         return []  # DCP waits for its own saves

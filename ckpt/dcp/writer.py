@@ -36,9 +36,10 @@ from ..format import manifest as mf
 from ..format import paths
 from ..handle import SaveMetrics
 from ..options import Options, check_storage
+from ..save.job import SaveJob
 from ..snapshot import HostBuffer, Snapshot
 from ..storage.base import Storage
-from ..writer import STEP_EXISTS_ADVICE, SaveJob
+from ..writer import STEP_EXISTS_ADVICE
 from . import _serial, engines
 from ._structure import build_structure, check_keys, tensor_key, value_node
 from .stager import DONE, READING, SEQ, Header, release_pending

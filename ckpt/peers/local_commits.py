@@ -32,9 +32,9 @@ from ..load.step_choice import Attempt, LoadResult
 from ..options import Options
 from ..ranks import Comm
 from ..retention import Retention
+from ..save.job import SaveJob
 from ..storage import LocalStorage, Storage
 from ..storage.tiered import TieredStorage
-from ..writer import SaveJob
 from . import restore
 from .exchange import Peers
 

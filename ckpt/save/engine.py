@@ -16,15 +16,19 @@ the plug-in and knows nothing else of local commits.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .. import events
 from ..commit import CommitProtocol
 from ..format import manifest as mf
 from ..format.chunk import verify_object
 from ..lease import Leases
+from ..load.reads import staging_memory
 from ..options import Options
 from ..ranks import Comm
 from ..retention import Retention
@@ -130,6 +134,34 @@ class SaveEngine:
         if not heal():  # some loaded chunks are not where the next save writes: it must not take them as stored
             self.writer.forget_loaded()
 
+    @contextmanager
+    def lend_buffer(self, nbytes: int) -> Iterator[torch.Tensor | None]:
+        """A load's staging memory. Before the first save: memory kept afterwards as the reserve the
+        first save's host buffer takes over when the sizes agree (one process; with several ranks,
+        where a rank writes what it loads, as with FSDP), so the load's page faults are not paid
+        twice; that save lets it go otherwise, or close() does. Later: the host buffer itself, when it
+        is idle and large enough (a load mid-run then needs no memory of its own); its bytes stop
+        being the previous save's, so the next save encodes no delta against them."""
+        buf = self.snapshots.buffer
+        if buf is None:  # before the first save: memory that save's host buffer can take over
+            space = self.snapshots.reserve
+            if space is None or space.numel() < nbytes:
+                space = staging_memory(nbytes)
+            self.snapshots.reserve = None
+            try:
+                yield space
+            finally:
+                self.snapshots.reserve = space
+            return
+        if buf.nbytes < nbytes or not buf.acquire(timeout=0):
+            yield None
+            return
+        try:
+            buf.generation += 1
+            yield buf.buffer[:nbytes]
+        finally:
+            buf.release()
+
     # -- lifetime -------------------------------------------------------------------------------------
     def drain(self) -> None:
         """Wait for every save queued so far and the retention queued behind them."""
@@ -137,14 +169,17 @@ class SaveEngine:
             self.protocol.drain()
             self.retention_thread.drain()
 
-    def close(self, clean: bool = True) -> None:
-        """Stop the threads (after the saves queued), then release the leases and the storage."""
+    def close(self, clean: bool = True, *, announce: bool = True) -> None:
+        """Stop the threads (after the saves queued), then release the leases and the storage.
+        ``clean``: the journal's end record says so; ``announce``: emit the ``close`` event (a
+        training run's saves are done; ``ckpt.dcp``'s engines, closed between saves, do not)."""
         if self.closed:
             return
         self.closed = True
         self.snapshots.reserve = None
         self.commit_thread.shutdown(wait=True)
-        events.emit("close", self.comm.rank)  # the run's saves are done (a harness kills no run past this)
+        if announce:  # the run's saves are done (a harness kills no run past this)
+            events.emit("close", self.comm.rank)
         if self.journal is not None:  # after the commits: their records are queued
             self.journal.close(clean)
         self.retention_thread.close()
