@@ -7,13 +7,13 @@ What is simulated, and what is ckpt's code as a real job runs it:
   TP8; every shard is a :class:`ckpt.LocalShard` over a zero-stride tensor (one element of memory
   viewed at the shard's shape), so shapes, boxes and byte counts are the 70B/405B ones and the
   values are not there;
-* the plan: :meth:`Inventory.of` -> :meth:`Comm.exchange_plan` (rank 0 runs :func:`ckpt.planning.assign`),
+* the plan: :meth:`Inventory.of` -> :meth:`Comm.exchange_plan` (rank 0 runs :func:`ckpt.save.planning.assign`),
   N threads over one in-process store that counts every request; each rank's flattened state is
   rank 0's (:func:`ckpt.flatten.flatten` run once) with the rank's own boxes (:class:`Ranks`);
-* the rank report: :func:`ckpt.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into
+* the rank report: :func:`ckpt.save.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into
   16 MiB chunks, and :meth:`Writer._report` with a chunk table of made-up hashes (no bytes are hashed,
   encoded or written: every chunk is "raw", without span digests);
-* the commit: rank 0 reads and parses every report (:func:`ckpt.commit._read_part`) and runs
+* the commit: rank 0 reads and parses every report (:func:`ckpt.save.commit._read_part`) and runs
   :meth:`Writer.commit` (merge, checks, the step index (format v6) checked as every reader checks it,
   the create-only write);
 * the load: on one rank, :func:`ckpt.format.manifest.read_committed` (the index) and
@@ -37,16 +37,16 @@ import torch
 from scale_counting import CountingStorage, comms, on_threads, totals
 
 import ckpt
-from ckpt.buffer_layout import make_layout
-from ckpt.encode import CodecSpec
 from ckpt.errors import StepExistsError
 from ckpt.flatten import Flat, Leaf, flatten
 from ckpt.format import manifest as mf
 from ckpt.format.chunk import HEADER_SIZE
 from ckpt.handle import SaveMetrics
-from ckpt.planning import Inventory, WriteAssignment, exchange_plan
+from ckpt.save.buffer_layout import make_layout
+from ckpt.save.encode import CodecSpec
+from ckpt.save.planning import Inventory, WriteAssignment, exchange_plan
+from ckpt.save.writer import Writer, _Put
 from ckpt.storage.base import Storage
-from ckpt.writer import Writer, _Put
 
 MiB = 1 << 20
 
@@ -231,8 +231,8 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     manifest, of ``model`` under ``layout`` on ``world`` simulated ranks; what each part cost.
     Times are CPU seconds of the thread doing the part (``time.thread_time``: the other simulated
     ranks and other processes on the machine do not count; all of it is single-threaded Python)."""
-    from ckpt.commit import _read_part
     from ckpt.format import index, paths
+    from ckpt.save.commit import _read_part
     from ckpt.storage.local import LocalStorage
 
     inner = LocalStorage(root)
@@ -339,11 +339,11 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
 
 def rounds(world: int) -> dict[str, dict[str, int]]:
     """Store requests of the rounds every save and load runs, on ``world`` threads: a save's ``go``
-    and ``commit`` rounds (as :class:`ckpt.commit.CommitProtocol` runs them) and the three ``agree``
+    and ``commit`` rounds (as :class:`ckpt.save.commit.CommitProtocol` runs them) and the three ``agree``
     rounds of ``load("latest")`` (:class:`ckpt.load.step_choice.Loader`), with the documents they post
     and the reductions they run."""
-    from ckpt.commit import Decision, Report, Status
     from ckpt.load.step_choice import _coordinators, _failures, _outcome, _ready
+    from ckpt.save.commit import Decision, Report, Status
 
     cs = comms(world)
 

@@ -2,11 +2,11 @@
 
 Follow one tensor through a save: :meth:`Checkpointer.save` flattens the state into a structure tree
 and tensor leaves (:mod:`ckpt.flatten`), copies the tensors into the host buffer
-(:mod:`ckpt.snapshot`, laid out by :mod:`ckpt.buffer_layout`) and hands the snapshot to the commit
-protocol (:mod:`ckpt.commit`): stages the save engine (:mod:`ckpt.save.engine`) builds once per root.
-On a background thread the writer (:mod:`ckpt.writer`) cuts the buffer into chunks, hashes,
-encodes (:mod:`ckpt.encode`) and stores them (:mod:`ckpt.storage`); the coordinator commits the
-step manifest (:mod:`ckpt.format.manifest`) and applies retention (:mod:`ckpt.retention`).
+(:mod:`ckpt.save.snapshot`, laid out by :mod:`ckpt.save.buffer_layout`) and hands the snapshot to the commit
+protocol (:mod:`ckpt.save.commit`): stages the save engine (:mod:`ckpt.save.engine`) builds once per root.
+On a background thread the writer (:mod:`ckpt.save.writer`) cuts the buffer into chunks, hashes,
+encodes (:mod:`ckpt.save.encode`) and stores them (:mod:`ckpt.storage`); the coordinator commits the
+step manifest (:mod:`ckpt.format.manifest`) and applies retention (:mod:`ckpt.save.retention`).
 Back again: :mod:`ckpt.load` reads the manifest, reads and verifies the chunks it needs, and fills
 the caller's tensors in place.
 """

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 from . import _cpus
 from . import options_doc as _docs
 from ._args import flag
-from .encode import CodecSpec
 from .errors import ConfigError
 from .redundancy_config import Parity, Replicas
+from .save.encode import CodecSpec
 from .schedule import (
     DEFAULT_MAX_OVERHEAD,
     DEFAULT_MTBF,

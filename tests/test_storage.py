@@ -10,8 +10,8 @@ import uuid
 import pytest
 from conftest import MiB, fast, s3_url
 
-from ckpt.encode import CodecSpec, encode
 from ckpt.format.chunk import chunk_hash, verify_object
+from ckpt.save.encode import CodecSpec, encode
 from ckpt.storage import LocalStorage, Storage, open_storage, open_tiered, read_counters
 from ckpt.storage.s3 import S3Storage
 from ckpt.storage.tiered import TieredStorage

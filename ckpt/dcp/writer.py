@@ -1,15 +1,15 @@
 """``ckpt.dcp.Writer``: a DCP ``StorageWriter`` that stores a ``dcp.save`` as a ckpt step.
 
 DCP plans (which rank writes which item, replicated items once); ckpt stores. On each rank,
-``write_data`` lays the rank's items out in a host buffer (:func:`ckpt.buffer_layout.make_layout`,
-:class:`ckpt.snapshot.HostBuffer`) and hands it to ckpt's writer (:meth:`ckpt.writer.Writer.write_part`):
+``write_data`` lays the rank's items out in a host buffer (:func:`ckpt.save.buffer_layout.make_layout`,
+:class:`ckpt.save.snapshot.HostBuffer`) and hands it to ckpt's writer (:meth:`ckpt.save.writer.Writer.write_part`):
 content-addressed, hashed chunks, dedup against what is stored, codecs (XOR deltas against the same
 rank's previous save into the same root), durable writes through ``local_dir`` when given, then the
 rank's report (``steps/<S>/rank-<r>.json``). All of it runs on the save engine the Checkpointer uses
 (:class:`ckpt.save.engine.SaveEngine`), one per root and options in this process, kept across saves
 (:mod:`ckpt.dcp.engines`). ``finish``, on the coordinator, reads every rank's report, rebuilds the
 nested structure from DCP's metadata and commits ``MANIFEST.json`` create-only
-(:meth:`ckpt.writer.Writer.commit`); retention follows. Until then no
+(:meth:`ckpt.save.writer.Writer.commit`); retention follows. Until then no
 step is visible: a rank killed midway leaves only chunks and reports, for ``ckpt gc``.
 """
 
@@ -29,17 +29,17 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import tree as st
-from ..buffer_layout import make_layout
 from ..errors import CheckpointError, ConfigError, StepExistsError
 from ..flatten import Leaf, piece_key
 from ..format import manifest as mf
 from ..format import paths
 from ..handle import SaveMetrics
 from ..options import Options, check_storage
+from ..save.buffer_layout import make_layout
 from ..save.job import SaveJob
-from ..snapshot import HostBuffer, Snapshot
+from ..save.snapshot import HostBuffer, Snapshot
+from ..save.writer import STEP_EXISTS_ADVICE
 from ..storage.base import Storage
-from ..writer import STEP_EXISTS_ADVICE
 from . import _serial, engines
 from ._structure import build_structure, check_keys, tensor_key, value_node
 from .stager import DONE, READING, SEQ, Header, release_pending

@@ -3,8 +3,8 @@ to ``keep_local`` steps, protected by peers when ``redundancy`` says so; every `
 save also goes to the checkpoint path.
 
 :class:`LocalCommits` is the one plug-in the save engine (:class:`ckpt.save.engine.SaveEngine`) is
-given; the core knows nothing else of local tiers or peers. The commit protocol (:mod:`ckpt.commit`)
-calls its save hooks (:class:`ckpt.commit.SaveHooks`): ``begin`` (the tier's lease), ``protect`` (the
+given; the core knows nothing else of local tiers or peers. The commit protocol (:mod:`ckpt.save.commit`)
+calls its save hooks (:class:`ckpt.save.commit.SaveHooks`): ``begin`` (the tier's lease), ``protect`` (the
 peer exchange, after the rank's chunks are durable), ``absent`` (a rank that takes no part still joins
 the exchange), ``committed`` (the step into this rank's tier) and ``after_commit`` (the tier's
 retention). The loader (:mod:`ckpt.load.step_choice`) calls its :class:`ckpt.load.step_choice.Restore`
@@ -31,8 +31,8 @@ from ..load.reads import LoadStats
 from ..load.step_choice import Attempt, LoadResult
 from ..options import Options
 from ..ranks import Comm
-from ..retention import Retention
 from ..save.job import SaveJob
+from ..save.retention import Retention
 from ..storage import LocalStorage, Storage
 from ..storage.tiered import TieredStorage
 from . import restore

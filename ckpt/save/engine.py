@@ -1,9 +1,9 @@
 """The save engine: everything one rank saves through into one root, built once from the options.
 
 :class:`SaveEngine` opens the storage (with ``local_dir``, staged in front of the checkpoint path),
-the I/O pool and the commit thread, the writer lease, the writer (:mod:`ckpt.writer`), retention
-with its thread and deletion window (:mod:`ckpt.retention`, :mod:`ckpt.retention_thread`), the
-commit protocol (:mod:`ckpt.commit`) and the snapshotter (:mod:`ckpt.snapshot`), and closes them in
+the I/O pool and the commit thread, the writer lease, the writer (:mod:`ckpt.save.writer`), retention
+with its thread and deletion window (:mod:`ckpt.save.retention`, :mod:`ckpt.save.retention_thread`), the
+commit protocol (:mod:`ckpt.save.commit`) and the snapshotter (:mod:`ckpt.save.snapshot`), and closes them in
 order. ``Checkpointer`` saves through one; ``ckpt.dcp.Writer`` through one per (root, options) in
 its process (:func:`ckpt.dcp.engines.engine_for`), kept across saves and closed at exit.
 
@@ -24,20 +24,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import events
-from ..commit import CommitProtocol
 from ..format import manifest as mf
 from ..format.chunk import verify_object
 from ..lease import Leases
 from ..load.reads import staging_memory
 from ..options import Options
 from ..ranks import Comm
-from ..retention import Retention
-from ..retention_thread import DeletionWindow, RetentionThread
-from ..snapshot import Snapshotter
 from ..storage import durable_of, open_tiered
 from ..storage.base import Storage
-from ..writer import Writer
+from .commit import CommitProtocol
+from .retention import Retention
+from .retention_thread import DeletionWindow, RetentionThread
 from .run_journal import RunJournal
+from .snapshot import Snapshotter
+from .writer import Writer
 
 if TYPE_CHECKING:
     from ..load.step_choice import LoadResult

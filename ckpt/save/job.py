@@ -1,5 +1,5 @@
 """One save on its way from the snapshot to the commit (:class:`SaveJob`): what ``Checkpointer.save``
-and ``ckpt.dcp.Writer`` hand the writer (:mod:`ckpt.writer`), the commit protocol (:mod:`ckpt.commit`)
+and ``ckpt.dcp.Writer`` hand the writer (:mod:`ckpt.save.writer`), the commit protocol (:mod:`ckpt.save.commit`)
 and the local commits plug-in."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..handle import SaveMetrics
-from ..snapshot import Snapshot
 from ..storage import Storage
+from .snapshot import Snapshot
 
 
 @dataclass

@@ -107,7 +107,7 @@ class Storage(abc.ABC):
     def remove_root(self) -> None:
         """Delete every object under the root, and the root itself (a whole checkpoint dropped at
         once). Callers delete the step manifests first, so a removal cut short never leaves a step
-        that looks committed but lacks its chunks (see :func:`ckpt.retention.remove_checkpoint`)."""
+        that looks committed but lacks its chunks (see :func:`ckpt.save.retention.remove_checkpoint`)."""
 
     def size(self, key: str) -> int:
         return len(self.read(key))

@@ -16,7 +16,7 @@ group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each
    ``MANIFEST.json`` create-only: that write is the commit point. It publishes a :class:`Decision`
    (ok, fail naming the ranks, skip, or exists) that every other rank waits for;
 5. on the coordinator, what comes after a commit (retention) is handed to a thread of its own
-   (:mod:`ckpt.retention_thread`): the next save's ``go`` waits only for a delete request in flight,
+   (:mod:`ckpt.save.retention_thread`): the next save's ``go`` waits only for a delete request in flight,
    and deletions pause from that ``go`` to the save's decision (``gate``), so nothing a save reuses
    is deleted under it. A save that was not committed deletes the chunks each rank alone created for it.
 
@@ -45,16 +45,16 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from . import events
-from .errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
-from .format import index, paths
-from .format import manifest as mf
-from .handle import SaveMetrics
-from .lease import Leases
+from .. import events
+from ..errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
+from ..format import index, paths
+from ..format import manifest as mf
+from ..handle import SaveMetrics
+from ..lease import Leases
+from ..ranks import KEEP_SEQS, Comm, Gathered
+from .job import SaveJob
 from .planning import fail_plan
-from .ranks import KEEP_SEQS, Comm, Gathered
 from .retention_thread import DeletionWindow
-from .save.job import SaveJob
 from .writer import Writer
 
 log = logging.getLogger("ckpt")

@@ -8,7 +8,7 @@ steady-state saves touch no new memory.
 CPU tensors are copied before ``save()`` returns; with the compiled core (csrc/copyhash.cpp) the copy
 runs on several threads and hashes each chunk while its bytes are in cache, so the writer does not
 read the buffer a second time to hash it. CUDA tensors are copied on a side stream per device and
-``save()`` returns right after the launch; the host never waits (:mod:`ckpt.cuda_snapshot`: the
+``save()`` returns right after the launch; the host never waits (:mod:`ckpt.save.cuda_snapshot`: the
 copies, the device-side NaN/Inf check and the optimizer pre-step fence). The background writer
 waits on the copy's events before it reads the buffer, and the buffer is handed back only once
 every copy into it is done.
@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _cpus, _ext
+from .. import _cpus, _ext
+from ..flatten import Flat, Leaf, key_component
+from ..ranks import Comm
+from ..tree import dtype_name
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .cuda_snapshot import CudaSnapshot, copy_to_host, handed_over, launch_native, native_core
-from .flatten import Flat, Leaf, key_component
 from .planning import Inventory, exchange_plan
-from .ranks import Comm
-from .tree import dtype_name
 
 log = logging.getLogger("ckpt")
 
@@ -274,7 +274,7 @@ _local = local_tensor
 
 def optimizer_guarded(flat: Flat) -> set[int]:
     """Data pointers of the CUDA tensors that an optimizer in the state (``flat.statefuls``), or handed over with
-    :func:`ckpt.cuda_snapshot.guarding`, updates (its parameters and its state): the optimizer
+    :func:`ckpt.save.cuda_snapshot.guarding`, updates (its parameters and its state): the optimizer
     pre-step hook protects those, so their snapshot copy may overlap compute."""
     out: set[int] = set()
     for v in [*flat.statefuls.values(), *handed_over()]:  # as flatten found them, and those handed over
@@ -414,7 +414,7 @@ class HostBuffer:
                     want[i] = 0
         return want
 
-    # -- CUDA (ckpt/cuda_snapshot.py) ------------------------------------------------------------
+    # -- CUDA (ckpt/save/cuda_snapshot.py) ------------------------------------------------------------
     def _launch(self, slots: list, stream: torch.cuda.Stream, keep: list) -> None:
         """Enqueue the copies of ``slots`` on ``stream``: the compiled core for plain contiguous
         sources, torch's copy for the rest (strided, lazily conjugated or negated views)."""

@@ -11,14 +11,14 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import tree as st
-from .errors import DistributedSaveError, StateMismatchError
-from .flatten import Flat, tensor_of
-from .format import tree_union
-from .format.boxes import Box, check_tiles
+from .. import tree as st
+from ..errors import DistributedSaveError, StateMismatchError
+from ..flatten import Flat, tensor_of
+from ..format import tree_union
+from ..format.boxes import Box, check_tiles
 
 if TYPE_CHECKING:
-    from .ranks import Comm, Gathered
+    from ..ranks import Comm, Gathered
 
 # -- the planner's records -------------------------------------------------------------------------
 
