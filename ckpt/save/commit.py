@@ -24,7 +24,7 @@ group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each
 announcement, ``commit`` every rank's report in, :meth:`CommitProtocol._coordinate` as the
 reduction, the decision out.
 
-A save runs over the storage its job carries (``Storage.view(persist)``). With local commits
+A save runs over the storage its job carries (``SaveEngine.storage_for(persist)``). With local commits
 (``redundancy`` / ``persist_every``), the protocol is handed :class:`SaveHooks`
 (:mod:`ckpt.peers.local_commits`) and knows nothing else of them: between 2 and 3 every rank calls
 ``protect`` (the peer exchange, also when it failed or skipped, so nobody waits for it); rank
