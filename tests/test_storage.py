@@ -281,3 +281,18 @@ def test_tiered_serves_only_verified_local_copies(tmp_path):
     assert read_counters(open_storage(str(tmp_path / "plain"))) is None  # a single tier has no counters
     assert read_counters(st) == c
     st.close()
+
+
+def test_the_durable_tier_is_found_through_a_wrapper_and_the_surface_has_no_tier_methods(tmp_path):
+    """Leases and the run journal go to the checkpoint path itself, behind a local_dir and through a
+    test's FaultyStorage around either; the Storage surface every backend implements knows no tiers."""
+    from ckpt.storage import durable_of
+    from ckpt.testing import FaultyStorage
+
+    tiered = open_tiered(str(tmp_path / "remote"), str(tmp_path / "nvme"), verify=verify_object)
+    plain = LocalStorage(tmp_path / "plain")
+    assert durable_of(tiered) is tiered.remote and durable_of(FaultyStorage(tiered)) is tiered.remote
+    faulty = FaultyStorage(plain)
+    assert durable_of(plain) is plain and durable_of(faulty) is faulty  # the faults stay on a single tier
+    assert not {"view", "durable_tier", "tier_counters", "reset_tier_counters"} & set(vars(Storage))
+    tiered.close()
