@@ -60,9 +60,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 from harness import banner, median, pyplot, save_figure, write_results  # noqa: E402  (benchmarks/: shared)
 
 import ckpt  # noqa: E402
-from ckpt.buffer_layout import element_width  # noqa: E402
-from ckpt.encode import CodecSpec, encode  # noqa: E402
 from ckpt.format.chunk import Base  # noqa: E402
+from ckpt.save.buffer_layout import element_width  # noqa: E402
+from ckpt.save.encode import CodecSpec, encode  # noqa: E402
 
 PIECE = 4 << 20
 TARGETS = {"gpt-fp32": "≤ ZipNN (goal 0.95×)", "gpt-bf16": "≤ ZipNN (goal 0.95×)", "embedding": "≤ 5% of raw",

@@ -41,9 +41,9 @@ import torch  # noqa: E402
 from harness import median, pyplot, save_figure, write_results  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt import cuda_snapshot  # noqa: E402
-from ckpt.buffer_layout import make_layout  # noqa: E402
-from ckpt.snapshot import HostBuffer  # noqa: E402
+from ckpt.save import cuda_snapshot  # noqa: E402
+from ckpt.save.buffer_layout import make_layout  # noqa: E402
+from ckpt.save.snapshot import HostBuffer  # noqa: E402
 
 GiB = 1 << 30
 

@@ -35,8 +35,8 @@ from bandwidth import tensors_of, trained_state  # noqa: E402
 from harness import banner, command, fmt, median, ratio, rounds, write_results  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.encode import CodecSpec, encode  # noqa: E402
 from ckpt.format.chunk import chunk_hash, decode  # noqa: E402
+from ckpt.save.encode import CodecSpec, encode  # noqa: E402
 
 CHUNK = 16 << 20
 GB = 1e9

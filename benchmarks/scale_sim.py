@@ -7,17 +7,17 @@ What is simulated, and what is ckpt's code as a real job runs it:
   TP8; every shard is a :class:`ckpt.LocalShard` over a zero-stride tensor (one element of memory
   viewed at the shard's shape), so shapes, boxes and byte counts are the 70B/405B ones and the
   values are not there;
-* the plan: :meth:`Inventory.of` -> :func:`ckpt.planning.exchange_plan` (rank 0 runs
-  :func:`ckpt.planning.plan_posted`: ranks alike planned from what is distinct among them), N threads
+* the plan: :meth:`Inventory.of` -> :func:`ckpt.save.planning.exchange_plan` (rank 0 runs
+  :func:`ckpt.save.planning.plan_posted`: ranks alike planned from what is distinct among them), N threads
   over one in-process store that counts every request, then the same round again for rank 0's peak
   memory; each rank's flattened state is rank 0's (:func:`ckpt.flatten.flatten` run once) with the
   rank's own boxes (:class:`Ranks`);
-* the rank report: :func:`ckpt.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into
+* the rank report: :func:`ckpt.save.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into
   16 MiB chunks, and :meth:`Writer._report` with a chunk table of made-up hashes (no bytes are hashed,
   encoded or written: every chunk is "raw", without span digests);
-* the commit, as :meth:`ckpt.commit.CommitProtocol._commit_summarized` runs it: every rank's
-  summary of its report (:func:`ckpt.commit_index.summarize`, what its commit report carries), then on
-  rank 0 :meth:`ckpt.commit_index.IndexBuilder.build` (the first save of a plan reads every report
+* the commit, as :meth:`ckpt.save.commit.CommitProtocol._commit_summarized` runs it: every rank's
+  summary of its report (:func:`ckpt.save.commit_index.summarize`, what its commit report carries), then on
+  rank 0 :meth:`ckpt.save.commit_index.IndexBuilder.build` (the first save of a plan reads every report
   once to learn the layout; the next save, measured apart, reads none), the index checked as every
   reader checks it (:func:`ckpt.format.index.committable`) and the create-only write;
 * the load (of the second save): on one rank, :func:`ckpt.format.manifest.read_committed` (the index) and
@@ -43,16 +43,16 @@ import torch
 from scale_counting import CountingStorage, comms, on_threads, totals
 
 import ckpt
-from ckpt.buffer_layout import make_layout
-from ckpt.encode import CodecSpec
 from ckpt.errors import StepExistsError
 from ckpt.flatten import Flat, Leaf, flatten
 from ckpt.format import manifest as mf
 from ckpt.format.chunk import HEADER_SIZE
 from ckpt.handle import SaveMetrics
-from ckpt.planning import Inventory, WriteAssignment, exchange_plan
+from ckpt.save.buffer_layout import make_layout
+from ckpt.save.encode import CodecSpec
+from ckpt.save.planning import Inventory, WriteAssignment, exchange_plan
+from ckpt.save.writer import Writer, _Put
 from ckpt.storage.base import Storage
-from ckpt.writer import Writer, _Put
 
 MiB = 1 << 20
 
@@ -240,9 +240,9 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     import dataclasses
     import json
 
-    from ckpt.commit import _read_report
-    from ckpt.commit_index import IndexBuilder, summarize
     from ckpt.format import index, paths
+    from ckpt.save.commit import _read_report
+    from ckpt.save.commit_index import IndexBuilder, summarize
     from ckpt.storage.local import LocalStorage
 
     inner = LocalStorage(root)
@@ -377,11 +377,11 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
 
 def rounds(world: int) -> dict[str, dict[str, int]]:
     """Store requests of the rounds every save and load runs, on ``world`` threads: a save's ``go``
-    and ``commit`` rounds (as :class:`ckpt.commit.CommitProtocol` runs them) and the three ``agree``
+    and ``commit`` rounds (as :class:`ckpt.save.commit.CommitProtocol` runs them) and the three ``agree``
     rounds of ``load("latest")`` (:class:`ckpt.load.step_choice.Loader`), with the documents they post
     and the reductions they run."""
-    from ckpt.commit import Decision, Report, Status
     from ckpt.load.step_choice import _coordinators, _failures, _outcome, _ready
+    from ckpt.save.commit import Decision, Report, Status
 
     cs = comms(world)
 
@@ -420,14 +420,14 @@ def steady_commit(model: Model, layout: str, world: int, root: str, chunk_size: 
     """Rank 0's commit of a save after the first of a plan, at ``world`` ranks, run directly (what
     :func:`save_and_load` cannot reach on this machine): the coordinator holds the layout it learned
     (every rank's boxes as :func:`box` gives them; each 0-d ``step`` written by rank 0, as the plan
-    packs them), every rank's summary is what :func:`ckpt.commit_index.summarize` makes of a report
+    packs them), every rank's summary is what :func:`ckpt.save.commit_index.summarize` makes of a report
     of its bytes in ``chunk_size`` chunks (made-up names), then :meth:`IndexBuilder.build`, the index
     checked as every reader checks it, and the create-only write. The summaries' JSON decoding in
     the commit round is not counted."""
     import math
 
-    from ckpt.commit_index import IndexBuilder
     from ckpt.format import index, paths
+    from ckpt.save.commit_index import IndexBuilder
     from ckpt.storage.local import LocalStorage
     from ckpt.tree import digest, top_items
 

@@ -41,7 +41,6 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
-    from .cuda_snapshot import fence
     from .flatten import RNGState
     from .handle import SaveHandle, SaveMetrics
     from .importer import import_checkpoint
@@ -49,6 +48,7 @@ if TYPE_CHECKING:
     from .options import Options
     from .reader import Pickled, Reader, open
     from .redundancy_config import Parity, Replicas
+    from .save.cuda_snapshot import fence
     from .sharding import LocalShard, LocalShards, PerRank
 
 # Everything is imported when first named: reading (ckpt.open, the ckpt command line) never imports
@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 _LAZY = {"RNGState": "flatten", "open": "reader", "Reader": "reader", "Pickled": "reader", "LocalShard": "sharding",
          "LocalShards": "sharding", "PerRank": "sharding",
          "Checkpointer": "checkpointer", "SaveHandle": "handle", "SaveMetrics": "handle", "LoadStats": "load",
-         "Options": "options", "Parity": "redundancy_config", "Replicas": "redundancy_config", "fence": "cuda_snapshot",
-         "import_checkpoint": "importer"}
+         "Options": "options", "Parity": "redundancy_config", "Replicas": "redundancy_config",
+         "fence": "save.cuda_snapshot", "import_checkpoint": "importer"}
 
 __getattr__ = lazy_names(__name__, _LAZY)
 

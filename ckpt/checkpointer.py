@@ -2,10 +2,11 @@
 
 Follow one tensor through a save: :meth:`Checkpointer.save` flattens the state into a structure tree
 and tensor leaves (:mod:`ckpt.flatten`), copies the tensors into the host buffer
-(:mod:`ckpt.snapshot`, laid out by :mod:`ckpt.buffer_layout`) and hands the snapshot to the commit protocol
-(:mod:`ckpt.commit`). On a background thread the writer (:mod:`ckpt.writer`) cuts the buffer into
-chunks, hashes, encodes (:mod:`ckpt.encode`) and stores them (:mod:`ckpt.storage`); the coordinator
-commits the step manifest (:mod:`ckpt.format.manifest`) and applies retention (:mod:`ckpt.retention`).
+(:mod:`ckpt.save.snapshot`, laid out by :mod:`ckpt.save.buffer_layout`) and hands the snapshot to the commit
+protocol (:mod:`ckpt.save.commit`): stages the save engine (:mod:`ckpt.save.engine`) builds once per root.
+On a background thread the writer (:mod:`ckpt.save.writer`) cuts the buffer into chunks, hashes,
+encodes (:mod:`ckpt.save.encode`) and stores them (:mod:`ckpt.storage`); the coordinator commits the
+step manifest (:mod:`ckpt.format.manifest`) and applies retention (:mod:`ckpt.save.retention`).
 Back again: :mod:`ckpt.load` reads the manifest, reads and verifies the chunks it needs, and fills
 the caller's tensors in place.
 """
@@ -15,41 +16,28 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal
-
-import torch
 
 from . import at_exit, events, host_memory
 from ._args import flag, flags
 from ._gc import paused
-from .commit import CommitProtocol
 from .errors import CheckpointError, ConfigError, StorageError
 from .flatten import flatten
 from .format import manifest as mf
-from .format.chunk import verify_object
 from .handle import REFUSED_FOR_EARLIER, SaveHandle, SaveLedger, SaveMetrics
 from .journal import Journal
-from .lease import Leases
-from .load.reads import staging_memory
 from .load.step_choice import Loader, LoadStats, RankMap
 from .options import OptionArgs, Options, check_storage
 from .ranks import make_comm
-from .retention import Retention
-from .retention_thread import DeletionWindow, RetentionThread
 from .root_level import check_root_level
+from .save.engine import SaveEngine
+from .save.job import SaveJob
 from .schedule import Interval, Schedule
-from .snapshot import Snapshotter
-from .storage import open_tiered
 from .storage.base import Storage
-from .writer import SaveJob, Writer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-    from .peers.local_commits import LocalCommits
 
 log = logging.getLogger("ckpt")
 
@@ -62,8 +50,8 @@ class Checkpointer:
     Args:
         path: the checkpoint root: a local directory or an fsspec URL (with ``storage``, only its name in
             messages).
-        storage: an opened :class:`~ckpt.storage.base.Storage` (or a tiered one) to use instead of opening
-            ``path``, e.g. a test's faulty disk:
+        storage: an opened :class:`~ckpt.storage.base.Storage` (or one staged behind a ``local_dir``) to use instead
+            of opening ``path``, e.g. a test's faulty disk:
             ``ckpt.Checkpointer(str(tmp), storage=ckpt.testing.FaultyStorage(LocalStorage(tmp)))``; not
             together with ``local_dir`` or ``storage_options``.
         process_group: the ranks that save together (default: the default group when ``torch.distributed`` is
@@ -110,117 +98,33 @@ class Checkpointer:
         self.path = os.fspath(path)
         self.options = options
         self._comm = make_comm(process_group, options.timeout)
-        self.storage = storage if storage is not None else open_tiered(
-            self.path, options.local_dir, options.storage_options, verify=verify_object,
-            upload_threads=options.threads, local_commits=options.tiered_commits)
+        # Every stage of a save, its threads and plug-ins (local commits), built once for this root.
+        self._engine = engine = SaveEngine(self.path, options, self._comm, storage, process_group=process_group)
+        self.storage = engine.storage
         try:
-            check_root_level(self.storage.durable_tier(), self.path)  # not runs/exp1/steps, nor runs/
+            check_root_level(engine.durable, self.path)  # not runs/exp1/steps, nor runs/
         except StorageError as e:  # unreachable now: the first save or load says so, with its own context
             log.warning("could not check that %s is a checkpoint root, not a level of one: %s", self.path, e)
-        # The threads every stage runs on, owned here and handed to the stages.
-        self._io = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-io")
-        self._commit_thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
-        manifests = mf.ManifestCache(self.storage, maxsize=64)
-        self._manifests = manifests
-        # Held from the first save to close(), so other processes' deletions keep out of the way.
-        self._leases = Leases(self.storage.durable_tier(), wait_s=options.timeout, alone=not options.shared_root)
-        self._writer = Writer(self.storage, options.codec, self._io, self._leases, options.delta_chain,
-                              options.delta_budget)
-        self._tiers = self._open_tiers(process_group) if options.tiered_commits else None
-        durable = self.storage.durable_tier()  # with local commits, each tier keeps its own steps
-        # Retention deletes in bulk, on a thread of its own, paused while a save chooses its chunks.
-        retained = durable if self._tiers else self.storage
-        window = DeletionWindow(retained.delete_batch)
-        self._retention_thread = RetentionThread(lambda step: self._retention.apply_after(step), window)
-        self._retention = Retention(retained, manifests, options.keep_last, options.keep_every,
-                                    window.gated(retained.delete_many), self._leases,
-                                    in_use=self._writer.in_use, shared=options.shared_root,
-                                    newest=self._retention_thread.newest)
-        self._protocol = CommitProtocol(self._comm, self._writer, self._io, self._commit_thread,
-                                        self._after_commit, self._leases, self._tiers, window)
-        self._protocol.log_failures = options.on_save_error == "log"
+        self._snapshots = engine.snapshots
+        self._protocol = engine.protocol
         self._ledger = SaveLedger()  # steps taken, saves in flight, failures nobody has seen yet
-        self._snapshots = Snapshotter(self._comm, options.chunk_size, options.native, options.snapshot_threads,
-                                      options.check_finite, pair=options.deltas)
         self._schedule = Schedule(self._comm, options.every, options.preemption, options.mtbf, options.max_overhead,
                                   options.preemption_deadline, finish=self._ledger.settle)
-        self._journal = self._open_journal()  # the run journal: rank 0 writes it
+        self._run_journal = engine.open_journal(self._schedule)  # the run journal: rank 0 writes it
         self._clean_end = True  # False: closed by __exit__ on an exception (the journal says so)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
-        self._loader = Loader(self.storage, self._comm, self._io, manifests, self._tiers,
-                              staged=options.staged_load, lend=self._lend_buffer,
+        self._loader = Loader(self.storage, self._comm, engine.io, engine.manifests, engine.local,
+                              staged=options.staged_load, lend=engine.lend_buffer,
                               budget=host_memory.resolve(options.host_memory, self._comm))
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
         self._closed = False
         at_exit.track(self)
 
-    @contextmanager
-    def _lend_buffer(self, nbytes: int) -> Iterator[torch.Tensor | None]:
-        """A load's staging memory. Before the first save: memory kept afterwards as the reserve the
-        first save's host buffer takes over when the sizes agree (one process; with several ranks,
-        where a rank writes what it loads, as with FSDP), so the load's page faults are not paid
-        twice; that save lets it go otherwise, or close() does. Later: the host buffer itself, when it
-        is idle and large enough (a load mid-run then needs no memory of its own); its bytes stop
-        being the previous save's, so the next save encodes no delta against them."""
-        buf = self._snapshots.buffer
-        if buf is None:  # before the first save: memory that save's host buffer can take over
-            space = self._snapshots.reserve
-            if space is None or space.numel() < nbytes:
-                space = staging_memory(nbytes)
-            self._snapshots.reserve = None
-            try:
-                yield space
-            finally:
-                self._snapshots.reserve = space
-            return
-        if buf.nbytes < nbytes or not buf.acquire(timeout=0):
-            yield None
-            return
-        try:
-            buf.generation += 1
-            yield buf.buffer[:nbytes]
-        finally:
-            buf.release()
-
-    def _open_tiers(self, process_group: Any) -> LocalCommits:
-        """Local commits: every node's local_dir is a committed checkpoint (:mod:`ckpt.peers`, imported
-        only then: a plain save or load never loads it)."""
-        from .peers.local_commits import open_local_commits
-
-        return open_local_commits(self.storage, self._comm, self.options, process_group, self._io,
-                                  self._writer.in_use)
-
-    def _open_journal(self) -> Journal | None:
-        """The coordinator's run journal (:mod:`ckpt.journal`); with ``every="auto"``, the failures of
-        earlier starts it holds tune the interval (read on the journal's thread)."""
-        if self._comm.rank != 0:
-            return None
-        history = None
-        if self.options.every == "auto":
-            from .goodput import auto_mtbf
-
-            prior, schedule = self.options.mtbf, self._schedule
-
-            def history(records: list) -> None:
-                found = auto_mtbf(prior, records)
-                if found is not None:
-                    schedule.observe(*found)
-        return Journal(self.storage.durable_tier(), self._comm.world, history=history)
-
-    def _journal_save(self, step: int, wall: float, metrics: SaveMetrics) -> Callable[[Future], None]:
-        journal = self._journal
-
-        def committed(f: Future) -> None:  # on the commit thread: only queues
-            if journal is not None and not f.cancelled() and f.exception() is None:
-                journal.saved(step, wall, metrics.stall_s)
-        return committed
-
-    def _after_commit(self, committed: mf.Manifest, persisted: bool) -> None:
-        """Coordinator, after a commit: the checkpoint path's retention, when the save went there."""
-        self._manifests.put(committed)
-        if persisted:
-            self._retention_thread.request(committed.step)
+    @property
+    def _journal(self) -> Journal | None:
+        """The run journal this process writes (rank 0), if any."""
+        return self._run_journal.journal if self._run_journal is not None else None
 
     # -- saving ---------------------------------------------------------------------------------------
     @property
@@ -258,8 +162,8 @@ class Checkpointer:
         Args:
             step: the step number, 0 to 2**63 - 1; a committed step is never overwritten.
             state: a dict of tensors, modules, optimizers, ``Stateful`` objects and plain values.
-            persist: with ``persist_every``, ``True`` also uploads this save, ``False`` keeps it on the local
-                tiers (every rank must pass the same); None follows ``persist_every``.
+            persist: with ``persist_every``, ``True`` also uploads this save, ``False`` keeps it in the local
+                directories (every rank must pass the same); None follows ``persist_every``.
 
         Returns:
             SaveHandle: ``wait(stage)`` for ``"local"`` or ``"committed"``, ``metrics``, ``exception()``.
@@ -275,9 +179,8 @@ class Checkpointer:
         started, wall = time.perf_counter(), time.time()
         flag("persist", persist, none=True)
         self._check_open()
-        if self._journal is not None:
-            self._journal.started(None, 0.0)  # fresh: written now (as loaded, or without a load)
-            self._journal.step = step
+        if self._run_journal is not None:
+            self._run_journal.saving(step)
         self._loader.check_whole(step)
         self._ledger.claim(step)
         events.emit("save", self.rank, step=step)
@@ -306,12 +209,12 @@ class Checkpointer:
             return SaveHandle(step, metrics, None)
         future: Future = Future()
         handle = SaveHandle(step, metrics, future, started=started)
-        persists = self._persists(seq, emergency, persist)
+        persists = self._engine.persists(seq, emergency, persist)
         job = SaveJob(step=step, seq=seq, snapshot=snap, structure=flat.structure, metrics=metrics, started=started,
-                      on_local=handle.mark_local, persist=persists, storage=self.storage.view(persists))
+                      on_local=handle.mark_local, persist=persists, storage=self._engine.storage_for(persists))
         self._ledger.add(handle)
-        if self._journal is not None:
-            future.add_done_callback(self._journal_save(step, wall, metrics))
+        if self._run_journal is not None:
+            future.add_done_callback(self._run_journal.record(wall, metrics))
         at_exit.saving(self, future)  # finished at interpreter exit, even if nobody closes this
         self._protocol.submit(job, future)
         self._schedule.saved(handle)
@@ -330,16 +233,6 @@ class Checkpointer:
                     "the cause and save again, or pass on_save_error='log' to only log such failures)", *err.args[1:])
         raise err
 
-    def _persists(self, seq: int, emergency: bool, asked: bool | None) -> bool:
-        """Whether save number ``seq`` goes to the checkpoint path (the same answer on every rank)."""
-        tiers = self._tiers
-        if tiers is None:
-            return True
-        every = self.options.persist_every
-        if asked is not None:
-            return asked
-        return every is None or emergency or seq % every == 0
-
     # -- when to save ---------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Whether to save ``step``. Call it on every rank after every step; every rank gets the same answer.
@@ -352,8 +245,8 @@ class Checkpointer:
             this is the emergency save).
         """
         self._check_open()
-        if self._journal is not None:
-            self._journal.step = step  # the last-seen record says how far the loop got
+        if self._run_journal is not None:
+            self._run_journal.seen(step)
         return self._schedule.should_save(step)
 
     @property
@@ -394,7 +287,7 @@ class Checkpointer:
         Args:
             step: a step number, committed or to come.
         """
-        self._retention.protect(step)
+        self._engine.retention.protect(step)
 
     def adopt_buffer(self, donor: Checkpointer) -> None:
         """Start from ``donor``'s host buffer instead of allocating one (both single-process).
@@ -454,26 +347,14 @@ class Checkpointer:
                 e.args = (f"{e} (The state was partly overwritten before this failed: load a step before training "
                           "on; saves are refused until then.)", *e.args[1:])
             raise
-        if self._journal is not None:  # the first load of this start: the journal's start record
-            self._journal.started(None if done is None else done.manifest.step, time.perf_counter() - began,
-                                  defer=done is None, hosts=self._loader.hosts)
+        if self._run_journal is not None:  # the first load of this start: the journal's start record
+            self._run_journal.loaded(None if done is None else done.manifest.step, time.perf_counter() - began,
+                                     self._loader.hosts)
         if done is None:
             return None
-        m, self.last_load = done.manifest, done.stats
-        self._retention.protect(m.step)  # retention never deletes the step this run resumed from
-        if self._tiers is None or self.last_load.source != "checkpoint":
-            self._writer.learn(m.chunks)  # the next save reuses these chunks without probing storage
-        # (loaded from the checkpoint path with local commits: this rank's tier lacks them, so the next
-        # local-only save must ask the tier and write what it lacks, or its step would name chunks no tier holds)
-        if done.heal is not None:
-            # in the background, before the next save (the same thread): this rank's tier gets back what
-            # the load took from peers or the checkpoint path; wait() and close() wait for it
-            self._commit_thread.submit(self._heal, done.heal)
-        return m.step
-
-    def _heal(self, heal: Callable[[], bool]) -> None:
-        if not heal():  # the tier lacks some of the loaded chunks: the next save must not take them as stored
-            self._writer.forget_loaded()
+        self.last_load = done.stats
+        self._engine.loaded(done)  # retention keeps the step; the next save reuses its chunks (wait() waits for a heal)
+        return done.manifest.step
 
     # -- queries --------------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -505,14 +386,12 @@ class Checkpointer:
         Raises:
             CheckpointNotFoundError: the step is not committed.
         """
-        return self._manifests.get(step)
+        return self._engine.manifests.get(step)
 
     # -- lifetime -------------------------------------------------------------------------------------
     def _wait_pending(self) -> None:
         self._ledger.settle()
-        if not self._closed:  # and the retention queued behind them
-            self._protocol.drain()
-            self._retention_thread.drain()
+        self._engine.drain()  # and the retention queued behind them
 
     def wait(self) -> None:
         """Wait for every save so far (and the retention after them); raise the first failure not
@@ -531,19 +410,9 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            self._snapshots.reserve = None
             at_exit.untrack(self)
             self._schedule.close()
-            self._commit_thread.shutdown(wait=True)
-            events.emit("close", self.rank)  # the run's saves are done (a harness kills no run past this)
-            if self._journal is not None:  # after the commits: their records are queued
-                self._journal.close(clean=self._clean_end)
-            self._retention_thread.close()
-            self._io.shutdown(wait=True)
-            self._leases.release()
-            if self._tiers is not None:
-                self._tiers.close()
-            self.storage.close()  # the host buffer goes with this object (adopt_buffer may still take it)
+            self._engine.close(self._clean_end)  # the host buffer stays with this object (adopt_buffer)
         self._schedule.pass_on()  # a preemption signal that no should_save() took: the process gets it now
 
     def _in_flight(self) -> list[int]:

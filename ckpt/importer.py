@@ -363,7 +363,7 @@ def import_checkpoint(src: str | os.PathLike, url: str | os.PathLike, step: int,
     from .checkpointer import Checkpointer
 
     with Checkpointer(url, **options) as c:
-        c._journal = None  # an import is no start of a training job: the run journal leaves it out
+        c._run_journal = c._engine.journal = None  # an import is no start of a training job: no run journal
         c.save(step, state).wait()
     return result
 

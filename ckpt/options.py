@@ -23,9 +23,9 @@ from . import _cpus
 from . import host_memory as _host_memory
 from . import options_doc as _docs
 from ._args import flag
-from .encode import CodecSpec
 from .errors import ConfigError
 from .redundancy_config import Parity, Replicas
+from .save.encode import CodecSpec
 from .schedule import (
     DEFAULT_MAX_OVERHEAD,
     DEFAULT_MTBF,
@@ -360,7 +360,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tiered_commits and self.local_dir is None:
+        if self.local_commits and self.local_dir is None:
             what = "redundancy" if self.redundancy is not None else "persist_every"
             raise ConfigError(f"{what} needs local_dir: every save commits to a local directory (NVMe) on each node, "
                               "and only some are uploaded to the checkpoint path")
@@ -445,7 +445,7 @@ class Options(ValueOptions, SnapshotOptions, IOOptions, RedundancyOptions, Sched
         return self._group(ValueOptions)
 
     @property
-    def tiered_commits(self) -> bool:
+    def local_commits(self) -> bool:
         """Whether saves commit to each node's local tier (and only some go to the checkpoint path)."""
         return self.redundancy is not None or self.persist_every is not None
 

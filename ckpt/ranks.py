@@ -14,8 +14,8 @@ as DCP's ``reduce_scatter`` does: every rank hands in its value or its error; th
 the ranks that posted nothing in time) and publishes one answer, the same for everyone or one per
 rank; the other ranks post once and wait for their answer. A reduction that raises fails the round
 on every rank (a :class:`~ckpt.errors.DistributedSaveError` naming its ranks). The protocols are
-short callers: the save plan (:func:`ckpt.planning.exchange_plan`), ``go`` and ``commit``
-(:mod:`ckpt.commit`), load agreement (:meth:`Comm.agree`), the peers' setup.
+short callers: the save plan (:func:`ckpt.save.planning.exchange_plan`), ``go`` and ``commit``
+(:mod:`ckpt.save.commit`), load agreement (:meth:`Comm.agree`), the peers' setup.
 
 Cost, in store requests (a TCPStore ``get`` is a wait and a read: two): a non-coordinator posts (1),
 waits for its answer (1) and reads it (2): 4 at most; the coordinator waits for and reads each post

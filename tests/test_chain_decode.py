@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from ckpt import _ext
-from ckpt.encode import CodecSpec, encode
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import chains
 from ckpt.format.chain_core import decode_chain
@@ -17,6 +16,7 @@ from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode, parse_heade
 from ckpt.format.entries import ChunkInfo
 from ckpt.format.paths import chunk_key
 from ckpt.format.planes import LENGTH_MASK, RANS_FLAG, ZSTD_FLAG
+from ckpt.save.encode import CodecSpec, encode
 from ckpt.storage import LocalStorage
 
 needs_core = pytest.mark.skipif(_ext.cpu() is None, reason="needs the compiled core")

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from ckpt import _ext
-from ckpt.encode import CodecSpec, _encode_planes, encode
 from ckpt.format import chains
 from ckpt.format.chain_core import decode_chain, decode_chain_range
 from ckpt.format.chunk import (
@@ -35,6 +34,7 @@ from ckpt.format.chunk import (
 from ckpt.format.entries import ChunkInfo
 from ckpt.format.paths import chunk_key
 from ckpt.format.planes import LENGTH_MASK, RANS, RANS_FLAG, ROTATES, STORED, ZSTD, ZSTD_FLAG, group
+from ckpt.save.encode import CodecSpec, _encode_planes, encode
 from ckpt.storage import LocalStorage
 
 pytestmark = pytest.mark.skipif(_ext.cpu() is None, reason="needs the compiled core")

@@ -15,13 +15,13 @@ from test_chain_decode import SIZE, build, link_by_link
 
 import ckpt
 from ckpt import _ext
-from ckpt.encode import CodecSpec, encode
 from ckpt.format import manifest as mf
 from ckpt.format import spans
 from ckpt.format.chain_core import decode_chain, decode_chain_range, decode_chain_ranges
 from ckpt.format.chunk import HEADER_SIZE, Base, _section_table, chunk_hash, parse_header
 from ckpt.format.planes import RANS, ZSTD
 from ckpt.load import chunk_reads
+from ckpt.save.encode import CodecSpec, encode
 
 pytestmark = pytest.mark.skipif(_ext.cpu() is None, reason="needs the compiled core")
 

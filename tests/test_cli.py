@@ -21,9 +21,9 @@ from conftest import chunk_files, tensor_entry
 
 import ckpt
 from ckpt import cli
-from ckpt.encode import CodecSpec, encode
 from ckpt.format import paths
 from ckpt.format.chunk import chunk_hash
+from ckpt.save.encode import CodecSpec, encode
 from ckpt.storage.local import LocalStorage
 from ckpt.testing import FaultyStorage, run_ranks
 

@@ -15,14 +15,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckpt
 import ckpt.dcp
-from ckpt.encode import CodecSpec, encode
 from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from ckpt.format import manifest as mf
 from ckpt.format import paths
 from ckpt.format.chunk import HEADER_SIZE, Base, decode, parse_header
+from ckpt.save.encode import CodecSpec, encode
+from ckpt.save.writer import Writer
 from ckpt.storage import LocalStorage
 from ckpt.testing import run_ranks
-from ckpt.writer import Writer
 
 
 def colliding(seed: float) -> dict:

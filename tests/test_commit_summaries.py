@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.commit_index import IndexBuilder, layout_digest, summarize
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import index, paths
 from ckpt.format import manifest as mf
 from ckpt.format.entries import Shard
+from ckpt.save.commit_index import IndexBuilder, layout_digest, summarize
 from ckpt.storage import LocalStorage
 from ckpt.testing import FaultyStorage, run_ranks
 

@@ -72,7 +72,7 @@ def test_gc_with_retention_also_deletes_the_chunks_of_parked_lists(tmp_path):
     own to retire: both sets go, and the parked list with them (the flake of the test below: gc took
     the parked chunks for deleted by its own retention and removed their list)."""
     from ckpt.format import manifest as mf
-    from ckpt.retention import delete_steps
+    from ckpt.save.retention import delete_steps
 
     root = str(tmp_path / "ck")
     with ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw") as c:
@@ -126,7 +126,7 @@ def test_a_marker_still_being_written_is_not_taken_for_a_parked_list(tmp_path):
     storage.write("retired/000000000001-aaaaaaaaaaaa.json", [json.dumps({"steps": [0], "chunks": []}).encode()])
     os.rename(os.path.join(root, "retired", "000000000001-aaaaaaaaaaaa.json"),
               os.path.join(root, "retired", "000000000001-bbbbbbbbbbbb.json.tmp-0123456789ab"))
-    from ckpt.retention import parked
+    from ckpt.save.retention import parked
     assert parked(storage) == {}
     c = ckpt.Checkpointer(root, chunk_size=CHUNK, codec="raw")
     c.save(2, {"x": torch.arange(1000.0)}).wait()  # after the commit, retention collects what is parked

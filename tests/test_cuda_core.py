@@ -17,8 +17,9 @@ import weakref
 import pytest
 import torch
 
-from ckpt import _ext, cuda_snapshot
+from ckpt import _ext
 from ckpt.errors import ConfigError
+from ckpt.save import cuda_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = _ext.CudaProbe

@@ -207,6 +207,47 @@ def test_rank_killed_in_write_data_commits_nothing_and_next_save_works(tmp_path)
     assert torch.equal(ckpt.open(path).tensors(1)["model/w"], state["model"]["w"])
 
 
+def local_commits_body(rank: int, world: int, path: str, nvme: str) -> dict:
+    from ckpt.format import manifest as mf
+
+    state = dtensor_state(world)
+    held = []
+    for s in (1, 2):
+        with torch.no_grad():
+            state["model"]["w"].add_(1.0)
+        writer = ckpt.dcp.Writer(path, step=s, local_dir=f"{nvme}/node{rank}", redundancy=ckpt.Replicas(2),
+                                 failure_domain=f"node{rank}")
+        dcp.async_save(state, storage_writer=writer).result()
+        held.append(mf.committed_steps(LocalStorage(f"{nvme}/node{rank}")))
+    got = dtensor_state(world, zeros=True)
+    dcp.load(got, storage_reader=ckpt.dcp.Reader(path, step=2))
+    return {"saved": full(state), "loaded": full(got), "held": held}
+
+
+@pytest.mark.multiprocess
+def test_async_save_with_local_commits_and_redundancy(tmp_path):
+    """ckpt.dcp.Writer(local_dir=, redundancy=) on 2 gloo ranks under dcp.async_save: the steps load
+    bit-exact, each rank's local directory is a committed checkpoint (the coordinator's at once, the
+    other's from its next save, and at exit), and holds a replica of the other rank's chunks."""
+    import numpy as np
+
+    from ckpt.format import manifest as mf
+
+    path, nvme = str(tmp_path / "run"), str(tmp_path / "nvme")
+    out = run_ranks(2, local_commits_body, path, nvme, timeout=180)
+    for r in out:
+        for k, v in r["saved"]["model"].items():
+            assert np.array_equal(r["loaded"]["model"][k], v), k
+        assert r["loaded"]["step"] == 3 and r["loaded"]["meta"] == r["saved"]["meta"]
+    assert out[0]["held"] == [[1], [1, 2]] and out[1]["held"] == [[], [1]]
+    chunks = set(ckpt.open(path).manifest(2).chunks)
+    for node in ("node0", "node1"):  # closed at exit: both steps committed in both local directories
+        tier = LocalStorage(f"{nvme}/{node}")
+        assert mf.committed_steps(tier) == [1, 2], node
+        assert all(tier.exists(paths.chunk_key(h)) for h in chunks), node  # Replicas(2): every chunk on both
+    assert ckpt.open(path).steps() == [1, 2] and ckpt.open(path).verify(all=True).ok
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
 def test_async_save_with_stager(tmp_path, process):
@@ -323,10 +364,10 @@ def _new_chunks(reader, steps: list[int]) -> list[dict]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_successive_saves_store_deltas_against_the_previous_one(tmp_path, dtype):
-    from ckpt.dcp import _pairs
+    from ckpt.dcp import engines
 
     g = torch.Generator().manual_seed(7)
-    runs = {}
+    runs, held = {}, {}
     for chain in (8, 1):
         path = str(tmp_path / f"chain{chain}")
         state = {"model": {"w": (torch.randn(768, 1024, generator=g) * 0.02).to(dtype),
@@ -340,6 +381,7 @@ def test_successive_saves_store_deltas_against_the_previous_one(tmp_path, dtype)
             dcp.save(state, storage_writer=ckpt.dcp.Writer(path, step=s, chunk_size=256 * 1024, delta_chain=chain),
                      no_dist=True)  # a new Writer per save, as DCP wants
             saved.append({k: v.clone() for k, v in state["model"].items()})
+        held[chain] = engines.held_bytes()
         reader = ckpt.open(path)
         for s, want in zip((1, 2, 3), saved):  # bit-exact through both readers
             got = {"model": {k: torch.zeros_like(v) for k, v in want.items()}, "step": -1}
@@ -364,17 +406,16 @@ def test_successive_saves_store_deltas_against_the_previous_one(tmp_path, dtype)
     assert not any(c.codec.startswith("xor/") for n in plain for c in n.values())
     for s in (1, 2):
         assert sum(c.stored for c in plain[s].values()) > 10 * stored[s], (stored, s)
-    with _pairs._lock:  # delta_chain=1 keeps nothing; the delta root keeps its pair (twice the items)
-        assert (runs[1][1], 0) not in _pairs._pairs and (path, 0) in _pairs._pairs
-        pair = _pairs._pairs[(path, 0)]
-    assert pair.buffer is not None and pair.spare is not None
+    # the delta root kept its pair (twice the items); delta_chain=1 keeps no buffer
+    items = sum(v.numel() * v.element_size() for v in state["model"].values())
+    assert 2 * items <= held[8] <= 2.1 * items + 8192 and held[1] == 0, (held, items)
     # a structure change starts a new pair: whole chunks again, and it loads
     state["model"]["extra"] = torch.ones(4)
     dcp.save(state, storage_writer=ckpt.dcp.Writer(path, step=4, chunk_size=256 * 1024), no_dist=True)
     reader = ckpt.open(path)
     assert not any(c.codec.startswith("xor/") for c in _new_chunks(reader, [1, 2, 3, 4])[3].values())
     assert torch.equal(reader.tensors(4)["model/extra"], torch.ones(4)) and reader.verify(all=True).ok
-    _pairs.drop(path, 0)
+    engines.drop(path, 0)
 
 
 def test_a_save_that_fails_before_copying_does_not_hold_the_next_stage(tmp_path):
@@ -434,22 +475,21 @@ def test_a_load_that_fails_on_a_damaged_chunk_changes_no_value_either(tmp_path):
 def test_saves_into_a_new_directory_each_keep_only_the_newest_roots_buffers(tmp_path):
     """DCP's usual convention, a new directory per checkpoint: what is kept for deltas stays at one
     root's worth (it grew by the state's size with every save)."""
-    from ckpt.dcp import _pairs
+    from ckpt.dcp import engines
 
     state = {"w": torch.randn(256, 1024)}  # 1 MiB
     size = state["w"].numel() * 4
     for s in range(1, 6):
         state["w"].add_(1.0)
         dcp.save(state, storage_writer=ckpt.dcp.Writer(str(tmp_path / f"ckpt-{s}"), step=s), no_dist=True)
-        assert _pairs.held_bytes() <= 1.05 * size + 4096, (s, _pairs.held_bytes())
-    with _pairs._lock:
-        assert [k for k in _pairs._pairs if k[1] == 0] == [(str(tmp_path / "ckpt-5"), 0)]
+        assert engines.held_bytes() <= 1.05 * size + 4096, (s, engines.held_bytes())
+    assert engines.roots(0) == [str(tmp_path / "ckpt-5")]
     # the newest root still stores deltas against its previous save
     state["w"][:4].add_(1e-3)
     dcp.save(state, storage_writer=ckpt.dcp.Writer(str(tmp_path / "ckpt-5"), step=6), no_dist=True)
-    assert _pairs.held_bytes() <= 2.1 * size + 8192
+    assert engines.held_bytes() <= 2.1 * size + 8192
     assert torch.equal(ckpt.open(str(tmp_path / "ckpt-5")).tensors(6)["w"], state["w"])
-    _pairs.drop(str(tmp_path / "ckpt-5"), 0)
+    engines.drop(str(tmp_path / "ckpt-5"), 0)
 
 
 def test_a_module_state_dict_written_through_dcp_loads_into_the_module(tmp_path):

@@ -17,11 +17,11 @@ import torch
 
 import ckpt
 from ckpt import CorruptCheckpointError, IncompatibleFormatError, _ext, cli
-from ckpt.encode import CodecSpec, encode
 from ckpt.format import manifest as mf
 from ckpt.format import paths, rans
 from ckpt.format.chunk import Base, chunk_hash, decode, verify_object
 from ckpt.format.planes import RANS, SECTION_FLAGS, group, ungroup
+from ckpt.save.encode import CodecSpec, encode
 
 CHUNK = 64 * 1024
 
@@ -156,7 +156,7 @@ def _retention_killed_after(root: str, kill_after: int) -> int:
     """Run retention (keep the newest 2) on ``root`` in a forked child that SIGKILLs itself before
     delete number ``kill_after + 1``; returns the child's wait status (0: it finished)."""
     from ckpt.format.manifest import ManifestCache, committed_steps
-    from ckpt.retention import delete_steps, to_delete
+    from ckpt.save.retention import delete_steps, to_delete
     from ckpt.storage import open_storage
 
     pid = os.fork()
@@ -707,8 +707,8 @@ def test_ranks_that_stored_the_same_chunk_differently_commit_what_stayed(tmp_pat
     bases): the copy written last stays, and the committed entry must describe it."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from ckpt.save.writer import Writer
     from ckpt.storage import open_storage
-    from ckpt.writer import Writer
 
     storage = open_storage(str(tmp_path / "ck"))
     raw = _chunk(1 << 18)

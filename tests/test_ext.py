@@ -12,9 +12,9 @@ import xxhash
 
 import ckpt
 from ckpt import _ext
-from ckpt.buffer_layout import make_layout
 from ckpt.format.chunk import chunk_hash
-from ckpt.snapshot import HostBuffer
+from ckpt.save.buffer_layout import make_layout
+from ckpt.save.snapshot import HostBuffer
 
 core = _ext.cpu()
 needs_core = pytest.mark.skipif(core is None, reason="compiled core not built (no C++ compiler, or CKPT_NO_EXT)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ckpt import cuda_snapshot
+from ckpt.save import cuda_snapshot
 
 
 class _FinishedCopy:

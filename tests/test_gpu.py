@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import _ext, cuda_snapshot
-from ckpt.buffer_layout import make_layout
-from ckpt.snapshot import HostBuffer
+from ckpt import _ext
+from ckpt.save import cuda_snapshot
+from ckpt.save.buffer_layout import make_layout
+from ckpt.save.snapshot import HostBuffer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -283,8 +284,8 @@ def test_a_lightning_fit_on_the_gpu_arms_the_fence_for_every_save(ckdir, monkeyp
     L = pytest.importorskip("lightning")
     from lightning_child import Batches, Tiny
 
-    from ckpt import snapshot
     from ckpt.lightning import AsyncCheckpoint
+    from ckpt.save import snapshot
     guarded: list[int] = []
     launch = snapshot.copy_to_host
 

@@ -19,9 +19,9 @@ from conftest import GatedDisk  # noqa: E402
 from lightning_child import Batches, Tiny  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt import cuda_snapshot  # noqa: E402
 from ckpt.lightning import AsyncCheckpoint, CkptCheckpointIO, load_checkpoint  # noqa: E402
-from ckpt.snapshot import Snapshotter  # noqa: E402
+from ckpt.save import cuda_snapshot  # noqa: E402
+from ckpt.save.snapshot import Snapshotter  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -337,7 +337,7 @@ def test_no_modelcheckpoint_by_default_and_the_documented_line_for_enable_checkp
 # -- the optimizers handed to each save (issue 25 item 5) ---------------------------------------------
 def _record_handovers(monkeypatch) -> list[tuple[set[int], tuple]]:
     """Per save: the storage addresses of the tensors it snapshots, and the optimizers handed over
-    to it (ckpt.cuda_snapshot.guarding) while it snapshots them."""
+    to it (ckpt.save.cuda_snapshot.guarding) while it snapshots them."""
     seen: list[tuple[set[int], tuple]] = []
     take = Snapshotter.take
 

@@ -15,7 +15,7 @@ import ckpt
 import ckpt.dcp
 from ckpt import cli
 from ckpt.errors import ConfigError, UnsupportedValueError
-from ckpt.planning import Inventory, InventoryRow, assign
+from ckpt.save.planning import Inventory, InventoryRow, assign
 from ckpt.testing import run_ranks
 
 TABLE = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3) * 0.5 - 7  # the ShardedTensor's global value

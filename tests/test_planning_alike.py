@@ -1,7 +1,7 @@
-"""The plan of ranks alike (issue 35 item 5): :func:`ckpt.planning_alike.assign_alike`, planning from
-what is distinct among the ranks' posts, gives exactly what :func:`ckpt.planning.assign` gives for
+"""The plan of ranks alike (issue 35 item 5): :func:`ckpt.save.planning_alike.assign_alike`, planning from
+what is distinct among the ranks' posts, gives exactly what :func:`ckpt.save.planning.assign` gives for
 the same inventories (who writes what, the bytes, the packs, the errors), and declines (None) where
-the ranks are not alike, :func:`ckpt.planning.plan_posted` then planning them whole."""
+the ranks are not alike, :func:`ckpt.save.planning.plan_posted` then planning them whole."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 import ckpt
 from ckpt.flatten import flatten
-from ckpt.planning import (
+from ckpt.save.planning import (
     Inventory,
     InventoryRow,
     WriteAssignment,
@@ -24,7 +24,7 @@ from ckpt.planning import (
     plan_posted,
     split,
 )
-from ckpt.planning_alike import assign_alike
+from ckpt.save.planning_alike import assign_alike
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import scale_sim  # noqa: E402
@@ -169,7 +169,7 @@ def test_the_coordinators_work_follows_what_is_distinct_not_ranks_times_tensors(
     """A Llama-shaped state of 84 tensors on 64 FSDP2 x TP8 ranks: the overlap check runs once per
     tensor class (same kind, dtype, shape and boxes on every rank), not once per tensor, and every
     rank's post names a handful of distinct boxes, not a box per tensor."""
-    import ckpt.planning_alike as alike
+    import ckpt.save.planning_alike as alike
 
     calls: list[int] = []
     real = alike.check_tiles

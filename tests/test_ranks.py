@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ckpt.errors import DistributedSaveError
-from ckpt.planning import Inventory, InventoryRow, exchange_plan, fail_plan
 from ckpt.ranks import Comm, Gathered, LocalComm
+from ckpt.save.planning import Inventory, InventoryRow, exchange_plan, fail_plan
 
 
 class Board:
@@ -214,7 +214,7 @@ def test_the_plan_round_sends_digests_and_each_part_the_ranks_share_once():
 
     import ckpt
     from ckpt.flatten import flatten
-    from ckpt.planning import assign
+    from ckpt.save.planning import assign
 
     def inventory(r: int, stages: int) -> Inventory:
         per = 8 // stages

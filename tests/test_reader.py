@@ -14,7 +14,8 @@ from test_cli import HOUR, frozen_and_moving, make_garbage, save_steps
 import ckpt
 from ckpt import cli
 
-WRITER_SIDE = ("ckpt.writer", "ckpt.commit", "ckpt.peers", "ckpt.checkpointer", "ckpt.ranks", "ckpt.snapshot")
+WRITER_SIDE = ("ckpt.save.writer", "ckpt.save.commit", "ckpt.peers", "ckpt.checkpointer", "ckpt.ranks",
+               "ckpt.save.snapshot")
 
 
 def cli_json(capsys, *args) -> tuple[int, dict]:

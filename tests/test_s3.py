@@ -366,7 +366,7 @@ def test_retention_keep_last_and_keep_every_on_both_tiers(rclone_server, tmp_pat
 RETENTION_CHILD = r"""
 import os, signal, sys
 from ckpt.format.manifest import ManifestCache, committed_steps
-from ckpt.retention import delete_steps, to_delete
+from ckpt.save.retention import delete_steps, to_delete
 from ckpt.storage import open_tiered
 from ckpt.format.chunk import verify_object
 url, local, endpoint, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

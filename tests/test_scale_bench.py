@@ -21,7 +21,7 @@ import scale  # noqa: E402
 import scale_sim  # noqa: E402
 
 from ckpt.flatten import flatten  # noqa: E402
-from ckpt.planning import Inventory  # noqa: E402
+from ckpt.save.planning import Inventory  # noqa: E402
 
 pytestmark = pytest.mark.slow  # about 10 s: 160 simulated saves' worth of planning on threads
 

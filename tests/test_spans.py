@@ -201,8 +201,8 @@ def test_storage_that_does_not_hash_as_it_reads_reads_runs_of_spans(tmp_path):
 # -- chunks stored as byte planes: only the needed spans are decoded ------------------------------------
 
 def planes_object(data: np.ndarray, width: int, rotate: bool, codec: str = "auto") -> tuple[bytes, str]:
-    from ckpt.encode import CodecSpec, encode
     from ckpt.format.chunk import chunk_hash
+    from ckpt.save.encode import CodecSpec, encode
 
     h = chunk_hash(data)
     name, parts = encode(memoryview(data), h, CodecSpec.parse(codec), width=width, rotate=rotate)
@@ -361,9 +361,9 @@ def test_a_chunk_two_ranks_stored_differently_keeps_its_digests_in_the_step(save
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckpt.encode import CodecSpec
+    from ckpt.save.encode import CodecSpec
+    from ckpt.save.writer import Writer
     from ckpt.storage import LocalStorage
-    from ckpt.writer import Writer
 
     m = ckpt.Checkpointer(saved).manifest(1)
     (h,) = {h for h, info in m.chunks.items() if info.spans is not None}

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 import ckpt
 import ckpt.dcp
 from ckpt.flatten import flatten
-from ckpt.planning import Inventory, assign
+from ckpt.save.planning import Inventory, assign
 from ckpt.testing import run_ranks
 
 V, D, LAYERS = 6, 4, 4

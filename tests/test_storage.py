@@ -10,9 +10,9 @@ import uuid
 import pytest
 from conftest import MiB, fast, s3_url
 
-from ckpt.encode import CodecSpec, encode
 from ckpt.format.chunk import chunk_hash, verify_object
-from ckpt.storage import LocalStorage, Storage, open_storage, open_tiered
+from ckpt.save.encode import CodecSpec, encode
+from ckpt.storage import LocalStorage, Storage, open_storage, open_tiered, read_counters
 from ckpt.storage.s3 import S3Storage
 from ckpt.storage.tiered import TieredStorage
 
@@ -278,5 +278,21 @@ def test_tiered_serves_only_verified_local_copies(tmp_path):
     assert st.readv(key, [head, rest]) == len(data) and bytes(head) + bytes(rest) == data
     c = st.tier_counters()
     assert c.local_hits == 1 and c.remote_reads == 1 and c.local_rejected == [key]
-    assert open_storage(str(tmp_path / "plain")).tier_counters() is None  # a single tier has no counters
+    assert read_counters(open_storage(str(tmp_path / "plain"))) is None  # a single tier has no counters
+    assert read_counters(st) == c
     st.close()
+
+
+def test_the_durable_tier_is_found_through_a_wrapper_and_the_surface_has_no_tier_methods(tmp_path):
+    """Leases and the run journal go to the checkpoint path itself, behind a local_dir and through a
+    test's FaultyStorage around either; the Storage surface every backend implements knows no tiers."""
+    from ckpt.storage import durable_of
+    from ckpt.testing import FaultyStorage
+
+    tiered = open_tiered(str(tmp_path / "remote"), str(tmp_path / "nvme"), verify=verify_object)
+    plain = LocalStorage(tmp_path / "plain")
+    assert durable_of(tiered) is tiered.remote and durable_of(FaultyStorage(tiered)) is tiered.remote
+    faulty = FaultyStorage(plain)
+    assert durable_of(plain) is plain and durable_of(faulty) is faulty  # the faults stay on a single tier
+    assert not {"view", "durable_tier", "tier_counters", "reset_tier_counters"} & set(vars(Storage))
+    tiered.close()

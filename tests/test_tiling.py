@@ -18,7 +18,7 @@ from ckpt.errors import ConfigError
 from ckpt.format import paths
 from ckpt.format.boxes import Box, check_tiles, intersect, overlap, volume
 from ckpt.format.entries import Shard, TensorEntry, check_tiling
-from ckpt.planning import Inventory, InventoryRow, assign
+from ckpt.save.planning import Inventory, InventoryRow, assign
 
 
 def brute(boxes: list[Box], shape: tuple[int, ...]) -> bool:

@@ -16,17 +16,17 @@ import torch
 import ckpt
 from ckpt import CorruptCheckpointError, IncompatibleFormatError
 from ckpt import tree as st
-from ckpt.buffer_layout import ALIGN, make_layout
-from ckpt.commit import Decision, Report, Status
-from ckpt.encode import CodecSpec, encode
 from ckpt.flatten import flatten
 from ckpt.format import manifest as mf
 from ckpt.format.boxes import contiguous_run, next_needed
 from ckpt.format.chunk import chunk_hash, decode, verify, verify_object
 from ckpt.options import OptionArgs, Options, RetentionOptions
-from ckpt.planning import Inventory, InventoryRow, WriteAssignment, assign, exchange_plan
 from ckpt.ranks import LocalComm
-from ckpt.retention import to_delete
+from ckpt.save.buffer_layout import ALIGN, make_layout
+from ckpt.save.commit import Decision, Report, Status
+from ckpt.save.encode import CodecSpec, encode
+from ckpt.save.planning import Inventory, InventoryRow, WriteAssignment, assign, exchange_plan
+from ckpt.save.retention import to_delete
 
 
 def _tensors(sizes):

@@ -11,8 +11,6 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.commit import CommitProtocol
-from ckpt.encode import CodecSpec
 from ckpt.flatten import flatten
 from ckpt.format import manifest as mf
 from ckpt.format import paths
@@ -20,10 +18,13 @@ from ckpt.format.chunk import decode
 from ckpt.handle import SaveMetrics
 from ckpt.lease import Leases
 from ckpt.ranks import LocalComm
-from ckpt.snapshot import Snapshotter
+from ckpt.save.commit import CommitProtocol
+from ckpt.save.encode import CodecSpec
+from ckpt.save.job import SaveJob
+from ckpt.save.snapshot import Snapshotter
+from ckpt.save.writer import Writer
 from ckpt.storage import open_storage
 from ckpt.testing import FaultyStorage
-from ckpt.writer import SaveJob, Writer
 
 CHUNK = 64 * 1024
 

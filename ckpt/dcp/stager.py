@@ -1,7 +1,7 @@
 """``ckpt.dcp.Stager``: DCP's snapshot seam (``AsyncStager``) over ckpt's host buffer.
 
 ``stage(state_dict)`` copies every tensor, CPU or CUDA, into one host buffer laid out by
-:func:`ckpt.buffer_layout.make_layout` and filled by :meth:`ckpt.snapshot.HostBuffer.copy_in` (the
+:func:`ckpt.save.buffer_layout.make_layout` and filled by :meth:`ckpt.save.snapshot.HostBuffer.copy_in` (the
 same copy ``Checkpointer.save`` makes: multi-threaded and fused with hashing on CPU, batched
 device-to-host copies on GPU), and returns a state dict of the same shape whose tensors are views
 into that buffer. The buffer is allocated at the state's size and reused while the structure
@@ -32,11 +32,11 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from .._args import flag
-from ..buffer_layout import BufferLayout, TensorSlot, make_layout
 from ..errors import CheckpointError, ConfigError
+from ..save.buffer_layout import BufferLayout, TensorSlot, make_layout
+from ..save.snapshot import HostBuffer
+from ..save.snapshot import local_tensor as _local
 from ..sharding import is_dtensor
-from ..snapshot import HostBuffer
-from ..snapshot import local_tensor as _local
 
 log = logging.getLogger("ckpt")
 

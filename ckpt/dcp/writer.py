@@ -1,13 +1,15 @@
 """``ckpt.dcp.Writer``: a DCP ``StorageWriter`` that stores a ``dcp.save`` as a ckpt step.
 
 DCP plans (which rank writes which item, replicated items once); ckpt stores. On each rank,
-``write_data`` lays the rank's items out in a host buffer (:func:`ckpt.buffer_layout.make_layout`,
-:class:`ckpt.snapshot.HostBuffer`) and hands it to ckpt's writer (:meth:`ckpt.writer.Writer.write_part`):
+``write_data`` lays the rank's items out in a host buffer (:func:`ckpt.save.buffer_layout.make_layout`,
+:class:`ckpt.save.snapshot.HostBuffer`) and hands it to ckpt's writer (:meth:`ckpt.save.writer.Writer.write_part`):
 content-addressed, hashed chunks, dedup against what is stored, codecs (XOR deltas against the same
-rank's previous save into the same root, whose bytes a module-level registry keeps: ``_pairs``), durable writes through
-``local_dir`` when given, then the rank's report (``steps/<S>/rank-<r>.json``). ``finish``, on the
-coordinator, reads every rank's report, rebuilds the nested structure from DCP's metadata and commits
-``MANIFEST.json`` create-only (:meth:`ckpt.writer.Writer.commit`); retention follows. Until then no
+rank's previous save into the same root), durable writes through ``local_dir`` when given, then the
+rank's report (``steps/<S>/rank-<r>.json``). All of it runs on the save engine the Checkpointer uses
+(:class:`ckpt.save.engine.SaveEngine`), one per root and options in this process, kept across saves
+(:mod:`ckpt.dcp.engines`). ``finish``, on the coordinator, reads every rank's report, rebuilds the
+nested structure from DCP's metadata and commits ``MANIFEST.json`` create-only
+(:meth:`ckpt.save.writer.Writer.commit`); retention follows. Until then no
 step is visible: a rank killed midway leaves only chunks and reports, for ``ckpt gc``.
 """
 
@@ -17,8 +19,6 @@ import dataclasses
 import logging
 import os
 import time
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -29,22 +29,18 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import tree as st
-from ..buffer_layout import make_layout
 from ..errors import CheckpointError, ConfigError, StepExistsError
 from ..flatten import Leaf, piece_key
 from ..format import manifest as mf
 from ..format import paths
-from ..format.chunk import verify_object
 from ..handle import SaveMetrics
-from ..lease import Leases
 from ..options import Options, check_storage
-from ..retention import Retention
-from ..snapshot import HostBuffer, Snapshot
-from ..storage import open_tiered
+from ..save.buffer_layout import make_layout
+from ..save.job import SaveJob
+from ..save.snapshot import HostBuffer, Snapshot
+from ..save.writer import STEP_EXISTS_ADVICE
 from ..storage.base import Storage
-from ..writer import STEP_EXISTS_ADVICE, SaveJob
-from ..writer import Writer as ChunkWriter
-from . import _pairs, _serial
+from . import _serial, engines
 from ._structure import build_structure, check_keys, tensor_key, value_node
 from .stager import DONE, READING, SEQ, Header, release_pending
 
@@ -56,38 +52,13 @@ REFUSED = {
     "mtbf": "DCP saves when you call dcp.save", "max_overhead": "DCP saves when you call dcp.save",
     "preemption_deadline": "DCP saves when you call dcp.save",
     "on_save_error": "dcp.save raises a failed save, and async_save's future",
-    "redundancy": "local commits need the Checkpointer", "persist_every": "local commits need the Checkpointer",
-    "failure_domain": "local commits need the Checkpointer", "keep_local": "local commits need the Checkpointer",
+    "persist_every": "every DCP save goes to the checkpoint path (with local_dir and redundancy, to the local "
+                     "directories too)",
     "busy": "ckpt.dcp.Stager decides when the buffer is free",
     "check_finite": "DCP's flat state does not say which tensors are parameters; use the Checkpointer",
     "strict": "it is a load option",
     "shared_root": "each rank of a DCP save holds its own lease, so ckpt.dcp.Writer never refuses a shared root",
 }
-
-
-class _Run:
-    """What one save holds open (storage, threads, the writer lease), opened on each rank in
-    ``set_up_storage_writer``, never in ``__init__`` (the Writer must pickle for process mode)."""
-
-    def __init__(self, url: str, options: Options, storage: Storage | None):
-        self.storage = storage if storage is not None else open_tiered(
-            url, options.local_dir, options.storage_options, verify=verify_object, upload_threads=options.threads)
-        self.io = ThreadPoolExecutor(options.threads, thread_name_prefix="ckpt-dcp-io")
-        self.leases = Leases(self.storage.durable_tier(), wait_s=options.timeout)
-        self.writer = ChunkWriter(self.storage, options.codec, self.io, self.leases, delta_chain=1)
-        self.owned = storage is None
-        self.closed = False
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.leases.release()
-        finally:
-            self.io.shutdown(wait=True)
-            if self.owned:
-                self.storage.close()
 
 
 class Writer(StorageWriter):
@@ -101,10 +72,13 @@ class Writer(StorageWriter):
     Deltas (``codec="auto"`` or ``"smallest"`` with ``delta_chain`` > 1, the default): successive saves
     of this process into the same root, with the same items and shapes, store chunks as XOR deltas of
     the previous save's where that is smaller, as the Checkpointer does. For that each rank keeps its
-    items' host copy between saves, in a pair of buffers that take turns (``ckpt/dcp/_pairs.py``):
+    items' host copy between saves, in a pair of buffers that take turns (:mod:`ckpt.dcp.engines`):
     **host memory: twice this rank's items from the second save on** (once until then; one transient
     copy per save without deltas), on top of a ``ckpt.dcp.Stager``'s buffer. A save with other items
     or shapes starts a new pair; ``delta_chain=1`` turns deltas off and frees the pair.
+
+    Local commits: with ``local_dir`` and ``redundancy`` (``failure_domain``, ``keep_local``), every save
+    also commits to each rank's ``local_dir``, its chunks protected by peers, as the Checkpointer's do.
 
     Args:
         url: the checkpoint root (a directory or an fsspec URL).
@@ -112,7 +86,8 @@ class Writer(StorageWriter):
         storage: an opened :class:`~ckpt.storage.base.Storage` instead of opening ``url``.
         **options: the Checkpointer's options (:class:`~ckpt.Options`), checked here as the Checkpointer checks
             them, but for those that belong to a training loop (``every``, ``preemption``, ``mtbf``, ...:
-            refused, saying why).
+            refused, saying why); ``local_dir`` with ``redundancy`` commits every save to each rank's
+            local directory too.
 
     Raises:
         ConfigError: a bad or refused option (it names it).
@@ -132,15 +107,15 @@ class Writer(StorageWriter):
         self.url = os.fspath(url)
         self.step = step
         self._storage = storage
-        self._run: _Run | None = None
+        self._kept: engines.Kept | None = None
+        self._holding = False  # this rank holds the engine's writer lease for this save
         self._rank = 0
         self._coordinator = False
         self._copied = False  # this save copied its staged snapshot out (a failure then releases nothing)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_run"] = None  # opened again where it is used
-        state.pop("_finalizer", None)
+        state["_kept"], state["_holding"] = None, False  # found again where it is used
         return state
 
     # -- DCP's calls, in order ------------------------------------------------------------------
@@ -157,15 +132,14 @@ class Writer(StorageWriter):
         except BaseException:
             release_pending()
             raise
-        if self._run is None:
-            self._run = run = _Run(self.url, self.options, self._storage)
-            self._finalizer = weakref.finalize(self, run.close)
-        run = self._run
         try:
-            if run.storage.exists(paths.manifest_key(self.step)):
-                raise StepExistsError(f"step {self.step} is already committed in {run.storage.describe()}; "
+            self._kept = kept = engines.engine_for(self.url, self._rank, self.options, self._storage)
+            storage = kept.engine.storage
+            if storage.exists(paths.manifest_key(self.step)):
+                raise StepExistsError(f"step {self.step} is already committed in {storage.describe()}; "
                                       f"committed steps are never overwritten. {STEP_EXISTS_ADVICE}")
-            run.leases.hold()  # held until this rank is done: `ckpt gc` beside never deletes what it reuses
+            kept.engine.leases.hold()  # held until this rank is done: `ckpt gc` beside never deletes what it reuses
+            self._holding = True
         except BaseException:
             release_pending()  # the staged snapshot will never be copied out: the next stage need not wait
             raise
@@ -179,26 +153,26 @@ class Writer(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        run = self._need_run()
+        kept = self._need_engine()
         try:
-            results = self._write(run, plan, planner)
+            results = self._write(kept, plan, planner)
         except BaseException:
             if not self._copied:  # once copied, the Stager may already hold the next call's snapshot
                 release_pending()
-            run.close()
+            self._done()
             raise
         if not self._coordinator:
-            run.close()  # the coordinator's lease covers the commit
+            self._done()  # the coordinator's lease covers the commit
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        run = self._need_run()
+        kept = self._need_engine()
         try:
-            self._commit(run, metadata, len(results))
+            self._commit(kept, metadata, len(results))
         finally:
-            run.close()
+            self._done()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -210,16 +184,21 @@ class Writer(StorageWriter):
             check_keys(plans)
         except BaseException:
             release_pending()
-            if self._run is not None:
-                self._run.close()
+            self._done()
             raise
 
-    def _need_run(self) -> _Run:
-        if self._run is None or self._run.closed:
+    def _need_engine(self) -> engines.Kept:
+        if self._kept is None or not self._holding or self._kept.engine.closed:
             raise CheckpointError("ckpt.dcp.Writer was not set up by DCP (use it once, as dcp.save's storage_writer)")
-        return self._run
+        return self._kept
 
-    def _write(self, run: _Run, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+    def _done(self) -> None:
+        """This rank's part of the save is over: its writer lease goes (the engine stays, for the next save)."""
+        if self._kept is not None and self._holding:
+            self._holding = False
+            self._kept.engine.leases.release()
+
+    def _write(self, kept: engines.Kept, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         mappings = plan.planner_data if isinstance(plan.planner_data, dict) else {}
         tensors: dict[str, torch.Tensor] = {}  # key (or piece key) -> this rank's data
         leaves: dict[str, Leaf] = {}
@@ -247,29 +226,24 @@ class Writer(StorageWriter):
                                 key if name != key else None)
             results.append(WriteResult(item.index, t.numel() * t.element_size(), None))
         structure = st.dict_node(list(values), list(values.values()))
-        if not self.options.deltas:
-            _pairs.drop(self.url, self._rank)  # delta_chain=1 (or a codec that never deltas): nothing kept
-            buf = HostBuffer(make_layout(tensors, self.options.chunk_size), native=self.options.native,
-                             threads=self.options.snapshot_threads)
-            self._write_into(run, buf, None, tensors, leaves, structure)
-            return results
-        sig = self._signature(tensors, leaves)
-        pair = _pairs.get(self.url, self._rank, sig, lambda: self._new_pair(run, tensors, sig))
-        with pair.lock:
-            w = pair.writer
-            w.storage, w.io, w.leases = run.storage, run.io, run.leases  # this save's (the writer outlives it)
-            run.writer = w
-            pair.settle(run.storage)
-            buf, other = pair.next_buffer()
+        engine, chunk_size = kept.engine, self.options.chunk_size
+        with kept.lock:
+            kept.settle()
+            sig = self._signature(tensors, leaves)
+            buf = engine.snapshots.next_buffer(sig, lambda: make_layout(tensors, chunk_size))
             try:
-                pair.pending = self._write_into(run, buf, other, tensors, leaves, structure)
+                kept.pending = self._write_into(kept, buf, engine.snapshots.spare, tensors, leaves, structure)
             except BaseException:
-                w.settle(None)  # trust only what was trusted before this save
+                engine.writer.settle(None)  # trust only what was trusted before this save
                 raise
+            finally:
+                if not self.options.deltas:  # delta_chain=1 (or a codec that never deltas): no copy kept
+                    engine.snapshots.drop()
         return results
 
-    def _write_into(self, run: _Run, buf: HostBuffer, other: HostBuffer | None, tensors: dict[str, torch.Tensor],
-                    leaves: dict[str, Leaf], structure: dict) -> tuple[int, mf.Manifest, SaveJob]:
+    def _write_into(self, kept: engines.Kept, buf: HostBuffer, other: HostBuffer | None,
+                    tensors: dict[str, torch.Tensor], leaves: dict[str, Leaf],
+                    structure: dict) -> tuple[int, mf.Manifest, SaveJob]:
         """Copy this rank's items into ``buf`` and write them as this rank's part (deltas against
         ``other`` where the writer's base is there); the buffer is released by ``write_part``."""
         buf.acquire()
@@ -279,23 +253,28 @@ class Writer(StorageWriter):
             buf.release()
             raise
         snap = Snapshot(buf, leaves, frozenset(), hashes, cuda, [], buf.generation, other)
-        job = SaveJob(step=self.step, seq=0, snapshot=snap, structure=structure,
-                      metrics=SaveMetrics(step=self.step), started=time.perf_counter())
-        part = run.writer.write_part(job, self._rank)
+        engine = kept.engine
+        job = SaveJob(step=self.step, seq=0, snapshot=snap, structure=structure, metrics=SaveMetrics(step=self.step),
+                      started=time.perf_counter(), storage=engine.storage_for(True))
+        local = engine.local  # local commits: the same plug-in calls as the Checkpointer's commit protocol makes
+        try:
+            if local is not None:
+                local.begin(job)
+            part = engine.writer.write_part(job, self._rank)
+        except BaseException:
+            if local is not None:  # the peer exchange: every rank takes part, so nobody waits for this one
+                local.protect(job, None)
+            raise
+        if local is not None:
+            error = local.protect(job, part)
+            if error is not None:
+                raise error
         return self.step, part, job
 
-    def _signature(self, tensors: dict[str, torch.Tensor], leaves: dict[str, Leaf]) -> tuple:
-        """What a kept pair must match to be reused: the items as laid out, and the options its writer took."""
-        o = self.options
-        items = tuple((k, t.dtype, tuple(t.shape), t.device.type, leaves[k]) for k, t in tensors.items())
-        return items, (o.codec, o.delta_chain, o.delta_budget, o.chunk_size, o.native, o.snapshot_threads,
-                       o.local_dir)
-
-    def _new_pair(self, run: _Run, tensors: dict[str, torch.Tensor], sig: tuple) -> _pairs.Pair:
-        o = self.options
-        writer = ChunkWriter(run.storage, o.codec, run.io, run.leases, delta_chain=o.delta_chain,
-                             delta_budget=o.delta_budget)
-        return _pairs.Pair(sig, make_layout(tensors, o.chunk_size), writer, o.native, o.snapshot_threads)
+    @staticmethod
+    def _signature(tensors: dict[str, torch.Tensor], leaves: dict[str, Leaf]) -> tuple:
+        """What the kept buffers must match to be reused: the items as laid out."""
+        return tuple((k, t.dtype, tuple(t.shape), t.device.type, leaves[k]) for k, t in tensors.items())
 
     def _copy_in(self, buf: HostBuffer, tensors: dict[str, torch.Tensor]) -> tuple[Any, Any]:
         """Copy this rank's items into its buffer. Items staged by a ckpt.dcp.Stager are read under
@@ -324,8 +303,9 @@ class Writer(StorageWriter):
             for p, h in headers.items():
                 h.set(DONE, seqs[p])
 
-    def _commit(self, run: _Run, metadata: Metadata, world: int) -> None:
-        parts = [mf.read_rank_part(run.storage, self.step, r) for r in range(world)]
+    def _commit(self, kept: engines.Kept, metadata: Metadata, world: int) -> None:
+        engine = kept.engine
+        parts = [mf.read_rank_part(engine.storage, self.step, r) for r in range(world)]
         values: dict[str, st.Node] = {}
         for p in parts:
             values.update(zip(p.structure["k"], p.structure["v"]))
@@ -343,14 +323,12 @@ class Writer(StorageWriter):
             else:
                 raise CheckpointError(f"step {self.step} was not committed: no rank wrote item {fqn!r}")
         bare = [dataclasses.replace(p, structure=st.dict_node([], [])) for p in parts]
-        committed = run.writer.commit(self.step, bare, frozenset(), run.storage,
-                                      structure=build_structure(leaves, mappings))
+        committed = engine.writer.commit(self.step, bare, frozenset(), engine.storage_for(True),
+                                         structure=build_structure(leaves, mappings))
         log.info("committed step %d through DCP (%d ranks, %d tensors)", self.step, world,
                  len(committed.tensors))
         if self.options.keep_last is not None or self.options.keep_every is not None:
-            Retention(run.storage, mf.ManifestCache(run.storage), self.options.keep_last, self.options.keep_every,
-                      run.storage.delete_many, run.leases,
-                      in_use=run.writer.in_use).after_commit(committed)
+            engine.retention.after_commit(committed)
 
 
 def _unsave(data: Any) -> Any:

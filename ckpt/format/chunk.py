@@ -30,7 +30,7 @@ length), for the w planes and the n mod w tail bytes (stored as they are), then 
 order. A chunk with a rANS section is written as format v2 and named ``planes/2`` / ``xor/2`` in
 manifests, so an older ckpt refuses it by name instead of misreading it; the rest stay v1.
 
-Encoding (choosing a codec per chunk) is the writer's business: :mod:`ckpt.encode`.
+Encoding (choosing a codec per chunk) is the writer's business: :mod:`ckpt.save.encode`.
 """
 
 from __future__ import annotations

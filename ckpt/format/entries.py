@@ -23,7 +23,7 @@ MAX_CHAIN = 256  # a chain of deltas longer than this is refused as damaged (ckp
 MAX_CHUNK_BYTES = 1 << 34  # 16 GiB: a sanity bound on what a manifest may claim for one chunk
 MAX_STEP = (1 << 63) - 1  # steps are non-negative 64-bit integers
 MAX_WORLD = 1 << 24
-# Every tensor starts at most ALIGN-aligned in the buffer its rank's chunks cut (ckpt.buffer_layout:
+# Every tensor starts at most ALIGN-aligned in the buffer its rank's chunks cut (ckpt.save.buffer_layout:
 # tensors smaller than ALIGN only to their element), so a chunk holds less than ALIGN bytes of
 # padding before each of its segments and after the last.
 ALIGN = 64

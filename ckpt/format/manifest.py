@@ -371,7 +371,7 @@ def parse_rank_part(data: bytes | bytearray, step: int, rank: int) -> Manifest:
 
 
 class Outline(Manifest):
-    """A step its coordinator committed from the ranks' summaries (:mod:`ckpt.commit_index`): its
+    """A step its coordinator committed from the ranks' summaries (:mod:`ckpt.save.commit_index`): its
     structure, stats and chunk table (without span digests) and no tensors. A :class:`ManifestCache`
     keeps only its chunk names (what retention needs); ``get`` reads the step itself."""
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from .._args import flags
 from ..checkpointer import Checkpointer
-from ..cuda_snapshot import guarding
 from ..errors import CheckpointError, ConfigError, StepExistsError, UnsupportedValueError
 from ..flatten import RNGState
 from ..handle import SaveHandle
 from ..options import Options
+from ..save.cuda_snapshot import guarding
 from ._common import KEY, PICKLE_HINT, CheckpointBase, CheckpointIOBase, load_kwargs, locate, log, pl, read
 from .io import CkptCheckpointIO
 

@@ -8,11 +8,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..checkpointer import Checkpointer
-from ..cuda_snapshot import guarding, stepping_optimizers, track_stepping_optimizers
 from ..errors import CheckpointError, ConfigError, UnsupportedValueError
 from ..handle import SaveHandle
 from ..options import Options
-from ..retention import remove_checkpoint
+from ..save.cuda_snapshot import guarding, stepping_optimizers, track_stepping_optimizers
+from ..save.retention import remove_checkpoint
 from ..storage import Storage, open_storage
 from ._common import KEY, PICKLE_HINT, CheckpointIOBase, TorchCheckpointIO, load_kwargs, locate, log, read
 

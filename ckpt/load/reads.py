@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from .._tasks import run_all
-from ..buffer_layout import aligned
 from ..errors import CheckpointError, ConfigError, StateMismatchError
 from ..format import manifest as mf
 from ..format.boxes import Box
+from ..save.buffer_layout import aligned
 from ..storage import Storage
 from ..tree import DTYPES, dtype_name
 from .apply import copy_back
@@ -217,7 +217,7 @@ def staging_memory(nbytes: int) -> torch.Tensor:
 
 def _places(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     """Where each tensor's stand-in goes in staging memory, and the bytes it takes: the host buffer's
-    own rule (:func:`ckpt.buffer_layout.aligned`), so a state's staging fits in its host buffer,
+    own rule (:func:`ckpt.save.buffer_layout.aligned`), so a state's staging fits in its host buffer,
     which a load mid-run borrows."""
     places, pos = [], 0
     for t in tensors:

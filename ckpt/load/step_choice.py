@@ -28,7 +28,7 @@ from ..format import manifest as mf
 from ..format import paths
 from ..format.planes import trim_scratch
 from ..ranks import Comm
-from ..storage import Storage
+from ..storage import Storage, read_counters
 from . import held
 from .apply import init_optimizers
 from .index_reads import step_for_load
@@ -249,7 +249,7 @@ class Loader:
             if init_optimizers(state, got.skeleton()):  # their shards' boxes first (load_into would do it next)
                 changed[0] = True
             m, whole = step_for_load(self.storage, got, state, self.comm.rank, self.comm.world, rank_map), False
-        self.storage.reset_tier_counters()
+        read_counters(self.storage, reset=True)
         try:
             stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
                               rank=self.comm.rank, world=self.comm.world, rank_map=rank_map,
@@ -259,7 +259,7 @@ class Loader:
             trim_scratch()  # reads and chains kept chunk-sized buffers per thread: loads are rare
         if whole:
             self.manifests.put(m)
-        tiers = self.storage.tier_counters()
+        tiers = read_counters(self.storage)
         if tiers is not None:  # which tier each chunk came from; damaged local copies are named
             stats.local_chunks, stats.remote_chunks = tiers.local_hits, tiers.remote_reads
             stats.local_rejected = list(tiers.local_rejected)

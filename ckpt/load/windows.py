@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .._tasks import run_all
-from ..buffer_layout import aligned
+from ..save.buffer_layout import aligned
 from ..errors import CorruptCheckpointError
 from ..format import manifest as mf
 from ..format.boxes import Box

@@ -2,14 +2,17 @@
 to ``keep_local`` steps, protected by peers when ``redundancy`` says so; every ``persist_every``-th
 save also goes to the checkpoint path.
 
-:class:`LocalCommits` is the one seam between this and the core. The commit protocol
-(:mod:`ckpt.commit`) calls its save hooks (:class:`ckpt.commit.SaveHooks`): ``begin`` (the tier's
-lease), ``protect`` (the peer exchange, after the rank's chunks are durable), ``absent`` (a rank
-that takes no part still joins the exchange), ``committed`` (the step into this rank's tier) and
-``after_commit`` (the tier's retention). The loader (:mod:`ckpt.load.step_choice`) calls its
-:class:`ckpt.load.step_choice.Restore` side: ``steps`` and ``load`` (choose the step and where to read, fetch
-what is missing: :mod:`ckpt.peers.restore`), whose result carries the tier's ``heal``. A save runs
-over its own storage view (``TieredStorage.view(persist)``), which the core asks every storage for.
+:class:`LocalCommits` is the one plug-in the save engine (:class:`ckpt.save.engine.SaveEngine`) is
+given; the core knows nothing else of local tiers or peers. The commit protocol (:mod:`ckpt.save.commit`)
+calls its save hooks (:class:`ckpt.save.commit.SaveHooks`): ``begin`` (the tier's lease), ``protect`` (the
+peer exchange, after the rank's chunks are durable), ``absent`` (a rank that takes no part still joins
+the exchange), ``committed`` (the step into this rank's tier) and ``after_commit`` (the tier's
+retention). The loader (:mod:`ckpt.load.step_choice`) calls its :class:`ckpt.load.step_choice.Restore`
+side: ``steps`` and ``load`` (choose the step and where to read, fetch what is missing:
+:mod:`ckpt.peers.restore`), whose result carries the tier's ``heal``. The engine asks it which saves go
+to the checkpoint path (``persists``: ``persist_every``), the storage each save runs over
+(``storage_for``: ``TieredStorage.view(persist)``) and whether a load's chunks are where the next save
+writes (``reuses_loaded``).
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from ..errors import CheckpointError
 from ..format import manifest as mf
 from ..format import paths
 from ..lease import Leases
+from ..load.reads import LoadStats
 from ..load.step_choice import Attempt, LoadResult
 from ..options import Options
 from ..ranks import Comm
-from ..retention import Retention
-from ..storage import LocalStorage
+from ..save.job import SaveJob
+from ..save.retention import Retention
+from ..storage import LocalStorage, Storage
 from ..storage.tiered import TieredStorage
-from ..writer import SaveJob
 from . import restore
 from .exchange import Peers
 
@@ -41,13 +45,33 @@ class LocalCommits:
     """What local commits add to each save and each load (see the module docstring)."""
 
     def __init__(self, storage: TieredStorage, comm: Comm, peers: Peers, lease: Leases,
-                 retention: Callable[[int], None] | None):
+                 retention: Callable[[int], None] | None, persist_every: int | None = None):
         self.storage = storage
+        self.persist_every = persist_every
         self.comm = comm  # coordination rounds (which steps each rank holds)
         self.local: LocalStorage = storage.local
         self.peers = peers  # the ranks' failure domains and their own process group (bytes move only with redundancy)
         self.lease = lease  # this rank's writer lease on its tier (`ckpt gc` there keeps out of the way)
         self._retention = retention  # None: another rank sharing this tier applies it
+
+    # -- the persist policy -------------------------------------------------------------------------
+    def persists(self, seq: int, emergency: bool, asked: bool | None) -> bool:
+        """Whether save number ``seq`` goes to the checkpoint path (the same answer on every rank):
+        ``asked`` (save's ``persist=``), else every ``persist_every``-th save and every emergency save."""
+        if asked is not None:
+            return asked
+        every = self.persist_every
+        return every is None or emergency or seq % every == 0
+
+    def storage_for(self, persist: bool) -> Storage:
+        """The storage one save runs over: the local tier alone, or uploaded too (``persist``)."""
+        return self.storage.view(persist)
+
+    def reuses_loaded(self, stats: LoadStats) -> bool:
+        """Whether the next save may take a loaded step's chunks as stored without asking: not when they
+        came from the checkpoint path (this rank's tier lacks them, and a local-only save's step would
+        name chunks no tier holds), so it asks its tier and writes what it lacks."""
+        return stats.source != "checkpoint"
 
     # -- the save hooks ------------------------------------------------------------------------------
     def begin(self, job: SaveJob) -> None:
@@ -109,7 +133,7 @@ class LocalCommits:
 
 def open_local_commits(storage: Any, comm: Comm, options: Options, process_group: Any, io: Executor,
                        in_use: Callable[[], set[str]]) -> LocalCommits:
-    """Local commits for a Checkpointer: this rank's tier, its lease and retention, and the peers."""
+    """Local commits for a save engine: this rank's tier, its lease and retention, and the peers."""
     assert isinstance(storage, TieredStorage)  # Options.build refuses local commits without local_dir
     local = storage.local
     lease = Leases(local, wait_s=options.timeout)
@@ -121,4 +145,5 @@ def open_local_commits(storage: Any, comm: Comm, options: Options, process_group
         log.info("local tier %s protected by %s", local.root, peers.describe())
     lease.own |= peers.tier_leases  # the ranks sharing this tier write beside us, not in our way
     # the lowest rank sharing a tier applies its retention
-    return LocalCommits(storage, comm, peers, lease, retention.apply_after if peers.tier_leader else None)
+    return LocalCommits(storage, comm, peers, lease, retention.apply_after if peers.tier_leader else None,
+                        options.persist_every)

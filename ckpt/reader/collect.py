@@ -12,7 +12,7 @@ running right now (in another process) may be about to commit it:
   the youngest file in the directory.
 
 Optionally, retention (``keep_last``) deletes committed steps too, in the crash-safe order of
-:func:`ckpt.retention.delete_steps`. Nothing referenced by a committed manifest is ever deleted
+:func:`ckpt.save.retention.delete_steps`. Nothing referenced by a committed manifest is ever deleted
 (except by that retention, manifest first), so a gc killed at any point leaves every committed
 step loadable. Chunks that retention elsewhere *parked* (``retired/``) are deleted too, and the run
 journal (``journal/``) is pruned past its bound (:func:`ckpt.journal.prune`): the starts before the
@@ -34,7 +34,7 @@ from ..format import manifest as mf
 from ..format import paths
 from ..format.chunk import is_chunk_hash
 from ..lease import LeaseInfo, Leases, list_leases
-from ..retention import DeleteMany, delete_steps, parked, to_delete
+from ..save.retention import DeleteMany, delete_steps, parked, to_delete
 from ..storage import Storage
 
 if TYPE_CHECKING:

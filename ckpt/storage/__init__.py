@@ -17,7 +17,7 @@ from .local import LocalStorage
 from .remote import FsspecStorage
 
 __all__ = ["Storage", "Blob", "RootState", "TierCounters", "LocalStorage", "FsspecStorage", "open_storage",
-           "open_tiered"]
+           "open_tiered", "durable_of", "read_counters"]
 
 
 def open_storage(url: str, storage_options: dict | None = None) -> Storage:
@@ -53,6 +53,27 @@ def _apart(path: str, local_dir: str, given: str) -> None:
             f"{inner} (checkpoint path {a}, local_dir {b}): each tier lists and collects everything under "
             "its directory, so the other tier's files would be taken for its own checkpoint objects. Put "
             "local_dir beside the checkpoint path, not inside it or around it (e.g. /nvme/ckpt for /mnt/run).")
+
+
+def durable_of(storage: Storage) -> Storage:
+    """The storage that is the truth: the remote behind a ``local_dir`` staging directory
+    (:meth:`ckpt.storage.tiered.TieredStorage.durable_tier`, also through a wrapper that passes the
+    tiered storage's attributes on), else ``storage`` itself. Small control objects (leases, the run
+    journal) go straight there."""
+    tier = getattr(storage, "durable_tier", None)
+    return tier() if callable(tier) else storage
+
+
+def read_counters(storage: Storage, reset: bool = False) -> TierCounters | None:
+    """Where a storage with a ``local_dir`` in front served chunk reads from since the last reset
+    (``reset``: start counting afresh, and return None); None for a single directory or bucket."""
+    if reset:
+        start = getattr(storage, "reset_tier_counters", None)
+        if callable(start):
+            start()
+        return None
+    counters = getattr(storage, "tier_counters", None)
+    return counters() if callable(counters) else None
 
 
 def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = None, *,

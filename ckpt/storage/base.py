@@ -107,7 +107,7 @@ class Storage(abc.ABC):
     def remove_root(self) -> None:
         """Delete every object under the root, and the root itself (a whole checkpoint dropped at
         once). Callers delete the step manifests first, so a removal cut short never leaves a step
-        that looks committed but lacks its chunks (see :func:`ckpt.retention.remove_checkpoint`)."""
+        that looks committed but lacks its chunks (see :func:`ckpt.save.retention.remove_checkpoint`)."""
 
     def size(self, key: str) -> int:
         return len(self.read(key))
@@ -165,24 +165,6 @@ class Storage(abc.ABC):
 
     def describe(self) -> str:
         return self.url
-
-    def view(self, persist: bool) -> Storage:
-        """The storage one save runs over (``persist``: whether it goes to the checkpoint path; only a
-        tiered storage with local commits answers with another object)."""
-        return self
-
-    def durable_tier(self) -> Storage:
-        """The tier that is the truth: this storage, or the remote behind a local staging tier.
-        Small control objects (leases) go straight there."""
-        return self
-
-    def tier_counters(self) -> TierCounters | None:
-        """Where chunk reads came from since :meth:`reset_tier_counters`, for a storage with a local
-        tier in front of a remote one; None for a single tier."""
-        return None
-
-    def reset_tier_counters(self) -> None:
-        """Start counting :meth:`tier_counters` afresh (a no-op for a single tier)."""
 
     def close(self) -> None:
         """Release threads and connections; waits for background uploads where there are any."""

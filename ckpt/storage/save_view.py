@@ -7,7 +7,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from ..format.paths import is_chunk_key
-from .base import Blob, RootState, Storage, TierCounters
+from .base import Blob, RootState, Storage
 
 if TYPE_CHECKING:
     from .tiered import TieredStorage
@@ -89,15 +89,6 @@ class SaveView(Storage):
 
     def describe(self) -> str:
         return self.tiers.describe()
-
-    def durable_tier(self) -> Storage:
-        return self.tiers.durable_tier()
-
-    def tier_counters(self) -> TierCounters | None:
-        return self.tiers.tier_counters()
-
-    def reset_tier_counters(self) -> None:
-        self.tiers.reset_tier_counters()
 
     def close(self) -> None:
         pass  # the tiered storage outlives its saves

@@ -95,14 +95,17 @@ class TieredStorage(Storage):
         return f"{self.remote.describe()} (staged in {self.local.root})"
 
     def durable_tier(self) -> Storage:
+        """The tier that is the truth (the remote): small control objects (leases) go straight there."""
         return self.remote
 
     def tier_counters(self) -> TierCounters:
+        """Where chunk reads came from since :meth:`reset_tier_counters`."""
         with self._lock:
             c = self._counters
             return TierCounters(c.local_hits, c.remote_reads, list(c.local_rejected), c.uploaded)
 
     def reset_tier_counters(self) -> None:
+        """Start counting :meth:`tier_counters` afresh."""
         with self._lock:
             self._counters = TierCounters()
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import StorageError
-from ..storage.base import Blob, RootState, Storage, TierCounters
+from ..storage.base import Blob, RootState, Storage
 
 # The operations a rule can name; "key" is the key or prefix, "" for the calls that take none.
 OPERATIONS = ("write", "create", "commit", "read", "readv", "read_object", "head", "exists", "size", "mtime", "list",
@@ -263,18 +263,6 @@ class FaultyStorage(Storage):
 
     def describe(self) -> str:
         return self.inner.describe()
-
-    def durable_tier(self) -> Storage:
-        # A single tier is its own durable tier: keep the faults on it. Behind a local tier the remote
-        # is reached directly (wrap the remote itself to break it).
-        tier = self.inner.durable_tier()
-        return self if tier is self.inner else tier
-
-    def tier_counters(self) -> TierCounters | None:
-        return self.inner.tier_counters()
-
-    def reset_tier_counters(self) -> None:
-        self.inner.reset_tier_counters()
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for what this class lacks (a backend's own attributes such as ``root``).

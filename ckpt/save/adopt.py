@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .errors import CorruptCheckpointError
-from .format import chains
-from .format import manifest as mf
-from .format.chunk import HEADER_SIZE, Base, check_header, parse_header
-from .format.paths import chunk_key
-from .storage.base import Storage
+from ..errors import CorruptCheckpointError
+from ..format import chains
+from ..format import manifest as mf
+from ..format.chunk import HEADER_SIZE, Base, check_header, parse_header
+from ..format.paths import chunk_key
+from ..storage.base import Storage
 
 Known = Callable[[str], "dict[str, mf.ChunkInfo] | None"]  # a trusted chunk's chain as the writer knows it
 

@@ -4,7 +4,7 @@ buffer, then the rank report; and committing a step manifest merged from every r
 The per-chunk work runs on the I/O pool it is handed. Chunks are hashed (unless the snapshot already
 did) and written straight from the host buffer (the raw codec makes no copy); the buffer is handed
 back to the next snapshot as soon as every chunk of it is durable, before the commit. When to write
-and when to commit is the commit protocol's business (:mod:`ckpt.commit`).
+and when to commit is the commit protocol's business (:mod:`ckpt.save.commit`).
 """
 
 from __future__ import annotations
@@ -15,44 +15,27 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from . import _ext, adopt
-from ._tasks import run_all
+from .. import _ext
+from .._tasks import run_all
+from ..errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
+from ..flatten import tensor_of
+from ..format import index, paths, spans
+from ..format import manifest as mf
+from ..format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
+from ..format.index import ReportRef
+from ..format.tree_check import newest_feature
+from ..lease import Leases
+from ..storage import Storage
+from ..tree import dtype_name
+from . import adopt
 from .buffer_layout import ChunkSlot
 from .encode import CodecSpec, encode
-from .errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
-from .flatten import tensor_of
-from .format import index, paths, spans
-from .format import manifest as mf
-from .format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
-from .format.index import ReportRef
-from .format.tree_check import newest_feature
-from .handle import SaveMetrics
-from .lease import Leases
+from .job import SaveJob
 from .snapshot import HostBuffer, Snapshot
-from .storage import Storage
-from .tree import dtype_name
 
 log = logging.getLogger("ckpt")
-
-
-@dataclass
-class SaveJob:
-    """One save on its way from the snapshot to the commit."""
-
-    step: int
-    seq: int  # the save() call's number: the same on every rank
-    snapshot: Snapshot
-    structure: dict
-    metrics: SaveMetrics
-    started: float  # time.perf_counter() of the save() call
-    on_local: Callable[[], None] | None = None  # every chunk durable in the first tier (SaveHandle stage)
-    created: list[str] = field(default_factory=list)  # chunks this save wrote where none was stored
-    hashes: list[str] = field(default_factory=list)  # per chunk of the buffer, once written
-    persist: bool = True  # uploaded to the checkpoint path (else committed to the local tiers only)
-    committed: bool = False  # set once the step is committed (on every rank)
-    storage: Storage | None = None  # the storage this save runs over (``Storage.view(persist)``); None: the writer's
 
 
 @dataclass(frozen=True)
@@ -167,7 +150,7 @@ class Writer:
 
     def _probe(self, job: SaveJob, h: str, size: int) -> tuple[mf.ChunkInfo | None, bool]:
         """Is chunk ``h`` already stored (by an earlier run, another rank or another job)? It is
-        adopted only once read and verified, down its delta chain (:mod:`ckpt.adopt`). Returns
+        adopted only once read and verified, down its delta chain (:mod:`ckpt.save.adopt`). Returns
         (what is stored or None, whether a damaged copy, or a delta whose chain is broken, is
         there: then a whole copy is written over it)."""
         table, damaged = adopt.adoptable(self.over(job), h, size, self._known_chain)

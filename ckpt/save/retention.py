@@ -20,13 +20,13 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .errors import CheckpointError
-from .format import manifest as mf
-from .format import paths
-from .format.chunk import is_chunk_hash
-from .format.paths import RETIRED, retired_key
-from .lease import Leases
-from .storage import Storage
+from ..errors import CheckpointError
+from ..format import manifest as mf
+from ..format import paths
+from ..format.chunk import is_chunk_hash
+from ..format.paths import RETIRED, retired_key
+from ..lease import Leases
+from ..storage import Storage
 
 log = logging.getLogger("ckpt")
 

@@ -8,7 +8,7 @@ steady-state saves touch no new memory.
 CPU tensors are copied before ``save()`` returns; with the compiled core (csrc/copyhash.cpp) the copy
 runs on several threads and hashes each chunk while its bytes are in cache, so the writer does not
 read the buffer a second time to hash it. CUDA tensors are copied on a side stream per device and
-``save()`` returns right after the launch; the host never waits (:mod:`ckpt.cuda_snapshot`: the
+``save()`` returns right after the launch; the host never waits (:mod:`ckpt.save.cuda_snapshot`: the
 copies, the device-side NaN/Inf check and the optimizer pre-step fence). The background writer
 waits on the copy's events before it reads the buffer, and the buffer is handed back only once
 every copy into it is done.
@@ -29,19 +29,20 @@ import logging
 import math
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import _cpus, _ext
+from .. import _cpus, _ext
+from ..flatten import Flat, Leaf, key_component
+from ..ranks import Comm
+from ..tree import dtype_name
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .cuda_snapshot import CudaSnapshot, copy_to_host, handed_over, launch_native, native_core
-from .flatten import Flat, Leaf, key_component
 from .planning import Inventory, exchange_plan
-from .ranks import Comm
-from .tree import dtype_name
 
 log = logging.getLogger("ckpt")
 
@@ -111,7 +112,7 @@ class Snapshotter:
         self.threads = threads
         self.buffer: HostBuffer | None = None
         # Memory a load staged into before the first save: that save's buffer takes it over when
-        # the sizes agree, so the pages faulted in once serve both (Checkpointer._lend_buffer).
+        # the sizes agree, so the pages faulted in once serve both (SaveEngine.lend_buffer).
         self.reserve: torch.Tensor | None = None
         self.layouts_made = 0  # the first save, and one per structure change
         self._signature: tuple | None = None
@@ -128,27 +129,13 @@ class Snapshotter:
         if buf is None or sig != self._signature or self._share is None:
             answer = exchange_plan(self.comm, seq, Inventory.of(flat), self.chunk_size)
             keys = list(flat.tensors)
-            share = Share(tuple(keys[i] for i in answer.write), frozenset(answer.per_rank),
-                          frozenset(keys[i] for i in answer.fresh))
-            if buf is not None:  # the structure changed: wait for the old buffer, then let it go
-                buf.acquire()
-                buf.release()
-            self.buffer = self.spare = buf = None
-            layout = make_layout({k: flat.tensors[k] for k in share.write}, self.chunk_size, share.fresh)
-            buf = HostBuffer(layout, native=self.native, threads=self.threads, memory=self._reserved(layout.nbytes))
-            self.buffer, self._signature, self._share = buf, sig, share
-            self.layouts_made += 1
-            log.debug("new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
-                      self.comm.describe(), len(buf.layout.slots), len(buf.layout.chunks), buf.nbytes / 2**20,
-                      buf.pinned)
-        elif self.pair:  # the previous snapshot stays where it is: this one goes into the other buffer
-            if self.spare is None:
-                self.spare = HostBuffer(buf.layout, native=self.native, threads=self.threads, lock_with=buf)
-                log.info("a second host buffer of %.1f MiB keeps the previous save for delta encoding "
-                         "(delta_chain=1 turns deltas and this buffer off)", self.spare.nbytes / 2**20)
-            buf, self.spare = self.spare, buf
-            self.buffer = buf
+            self._share = share = Share(tuple(keys[i] for i in answer.write), frozenset(answer.per_rank),
+                                        frozenset(keys[i] for i in answer.fresh))
+            self._signature = None  # a new share: a new layout
         share = self._share
+        assert share is not None
+        buf = self.next_buffer(sig, lambda: make_layout({k: flat.tensors[k] for k in share.write}, self.chunk_size,
+                                                        share.fresh))
         check = finite_checked(flat, self.check_finite)
         bad_settings = nonfinite_settings(flat) if self.check_finite is not False else []
         buf.acquire()
@@ -160,6 +147,37 @@ class Snapshotter:
             raise
         return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad,
                         buf.generation, self.spare, bad_settings=bad_settings)
+
+    def next_buffer(self, sig: tuple, layout: Callable[[], BufferLayout]) -> HostBuffer:
+        """The buffer the next snapshot goes into, for a state of signature ``sig``: a new one laid out by
+        ``layout()`` when ``sig`` changed (after the old one is free), else the same one or, with deltas,
+        the other of the pair (the previous snapshot stays where it is, as the next one's base)."""
+        buf = self.buffer
+        if buf is None or sig != self._signature:
+            if buf is not None:  # the structure changed: wait for the old buffer, then let it go
+                buf.acquire()
+                buf.release()
+            self.buffer = self.spare = None
+            made = layout()
+            buf = HostBuffer(made, native=self.native, threads=self.threads, memory=self._reserved(made.nbytes))
+            self.buffer, self._signature = buf, sig
+            self.layouts_made += 1
+            log.debug("new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
+                      self.comm.describe(), len(buf.layout.slots), len(buf.layout.chunks), buf.nbytes / 2**20,
+                      buf.pinned)
+        elif self.pair:
+            if self.spare is None:
+                self.spare = HostBuffer(buf.layout, native=self.native, threads=self.threads, lock_with=buf)
+                log.info("a second host buffer of %.1f MiB keeps the previous save for delta encoding "
+                         "(delta_chain=1 turns deltas and this buffer off)", self.spare.nbytes / 2**20)
+            buf, self.spare = self.spare, buf
+            self.buffer = buf
+        return buf
+
+    def drop(self) -> None:
+        """Let both buffers go (their memory is freed once no save uses them)."""
+        self.buffer = self.spare = None
+        self._signature = self._share = None
 
     def _reserved(self, nbytes: int) -> torch.Tensor | None:
         """The reserve, for a buffer of ``nbytes`` if it is that size (within 2%); let go either way."""
@@ -256,7 +274,7 @@ _local = local_tensor
 
 def optimizer_guarded(flat: Flat) -> set[int]:
     """Data pointers of the CUDA tensors that an optimizer in the state (``flat.statefuls``), or handed over with
-    :func:`ckpt.cuda_snapshot.guarding`, updates (its parameters and its state): the optimizer
+    :func:`ckpt.save.cuda_snapshot.guarding`, updates (its parameters and its state): the optimizer
     pre-step hook protects those, so their snapshot copy may overlap compute."""
     out: set[int] = set()
     for v in [*flat.statefuls.values(), *handed_over()]:  # as flatten found them, and those handed over
@@ -396,7 +414,7 @@ class HostBuffer:
                     want[i] = 0
         return want
 
-    # -- CUDA (ckpt/cuda_snapshot.py) ------------------------------------------------------------
+    # -- CUDA (ckpt/save/cuda_snapshot.py) ------------------------------------------------------------
     def _launch(self, slots: list, stream: torch.cuda.Stream, keep: list) -> None:
         """Enqueue the copies of ``slots`` on ``stream``: the compiled core for plain contiguous
         sources, torch's copy for the rest (strided, lazily conjugated or negated views)."""

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .format.entries import ALIGN  # the format bounds a chunk's size by it (entries.check_chunk_sizes)
-from .tree import dtype_name
+from ..format.entries import ALIGN  # the format bounds a chunk's size by it (entries.check_chunk_sizes)
+from ..tree import dtype_name
 
 
 @dataclass(frozen=True)

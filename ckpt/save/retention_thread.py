@@ -2,7 +2,7 @@
 after each commit, and the next save's ``go`` waits at most for one delete request in flight, not
 for every deletion of the step before.
 
-Why that is safe: a save may adopt any chunk stored under its hash (:mod:`ckpt.adopt`), so deleting a
+Why that is safe: a save may adopt any chunk stored under its hash (:mod:`ckpt.save.adopt`), so deleting a
 chunk while a save chooses what to write could break the step it commits; and a save may write a
 step number whose old step retention is removing (after a rollback). So retention deletes through a
 :class:`DeletionWindow`, in batches (one bulk request each, :meth:`ckpt.storage.Storage.delete_many`):
@@ -21,8 +21,8 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from .format import manifest as mf
-from .format import paths
+from ..format import manifest as mf
+from ..format import paths
 
 log = logging.getLogger("ckpt")
 
@@ -91,7 +91,7 @@ def _named_by(manifests: list[mf.Manifest]) -> Callable[[str], bool]:
 
 
 class RetentionThread:
-    """Runs ``apply(step)`` (:meth:`ckpt.retention.Retention.apply_after`) on a thread of its own, for
+    """Runs ``apply(step)`` (:meth:`ckpt.save.retention.Retention.apply_after`) on a thread of its own, for
     the newest step committed when it gets to run: commits that land while it works are one pass."""
 
     def __init__(self, apply: Callable[[int], None], window: DeletionWindow):

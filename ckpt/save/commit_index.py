@@ -29,14 +29,14 @@ from typing import Any
 
 import xxhash
 
-from . import tree as st
-from ._version import __version__
-from .errors import CorruptCheckpointError, DistributedSaveError, StateMismatchError
-from .format import index, paths, tree_union
-from .format import manifest as mf
-from .format.boxes import Box
-from .format.entries import Segment, check_chains, closure, ints
-from .tree import ITEMSIZE
+from .. import tree as st
+from .._version import __version__
+from ..errors import CorruptCheckpointError, DistributedSaveError, StateMismatchError
+from ..format import index, paths, tree_union
+from ..format import manifest as mf
+from ..format.boxes import Box
+from ..format.entries import Segment, check_chains, closure, ints
+from ..tree import ITEMSIZE
 
 VALUE_BYTES = 4096  # a per-rank top-level value up to this many JSON bytes travels in the summary itself
 CACHE_BYTES = 256 << 20  # the structure values the coordinator keeps, by digest

@@ -12,14 +12,14 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import tree as st
-from .errors import DistributedSaveError, StateMismatchError
-from .flatten import Flat, tensor_of
-from .format import tree_union
-from .format.boxes import Box, check_tiles
+from .. import tree as st
+from ..errors import DistributedSaveError, StateMismatchError
+from ..flatten import Flat, tensor_of
+from ..format import tree_union
+from ..format.boxes import Box, check_tiles
 
 if TYPE_CHECKING:
-    from .ranks import Comm, Gathered
+    from ..ranks import Comm, Gathered
 
 # -- the planner's records -------------------------------------------------------------------------
 
@@ -358,7 +358,7 @@ def _assignment(doc: dict) -> WriteAssignment:
 def plan_posted(posted: dict[int, dict], known: dict[str, dict], world: int, chunk_size: int) -> list[dict]:
     """The coordinator's answers, one per rank, to what the ranks posted (``known``: every part by its
     digest). Ranks holding the same structure (the ordinary case: FSDP, TP, replicas) are planned
-    from what is distinct among them (:func:`ckpt.planning_alike.assign_alike`); any other set of
+    from what is distinct among them (:func:`ckpt.save.planning_alike.assign_alike`); any other set of
     inventories is joined whole and planned by :func:`assign`."""
     from .planning_alike import assign_alike
 

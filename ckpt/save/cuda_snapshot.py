@@ -43,8 +43,8 @@ import torch
 # though the submodule is loaded: import the function from its module.
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _ext
-from .errors import ConfigError
+from .. import _ext
+from ..errors import ConfigError
 
 # Pieces at least this large go through cudaMemcpyAsync (copy engines, SMs stay free for training);
 # smaller ones are batched into one kernel launch. See docs/api.md "Compiled core and GPU snapshots";
@@ -316,7 +316,7 @@ def guarding(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[None]:
 
     Example (a state of ``state_dict()`` results)::
 
-        with ckpt.cuda_snapshot.guarding([opt]):
+        with ckpt.save.cuda_snapshot.guarding([opt]):
             c.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
 
     The fence's rule then covers them: change them in place outside ``optimizer.step()`` only after

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import tree_union
-from .format.boxes import Box, check_tiles
+from ..format import tree_union
+from ..format.boxes import Box, check_tiles
 from .planning import MISMATCH_HINT, PACK_BELOW, _packs, _top, ints, not_tiled, unints, unpack
 
 

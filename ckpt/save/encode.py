@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from .errors import ConfigError
-from .format import rans
-from .format.chunk import (
+from ..errors import ConfigError
+from ..format import rans
+from ..format.chunk import (
     CODEC_IDS,
     HEADER,
     HEADER_SIZE,
@@ -36,7 +36,7 @@ from .format.chunk import (
     Base,
     xor_check,
 )
-from .format.planes import RANS, ROTATES, SECTION_FLAGS, STORED, ZSTD, group, scratch, sections
+from ..format.planes import RANS, ROTATES, SECTION_FLAGS, STORED, ZSTD, group, scratch, sections
 
 _local = threading.local()
 

@@ -10,14 +10,14 @@ group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each
    reuse by hash can be deleted under them, by the coordinator's retention of the previous save
    (which ran before ``go``) or by anyone else;
 2. write this rank's chunks durably, then its rank report (:meth:`Writer.write_part`);
-3. report ``ok`` (with a summary of its rank report, :func:`ckpt.commit_index.summarize`), ``fail``,
+3. report ``ok`` (with a summary of its rank report, :func:`ckpt.save.commit_index.summarize`), ``fail``,
    ``exists`` or ``nonfinite`` (or ``skip``, from ``save()`` itself) to the coordinator;
 4. the coordinator gathers every report, builds the step's index from the summaries (reading the
-   rank reports only to learn the layout, once per plan: :mod:`ckpt.commit_index`) and commits
+   rank reports only to learn the layout, once per plan: :mod:`ckpt.save.commit_index`) and commits
    ``MANIFEST.json`` create-only: that write is the commit point. It publishes a :class:`Decision`
    (ok, fail naming the ranks, skip, or exists) that every other rank waits for;
 5. on the coordinator, what comes after a commit (retention) is handed to a thread of its own
-   (:mod:`ckpt.retention_thread`): the next save's ``go`` waits only for a delete request in flight,
+   (:mod:`ckpt.save.retention_thread`): the next save's ``go`` waits only for a delete request in flight,
    and deletions pause from that ``go`` to the save's decision (``gate``), so nothing a save reuses
    is deleted under it. A save that was not committed deletes the chunks each rank alone created for it.
 
@@ -25,12 +25,12 @@ group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each
 announcement, ``commit`` every rank's report in, :meth:`CommitProtocol._coordinate` as the
 reduction, the decision out.
 
-A save runs over the storage its job carries (``Storage.view(persist)``). With local commits
+A save runs over the storage its job carries (``SaveEngine.storage_for(persist)``). With local commits
 (``redundancy`` / ``persist_every``), the protocol is handed :class:`SaveHooks`
-(:mod:`ckpt.peers.local_commits`) and knows nothing else of tiers: between 2 and 3 every rank calls
+(:mod:`ckpt.peers.local_commits`) and knows nothing else of them: between 2 and 3 every rank calls
 ``protect`` (the peer exchange, also when it failed or skipped, so nobody waits for it); rank
 reports travel with the commit round's reports; the decision carries the manifest, which every rank's
-``committed`` hook commits to its own tier; ``after_commit`` applies the tiers' retention.
+``committed`` hook commits to its own local directory; ``after_commit`` applies their retention.
 
 A process saving alone runs exactly this, with a :class:`~ckpt.ranks.LocalComm`; its own error is
 then the save's error, instead of a :class:`DistributedSaveError` naming rank 0.
@@ -46,18 +46,19 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from . import events
+from .. import events
+from ..errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
+from ..format import index, paths
+from ..format import manifest as mf
+from ..handle import SaveMetrics
+from ..lease import Leases
+from ..ranks import KEEP_SEQS, Comm, Gathered
+from ..storage import Storage
 from .commit_index import IndexBuilder, summarize
-from .errors import CheckpointError, DistributedSaveError, NonFiniteStateError, StepExistsError
-from .format import index, paths
-from .format import manifest as mf
-from .handle import SaveMetrics
-from .lease import Leases
+from .job import SaveJob
 from .planning import fail_plan
-from .ranks import KEEP_SEQS, Comm, Gathered
 from .retention_thread import DeletionWindow
-from .storage import Storage
-from .writer import SaveJob, Writer
+from .writer import Writer
 
 log = logging.getLogger("ckpt")
 
@@ -77,7 +78,7 @@ class Decision:
     status: Status
     ranks: tuple[int, ...] = ()  # the ranks that failed, skipped or did not answer
     message: str = ""
-    manifest: str = ""  # with local commits: the committed manifest, for every rank's own tier
+    manifest: str = ""  # with local commits: the committed manifest, for every rank's local directory
 
     def to_json(self) -> dict:
         return {"status": self.status.value, "ranks": list(self.ranks), "message": self.message,
@@ -90,7 +91,7 @@ class Decision:
 
 class SaveHooks(Protocol):
     """What local commits (:class:`ckpt.peers.local_commits.LocalCommits`) add to each save, on the
-    commit thread; the protocol knows nothing else of tiers or peers. With hooks, rank reports travel
+    commit thread; the protocol knows nothing else of local directories or peers. With hooks, rank reports travel
     through the store and the decision carries the manifest (no storage is shared by every rank)."""
 
     def begin(self, job: SaveJob) -> None:
@@ -107,7 +108,7 @@ class SaveHooks(Protocol):
         """The step is committed; on every rank but the coordinator (whose storage has it)."""
 
     def after_commit(self, job: SaveJob) -> None:
-        """After a commit, on every rank (retention of the local tiers)."""
+        """After a commit, on every rank (retention of the local directories)."""
 
 
 @dataclass(frozen=True)
@@ -363,7 +364,7 @@ class CommitProtocol:
         return self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage, reports=refs)
 
     def _commit_summarized(self, job: SaveJob, part: mf.Manifest, summaries: list[dict]) -> mf.Manifest | None:
-        """Rank 0: commit the step's index built from every rank's summary (:mod:`ckpt.commit_index`),
+        """Rank 0: commit the step's index built from every rank's summary (:mod:`ckpt.save.commit_index`),
         reading no report unless the layout changed; None where two ranks listed a chunk differently
         (then every report is read and merged, as :meth:`Writer.commit` does)."""
         if self._index is None:
@@ -409,7 +410,7 @@ class CommitProtocol:
 
 
 def _sent_part(report: dict, step: int, rank: int) -> mf.Manifest:
-    """Rank ``rank``'s rank report, sent with its commit report (its local tier is not readable here)."""
+    """Rank ``rank``'s rank report, sent with its commit report (its local directory is not readable here)."""
     key = paths.rank_key(step, rank)
     if "part" not in report:
         raise DistributedSaveError(f"rank {rank}'s report for step {step} did not arrive", ranks=[rank])
