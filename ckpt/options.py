@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 
 from . import _cpus
 from . import host_memory as _host_memory
+from . import option_checks as chk
 from . import options_doc as _docs
-from ._args import flag
 from .errors import ConfigError
 from .redundancy_config import Parity, Replicas
 from .save.encode import CodecSpec
@@ -32,7 +32,6 @@ from .schedule import (
     DEFAULT_PREEMPTION_DEADLINE,
     parse_every,
     parse_signals,
-    positive,
 )
 
 if TYPE_CHECKING:
@@ -42,82 +41,6 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 T = TypeVar("T")
 Check = Callable[[str, Any], Any]  # (option name, value as given) -> value as kept, or ConfigError
-
-
-# -- the checks: each returns the value as kept, or raises ConfigError naming the option ------------------
-
-def _flag(name: str, v: Any) -> bool:
-    return flag(name, v)  # "no" and 0 are not False: say so instead of guessing
-
-
-def _count(name: str, v: Any) -> int | None:
-    if v is not None and (type(v) is not int or v < 1):
-        raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
-    return v
-
-
-def _int_in(lo: int, hi: int, what: str) -> Check:
-    def check(name: str, v: Any) -> int:
-        if type(v) is not int or not lo <= v <= hi:
-            raise ConfigError(f"{name} must be an integer {what}, got {v!r}")
-        return v
-    return check
-
-
-def _number_in(lo: float, hi: float, what: str) -> Check:
-    def check(name: str, v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-            raise ConfigError(f"{name} must be a number {what}, got {v!r}")
-        return float(v)
-    return check
-
-
-def _one_of(*allowed: Any) -> Check:
-    def check(name: str, v: Any) -> Any:
-        if not any(v is a or (isinstance(a, str) and v == a) for a in allowed):  # True, not 1
-            raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {v!r}")
-        return v
-    return check
-
-
-def _codec(name: str, v: Any) -> CodecSpec:
-    if isinstance(v, CodecSpec):
-        return v
-    if not isinstance(v, str):
-        raise ConfigError(f"{name} must be a string such as 'auto' or 'zstd:3', got {v!r}")
-    return CodecSpec.parse(v)
-
-
-def _directory(name: str, v: Any) -> str | None:
-    if v is not None and not isinstance(v, (str, os.PathLike)):
-        raise ConfigError(f"{name} must be a local directory path, got {v!r}")
-    return None if v is None else os.fspath(v)
-
-
-def _mapping(name: str, v: Any) -> dict[str, Any] | None:
-    if v is not None and not isinstance(v, dict):
-        raise ConfigError(f"{name} must be a dict, got {type(v).__name__}")
-    return v
-
-
-def _seconds(name: str, v: Any) -> float:
-    return positive(f"{name} (seconds)", v)
-
-
-def _share(name: str, v: Any) -> float:
-    return positive(name, v, upper=1.0)
-
-
-def _redundancy(name: str, v: Any) -> Replicas | Parity | None:
-    if v is not None and not isinstance(v, (Replicas, Parity)):
-        raise ConfigError(f"{name} must be ckpt.Replicas(r) or ckpt.Parity(data=k, parity=m), got {v!r}")
-    return v
-
-
-def _domain(name: str, v: Any) -> str | None:
-    if v is not None and (not isinstance(v, str) or not v):
-        raise ConfigError(f"{name} must be a non-empty string (e.g. the node's name), got {v!r}")
-    return v
 
 
 def _option(default: T, check: Check, doc: str, *, shown: str | None = None) -> T:
@@ -146,7 +69,7 @@ class RetentionOptions(_Record):
     (each node's local tier); ``shared_root``: whether other jobs may save into the same root."""
 
     keep_last: int | None = _option(
-        None, _count,
+        None, chk.count,
         "keep the newest N committed steps; older steps and chunks only they use are deleted in the background. "
         "Counted back from the step just committed, which is never deleted; nor is the step this run loaded from, "
         "nor one another open Checkpointer (in any process) loaded from. After a rollback (`load(10)` with a step 20 "
@@ -154,14 +77,14 @@ class RetentionOptions(_Record):
         "names them in a warning, and `load(\"latest\")` would still pick them; remove them with "
         "`ckpt gc URL --drop-after 11`. `None` keeps every step")
     keep_every: int | None = _option(
-        None, _count,
+        None, chk.count,
         "also keep, for good, every step whose number is a multiple of K (alone: the newest step plus the multiples)")
     keep_local: int = _option(
-        2, _int_in(1, 1 << 30, "of at least 1 (steps each local tier keeps)"),
+        2, chk.int_in(1, 1 << 30, "of at least 1 (steps each local tier keeps)"),
         "committed steps each local tier keeps (they must fit on the local disk); `keep_last` bounds the "
         "checkpoint path's")
     shared_root: bool = _option(
-        False, _flag,
+        False, chk.flag,
         "let other jobs save into the same root at the same time (default `False`: the first save refuses with "
         "`RootInUseError`, naming the other job's host, pid and since when, while another job holds a live writer "
         "lease there). A job killed on this host does not block its restart (its lease dies with its process); one "
@@ -174,22 +97,22 @@ class EncodingOptions(_Record):
     """How the host buffer becomes stored chunks: ``codec``, ``chunk_size``, ``delta_chain``, ``delta_budget``."""
 
     codec: CodecSpec = _option(
-        CodecSpec(), _codec,
+        CodecSpec(), chk.codec,
         "`\"auto\"`: per chunk the smallest of raw, zstd, byte planes (each entropy-coded or zstd) and an XOR delta "
         "against the previous save, chosen from a 256 KiB sample by content alone (see "
         "[Deltas](#deltas-fewer-bytes-per-save)); `\"smallest\"`: the same; `\"raw\"`; `\"zstd\"` or `\"grouped\"` "
         "(byte planes) always; all but raw optionally `\":<level>\"` (zstd's level, e.g. `\"zstd:3\"`)",
         shown='"auto"')
     chunk_size: int = _option(
-        16 * MiB, _int_in(64 * 1024, 1 << 31, "between 64 KiB and 2 GiB"),
+        16 * MiB, chk.int_in(64 * 1024, 1 << 31, "between 64 KiB and 2 GiB"),
         "bytes per chunk (64 KiB to 2 GiB): the unit of dedup, hashing and partial reads", shown="16 MiB")
     delta_chain: int = _option(
-        8, _int_in(1, 64, "from 1 (no deltas) to 64"),
+        8, chk.int_in(1, 64, "from 1 (no deltas) to 64"),
         "with `codec=\"auto\"` or `\"smallest\"`: the most chunks a load resolves for one chunk (one stored whole, "
         "then deltas of the chunk at its place in the previous save). Deltas keep the previous save in a second "
         "host buffer (the state's size once more); `1` turns both off")
     delta_budget: float = _option(
-        1.3, _number_in(1.0, 64.0, "from 1 (no deltas on whole chunks that shrank little) to 64"),
+        1.3, chk.number_in(1.0, 64.0, "from 1 (no deltas on whole chunks that shrank little) to 64"),
         "the most bytes a load reads for one chunk, as a multiple of its size (the whole chunk and its deltas); a "
         "delta that would pass it is stored whole instead. The default keeps loads within 1.3x the bytes of a raw "
         "load; raise it for fewer bytes per save on dense training, lower it for faster loads")
@@ -210,14 +133,14 @@ class ScheduleOptions(_Record):
         "`should_save` ask every rank for an emergency save; the handlers only set a flag, and that the signal "
         "arrived is logged at once", shown="False")
     mtbf: float = _option(
-        DEFAULT_MTBF, _seconds,
+        DEFAULT_MTBF, chk.seconds,
         "mean time between failures in seconds that `every=\"auto\"` plans for (default 4 h); once the run journal "
         "holds two failures, blended with the rate observed ([Goodput](#goodput-what-failures-cost-a-run))")
     max_overhead: float = _option(
-        DEFAULT_MAX_OVERHEAD, _share,
+        DEFAULT_MAX_OVERHEAD, chk.share,
         "the share of training time saves may stall it under `every=\"auto\"`")
     preemption_deadline: float = _option(
-        DEFAULT_PREEMPTION_DEADLINE, _seconds,
+        DEFAULT_PREEMPTION_DEADLINE, chk.seconds,
         "seconds after a preemption signal for the loop to reach `should_save()` (default 10, a third of the usual "
         "30 s grace); past it ckpt finishes the saves in flight and passes the signal on to the handler it would "
         "have had without ckpt (by default the process ends), rather than keep the job running until the "
@@ -229,16 +152,16 @@ class RedundancyOptions(_Record):
     """Surviving node loss with local commits: ``redundancy``, ``persist_every``, ``failure_domain``."""
 
     redundancy: Replicas | Parity | None = _option(
-        None, _redundancy,
+        None, chk.redundancy,
         "protect the local tiers against node loss: `ckpt.Replicas(r)` (each rank's chunks also on r−1 ranks in "
         "other failure domains) or `ckpt.Parity(data=k, parity=m)` (Reed–Solomon over groups of k+m ranks; any m "
         "lost domains of a group are rebuilt); needs `local_dir`, and every save commits to the local tiers")
     persist_every: int | None = _option(
-        None, _count,
+        None, chk.count,
         "upload every N-th save to `path` (the first and emergency saves always are); the others commit only to "
         "the local tiers. Needs `local_dir`; with `redundancy` and no `persist_every`, every save is uploaded")
     failure_domain: str | None = _option(
-        None, _domain,
+        None, chk.domain,
         "what this rank fails together with (default: its host name, shared through the process group's store); "
         "replicas and parity never share a domain with what they protect")
 
@@ -248,22 +171,22 @@ class IOOptions(_Record):
     """Where and how bytes move: ``local_dir``, ``storage_options``, ``io_threads``, ``timeout``, ``host_memory``."""
 
     local_dir: str | None = _option(
-        None, _directory,
+        None, chk.directory,
         "a fast local directory (NVMe) staged in front of `path`: chunks are written and fsynced there first, then "
         "uploaded; restores read a chunk there when its hash matches. Beside `path`: a `local_dir` that is `path`, "
         "lies inside it or holds it is a `ConfigError` (each tier would take the other's files for its own); see "
         "[Object storage and tiers](#object-storage-and-tiers)")
     storage_options: dict[str, Any] | None = _option(
-        None, _mapping,
+        None, chk.mapping,
         "passed to fsspec/s3fs (credentials, `client_kwargs={\"endpoint_url\": …}`), plus ckpt's own S3 options "
         "(`multipart_threshold`, `multipart_chunksize`, `upload_concurrency`, `retry_deadline`, `max_attempts`, "
         "`connect_timeout`, `read_timeout`: see [Object storage and tiers](#object-storage-and-tiers))")
     io_threads: int | None = _option(
-        None, _count,
+        None, chk.count,
         "threads for hashing, compression and I/O (default: 2 × cores, 8 to 16; fsync-bound writes need several "
         "in flight to reach the disk's bandwidth)")
     timeout: float = _option(
-        600.0, _seconds,
+        600.0, chk.seconds,
         "seconds without progress after which the coordinator gives up on the ranks that did not answer (plan, "
         "reports, load agreement): the save or load fails on every rank with `DistributedSaveError` naming them; a "
         "wait is extended while other ranks' answers keep arriving, and the other ranks wait for the coordinator "
@@ -281,24 +204,24 @@ class SnapshotOptions(_Record):
     ``snapshot_threads``, ``check_finite``, ``on_save_error``."""
 
     busy: Literal["wait", "skip"] = _option(
-        "wait", _one_of("wait", "skip"),
+        "wait", chk.one_of("wait", "skip"),
         "a save asked while the previous one is still writing from the buffer: `\"wait\"` for it, or `\"skip\"` "
         "it (logged; `handle.skipped`)")
     on_save_error: Literal["raise", "log"] = _option(
-        "raise", _one_of("raise", "log"),
+        "raise", chk.one_of("raise", "log"),
         "a save that failed in the background: `\"raise\"` its error at the next `save()` (which saves nothing; "
         "call it again to retry), or at `wait()`/`close()` if they come first, and said once (raised, not also "
         "logged as an error); `\"log\"`: logged when it happens, training goes on, `close()` raises the first one "
         "nobody looked at through its handle")
     native: bool = _option(
-        True, _flag,
+        True, chk.flag,
         "use the compiled core when it is built (fused multi-threaded copy + hash on CPU, batched device-to-host "
         "copies on GPU; see [Compiled core](#compiled-core-and-gpu-snapshots)); `False` uses torch's copies: same "
         "bytes, same hashes")
     snapshot_threads: int | None = _option(
-        None, _count, "threads for the CPU copy + hash inside `save()` (default: cores, at most 8)")
+        None, chk.count, "threads for the CPU copy + hash inside `save()` (default: cores, at most 8)")
     check_finite: bool | Literal["all"] = _option(
-        True, _one_of(True, False, "all"),
+        True, chk.one_of(True, False, "all"),
         "refuse a save whose model parameters, optimizer state or optimizer settings (`lr`, `betas`, … in "
         "`param_groups`) hold NaN or Inf (`NonFiniteStateError`, nothing committed); `\"all\"` checks every "
         "floating tensor (buffers and loose tensors too), `False` nothing. See "
@@ -311,22 +234,22 @@ class ValueOptions(_Record):
     ``staged_load``."""
 
     allow_pickle: bool = _option(
-        False, _flag,
+        False, chk.flag,
         "store objects that are not plain values with pickle (off: they are refused with "
         "`UnsupportedValueError`); loading them then needs `allow_pickle=True` too")
     reduce_partial: bool = _option(
-        False, _flag,
+        False, chk.flag,
         "a save reduces a DTensor with a `Partial` placement (a pending sum) to `Replicate` on that mesh dimension "
         "first (a collective: every rank of the mesh saves); off: it is refused before anything is written, saying "
         "how to reduce it ([layouts](#dtensor-placements-and-layouts))")
     strict: bool = _option(
-        True, _flag,
+        True, chk.flag,
         "default for `load`: refuse keys missing on either side, and optimizer state saved by another kind of "
         "optimizer (AdamW into SGD). With `strict=False` such an optimizer takes the saved per-parameter state and "
         "keeps its own hyperparameters (`param_groups`: `lr`, `momentum`, …; set them from "
         "`ckpt.open(path).values(step)` to take the saved ones)")
     staged_load: bool = _option(
-        True, _flag,
+        True, chk.flag,
         "a load reads and verifies every chunk into staging memory (the idle host buffer when it is large enough, "
         "else memory held for the load) before it writes any tensor: a load that fails changes nothing. `False` "
         "reads straight into the CPU tensors (one copy and that memory less; a damaged chunk then leaves a mixture "
