@@ -11,8 +11,9 @@ verifying and collecting import no torch (``diff``, ``export`` and tensors do, w
 from typing import TYPE_CHECKING, Any
 
 from .collect import GcPlan, GcReport, Item
-from .core import Pickled, Reader, Step, open
+from .core import Reader, Step, open
 from .listing import Inspection, Listing, StepInfo
+from .values import Pickled
 from .verify import Problem, VerifyResult
 
 if TYPE_CHECKING:

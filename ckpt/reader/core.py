@@ -20,15 +20,11 @@ and neither does the load path it reads tensors through (tests/test_seams.py).
 
 from __future__ import annotations
 
-import numbers
 import os
-import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import tree as st
 from .._args import flag, flags
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, NotACheckpointError
 from ..format import manifest as mf
@@ -36,6 +32,7 @@ from ..format import paths
 from ..root_level import check_root_level
 from ..storage import Storage, open_storage
 from . import collect, listing
+from .values import check_rank, key_prefixes, read_values, step_number
 from .verify import VerifyResult, verify
 
 if TYPE_CHECKING:  # tensors, diffs and exports import torch when first used: ls and inspect need none
@@ -46,53 +43,6 @@ if TYPE_CHECKING:  # tensors, diffs and exports import torch when first used: ls
     from .export import ExportResult
 
 Step = int | str | None  # a step number, or None / "latest" for the newest committed step
-
-
-@dataclass(frozen=True)
-class Pickled:
-    """A value saved with pickle. Readers never unpickle; load it with :meth:`Reader.load_into` and
-    ``allow_pickle=True`` if you trust the checkpoint.
-
-    Args:
-        path: where the value is in the step (the key path :meth:`Reader.values` gives it under)."""
-
-    path: str
-
-
-def _prefixes(keys: str | Sequence[str] | None) -> list[str] | None:
-    if keys is None:
-        return None
-    if isinstance(keys, str):
-        return [keys]
-    if isinstance(keys, Iterable) and not isinstance(keys, (bytes, dict)):  # a list, a set, dict.keys(), a generator
-        listed = list(keys)
-        if all(isinstance(k, str) for k in listed):
-            return listed
-    raise ConfigError(f"keys must be a key or key prefix (a str such as 'model/') or a list of them, got {keys!r}")
-
-
-def _step_number(step: object) -> int:
-    """A step given as a number: an int (numpy's too), never a bool, a float or a numeric string."""
-    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
-        return int(step)
-    hint = ""
-    if isinstance(step, str) and step.strip().isdigit():
-        hint = f" (pass {int(step)}, not {step!r})"
-    elif isinstance(step, float) and step.is_integer():
-        hint = f" (pass {int(step)})"
-    raise ConfigError(f"a step is an int or 'latest' (or None, the newest), got {step!r}{hint}")
-
-
-def check_rank(m: mf.Manifest, rank: object) -> int:
-    """A saved rank of step ``m`` (whose per-rank state to read), refused before anything is read
-    or written when it is not one: a rank past the world size would silently leave that state out."""
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
-        raise ConfigError(f"rank must be an int (a saved rank), got {rank!r}")
-    rank = int(rank)
-    if not 0 <= rank < m.world_size:
-        saved = "rank 0 only" if m.world_size == 1 else f"ranks 0 to {m.world_size - 1}"
-        raise ConfigError(f"rank {rank} is out of range: step {m.step} was saved on {saved}")
-    return rank
 
 
 class Reader:
@@ -212,7 +162,7 @@ class Reader:
             if not self.committed:
                 raise CheckpointNotFoundError(f"{self.storage.describe()} has no committed step")
             return self.committed[-1]
-        return _step_number(step)
+        return step_number(step)
 
     def earlier_chunks(self, step: int) -> set[str]:
         """Chunks referenced by committed steps before ``step`` (damaged manifests count for nothing).
@@ -349,7 +299,7 @@ class Reader:
             CorruptCheckpointError: a chunk fails its check.
         """
         m = self.manifest(step)
-        wanted = _prefixes(keys)
+        wanted = key_prefixes(keys)
         check_rank(m, rank)
         entries = [t for t in m.tensors if (t.rank is None or t.rank == rank)
                    and (wanted is None or any(t.key == p or t.key.startswith(p) for p in wanted))]
@@ -373,25 +323,7 @@ class Reader:
         Returns:
             dict[str, Any]: values by key path.
         """
-        m = self.manifest(step)
-        if rank is not None:
-            check_rank(m, rank)
-        nodes = list(st.value_nodes(m.structure, rank=rank))
-        # Tensors inside values (numpy's RNG state is a tuple holding an array): read them too,
-        # each from the rank whose value it is.
-        def rank_of(path: str) -> int:
-            found = re.search(r"\[rank (\d+)\]", path)
-            return rank if rank is not None else int(found.group(1)) if found else 0
-        wanted: dict[int, set[str]] = {}
-        for path, node in nodes:
-            wanted.setdefault(rank_of(path), set()).update(st.tensor_keys(node))
-        tensors = {r: self.tensors(m.step, sorted(keys), rank=r) if keys else {} for r, keys in wanted.items()}
-        out: dict[str, Any] = {}
-        for path, node in nodes:
-            def placeholder(_node: dict, where: str = path) -> Pickled:
-                return Pickled(where)
-            out[path] = st.rebuild(node, tensors[rank_of(path)], allow_pickle=False, on_pickle=placeholder)
-        return out
+        return read_values(self, self.manifest(step), rank)
 
     def load_into(self, state: dict[str, Any], step: Step = None, *, strict: bool = True,
                   allow_pickle: bool = False, rank: int = 0, world: int = 1, staged: bool = True) -> int:
@@ -508,7 +440,7 @@ class Reader:
         flags(strip_prefix=strip_prefix, overwrite=overwrite)
         from .export import export
 
-        return export(self, self.step(step), os.fspath(path), prefixes=_prefixes(keys),
+        return export(self, self.step(step), os.fspath(path), prefixes=key_prefixes(keys),
                       strip_prefix=strip_prefix, rank=rank, overwrite=overwrite, threads=self.threads,
                       format=format, dtype=dtype, max_shard_size=max_shard_size,
                       config=None if config is None else os.fspath(config))
