@@ -55,7 +55,7 @@ class _Run(Generic[T, R]):
                     self.finished += 1
                     self.cond.notify_all()
 
-    def settled(self) -> bool:
+    def ended(self) -> bool:
         return self.active == 0 and (self.stop or self.finished == len(self.items))
 
 
@@ -71,7 +71,7 @@ def run_all(pool: Executor, fn: Callable[[T], R], items: Iterable[T], width: int
         for _ in range(min(len(run.items), width or len(run.items))):
             pool.submit(run.task)
         with run.cond:
-            while not run.settled():
+            while not run.ended():
                 run.cond.wait()
     except BaseException as e:  # KeyboardInterrupt while submitting or waiting: stop, wait, re-raise
         interrupted = e

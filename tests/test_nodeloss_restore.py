@@ -157,8 +157,8 @@ def test_a_chunk_the_fetch_gives_up_on_goes_to_the_tiers_or_raises_its_error():
     readers = [threading.Thread(target=read, args=(k,)) for k in ("chunks/ab/x", "chunks/ab/y")]
     for t in readers:
         t.start()
-    held.settle(["chunks/ab/x"])  # read from the checkpoint path instead
-    held.settle(error=CorruptCheckpointError("node 3's copy is damaged"))
+    held.not_coming(["chunks/ab/x"])  # read from the checkpoint path instead
+    held.not_coming(error=CorruptCheckpointError("node 3's copy is damaged"))
     for t in readers:
         t.join()
     assert None in results

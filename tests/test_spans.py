@@ -372,7 +372,7 @@ def test_a_chunk_two_ranks_stored_differently_keeps_its_digests_in_the_step(save
     parts = [dataclasses.replace(m, kind="rank", rank=0, chunks=dict(m.chunks)),
              dataclasses.replace(m, kind="rank", rank=1, tensors=[], chunks=theirs)]
     with ThreadPoolExecutor(1) as io:
-        Writer(LocalStorage(saved), CodecSpec.parse("raw"), io)._settle_conflicts(parts, LocalStorage(saved))
+        Writer(LocalStorage(saved), CodecSpec.parse("raw"), io)._resolve_conflicts(parts, LocalStorage(saved))
     assert parts[1].chunks[h] == m.chunks[h]  # the copy that stayed
     assert mf.merge(1, parts).chunks[h].spans == m.chunks[h].spans
 

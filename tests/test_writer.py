@@ -79,7 +79,7 @@ def test_unchanged_chunks_are_reused_known_or_found_by_their_header(io):
     w = Writer(storage, CodecSpec("raw"), io)
     s1 = state_of(1)
     p1 = w.write_part(job_for(snaps, 1, s1), 0)
-    w.settle(p1)
+    w.after_decision(p1)
     s1["big"][:10] += 1  # one chunk of "big" changes
     j2 = job_for(snaps, 2, s1, seq=1)
     w.write_part(j2, 0)
@@ -90,14 +90,14 @@ def test_unchanged_chunks_are_reused_known_or_found_by_their_header(io):
     assert j3.metrics.chunks_written == 0
 
 
-def test_settle_trusts_only_the_loaded_and_last_committed_chunks(io):
+def test_after_a_decision_the_writer_trusts_only_the_loaded_and_last_committed_chunks(io):
     w = Writer(memory_storage(), CodecSpec("raw"), io)
     snaps = Snapshotter(LocalComm(), CHUNK, native=False)
     p1 = w.write_part(job_for(snaps, 1, state_of(1)), 0)
     w.learn({"a" * 32: mf.ChunkInfo(1, 65, "raw/1")})
-    w.settle(None)  # the save failed: what it wrote is not trusted
+    w.after_decision(None)  # the save failed: what it wrote is not trusted
     assert set(w.known) == {"a" * 32}
-    w.settle(p1)
+    w.after_decision(p1)
     assert set(w.known) == {"a" * 32} | set(p1.chunks)
 
 
@@ -207,7 +207,7 @@ def test_metrics_count_the_bytes_encoded_and_the_cpu_spent_on_them(io):
     s["noise"] = torch.randn(300_000, generator=torch.Generator().manual_seed(2))  # several chunks to encode
     j1 = job_for(snaps, 1, s)
     p1 = w.write_part(j1, 0)
-    w.settle(p1)
+    w.after_decision(p1)
     m = j1.metrics
     assert m.encoded_bytes == sum(info.size for info in p1.chunks.values()) > 0
     assert m.encode_cpu_s > 0

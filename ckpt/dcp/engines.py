@@ -7,7 +7,7 @@ Checkpointer's keeps between saves: the writer's dedup table and, with deltas, t
 of host buffers that take turns (``Snapshotter.next_buffer``): save N+1 copies this rank's items into
 the buffer save N did not use and encodes its chunks against save N's bytes. A rank learns whether
 save N was committed (only the coordinator commits) at the start of save N+1, from the step's
-manifest (:meth:`Kept.settle`); only then does save N become the base, and, with local commits
+manifest (:meth:`Kept.after_decision`); only then does save N become the base, and, with local commits
 (``local_dir`` and ``redundancy``), is it committed to the rank's local directory too (the
 coordinator's has it at once; the others at their next save, or when the engine closes). A save with other items or
 shapes lays its buffers out anew. Only the newest root of each rank is kept: a save into another root
@@ -44,7 +44,7 @@ class Kept:
         self.pending: tuple[int, mf.Manifest, SaveJob] | None = None  # the newest save, until its commit is known
         self.lock = threading.Lock()  # one save of this rank into this root at a time
 
-    def settle(self) -> None:
+    def after_decision(self) -> None:
         """Is the previous save committed? If so its buffer becomes the next save's base; if not the
         writer trusts only what it trusted before it."""
         if self.pending is None:
@@ -55,7 +55,7 @@ class Kept:
         key = paths.manifest_key(step)
         committed = engine.durable.exists(key)
         # without deltas no buffer is kept: the writer keeps none as a base either
-        engine.writer.settle(part if committed else None, job if engine.options.deltas else None)
+        engine.writer.after_decision(part if committed else None, job if engine.options.deltas else None)
         if committed and engine.local is not None:  # into this rank's local directory, then its retention
             engine.local.commit(step, engine.durable.read(key).decode())
             engine.local.after_commit(job)
@@ -70,7 +70,7 @@ class Kept:
         at_exit.untrack(self)
         with self.lock:
             try:
-                self.settle()
+                self.after_decision()
             except Exception as e:  # the step stays committed at the checkpoint path
                 log.warning("could not commit the last DCP save to the local directory: %s", e)
             self.engine.close(announce=False)

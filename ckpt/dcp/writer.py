@@ -228,13 +228,13 @@ class Writer(StorageWriter):
         structure = st.dict_node(list(values), list(values.values()))
         engine, chunk_size = kept.engine, self.options.chunk_size
         with kept.lock:
-            kept.settle()
+            kept.after_decision()
             sig = self._signature(tensors, leaves)
             buf = engine.snapshots.next_buffer(sig, lambda: make_layout(tensors, chunk_size))
             try:
                 kept.pending = self._write_into(kept, buf, engine.snapshots.spare, tensors, leaves, structure)
             except BaseException:
-                engine.writer.settle(None)  # trust only what was trusted before this save
+                engine.writer.after_decision(None)  # trust only what was trusted before this save
                 raise
             finally:
                 if not self.options.deltas:  # delta_chain=1 (or a codec that never deltas): no copy kept

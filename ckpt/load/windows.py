@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from .._tasks import run_all
-from ..save.buffer_layout import aligned
 from ..errors import CorruptCheckpointError
 from ..format import manifest as mf
 from ..format.boxes import Box
+from ..save.buffer_layout import aligned
 from ..storage import Storage
 from .apply import copy_back
 from .chunk_reads import read_chunk

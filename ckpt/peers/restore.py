@@ -139,7 +139,7 @@ def _load_local(tiers: LocalCommits, attempt: Attempt, step: int, m: mf.Manifest
         memory.hold(key, blob)
 
     def coming(hashes: set[str]) -> None:
-        memory.settle(set(lacking) - {paths.chunk_key(h) for h in hashes})  # read from the checkpoint path
+        memory.not_coming(set(lacking) - {paths.chunk_key(h) for h in hashes})  # read from the checkpoint path
 
     def before_read(needed: set[str]) -> None:
         want = mf.closure(m.chunks, needed).keys()
@@ -178,7 +178,7 @@ def _load_local(tiers: LocalCommits, attempt: Attempt, step: int, m: mf.Manifest
 
 class _Fetch:
     """:func:`recovery.fetch` on a thread of its own (it talks only on the peers' group, which nothing
-    else uses during a load); whatever it did not bring when it ends is settled in ``memory``, so no
+    else uses during a load); whatever it did not bring when it ends is marked not coming in ``memory``, so no
     read waits for it any longer."""
 
     def __init__(self) -> None:
@@ -192,10 +192,10 @@ class _Fetch:
         def body() -> None:
             try:
                 self.stats = run()
-                memory.settle(keys)
+                memory.not_coming(keys)
             except BaseException as e:
                 self.error = e
-                memory.settle(keys, e if isinstance(e, CheckpointError) else
+                memory.not_coming(keys, e if isinstance(e, CheckpointError) else
                               CheckpointError(f"{type(e).__name__}: {e}"))
             if self.abandoned:
                 memory.release(keys)

@@ -273,7 +273,7 @@ class CommitProtocol:
                 decision = Decision.from_json(rnd.run(report, decide, what=what, stop_early=failed))
             except DistributedSaveError as e:  # no decision came: nothing of this save may be kept
                 decision = Decision(Status.FAIL, tuple(e.ranks or (0,)), str(e))
-        self.writer.settle(part if decision.status is Status.OK else None, job)
+        self.writer.after_decision(part if decision.status is Status.OK else None, job)
         if decision.status is not Status.OK:
             self.writer.discard(job)  # this save's own new chunks: nothing committed refers to them
         if decision.status is Status.OK:

@@ -371,7 +371,7 @@ class Writer:
         chunk differently (the stored reports would disagree with the step: the whole manifest is
         written instead). Returns the whole step's manifest."""
         storage = storage if storage is not None else self.storage
-        conflicts = self._settle_conflicts(parts, storage)
+        conflicts = self._resolve_conflicts(parts, storage)
         step_manifest = mf.merge(step, parts, per_rank)
         if structure is not None:
             step_manifest.structure = structure
@@ -398,7 +398,7 @@ class Writer:
                 f"step {step} is already committed in {storage.describe()}; committed steps are never "
                 f"overwritten. {STEP_EXISTS_ADVICE}") from None
 
-    def _settle_conflicts(self, parts: list[mf.Manifest], storage: Storage) -> set[str]:
+    def _resolve_conflicts(self, parts: list[mf.Manifest], storage: Storage) -> set[str]:
         seen: dict[str, mf.ChunkInfo] = {}
         conflicts: set[str] = set()
         for part in parts:
@@ -438,7 +438,7 @@ class Writer:
             self._loaded = {}
             self.known = dict(self._committed)
 
-    def settle(self, committed: mf.Manifest | None, job: SaveJob | None = None) -> None:
+    def after_decision(self, committed: mf.Manifest | None, job: SaveJob | None = None) -> None:
         """After a save's decision: trust only the chunks of the loaded step and of this rank's last
         committed part (``committed``, when this save committed: its buffer becomes the base of the
         next save's deltas). Retention, on this rank or the coordinator, may delete anything else

@@ -5,7 +5,7 @@
   its key are served from memory until :meth:`HeldChunks.release`, while the tier is healed behind
   the load.
 * **coming**: a chunk a fetch from peers is still bringing (:meth:`HeldChunks.expect`): a read of
-  its key waits until it is held, or until the fetch gives up on it (:meth:`HeldChunks.settle`:
+  its key waits until it is held, or until the fetch gives up on it (:meth:`HeldChunks.not_coming`:
   the read then goes to the tiers, or raises the fetch's error). So the loader's reads start at
   once and a peer's chunk is used the moment it arrives, instead of after the whole exchange.
 * **captured**: what a load read from the remote tier for chunks this rank's tier lacks
@@ -39,14 +39,14 @@ class HeldChunks:
             self._cond.notify_all()
 
     def expect(self, keys: Iterable[str]) -> None:
-        """``keys`` are on their way: reads of them wait for :meth:`hold` or :meth:`settle`."""
+        """``keys`` are on their way: reads of them wait for :meth:`hold` or :meth:`not_coming`."""
         with self._cond:
             for k in keys:
                 self._refused.pop(k, None)
                 if k not in self._held:
                     self._coming.add(k)
 
-    def settle(self, keys: Iterable[str] | None = None, error: CheckpointError | None = None) -> None:
+    def not_coming(self, keys: Iterable[str] | None = None, error: CheckpointError | None = None) -> None:
         """``keys`` (None: every key still coming) will not be brought: their reads go to the tiers,
         or, with ``error``, raise it."""
         with self._cond:
