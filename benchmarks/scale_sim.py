@@ -340,7 +340,7 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
 
     state = state_of(model, layout, r, world, step)
 
-    def metadata() -> mf.Manifest:  # what Loader._load_step reads before its plan
+    def metadata() -> mf.Manifest:  # what StepChooser._load_step reads before its plan
         got = mf.read_committed(disk, step)
         return got if isinstance(got, mf.Manifest) else step_for_load(disk, got, state, r, world)
 
@@ -378,7 +378,7 @@ def load_one_rank(model: Model, layout: str, world: int, disk: CountingStorage, 
 def rounds(world: int) -> dict[str, dict[str, int]]:
     """Store requests of the rounds every save and load runs, on ``world`` threads: a save's ``go``
     and ``commit`` rounds (as :class:`ckpt.save.commit.CommitProtocol` runs them) and the three ``agree``
-    rounds of ``load("latest")`` (:class:`ckpt.load.step_choice.Loader`), with the documents they post
+    rounds of ``load("latest")`` (:class:`ckpt.load.step_choice.StepChooser`), with the documents they post
     and the reductions they run."""
     from ckpt.load.step_choice import _coordinators, _failures, _outcome, _ready
     from ckpt.save.commit import Decision, Report, Status

@@ -27,7 +27,7 @@ from .flatten import flatten
 from .format import manifest as mf
 from .handle import REFUSED_FOR_EARLIER, SaveHandle, SaveLedger, SaveMetrics
 from .journal import Journal
-from .load.step_choice import Loader, LoadStats, RankMap
+from .load.step_choice import LoadStats, RankMap, StepChooser
 from .options import OptionArgs, Options, check_storage
 from .ranks import make_comm
 from .root_level import check_root_level
@@ -113,7 +113,7 @@ class Checkpointer:
         self._run_journal = engine.open_journal(self._schedule)  # the run journal: rank 0 writes it
         self._clean_end = True  # False: closed by __exit__ on an exception (the journal says so)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
-        self._loader = Loader(self.storage, self._comm, engine.io, engine.manifests, engine.local,
+        self._chooser = StepChooser(self.storage, self._comm, engine.io, engine.manifests, engine.local,
                               staged=options.staged_load, lend=engine.lend_buffer,
                               budget=host_memory.resolve(options.host_memory, self._comm))
         self.last_load: LoadStats | None = None  # what the last load read
@@ -181,7 +181,7 @@ class Checkpointer:
         self._check_open()
         if self._run_journal is not None:
             self._run_journal.saving(step)
-        self._loader.check_whole(step)
+        self._chooser.check_whole(step)
         self._ledger.claim(step)
         events.emit("save", self.rank, step=step)
         seq, self._seq = self._seq, self._seq + 1
@@ -279,7 +279,7 @@ class Checkpointer:
 
     def accept_state(self) -> None:
         """Save the state as it is, although a load failed after it had started changing it."""
-        self._loader.partial = None
+        self._chooser.partial = None
 
     def protect(self, step: int) -> None:
         """Never let retention delete ``step`` (the step this run resumed from is protected already).
@@ -340,16 +340,16 @@ class Checkpointer:
         allow_pickle = self.options.allow_pickle if allow_pickle is None else allow_pickle
         try:
             with paused():  # see save()
-                done = self._loader.load(step, state, strict=strict, allow_pickle=allow_pickle, fallback=fallback,
+                done = self._chooser.load(step, state, strict=strict, allow_pickle=allow_pickle, fallback=fallback,
                                          rank_map=rank_map)
         except CheckpointError as e:
-            if self._loader.partial is not None:
+            if self._chooser.partial is not None:
                 e.args = (f"{e} (The state was partly overwritten before this failed: load a step before training "
                           "on; saves are refused until then.)", *e.args[1:])
             raise
         if self._run_journal is not None:  # the first load of this start: the journal's start record
             self._run_journal.loaded(None if done is None else done.manifest.step, time.perf_counter() - began,
-                                     self._loader.hosts)
+                                     self._chooser.hosts)
         if done is None:
             return None
         self.last_load = done.stats
@@ -363,7 +363,7 @@ class Checkpointer:
         Returns:
             list[int]: ascending.
         """
-        return self._loader.steps()
+        return self._chooser.steps()
 
     def latest(self) -> int | None:
         """The newest committed step.

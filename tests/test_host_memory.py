@@ -246,7 +246,7 @@ def test_boxes_of_other_layouts_read_within_the_budget_are_bit_exact(tmp_path):
 
 def _two_ranks_body(rank: int, world: int, root: str) -> dict:
     with ckpt.Checkpointer(root, host_memory=0.5) as c:  # the share is split between the two ranks of this host
-        share = c._loader.budget
+        share = c._chooser.budget
     with ckpt.Checkpointer(root, host_memory=MiB, chunk_size=256 * 1024, codec="raw", check_finite=False) as c:
         c.save(1, _state(4)).wait()
         target = _state(4, fill=-1.0)

@@ -1,4 +1,4 @@
-"""Which step a load loads, on every rank: :class:`Loader` takes the one asked for, or the newest
+"""Which step a load loads, on every rank: :class:`StepChooser` takes the one asked for, or the newest
 committed one every rank sees, falling back past damaged steps when asked, with every rank agreeing
 on the outcome (``agree`` rounds, :mod:`ckpt.ranks`). The reading itself, checks first, then
 verified reads into place, is :func:`ckpt.load.into_state.load_into`. Local commits plug in through
@@ -68,7 +68,7 @@ class Restore(Protocol):
         ``attempt``; None for a new run."""
 
 
-class Loader:
+class StepChooser:
     """Loads committed steps into a state, on every rank of the group, all ending on the same step.
 
     ``latest`` is the newest step every rank sees; with ``fallback`` a damaged step is reported and
