@@ -18,7 +18,7 @@ from ckpt import _ext
 from ckpt.format import manifest as mf
 from ckpt.format import spans
 from ckpt.format.chain_core import decode_chain, decode_chain_range, decode_chain_ranges
-from ckpt.format.chunk import HEADER_SIZE, Base, _section_table, chunk_hash, parse_header
+from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, parse_header, section_table
 from ckpt.format.planes import RANS, ZSTD
 from ckpt.load import chunk_reads
 from ckpt.save.encode import CodecSpec, encode
@@ -101,7 +101,7 @@ def dense_chain(links: int, seed: int = 0) -> tuple[np.ndarray, list[tuple[str, 
 
 def kinds(blob: bytes) -> list[int]:
     hdr = parse_header(blob, name="x")
-    return [how for how, _, _ in _section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash="x")]
+    return [how for how, _, _ in section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash="x")]
 
 
 def test_zstd_planes_are_decompressed_in_passes_that_fit_a_chunk_of_scratch():
@@ -119,7 +119,7 @@ def last_block(blob: bytes) -> int:
     """Where in a stored object the last block of its first rANS plane ends (its bytes: the last
     elements' symbols)."""
     hdr = parse_header(blob, name="x")
-    table = _section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash="x")
+    table = section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash="x")
     k = next(i for i, (how, _, _) in enumerate(table) if how == RANS and i < hdr.width)
     return HEADER_SIZE + 8 * len(table) + sum(len(s) for _, s, _ in table[:k]) + len(table[k][1])
 

@@ -273,14 +273,14 @@ def test_a_rank_needing_part_of_a_planes_chunk_decodes_only_its_spans(saved_plan
         assert torch.equal(rows, w[r0 : r0 + n])
     # damage in a block of the exponent plane that rows 0-99 do not need: their load does not decode
     # it (a whole decode would fail the chunk's hash), a load of the rows it holds is refused
-    from ckpt.format.chunk import _section_table, parse_header
+    from ckpt.format.chunk import parse_header, section_table
 
     m = ckpt.Checkpointer(root).manifest(1)
     (h,) = m.chunks
     path = os.path.join(root, paths.chunk_key(h))
     blob = open(path, "rb").read()
     hdr = parse_header(blob, name="x")
-    table = _section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash=h)
+    table = section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash=h)
     coded = [i for i, (how, _, _) in enumerate(table) if how == 2]
     assert coded, "the exponent plane is rANS-coded"
     start = HEADER_SIZE + 8 * len(table) + sum(len(stored) for _, stored, _ in table[: coded[0]])

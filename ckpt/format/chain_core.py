@@ -19,9 +19,9 @@ from .chunk import (
     PLANED,
     ChunkHeader,
     _decompress_into,
-    _section_table,
-    _unpack_section,
     parse_header,
+    section_table,
+    unpack_section,
     xor_check,
 )
 from .planes import RANS, STORED, ZSTD, scratch, u8
@@ -198,7 +198,7 @@ def _range_link(part, room: np.ndarray, size: int, b0: int, b1: int, frames: _Fr
             frames.read(stored, j0, room[:length], (i, k), name=name, expect_hash=expect_hash,
                         last=j1 == size // hdr.width)
         elif how != STORED and not core_decodes:
-            _unpack_section(how, stored, room[:length], name=name, expect_hash=expect_hash)
+            unpack_section(how, stored, room[:length], name=name, expect_hash=expect_hash)
         else:
             planes.append(u8(stored) if length else np.empty(0, np.uint8))
             starts.append(start)
@@ -279,7 +279,7 @@ def _chain_part(i: int, name: str, expect: str, blob, size: int, check: bool = T
     # decodes to are right (damage to the check itself, or to a byte no decode reads)
     if check and i > 0 and xor_check(view[:HEADER_SIZE], [payload]) != hdr.check:
         return None
-    return hdr, payload, _section_table(hdr, payload, name=name, expect_hash=expect) if hdr.codec in PLANED else None
+    return hdr, payload, section_table(hdr, payload, name=name, expect_hash=expect) if hdr.codec in PLANED else None
 
 
 def _core_decodes(hdr: ChunkHeader, table) -> list[bool]:
@@ -309,7 +309,7 @@ def _chain_link(part, room: np.ndarray, out: np.ndarray, *, name: str, expect_ha
         if how != STORED and not core_decodes:
             planes.append(room[:length])
             room = room[length:]
-            _unpack_section(how, stored, planes[-1], name=name, expect_hash=expect_hash)
+            unpack_section(how, stored, planes[-1], name=name, expect_hash=expect_hash)
         else:
             planes.append(u8(stored) if length else np.empty(0, np.uint8))
     return planes[:hdr.width], coded[:hdr.width], planes[hdr.width], hdr.rot

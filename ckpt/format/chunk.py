@@ -194,7 +194,7 @@ def _decompress_bounded(payload: memoryview, raw_len: int, *, name: str, expect_
     return memoryview(out)
 
 
-def _section_table(hdr: ChunkHeader, payload: memoryview, *, name: str, expect_hash: str
+def section_table(hdr: ChunkHeader, payload: memoryview, *, name: str, expect_hash: str
                    ) -> list[tuple[int, memoryview, int]]:
     """The sections of a planes/xor payload: (how it is kept: STORED, ZSTD or RANS; stored bytes;
     decoded length), checked to fit the payload and the raw length."""
@@ -218,7 +218,7 @@ def _section_table(hdr: ChunkHeader, payload: memoryview, *, name: str, expect_h
     return out
 
 
-def _unpack_section(how: int, stored: memoryview, dst: np.ndarray, *, name: str, expect_hash: str) -> None:
+def unpack_section(how: int, stored: memoryview, dst: np.ndarray, *, name: str, expect_hash: str) -> None:
     """Decode a zstd or rANS section into exactly ``dst``."""
     if how == ZSTD:
         _decompress_into(stored, dst.data, name=name, expect_hash=expect_hash)
@@ -252,12 +252,12 @@ def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray 
     core = _ext.cpu()
     planes: list[np.ndarray] = []
     coded: list[bool] = []
-    for i, (how, stored, length) in enumerate(_section_table(hdr, payload, name=name, expect_hash=expect_hash)):
+    for i, (how, stored, length) in enumerate(section_table(hdr, payload, name=name, expect_hash=expect_hash)):
         if how == RANS and core is not None and i < w:
             planes.append(u8(stored))
         elif how != STORED:
             dst = scratch(f"plane{i}", length)
-            _unpack_section(how, stored, dst, name=name, expect_hash=expect_hash)
+            unpack_section(how, stored, dst, name=name, expect_hash=expect_hash)
             planes.append(dst)
         else:
             planes.append(u8(stored) if length else np.empty(0, np.uint8))
@@ -371,11 +371,11 @@ def verify_object(key: str, parts: list[memoryview]) -> None:
     if xor_check(header, [payload]) != hdr.check:
         raise CorruptCheckpointError(f"chunk object {key} failed its payload check; the stored bytes are damaged",
                                      object=key, chunk=expect)
-    for how, stored, length in _section_table(hdr, payload, name=key, expect_hash=expect):
+    for how, stored, length in section_table(hdr, payload, name=key, expect_hash=expect):
         if how == ZSTD:
             _check_frames(stored, length, name=key, expect_hash=expect)
         elif how == RANS:  # bounded: a section decodes to its plane's length, at most the chunk's
-            _unpack_section(how, stored, scratch("frames", length), name=key, expect_hash=expect)
+            unpack_section(how, stored, scratch("frames", length), name=key, expect_hash=expect)
 
 
 def _check_frames(payload, length: int, *, name: str, expect_hash: str) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 from ..storage.base import Storage
 from . import chains, rans, spans
 from . import manifest as mf
-from .chunk import HEADER_SIZE, ChunkHeader, _section_table, _unpack_section, check_header, parse_header
+from .chunk import HEADER_SIZE, ChunkHeader, check_header, parse_header, section_table, unpack_section
 from .paths import chunk_key
 from .planes import RANS, STORED, scratch, ungroup_parts
 
@@ -76,7 +76,7 @@ def decode_spans(hdr: ChunkHeader, blob, runs: list[tuple[int, int]], out: np.nd
     if hdr.codec not in ("planes", "xor") or spans.SPAN % w:
         raise NotPartial
     payload = memoryview(blob).cast("B")[HEADER_SIZE:]
-    table = _section_table(hdr, payload, name=name, expect_hash=expect_hash)
+    table = section_table(hdr, payload, name=name, expect_hash=expect_hash)
     m = n // w
     placed, pos = [], 0
     for lo, hi in runs:
@@ -95,7 +95,7 @@ def decode_spans(hdr: ChunkHeader, blob, runs: list[tuple[int, int]], out: np.nd
 
 def _whole(how: int, stored: memoryview, length: int, name: str, expect_hash: str) -> np.ndarray:
     dst = np.empty(length, np.uint8)
-    _unpack_section(how, stored, dst, name=name, expect_hash=expect_hash)
+    unpack_section(how, stored, dst, name=name, expect_hash=expect_hash)
     return dst
 
 

@@ -106,7 +106,8 @@ class WriteAssignment:
 
 # -- the planner ----------------------------------------------------------------------------------
 
-def _top(key: str, tops: set[str] | dict[str, str]) -> str | None:
+def top_of(key: str, tops: set[str] | dict[str, str]) -> str | None:
+    """The top-level key of ``key`` where it is one of ``tops``, else None."""
     head = key.split("/", 1)[0]
     return head if head in tops else None
 
@@ -162,7 +163,7 @@ def assign(invs: list[Inventory], chunk_size: int = 16 << 20) -> list[WriteAssig
     shared: dict[str, _Shared] = {}
     for r, inv in enumerate(invs):
         for i, row in enumerate(inv.tensors):
-            if row.kind == "rank" or _top(row.key, inv.tops) in per_rank:
+            if row.kind == "rank" or top_of(row.key, inv.tops) in per_rank:
                 writes[r].append(i)
                 loads[r] += row.nbytes
                 continue
@@ -177,7 +178,7 @@ def assign(invs: list[Inventory], chunk_size: int = 16 << 20) -> list[WriteAssig
 
     items = []
     for key, ent in shared.items():
-        if len(ent.ranks) != world and _top(key, invs[0].tops) not in united:
+        if len(ent.ranks) != world and top_of(key, invs[0].tops) not in united:
             lacking = sorted(set(range(world)) - ent.ranks)
             return mismatch(f"tensor {key!r} is missing on rank(s) {lacking}")
         shape = ent.meta[2]
@@ -198,7 +199,7 @@ def assign(invs: list[Inventory], chunk_size: int = 16 << 20) -> list[WriteAssig
         loads[r] += nbytes
     out = [sorted(w) for w in writes]
     fresh: list[list[int]] = [[] for _ in range(world)]
-    for pack in _packs(packed, chunk_size):
+    for pack in in_packs(packed, chunk_size):
         r = min((h[0] for h in pack[0][3]), key=lambda q: (loads[q], q))
         fresh[r].append(len(out[r]))
         for _nbytes, _key, _box, holders in pack:
@@ -220,7 +221,7 @@ def not_tiled(key: str, shape: tuple[int, ...], boxes: list[Box], why: str, held
             f"(boxes {desc}{' …' if len(boxes) > 6 else ''})")
 
 
-def _packs(items: list[tuple], chunk_size: int, holders: Callable[[tuple], Hashable] | None = None
+def in_packs(items: list[tuple], chunk_size: int, holders: Callable[[tuple], Hashable] | None = None
            ) -> list[list[tuple]]:
     """Small replicated boxes in packs: those with the same holders together, in key order, each pack
     at most ``chunk_size`` bytes as the layout places them (each on a cache line: 64 bytes at least).
@@ -302,7 +303,7 @@ def split(inv: Inventory) -> tuple[dict[str, dict], dict]:
     cls: list[int] = []
     runs: list[list] = []
     for i, row in enumerate(inv.tensors):
-        top = _top(row.key, inv.tops)
+        top = top_of(row.key, inv.tops)
         if row.kind == "rank" or top is None or top in inv.per_rank:
             whole.append([i, *row])
             continue

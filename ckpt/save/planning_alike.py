@@ -18,7 +18,7 @@ import numpy as np
 
 from ..format import tree_union
 from ..format.boxes import Box, check_tiles
-from .planning import MISMATCH_HINT, PACK_BELOW, _packs, _top, ints, not_tiled, unints, unpack
+from .planning import MISMATCH_HINT, PACK_BELOW, in_packs, ints, not_tiled, top_of, unints, unpack
 
 
 class _Holders:
@@ -153,7 +153,7 @@ class _Plan:
                 return False
             if own["rows"]:
                 for row in own["rows"]:
-                    if row[2] != "rank" and _top(row[1], self.tops) not in self.per_rank:
+                    if row[2] != "rank" and top_of(row[1], self.tops) not in self.per_rank:
                         return False  # a row assign() would plan with the shared ones
                     self.loads[r] += row[-1]
                 self.whole[r] = [row[0] for row in own["rows"]]
@@ -230,7 +230,7 @@ class _Plan:
             loads[r] += nbytes
         self.tail: dict[int, list[int]] = {}
         self.fresh: dict[int, list[int]] = {}
-        for pack in _packs(self.packed, chunk_size, holders=lambda it: it[3].key):
+        for pack in in_packs(self.packed, chunk_size, holders=lambda it: it[3].key):
             hr = pack[0][3].ranks
             r = int(hr[int(np.argmin(loads[hr]))])
             mine = self.tail.setdefault(r, [])
