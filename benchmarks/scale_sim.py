@@ -49,6 +49,7 @@ from ckpt.format import manifest as mf
 from ckpt.format.chunk import HEADER_SIZE
 from ckpt.handle import SaveMetrics
 from ckpt.save.buffer_layout import make_layout
+from ckpt.save.committer import commit_bytes
 from ckpt.save.encode import CodecSpec
 from ckpt.save.planning import Inventory, WriteAssignment, exchange_plan
 from ckpt.save.writer import Writer, _Put
@@ -172,7 +173,7 @@ def rank_report(writer: Writer, flat: Flat, answer: WriteAssignment, rank: int, 
 
 
 def make_writer(storage: Storage) -> Writer:
-    return Writer(storage, CodecSpec.parse("raw"), io=None)  # type: ignore[arg-type]  # commit() uses no pool
+    return Writer(storage, CodecSpec.parse("raw"), io=None)  # type: ignore[arg-type]  # a report, no chunk: no pool
 
 
 class Ranks:
@@ -294,7 +295,6 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     coord = disks[0]
     coord.reset_counts()
     coord.read_bytes = 0
-    writer = make_writer(coord)
     builders = [IndexBuilder()]
 
     def commit(s: int) -> None:  # as CommitProtocol._commit_summarized, on rank 0
@@ -302,7 +302,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
         built = builders[0].build(s, parts[s], sums, frozenset(),
                                   lambda r: _read_report(coord, s, r, sums[r]["size"]))
         assert built is not None  # no chunk listed differently by two ranks
-        writer.commit_bytes(s, index.committable(s, built[0], []), coord)
+        commit_bytes(coord, s, index.committable(s, built[0], []))
 
     for s, tag in ((step, "commit_first_"), (step + 1, "commit_")):
         coord.reset_counts()
@@ -480,12 +480,11 @@ def steady_commit(model: Model, layout: str, world: int, root: str, chunk_size: 
                           "values": {}, "stats": {"raw_bytes": per_rank[r], "chunks": len(chunks)},
                           "chunks": chunks, "spans": {}, "inline": inline})
     disk = CountingStorage(LocalStorage(root))
-    writer = make_writer(disk)
 
     def commit() -> None:
         built = builder.build(step, own, summaries, frozenset(), lambda r: b"")
         assert built is not None
-        writer.commit_bytes(step, index.committable(step, built[0], []), disk)
+        commit_bytes(disk, step, index.committable(step, built[0], []))
 
     t = time.thread_time()
     commit()

@@ -19,6 +19,7 @@ from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from ckpt.format import manifest as mf
 from ckpt.format import paths
 from ckpt.format.chunk import HEADER_SIZE, Base, decode, parse_header
+from ckpt.save.committer import commit_step
 from ckpt.save.encode import CodecSpec, encode
 from ckpt.save.writer import Writer
 from ckpt.storage import LocalStorage
@@ -90,7 +91,7 @@ def test_a_merged_step_that_would_not_load_is_not_committed(ckdir):
     parts = [dataclasses.replace(part, step=2, rank=r) for r in (0, 1)]
     writer = Writer(storage, CodecSpec(), io=None)  # type: ignore[arg-type]  # commit needs no I/O pool
     with pytest.raises(CorruptCheckpointError, match="step 2 was not committed.*do not tile"):
-        writer.commit(2, parts, frozenset())
+        commit_step(writer.storage, 2, parts, frozenset())
     assert mf.committed_steps(storage) == [1]
     got = {"w": torch.zeros(8)}
     assert ckpt.Checkpointer(ckdir).load("latest", got) == 1 and got["w"].tolist() == list(range(8))

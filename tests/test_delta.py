@@ -21,6 +21,7 @@ from ckpt.format import manifest as mf
 from ckpt.format import paths, rans
 from ckpt.format.chunk import Base, chunk_hash, decode, verify_object
 from ckpt.format.planes import RANS, SECTION_FLAGS, group, ungroup
+from ckpt.save.committer import commit_step
 from ckpt.save.encode import CodecSpec, encode
 
 CHUNK = 64 * 1024
@@ -705,9 +706,7 @@ def test_two_ranks_write_deltas_of_their_own_shards_and_any_world_size_loads_the
 def test_ranks_that_stored_the_same_chunk_differently_commit_what_stayed(tmp_path):
     """Two ranks hold the same bytes (same chunk name) and store them differently (other widths, other
     bases): the copy written last stays, and the committed entry must describe it."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from ckpt.save.writer import Writer
     from ckpt.storage import open_storage
 
     storage = open_storage(str(tmp_path / "ck"))
@@ -721,8 +720,7 @@ def test_ranks_that_stored_the_same_chunk_differently_commit_what_stayed(tmp_pat
     parts = [mf.Manifest(step=1, kind="rank", rank=r, structure=ckpt.tree.dict_node([], []), tensors=[
         mf.TensorEntry("x", "uint8", [n], [mf.Shard(r, [0], [n], [mf.Segment(h, 0, n)])], rank=r)],
         chunks={h: info}) for r, info in enumerate(entries)]
-    with ThreadPoolExecutor(2) as io:
-        m = Writer(storage, CodecSpec("auto"), io).commit(1, parts, frozenset())
+    m = commit_step(storage, 1, parts, frozenset())
     assert m.chunks[h] == mf.ChunkInfo(len(raw), stored, "planes/1")
     assert mf.read_step(storage, 1).chunks[h].stored == stored
 

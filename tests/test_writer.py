@@ -19,6 +19,7 @@ from ckpt.handle import SaveMetrics
 from ckpt.lease import Leases
 from ckpt.ranks import LocalComm
 from ckpt.save.commit import CommitProtocol
+from ckpt.save.committer import commit_step
 from ckpt.save.encode import CodecSpec
 from ckpt.save.job import SaveJob
 from ckpt.save.snapshot import Snapshotter
@@ -67,10 +68,10 @@ def test_part_chunks_and_report_then_create_only_commit(io):
         raw = decode(storage.read(paths.chunk_key(h)), name=h, expect_hash=h, expect_len=info.size)
         assert len(raw) == info.size
     assert job.metrics.chunks == len(part.chunks) == job.metrics.chunks_written
-    committed = w.commit(1, [part], frozenset())
+    committed = commit_step(storage, 1, [part], frozenset())
     assert mf.read_step(storage, 1).chunks == committed.chunks
     with pytest.raises(ckpt.StepExistsError):
-        w.commit(1, [part], frozenset())
+        commit_step(storage, 1, [part], frozenset())
 
 
 def test_unchanged_chunks_are_reused_known_or_found_by_their_header(io):

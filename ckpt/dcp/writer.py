@@ -9,7 +9,7 @@ rank's report (``steps/<S>/rank-<r>.json``). All of it runs on the save engine t
 (:class:`ckpt.save.engine.SaveEngine`), one per root and options in this process, kept across saves
 (:mod:`ckpt.dcp.engines`). ``finish``, on the coordinator, reads every rank's report, rebuilds the
 nested structure from DCP's metadata and commits ``MANIFEST.json`` create-only
-(:meth:`ckpt.save.writer.Writer.commit`); retention follows. Until then no
+(:func:`ckpt.save.committer.commit_step`); retention follows. Until then no
 step is visible: a rank killed midway leaves only chunks and reports, for ``ckpt gc``.
 """
 
@@ -36,6 +36,7 @@ from ..format import paths
 from ..handle import SaveMetrics
 from ..options import Options, check_storage
 from ..save.buffer_layout import make_layout
+from ..save.committer import commit_step
 from ..save.job import SaveJob
 from ..save.snapshot import HostBuffer, Snapshot
 from ..save.writer import STEP_EXISTS_ADVICE
@@ -323,8 +324,8 @@ class Writer(StorageWriter):
             else:
                 raise CheckpointError(f"step {self.step} was not committed: no rank wrote item {fqn!r}")
         bare = [dataclasses.replace(p, structure=st.dict_node([], [])) for p in parts]
-        committed = engine.writer.commit(self.step, bare, frozenset(), engine.storage_for(True),
-                                         structure=build_structure(leaves, mappings))
+        committed = commit_step(engine.storage_for(True), self.step, bare, frozenset(),
+                                structure=build_structure(leaves, mappings))
         log.info("committed step %d through DCP (%d ranks, %d tensors)", self.step, world,
                  len(committed.tensors))
         if self.options.keep_last is not None or self.options.keep_every is not None:

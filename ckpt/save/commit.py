@@ -55,6 +55,7 @@ from ..lease import Leases
 from ..ranks import KEEP_SEQS, Comm, Gathered
 from ..storage import Storage
 from .commit_index import IndexBuilder, summarize
+from .committer import commit_bytes, commit_step
 from .job import SaveJob
 from .planning import fail_plan
 from .retention_thread import DeletionWindow
@@ -361,12 +362,12 @@ class CommitProtocol:
                 refs = [index.report_ref(job.step, 0, part.to_json())] + [ref for _, ref in read]
         else:  # local commits: every tier gets the whole manifest (the reports are not on every tier)
             parts = [part] + [_sent_part(docs[r], job.step, r) for r in range(1, world)]
-        return self.writer.commit(job.step, parts, job.snapshot.per_rank, storage=job.storage, reports=refs)
+        return commit_step(self.writer.over(job), job.step, parts, job.snapshot.per_rank, reports=refs)
 
     def _commit_summarized(self, job: SaveJob, part: mf.Manifest, summaries: list[dict]) -> mf.Manifest | None:
         """Rank 0: commit the step's index built from every rank's summary (:mod:`ckpt.save.commit_index`),
         reading no report unless the layout changed; None where two ranks listed a chunk differently
-        (then every report is read and merged, as :meth:`Writer.commit` does)."""
+        (then every report is read and merged, as :func:`~ckpt.save.committer.commit_step` does)."""
         if self._index is None:
             self._index = IndexBuilder()
         storage = self.writer.over(job)
@@ -375,7 +376,7 @@ class CommitProtocol:
         if built is None:
             return None
         ix, chunks = built
-        self.writer.commit_bytes(job.step, index.committable(job.step, ix, []), storage)
+        commit_bytes(storage, job.step, index.committable(job.step, ix, []))
         return mf.Outline(step=job.step, kind="step", structure=ix.structure, tensors=[], chunks=chunks,
                           world_size=ix.world_size, created=ix.created, writer=ix.writer, stats=ix.stats,
                           format_version=ix.format_version)

@@ -1,5 +1,5 @@
 """Writing one rank's part of a save: hash, dedup, encode and durably write every chunk of the host
-buffer, then the rank report; and committing a step manifest merged from every rank's report.
+buffer, then the rank report. Committing a step is :mod:`ckpt.save.committer`'s.
 
 The per-chunk work runs on the I/O pool it is handed. Chunks are hashed (unless the snapshot already
 did) and written straight from the host buffer (the raw codec makes no copy); the buffer is handed
@@ -21,11 +21,9 @@ from .. import _ext
 from .._tasks import run_all
 from ..errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from ..flatten import tensor_of
-from ..format import index, paths, spans
 from ..format import manifest as mf
-from ..format.chunk import HEADER_SIZE, Base, check_header, chunk_hash, parse_header
-from ..format.index import ReportRef
-from ..format.tree_check import newest_feature
+from ..format import paths, spans
+from ..format.chunk import Base, chunk_hash, parse_header
 from ..lease import Leases
 from ..storage import Storage
 from ..tree import dtype_name
@@ -352,71 +350,6 @@ class Writer:
             log.info("step %d failed; removed the %d chunk(s) it had written", job.step, len(created))
         except Exception as e:  # the save's own error matters more; gc removes them later
             log.warning("removing the chunks of failed step %d failed: %s", job.step, e)
-
-    def commit(self, step: int, parts: list[mf.Manifest], per_rank: frozenset[str],
-               storage: Storage | None = None, structure: dict | None = None,
-               reports: list[ReportRef] | None = None) -> mf.Manifest:
-        """Merge every rank's report into the step manifest and commit it (create-only).
-
-        Two ranks may encode the same chunk (same bytes, same name) differently: as deltas of their
-        own bases, or with other byte-plane widths; the copy created first stays and the others
-        list it. Where reports still disagree (a whole copy replaced a damaged one meanwhile), the
-        stored header decides the entry, and the merged table is checked
-        (every base listed, chains bounded) before anything is committed. ``storage``: the save's own
-        view (default: the writer's storage). ``structure``: the step's structure tree when the front
-        end builds it itself (``ckpt.dcp``: from DCP's metadata), instead of the one merged from the
-        parts (whose own structures must then agree, e.g. be empty). ``reports``: how each part is
-        stored (key, size and digest, in rank order): with several ranks, MANIFEST.json is then the
-        step's index (format v6, :mod:`ckpt.format.index`) naming them, unless two reports listed a
-        chunk differently (the stored reports would disagree with the step: the whole manifest is
-        written instead). Returns the whole step's manifest."""
-        storage = storage if storage is not None else self.storage
-        conflicts = self._resolve_conflicts(parts, storage)
-        step_manifest = mf.merge(step, parts, per_rank)
-        if structure is not None:
-            step_manifest.structure = structure
-            step_manifest.format_version = max(step_manifest.format_version, newest_feature(structure))
-        try:
-            mf.check_chains(step_manifest.chunks, paths.manifest_key(step))
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
-                                         f"({e})") from e
-        if reports is not None and len(parts) > 1 and not conflicts:
-            data = index.committable(step, index.build(step_manifest, reports), parts)
-        else:
-            data = mf.committable(step, step_manifest)
-        self.commit_bytes(step, data, storage)
-        return step_manifest
-
-    def commit_bytes(self, step: int, data: bytes, storage: Storage | None = None) -> None:
-        """Write ``MANIFEST.json`` of ``step`` (checked bytes), create-only: the commit point."""
-        storage = storage if storage is not None else self.storage
-        try:
-            storage.commit(paths.manifest_key(step), data)
-        except FileExistsError:
-            raise StepExistsError(
-                f"step {step} is already committed in {storage.describe()}; committed steps are never "
-                f"overwritten. {STEP_EXISTS_ADVICE}") from None
-
-    def _resolve_conflicts(self, parts: list[mf.Manifest], storage: Storage) -> set[str]:
-        seen: dict[str, mf.ChunkInfo] = {}
-        conflicts: set[str] = set()
-        for part in parts:
-            for h, info in part.chunks.items():
-                if seen.setdefault(h, info) != info:
-                    conflicts.add(h)
-        for h in sorted(conflicts):
-            key = paths.chunk_key(h)
-            hdr = parse_header(storage.head(key, HEADER_SIZE), name=key)
-            stored = storage.size(key)
-            check_header(hdr, name=key, expect_hash=h, object_len=stored)
-            truth = mf.ChunkInfo(hdr.raw_len, stored, hdr.label, hdr.base)
-            log.info("chunk %s was stored differently by two ranks; the step lists the copy that stayed (%s)",
-                     h, truth.codec)
-            for part in parts:  # its span digests, of its raw bytes, hold whatever copy stayed
-                if h in part.chunks:
-                    part.chunks[h] = dataclasses.replace(truth, spans=part.chunks[h].spans)
-        return conflicts
 
     # -- what the writer trusts to be stored --------------------------------------------------------
     def in_use(self) -> set[str]:
