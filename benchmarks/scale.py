@@ -174,6 +174,38 @@ ROUND_ROWS = [("store requests per save (go + commit rounds), all ranks", "save"
               ("store requests per load, the busiest rank", "load", "max_requests_one_rank")]
 
 
+# A rank's load beyond the measured N: its metadata is the index (a line in N: a layout per rank) plus
+# the reports its boxes meet, whose bytes only shrink as its share of the state does. A line through
+# the total of both at N = 16-64 falls with the reports and crosses zero; so the index is extended by
+# its line, the reports held at their bytes at the largest N measured (an upper bound), and what
+# follows the metadata (its parse and match, the memory holding it) scaled with those bytes.
+BY_METADATA = {"each rank at load: GET + parse + check the manifest (CPU s)": False,
+               "each rank at load: match its boxes to the saved shards (CPU s)": False,
+               "each rank at load: memory holding the parsed manifest (MiB)": False,
+               "manifest bytes all ranks GET per load (GiB)": True,  # every rank's: times N
+               "each rank at load: metadata bytes it GETs, index + rank reports (MiB)": False}
+
+
+def extend_load(by_n: dict[str, Any], get: Any, all_ranks: bool, ns: tuple[int, ...] = TARGET_NS
+                ) -> dict[int, tuple[float, bool]]:
+    """:func:`extend` for the rows of :data:`BY_METADATA` (see there); ``all_ranks``: the row sums
+    every rank's."""
+    measured = sorted(int(n) for n in by_n)
+    top = measured[-1]
+    last = by_n[str(top)]
+    index = extend({n: float(by_n[str(n)]["manifest_bytes"]) for n in measured}, ns)
+    reports = last["load_get_bytes"] - last["manifest_bytes"]
+    v_last = float(get({**last, "n": top}))
+    out: dict[int, tuple[float, bool]] = {}
+    for n in ns:
+        if str(n) in by_n:
+            out[n] = (float(get({**by_n[str(n)], "n": n})), True)
+        else:
+            scale = (index[n][0] + reports) / last["load_get_bytes"]
+            out[n] = (v_last * scale * (n / top if all_ranks else 1.0), False)
+    return out
+
+
 def _cell(v: float, measured: bool, div: float, digits: int) -> str:
     if math.isnan(v):
         return DASH
@@ -199,9 +231,9 @@ def table(res: dict[str, Any]) -> str:
                       f"{first['chunks']:,} chunks)", "", head, rule]
             for label, get, div, digits in ROWS:
                 pts = {n: float(get({**by_n[str(n)], "n": n})) for n in measured}
-                vals = extend(pts)
-                lines.append(f"| {label} | " + " | ".join(_cell(*vals[n], div, digits) for n in ns) +
-                             f" | {law(pts, div)} |")
+                vals = extend_load(by_n, get, BY_METADATA[label]) if label in BY_METADATA else extend(pts)
+                grows = "with the index's line" if label in BY_METADATA else law(pts, div)
+                lines.append(f"| {label} | " + " | ".join(_cell(*vals[n], div, digits) for n in ns) + f" | {grows} |")
             lines.append("")
     lines += summary(res)
     rn = sorted(int(n) for n in res["rounds"])
@@ -231,6 +263,11 @@ SUMMARY = [("metadata every rank GETs and parses at load (MiB)", "load_get_bytes
            ("rank 0's plan of the first save (CPU s)", "plan_s", "plan_s", 1)]
 
 
+def _ratio(r: float) -> str:
+    """A ratio with two significant digits where it is far below 1 (0.00079, not 0.00)."""
+    return f"{r:.2g}" if 0 < r < 0.1 else f"{r:.2f}"
+
+
 def summary(res: dict[str, Any], n: int = TARGET_NS[-1]) -> list[str]:
     """The first model and layout at the largest N, ckpt against DCP's planner (README's headline)."""
     model, by_layout = next(iter(res["cases"].items()))
@@ -239,10 +276,13 @@ def summary(res: dict[str, Any], n: int = TARGET_NS[-1]) -> list[str]:
     lines = [f"**Against DCP: {model}, {layout} at N = {n:,}**", "",
              "| against DCP | ckpt | DCP | ckpt ÷ DCP |", "|---|---:|---:|---:|"]
     for label, mine, theirs, div in SUMMARY:
-        a, a_measured = extend({k: float(by_n[str(k)][mine]) for k in measured}, (n,))[n]
+        if mine in ("load_get_bytes", "load_parse_s", "load_match_s"):  # the metadata's rows: see BY_METADATA
+            a, a_measured = extend_load(by_n, lambda c, key=mine: c[key], False, (n,))[n]
+        else:
+            a, a_measured = extend({k: float(by_n[str(k)][mine]) for k in measured}, (n,))[n]
         b, _ = extend({k: float(by_n[str(k)]["dcp"][theirs]) for k in measured}, (n,))[n]
         lines.append(f"| {label} | {_cell(a, a_measured, div, 2)} | {_cell(b, a_measured, div, 2)} | "
-                     f"{a / b:.2f} |" if b else f"| {label} | {DASH} | {DASH} | {DASH} |")
+                     f"{_ratio(a / b)} |" if b else f"| {label} | {DASH} | {DASH} | {DASH} |")
     return lines + [""]
 
 
