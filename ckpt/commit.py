@@ -370,7 +370,8 @@ class CommitProtocol:
             self._index = IndexBuilder()
         storage = self.writer.over(job)
         built = self._index.build(job.step, part, summaries, job.snapshot.per_rank,
-                                  lambda r: _read_report(storage, job.step, r, summaries[r]["size"]), self.io)
+                                  lambda r: _read_report(storage, job.step, r, summaries[r]["size"]), self.io,
+                                  job.snapshot.plan)
         if built is None:
             return None
         ix, chunks = built

@@ -29,6 +29,7 @@ import logging
 import math
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch
 
 from . import _cpus, _ext
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
+from .commit_plan import PlanLayout, lazily
 from .cuda_snapshot import CudaSnapshot, copy_to_host, handed_over, launch_native, native_core
 from .flatten import Flat, Leaf, key_component
 from .planning import Inventory, exchange_plan
@@ -53,6 +55,7 @@ class Share:
     write: tuple[str, ...]
     per_rank: frozenset[str]
     fresh: frozenset[str] = frozenset()  # where a pack of small replicated tensors starts a chunk
+    plan: Callable[[], PlanLayout | None] | None = None  # coordinator: the step's layout, from the plan
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Snapshot:
     other: HostBuffer | None = None  # the other buffer of the pair (it holds the delta base, if any)
     released: bool = False
     bad_settings: list[str] = field(default_factory=list)  # optimizer settings found NaN or Inf (their key paths)
+    plan: Callable[[], PlanLayout | None] | None = None  # coordinator: the step's layout, from the plan
 
     def release(self) -> None:
         """Give the host buffer back to the next snapshot, once every CUDA copy into it is done (on
@@ -126,10 +130,12 @@ class Snapshotter:
         if buf is not None and skip_if_busy and buf.busy and sig == self._signature:
             return None
         if buf is None or sig != self._signature or self._share is None:
-            answer = exchange_plan(self.comm, seq, Inventory.of(flat), self.chunk_size)
+            kept: list = []
+            answer = exchange_plan(self.comm, seq, Inventory.of(flat), self.chunk_size,
+                                   kept if self.comm.rank == 0 and self.comm.world > 1 else None)
             keys = list(flat.tensors)
             share = Share(tuple(keys[i] for i in answer.write), frozenset(answer.per_rank),
-                          frozenset(keys[i] for i in answer.fresh))
+                          frozenset(keys[i] for i in answer.fresh), lazily(kept))
             if buf is not None:  # the structure changed: wait for the old buffer, then let it go
                 buf.acquire()
                 buf.release()
@@ -159,7 +165,7 @@ class Snapshotter:
             buf.release()
             raise
         return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad,
-                        buf.generation, self.spare, bad_settings=bad_settings)
+                        buf.generation, self.spare, bad_settings=bad_settings, plan=share.plan)
 
     def _reserved(self, nbytes: int) -> torch.Tensor | None:
         """The reserve, for a buffer of ``nbytes`` if it is that size (within 2%); let go either way."""
