@@ -242,6 +242,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
 
     from ckpt.commit import _read_report
     from ckpt.commit_index import IndexBuilder, summarize
+    from ckpt.commit_plan import lazily
     from ckpt.format import index, paths
     from ckpt.storage.local import LocalStorage
 
@@ -255,6 +256,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     parts: dict[int, mf.Manifest] = {}
     summaries: dict[int, list[dict]] = {step: [{}] * world, step + 1: [{}] * world}
     one_at_a_time = threading.Semaphore(1)  # every rank's report after the plan: one flattened state alive at once
+    kept: list = []  # rank 0: the plan, whose layout its first commit takes
 
     def rank(r: int) -> int:
         comm = cs[r]
@@ -263,7 +265,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
             for q in range(1, world):
                 comm.shared.get(f"plan/0/{q}", time.monotonic() + comm.timeout)
             t = time.thread_time()
-            answer = exchange_plan(comm, 0, inv, chunk_size)
+            answer = exchange_plan(comm, 0, inv, chunk_size, kept)
             plan_s.append(time.thread_time() - t)
             first[0] = SimpleNamespace(requests=Counter(comm.requests), bytes=Counter(comm.bytes))
             for q in range(1, world):  # the same round again, for its memory (the others wait for answers)
@@ -300,7 +302,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     def commit(s: int) -> None:  # as CommitProtocol._commit_summarized, on rank 0
         sums = summaries[s]
         built = builders[0].build(s, parts[s], sums, frozenset(),
-                                  lambda r: _read_report(coord, s, r, sums[r]["size"]))
+                                  lambda r: _read_report(coord, s, r, sums[r]["size"]), plan=lazily(kept))
         assert built is not None  # no chunk listed differently by two ranks
         writer.commit_bytes(s, index.committable(s, built[0], []), coord)
 
@@ -313,7 +315,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
         out.update({tag + "read_bytes": coord.read_bytes, tag + "requests": sum(coord.calls.values()),
                     tag + "report_reads": coord.calls["read_object"]})
         if s == step:
-            assert builders[0].learned == 1
+            assert (builders[0].planned, builders[0].learned) == (1, 0)  # the layout from the plan, no report read
             learned = builders[0]
             builders[0] = IndexBuilder()  # learning again, for its memory
         with Traced() as mem:  # the same work again, for its memory: up to the create-only write, which refuses
@@ -323,7 +325,8 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
                 pass
         out[tag + "peak_rss"] = mem.peak
         builders[0] = learned
-    assert learned.learned == 1  # the second save read no report
+    assert learned.planned == 1 and learned.learned == 0  # the second save read no report either
+    out["report_bytes_total"] = sum(x["size"] for x in summaries[step + 1])
     out["commit_summary_bytes"] = sum(len(json.dumps(x)) for x in summaries[step + 1])
     out["manifest_bytes"] = inner.size(paths.manifest_key(step + 1))
     out.update(load_one_rank(model, layout, world, disks[world // 2], world // 2, step + 1))

@@ -31,10 +31,10 @@ import xxhash
 
 from . import tree as st
 from ._version import __version__
+from .commit_plan import PlanLayout, boxes_digest
 from .errors import CorruptCheckpointError, DistributedSaveError, StateMismatchError
 from .format import index, paths, tree_union
 from .format import manifest as mf
-from .commit_plan import PlanLayout, boxes_digest
 from .format.boxes import Box
 from .format.entries import Segment, check_chains, closure, ints
 from .tree import ITEMSIZE

@@ -114,7 +114,8 @@ def lazily(keep: list) -> Callable[[], PlanLayout | None] | None:
     when first asked (on the commit thread, not in ``save()``), or None where no plan was kept."""
     if not keep:
         return None
-    plan, memo = keep[-1], []
+    plan = keep[-1]
+    memo: list[PlanLayout | None] = []
 
     def get() -> PlanLayout | None:
         if not memo:

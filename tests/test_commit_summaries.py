@@ -63,7 +63,8 @@ def test_rank_0_reads_the_reports_once_per_plan_and_later_saves_read_none(tmp_pa
     # the layout the plan gave is the one merging the reports gives (each report also checked against it)
     data = [bytes(mf.read_rank_bytes(storage, 4, r)) for r in range(3)]
     parts = [mf.parse_rank_part(d, 4, r) for r, d in enumerate(data)]
-    merged = index.build(mf.merge(4, parts, frozenset({"rng"})), [index.report_ref(4, r, d) for r, d in enumerate(data)])
+    refs = [index.report_ref(4, r, d) for r, d in enumerate(data)]
+    merged = index.build(mf.merge(4, parts, frozenset({"rng"})), refs)
     ix = index.parse_doc(json.loads(bytes(storage.read_object(paths.manifest_key(4), 1 << 30))), "MANIFEST.json")
     assert by_tensor(ix) == by_tensor(merged) and len(by_tensor(ix)) == 2
     index.committable(4, ix, parts)
