@@ -503,3 +503,51 @@ def steady_commit(model: Model, layout: str, world: int, root: str, chunk_size: 
             "manifest_bytes": disk.inner.size(paths.manifest_key(step)),
             "chunks": sum(len(s["chunks"]) for s in summaries),
             "summary_bytes": sum(len(json.dumps(s)) for s in summaries)}
+
+
+def plan_layout(model: Model, layout: str, world: int, chunk_size: int = 16 * MiB) -> dict[str, Any]:
+    """What the first save of a plan adds to rank 0's commit, run directly at ``world`` ranks: the
+    step's layout from the plan of ranks alike (:func:`ckpt.commit_plan.from_plan`, with each rank's
+    expected digest of its report's boxes). Every rank's plan post is what
+    :func:`ckpt.planning.split` makes of its inventory (rank 0's top-level digests and layouts, the
+    same on every rank here, with each rank's own rows: checked equal to :meth:`Inventory.of` on a
+    few ranks); :func:`ckpt.planning_alike.assign_alike` plans them; then ``from_plan`` is timed."""
+    import math
+
+    from ckpt.commit_plan import from_plan
+    from ckpt.flatten import tensor_of
+    from ckpt.planning import InventoryRow, _digest, pack, split
+    from ckpt.planning_alike import assign_alike
+
+    ranks = Ranks(model, layout, world)
+    inv0 = Inventory.of(ranks.template)
+    posted: dict[int, dict] = {}
+    known: dict[str, dict] = {}
+    t0 = ranks.template
+    fixed = {key: (tensor_of(key, leaf), leaf.kind, str(t0.tensors[key].dtype).removeprefix("torch."),
+                   list(leaf.global_shape), t0.tensors[key].element_size()) for key, leaf in t0.leaves.items()}
+    for r in range(world):
+        rows = []
+        for key, leaf in t0.leaves.items():
+            name, kind, dtype, shape, size = fixed[key]
+            p = ranks.params[key]
+            offs, lens = leaf.box if p is None else box(p[0], p[1], r, world, LAYOUTS[layout])
+            rows.append(InventoryRow(name, kind, dtype, shape, list(offs), list(lens), size * math.prod(lens)))
+        inv = Inventory(inv0.tops, inv0.per_rank, rows, layouts=inv0.layouts)
+        if r in (1, world - 1):
+            assert inv == Inventory.of(ranks.flat(r)), r
+        parts, own = split(inv)
+        digests = {top: _digest(part) for top, part in parts.items()}
+        if r == 0:
+            known = {digests[top]: part for top, part in parts.items()}
+        posted[r] = {"d": digests, "p": pack(own)}
+    kept: list = []
+    assert assign_alike(posted, known, world, chunk_size, kept) is not None
+    del posted
+    t = time.thread_time()
+    got = from_plan(kept[0])
+    cpu = time.thread_time() - t
+    with Traced() as mem:
+        from_plan(kept[0])
+    assert got is not None and len(got.digests) == world
+    return {"first_layout_s": cpu, "first_layout_peak": mem.peak, "layouts": len(got.layouts)}
