@@ -8,8 +8,9 @@ rank at scale) and the segments of the small global tensors the index inlines. T
 bytes per rank, where a report repeats the whole structure and a segment per tensor.
 
 The coordinator (:class:`IndexBuilder`, one per job) learns the step's layout (which rank holds which
-box of which tensor) once per plan, by reading the reports one at a time (each checked to be the
-bytes and layout its summary names); afterwards each save checks only that every rank's layout
+box of which tensor) once per plan: from the plan round (:mod:`ckpt.commit_plan`) where every rank's
+summarized boxes are what the plan predicts, else by reading the reports one at a time (each checked
+to be the bytes and layout its summary names); afterwards each save checks only that every rank's layout
 digest is the one it learned, and builds the index from that, the summaries and the structure values
 it holds (by digest, in a cache bounded by bytes). What it commits is checked as before: the merged
 chunk table's chains, and the index parsed back as every reader parses it (each layout tiling its
