@@ -70,6 +70,30 @@ def test_rank_0_reads_the_reports_once_per_plan_and_later_saves_read_none(tmp_pa
     index.committable(4, ix, parts)
 
 
+def per_rank_tensor_body(rank: int, world: int, root: str) -> dict:
+    disk = FaultyStorage(LocalStorage(root))
+    reads = []
+    with ckpt.Checkpointer(root, storage=disk, keep_last=None) as c:
+        for step in (1, 2):
+            before = len(disk.log)
+            mine = ckpt.PerRank({"t": torch.full((3,), float(rank + step))})
+            c.save(step, {"w": state(rank, world, step)["w"], "mine": mine}).wait()
+            reads.append(sum(1 for op, k in disk.log[before:] if op == "read_object" and "/rank-" in k))
+    got = {"w": ckpt.LocalShard(torch.zeros_like(state(rank, world, 0)["w"].tensor),
+                                state(rank, world, 0)["w"].offsets, (ROWS, COLS)),
+           "mine": ckpt.PerRank({"t": torch.zeros(3)})}
+    assert ckpt.Checkpointer(root).load("latest", got) == 2
+    return {"reads": reads, "t": got["mine"].value["t"].tolist()}
+
+
+def test_per_rank_tensors_take_their_layout_from_the_plan_too(tmp_path):
+    out = run_ranks(2, per_rank_tensor_body, str(tmp_path / "ck"), timeout=120)
+    assert out[0]["reads"] == [0, 0] and [o["t"] for o in out] == [[2.0] * 3, [3.0] * 3]
+    ix = index.parse_doc(json.loads(bytes(LocalStorage(str(tmp_path / "ck")).read_object(paths.manifest_key(2),
+                                                                                          1 << 30))), "MANIFEST.json")
+    assert {(k, r) for k, r, *_ in by_tensor(ix)} >= {("mine/t", 0), ("mine/t", 1)}
+
+
 def by_tensor(ix: index.Index) -> dict:
     return {(e.key, e.rank, e.dtype, e.shape): ix.layouts[e.layout] for e in ix.tensors}
 
