@@ -244,6 +244,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     from ckpt.format import index, paths
     from ckpt.save.commit import _read_report
     from ckpt.save.commit_index import IndexBuilder, summarize
+    from ckpt.save.commit_plan import lazily
     from ckpt.storage.local import LocalStorage
 
     inner = LocalStorage(root)
@@ -256,6 +257,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     parts: dict[int, mf.Manifest] = {}
     summaries: dict[int, list[dict]] = {step: [{}] * world, step + 1: [{}] * world}
     one_at_a_time = threading.Semaphore(1)  # every rank's report after the plan: one flattened state alive at once
+    kept: list = []  # rank 0: the plan, whose layout its first commit takes
 
     def rank(r: int) -> int:
         comm = cs[r]
@@ -264,7 +266,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
             for q in range(1, world):
                 comm.shared.get(f"plan/0/{q}", time.monotonic() + comm.timeout)
             t = time.thread_time()
-            answer = exchange_plan(comm, 0, inv, chunk_size)
+            answer = exchange_plan(comm, 0, inv, chunk_size, kept)
             plan_s.append(time.thread_time() - t)
             first[0] = SimpleNamespace(requests=Counter(comm.requests), bytes=Counter(comm.bytes))
             for q in range(1, world):  # the same round again, for its memory (the others wait for answers)
@@ -300,7 +302,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     def commit(s: int) -> None:  # as CommitProtocol._commit_summarized, on rank 0
         sums = summaries[s]
         built = builders[0].build(s, parts[s], sums, frozenset(),
-                                  lambda r: _read_report(coord, s, r, sums[r]["size"]))
+                                  lambda r: _read_report(coord, s, r, sums[r]["size"]), plan=lazily(kept))
         assert built is not None  # no chunk listed differently by two ranks
         commit_bytes(coord, s, index.committable(s, built[0], []))
 
@@ -313,7 +315,7 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
         out.update({tag + "read_bytes": coord.read_bytes, tag + "requests": sum(coord.calls.values()),
                     tag + "report_reads": coord.calls["read_object"]})
         if s == step:
-            assert builders[0].learned == 1
+            assert (builders[0].planned, builders[0].learned) == (1, 0)  # the layout from the plan, no report read
             learned = builders[0]
             builders[0] = IndexBuilder()  # learning again, for its memory
         with Traced() as mem:  # the same work again, for its memory: up to the create-only write, which refuses
@@ -323,7 +325,8 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
                 pass
         out[tag + "peak_rss"] = mem.peak
         builders[0] = learned
-    assert learned.learned == 1  # the second save read no report
+    assert learned.planned == 1 and learned.learned == 0  # the second save read no report either
+    out["report_bytes_total"] = sum(x["size"] for x in summaries[step + 1])
     out["commit_summary_bytes"] = sum(len(json.dumps(x)) for x in summaries[step + 1])
     out["manifest_bytes"] = inner.size(paths.manifest_key(step + 1))
     out.update(load_one_rank(model, layout, world, disks[world // 2], world // 2, step + 1))
@@ -499,3 +502,51 @@ def steady_commit(model: Model, layout: str, world: int, root: str, chunk_size: 
             "manifest_bytes": disk.inner.size(paths.manifest_key(step)),
             "chunks": sum(len(s["chunks"]) for s in summaries),
             "summary_bytes": sum(len(json.dumps(s)) for s in summaries)}
+
+
+def plan_layout(model: Model, layout: str, world: int, chunk_size: int = 16 * MiB) -> dict[str, Any]:
+    """What the first save of a plan adds to rank 0's commit, run directly at ``world`` ranks: the
+    step's layout from the plan of ranks alike (:func:`ckpt.save.commit_plan.from_plan`, with each rank's
+    expected digest of its report's boxes). Every rank's plan post is what
+    :func:`ckpt.planning.split` makes of its inventory (rank 0's top-level digests and layouts, the
+    same on every rank here, with each rank's own rows: checked equal to :meth:`Inventory.of` on a
+    few ranks); :func:`ckpt.save.planning_alike.assign_alike` plans them; then ``from_plan`` is timed."""
+    import math
+
+    from ckpt.flatten import tensor_of
+    from ckpt.planning import InventoryRow, _digest, pack, split
+    from ckpt.save.commit_plan import from_plan
+    from ckpt.save.planning_alike import assign_alike
+
+    ranks = Ranks(model, layout, world)
+    inv0 = Inventory.of(ranks.template)
+    posted: dict[int, dict] = {}
+    known: dict[str, dict] = {}
+    t0 = ranks.template
+    fixed = {key: (tensor_of(key, leaf), leaf.kind, str(t0.tensors[key].dtype).removeprefix("torch."),
+                   list(leaf.global_shape), t0.tensors[key].element_size()) for key, leaf in t0.leaves.items()}
+    for r in range(world):
+        rows = []
+        for key, leaf in t0.leaves.items():
+            name, kind, dtype, shape, size = fixed[key]
+            p = ranks.params[key]
+            offs, lens = leaf.box if p is None else box(p[0], p[1], r, world, LAYOUTS[layout])
+            rows.append(InventoryRow(name, kind, dtype, shape, list(offs), list(lens), size * math.prod(lens)))
+        inv = Inventory(inv0.tops, inv0.per_rank, rows, layouts=inv0.layouts)
+        if r in (1, world - 1):
+            assert inv == Inventory.of(ranks.flat(r)), r
+        parts, own = split(inv)
+        digests = {top: _digest(part) for top, part in parts.items()}
+        if r == 0:
+            known = {digests[top]: part for top, part in parts.items()}
+        posted[r] = {"d": digests, "p": pack(own)}
+    kept: list = []
+    assert assign_alike(posted, known, world, chunk_size, kept) is not None
+    del posted
+    t = time.thread_time()
+    got = from_plan(kept[0])
+    cpu = time.thread_time() - t
+    with Traced() as mem:
+        from_plan(kept[0])
+    assert got is not None and len(got.digests) == world
+    return {"first_layout_s": cpu, "first_layout_peak": mem.peak, "layouts": len(got.layouts)}

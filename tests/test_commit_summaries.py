@@ -16,6 +16,7 @@ from ckpt.format import index, paths
 from ckpt.format import manifest as mf
 from ckpt.format.entries import Shard
 from ckpt.save.commit_index import IndexBuilder, layout_digest, summarize
+from ckpt.save.commit_plan import PlanLayout, boxes_digest
 from ckpt.storage import LocalStorage
 from ckpt.testing import FaultyStorage, run_ranks
 
@@ -52,13 +53,72 @@ def save_body(rank: int, world: int, root: str) -> dict:
 def test_rank_0_reads_the_reports_once_per_plan_and_later_saves_read_none(tmp_path):
     root = str(tmp_path / "ck")
     out = run_ranks(3, save_body, root, timeout=150)
-    assert out[0]["reads"] == [2, 0, 0, 0]  # the first save learns the layout from ranks 1 and 2
+    assert out[0]["reads"] == [0, 0, 0, 0]  # the first save takes the layout from the plan round
     for r, got in enumerate(out):
         assert got["w"] and got["b"] == [4.0] * 4 and got["step"] == 4 and got["seed"] == r
     storage = LocalStorage(root)
     assert mf.committed_steps(storage) == [3, 4]  # retention ran from the chunk names the commit kept
     whole = mf.read_step(storage, 4)  # every chunk a kept step names is still there
     assert all(storage.exists(paths.chunk_key(h)) for h in whole.chunks)
+    # the layout the plan gave is the one merging the reports gives (each report also checked against it)
+    data = [bytes(mf.read_rank_bytes(storage, 4, r)) for r in range(3)]
+    parts = [mf.parse_rank_part(d, 4, r) for r, d in enumerate(data)]
+    refs = [index.report_ref(4, r, d) for r, d in enumerate(data)]
+    merged = index.build(mf.merge(4, parts, frozenset({"rng"})), refs)
+    ix = index.parse_doc(json.loads(bytes(storage.read_object(paths.manifest_key(4), 1 << 30))), "MANIFEST.json")
+    assert by_tensor(ix) == by_tensor(merged) and len(by_tensor(ix)) == 2
+    index.committable(4, ix, parts)
+
+
+def per_rank_tensor_body(rank: int, world: int, root: str) -> dict:
+    disk = FaultyStorage(LocalStorage(root))
+    reads = []
+    with ckpt.Checkpointer(root, storage=disk, keep_last=None) as c:
+        for step in (1, 2):
+            before = len(disk.log)
+            mine = ckpt.PerRank({"t": torch.full((3,), float(rank + step))})
+            c.save(step, {"w": state(rank, world, step)["w"], "mine": mine}).wait()
+            reads.append(sum(1 for op, k in disk.log[before:] if op == "read_object" and "/rank-" in k))
+    got = {"w": ckpt.LocalShard(torch.zeros_like(state(rank, world, 0)["w"].tensor),
+                                state(rank, world, 0)["w"].offsets, (ROWS, COLS)),
+           "mine": ckpt.PerRank({"t": torch.zeros(3)})}
+    assert ckpt.Checkpointer(root).load("latest", got) == 2
+    return {"reads": reads, "t": got["mine"].value["t"].tolist()}
+
+
+def test_per_rank_tensors_take_their_layout_from_the_plan_too(tmp_path):
+    out = run_ranks(2, per_rank_tensor_body, str(tmp_path / "ck"), timeout=120)
+    assert out[0]["reads"] == [0, 0] and [o["t"] for o in out] == [[2.0] * 3, [3.0] * 3]
+    ix = index.parse_doc(json.loads(bytes(LocalStorage(str(tmp_path / "ck")).read_object(paths.manifest_key(2),
+                                                                                          1 << 30))), "MANIFEST.json")
+    assert {(k, r) for k, r, *_ in by_tensor(ix)} >= {("mine/t", 0), ("mine/t", 1)}
+
+
+def by_tensor(ix: index.Index) -> dict:
+    return {(e.key, e.rank, e.dtype, e.shape): ix.layouts[e.layout] for e in ix.tensors}
+
+
+def test_the_layout_from_the_plan_is_taken_only_where_every_rank_summarized_it(saved):
+    parts, data = reports(saved)
+    per_rank = frozenset({"rng"})
+    sums = [summarize(p, d, per_rank) for p, d in zip(parts, data)]
+    learner, read = IndexBuilder(), []
+    want, _ = learner.build(1, parts[0], sums, per_rank, lambda r: read.append(r) or data[r])
+    assert read == [1] and learner.learned == 1
+    planned = PlanLayout(learner.tensors, learner.layouts, [s["boxes"] for s in sums])
+    builder = IndexBuilder()
+    ix, _ = builder.build(1, parts[0], sums, per_rank, lambda r: read.append(r) or data[r], plan=lambda: planned)
+    assert read == [1] and (builder.planned, builder.learned) == (1, 0) and by_tensor(ix) == by_tensor(want)
+    # a rank whose report does not hold the pairs the plan says it writes: the reports are read
+    wrong = dataclasses.replace(planned, digests=[planned.digests[0], "0" * 16])
+    builder = IndexBuilder()
+    ix, _ = builder.build(1, parts[0], sums, per_rank, lambda r: read.append(r) or data[r], plan=lambda: wrong)
+    assert read == [1, 1] and (builder.planned, builder.learned) == (0, 1) and by_tensor(ix) == by_tensor(want)
+    # a plan that cannot say the layout (None) reads them too
+    builder = IndexBuilder()
+    builder.build(1, parts[0], sums, per_rank, lambda r: read.append(r) or data[r], plan=lambda: None)
+    assert read == [1, 1, 1] and builder.learned == 1
+    assert [s["boxes"] for s in sums] == [boxes_digest(p) for p in parts] and sums[0]["boxes"] != sums[1]["boxes"]
 
 
 # -- the builder, in one process, on a real saved step ---------------------------------------------------------

@@ -12,8 +12,9 @@ group's store (:class:`~ckpt.ranks.Comm`), with deadlines. For one save, on each
 2. write this rank's chunks durably, then its rank report (:meth:`Writer.write_part`);
 3. report ``ok`` (with a summary of its rank report, :func:`ckpt.save.commit_index.summarize`), ``fail``,
    ``exists`` or ``nonfinite`` (or ``skip``, from ``save()`` itself) to the coordinator;
-4. the coordinator gathers every report, builds the step's index from the summaries (reading the
-   rank reports only to learn the layout, once per plan: :mod:`ckpt.save.commit_index`) and commits
+4. the coordinator gathers every report, builds the step's index from the summaries and the layout
+   the plan round gave (:mod:`ckpt.save.commit_plan`; the rank reports are read only where a rank's boxes
+   differ from it, once per plan: :mod:`ckpt.save.commit_index`) and commits
    ``MANIFEST.json`` create-only: that write is the commit point. It publishes a :class:`Decision`
    (ok, fail naming the ranks, skip, or exists) that every other rank waits for;
 5. on the coordinator, what comes after a commit (retention) is handed to a thread of its own
@@ -372,7 +373,8 @@ class CommitProtocol:
             self._index = IndexBuilder()
         storage = self.writer.over(job)
         built = self._index.build(job.step, part, summaries, job.snapshot.per_rank,
-                                  lambda r: _read_report(storage, job.step, r, summaries[r]["size"]), self.io)
+                                  lambda r: _read_report(storage, job.step, r, summaries[r]["size"]), self.io,
+                                  job.snapshot.plan)
         if built is None:
             return None
         ix, chunks = built

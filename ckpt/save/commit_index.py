@@ -8,8 +8,9 @@ rank at scale) and the segments of the small global tensors the index inlines. T
 bytes per rank, where a report repeats the whole structure and a segment per tensor.
 
 The coordinator (:class:`IndexBuilder`, one per job) learns the step's layout (which rank holds which
-box of which tensor) once per plan, by reading the reports one at a time (each checked to be the
-bytes and layout its summary names); afterwards each save checks only that every rank's layout
+box of which tensor) once per plan: from the plan round (:mod:`ckpt.save.commit_plan`) where every rank's
+summarized boxes are what the plan predicts, else by reading the reports one at a time (each checked
+to be the bytes and layout its summary names); afterwards each save checks only that every rank's layout
 digest is the one it learned, and builds the index from that, the summaries and the structure values
 it holds (by digest, in a cache bounded by bytes). What it commits is checked as before: the merged
 chunk table's chains, and the index parsed back as every reader parses it (each layout tiling its
@@ -37,6 +38,7 @@ from ..format import manifest as mf
 from ..format.boxes import Box
 from ..format.entries import Segment, check_chains, closure, ints
 from ..tree import ITEMSIZE
+from .commit_plan import PlanLayout, boxes_digest
 
 VALUE_BYTES = 4096  # a per-rank top-level value up to this many JSON bytes travels in the summary itself
 CACHE_BYTES = 256 << 20  # the structure values the coordinator keeps, by digest
@@ -97,6 +99,7 @@ def summarize(part: mf.Manifest, data: bytes | bytearray, per_rank: frozenset[st
               for t in part.tensors if _inlinable(t)}
     need = closure(part.chunks, [g[0] for per in inline.values() for segs in per for g in segs])
     return {"size": len(data), "digest": xxhash.xxh3_128_hexdigest(data), "layout": layout_digest(part),
+            "boxes": boxes_digest(part),
             "tops": {k: st.digest(v) for k, v in tops}, "values": values, "stats": part.stats,
             "chunks": {h: c.to_json() for h, c in part.chunks.items()},
             "spans": {h: c.spans for h, c in need.items() if c.spans is not None}, "inline": inline}
@@ -158,7 +161,8 @@ class IndexBuilder:
         self.tensors: list[tuple[str, str, tuple[int, ...], int | None, int]] = []  # key, dtype, shape, owner, layout
         self.layouts: list[index.Layout] = []
         self.values = _Values(cache_bytes)
-        self.learned = 0  # times the layout was learned from the reports (once per plan)
+        self.learned = 0  # times the layout was learned from the reports (once per plan, where the plan did not say it)
+        self.planned = 0  # times the layout was taken from the save plan (no report read)
 
     # -- learning the layout, once per plan ----------------------------------------------------------
     def _learn(self, step: int, own: mf.Manifest, summaries: list[dict], read: Callable[[int], bytes],
@@ -217,18 +221,31 @@ class IndexBuilder:
         self.digests = [s["layout"] for s in summaries]
         self.learned += 1
 
+    def _adopt(self, plan: Callable[[], PlanLayout | None] | None, summaries: list[dict]) -> bool:
+        """Take the layout from the save plan if every rank's report holds the (tensor, box) pairs
+        the plan says it writes (:mod:`ckpt.save.commit_plan`); False where it cannot say or a rank differs."""
+        got = plan() if plan is not None else None
+        if got is None or got.digests != [s.get("boxes") for s in summaries]:
+            return False
+        self.tensors, self.layouts = got.tensors, got.layouts
+        self.digests = [s["layout"] for s in summaries]
+        self.planned += 1
+        return True
+
     def _keep_values(self, tops: list[tuple[str, Any]]) -> None:
         for _, v in tops:
             self.values.put(st.digest(v), v, 4 * len(json.dumps(v)))  # parsed: about 4x its JSON
 
     # -- each save -----------------------------------------------------------------------------------
     def build(self, step: int, own: mf.Manifest, summaries: list[dict], per_rank: frozenset[str],
-              read: Callable[[int], bytes], io: Executor | None = None
+              read: Callable[[int], bytes], io: Executor | None = None,
+              plan: Callable[[], PlanLayout | None] | None = None
               ) -> tuple[index.Index, dict[str, mf.ChunkInfo]] | None:
         """The index of ``step`` from every rank's summary (rank 0's report ``own`` in hand; ``read(r)``
         the bytes of rank ``r``'s stored report, for what the summaries do not carry), and the step's
         chunk table (without span digests). None where two ranks list a chunk differently: the
-        caller merges the reports themselves."""
+        caller merges the reports themselves. ``plan``: the layout the save plan gives (taken
+        instead of reading the reports where every rank's summary matches it)."""
         world = len(summaries)
         chunks: dict[str, mf.ChunkInfo] = {}
         for s in summaries:
@@ -246,7 +263,7 @@ class IndexBuilder:
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
                                          f"({e})") from e
-        if self.digests != [s["layout"] for s in summaries]:
+        if self.digests != [s["layout"] for s in summaries] and not self._adopt(plan, summaries):
             self._learn(step, own, summaries, read, io)
         self._keep_values(st.top_items(own.structure))
         structure = self._structure(step, own, summaries, per_rank, read)

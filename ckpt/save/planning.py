@@ -356,25 +356,28 @@ def _assignment(doc: dict) -> WriteAssignment:
     return WriteAssignment((unints(doc["w"]).cumsum() - 1).tolist(), doc["p"], doc["b"], fresh=doc["f"])
 
 
-def plan_posted(posted: dict[int, dict], known: dict[str, dict], world: int, chunk_size: int) -> list[dict]:
+def plan_posted(posted: dict[int, dict], known: dict[str, dict], world: int, chunk_size: int,
+                keep: list | None = None) -> list[dict]:
     """The coordinator's answers, one per rank, to what the ranks posted (``known``: every part by its
     digest). Ranks holding the same structure (the ordinary case: FSDP, TP, replicas) are planned
     from what is distinct among them (:func:`ckpt.save.planning_alike.assign_alike`); any other set of
-    inventories is joined whole and planned by :func:`assign`."""
+    inventories is joined whole and planned by :func:`assign`. ``keep``: where the alike plan made is
+    appended (rank 0's commit takes the step's layout from it)."""
     from .planning_alike import assign_alike
 
-    fast = assign_alike(posted, known, world, chunk_size)
+    fast = assign_alike(posted, known, world, chunk_size, keep)
     if fast is not None:
         return fast
     invs = [join({top: known[d] for top, d in posted[r]["d"].items()}, unpack(posted[r]["p"])) for r in range(world)]
     return [_answer(a) for a in assign(invs, chunk_size)]
 
 
-def exchange_plan(comm: Comm, seq: int, inventory: Inventory, chunk_size: int = 16 << 20) -> WriteAssignment:
+def exchange_plan(comm: Comm, seq: int, inventory: Inventory, chunk_size: int = 16 << 20,
+                  keep: list | None = None) -> WriteAssignment:
     """Send this rank's inventory (digests of the parts ranks share, its own part compressed); the
     coordinator answers every rank with its assignment, after asking in a second round for the parts
     whose digest it has not seen. Raises the assignment's error (the same on every rank) if the save
-    cannot go ahead."""
+    cannot go ahead. ``keep`` (coordinator): where the plan of ranks alike is appended, if it was one."""
     parts, own = split(inventory)
     digests = {top: _digest(part) for top, part in parts.items()}
     known = {digests[top]: part for top, part in parts.items()} if comm.rank == 0 else {}
@@ -390,7 +393,7 @@ def exchange_plan(comm: Comm, seq: int, inventory: Inventory, chunk_size: int = 
         return None
 
     def plan() -> list[dict]:
-        return plan_posted(posted, known, comm.world, chunk_size)
+        return plan_posted(posted, known, comm.world, chunk_size, keep)
 
     def first(got: Gathered) -> list[dict]:
         if (bad := failed(got)) is not None:

@@ -38,8 +38,8 @@ class _Holders:
         return self.first[r]
 
 
-def assign_alike(posted: dict[int, dict], known: dict[str, dict], world: int, chunk_size: int
-                 ) -> list[dict] | None:
+def assign_alike(posted: dict[int, dict], known: dict[str, dict], world: int, chunk_size: int,
+                 keep: list | None = None) -> list[dict] | None:
     """Every rank's answer (as it travels) when the ranks' posts are alike: the same parts (but where
     a key holds no tensor), per-rank keys and order of rows; else None.
 
@@ -48,11 +48,13 @@ def assign_alike(posted: dict[int, dict], known: dict[str, dict], world: int, ch
         known: every part the coordinator has, by digest.
         world: the number of ranks.
         chunk_size: the save's chunk size (packs of small replicated boxes are at most this).
+        keep: where given, the plan made is appended to it (rank 0's commit takes the step's layout
+            from it: :func:`ckpt.save.commit_plan.from_plan`).
 
     Returns:
         One answer per rank (:func:`ckpt.planning._assignment` reads it), or None.
     """
-    plan = _Plan(world)
+    plan = AlikePlan(world)
     owns = [unpack(posted[r]["p"]) for r in range(world)]
     if not (plan.read(posted, known, owns) and plan.slots(posted[0]["d"], known) and plan.boxes(owns)):
         return None
@@ -60,16 +62,21 @@ def assign_alike(posted: dict[int, dict], known: dict[str, dict], world: int, ch
     if bad is not None:
         return [{"error": bad + MISMATCH_HINT, "mismatch": True}] * world
     plan.place(chunk_size)
+    if keep is not None:
+        keep.append(plan)
     return plan.answers()
 
 
-class _Plan:
+class AlikePlan:
     """:func:`assign_alike`'s work, in the order it runs."""
 
     def __init__(self, world: int):
         self.world = world
         self.loads = np.zeros(world, np.int64)
         self.whole: dict[int, list[int]] = {}  # rank -> indices of its per-rank rows (written by itself)
+        self.rows_of: dict[int, list[list]] = {}  # rank -> its per-rank rows as posted
+        self.kinds: list[tuple] = []  # per tensor class: meta, keys, boxes held (positions x ranks), forced
+        self.chosen: list[tuple[str, int, Box]] = []  # a shared box of a tensor, and the rank writing it
         self.index_maps: dict[tuple[int, ...], np.ndarray] = {}
 
     def read(self, posted: dict[int, dict], known: dict[str, dict], owns: list[dict]) -> bool:
@@ -157,6 +164,7 @@ class _Plan:
                         return False  # a row assign() would plan with the shared ones
                     self.loads[r] += row[-1]
                 self.whole[r] = [row[0] for row in own["rows"]]
+                self.rows_of[r] = own["rows"]
         self.slot_cls = np.zeros(0, np.int64)
         self.boxes_of = np.zeros((0, self.world), np.int64)
         if n_slots:
@@ -192,6 +200,7 @@ class _Plan:
                     bad = (order[keys[0]], not_tiled(keys[0], meta[2], [self.gbox[g] for g in ids], why))
                     continue
             forced = counts[np.searchsorted(ids, held)] == 1
+            self.kinds.append((meta, keys, held, forced))
             for p in range(len(scs)):
                 self.groups.append(([self.key_slots[k][p] for k in keys], forced[p]))
                 self.loads += forced[p] * nb[held[p]] * len(keys)
@@ -224,8 +233,9 @@ class _Plan:
         packs, each to its least-loaded holder (assign()'s order and ties)."""
         loads = self.loads
         self.extra: dict[int, list[int]] = {}
-        for nbytes, key, _box, holders in sorted(self.balanced, key=lambda it: (-it[0], it[1], it[2])):
+        for nbytes, key, box, holders in sorted(self.balanced, key=lambda it: (-it[0], it[1], it[2])):
             r = int(holders.ranks[int(np.argmin(loads[holders.ranks]))])
+            self.chosen.append((key, r, box))
             self.extra.setdefault(r, []).append(self._index(r, key, holders))
             loads[r] += nbytes
         self.tail: dict[int, list[int]] = {}
@@ -235,7 +245,8 @@ class _Plan:
             r = int(hr[int(np.argmin(loads[hr]))])
             mine = self.tail.setdefault(r, [])
             self.fresh.setdefault(r, []).append(len(mine))
-            for nbytes, key, _box, holders in pack:
+            for nbytes, key, box, holders in pack:
+                self.chosen.append((key, r, box))
                 mine.append(self._index(r, key, holders))
                 loads[r] += nbytes
 

@@ -41,6 +41,7 @@ from ..flatten import Flat, Leaf, key_component
 from ..ranks import Comm
 from ..tree import dtype_name
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
+from .commit_plan import PlanLayout, lazily
 from .cuda_snapshot import CudaSnapshot, copy_to_host, handed_over, launch_native, native_core
 from .planning import Inventory, exchange_plan
 
@@ -54,6 +55,7 @@ class Share:
     write: tuple[str, ...]
     per_rank: frozenset[str]
     fresh: frozenset[str] = frozenset()  # where a pack of small replicated tensors starts a chunk
+    plan: Callable[[], PlanLayout | None] | None = None  # coordinator: the step's layout, from the plan
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Snapshot:
     other: HostBuffer | None = None  # the other buffer of the pair (it holds the delta base, if any)
     released: bool = False
     bad_settings: list[str] = field(default_factory=list)  # optimizer settings found NaN or Inf (their key paths)
+    plan: Callable[[], PlanLayout | None] | None = None  # coordinator: the step's layout, from the plan
 
     def release(self) -> None:
         """Give the host buffer back to the next snapshot, once every CUDA copy into it is done (on
@@ -127,10 +130,12 @@ class Snapshotter:
         if buf is not None and skip_if_busy and buf.busy and sig == self._signature:
             return None
         if buf is None or sig != self._signature or self._share is None:
-            answer = exchange_plan(self.comm, seq, Inventory.of(flat), self.chunk_size)
+            kept: list = []
+            answer = exchange_plan(self.comm, seq, Inventory.of(flat), self.chunk_size,
+                                   kept if self.comm.rank == 0 and self.comm.world > 1 else None)
             keys = list(flat.tensors)
             self._share = share = Share(tuple(keys[i] for i in answer.write), frozenset(answer.per_rank),
-                                        frozenset(keys[i] for i in answer.fresh))
+                                        frozenset(keys[i] for i in answer.fresh), lazily(kept))
             self._signature = None  # a new share: a new layout
         share = self._share
         assert share is not None
@@ -146,7 +151,7 @@ class Snapshotter:
             buf.release()
             raise
         return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad,
-                        buf.generation, self.spare, bad_settings=bad_settings)
+                        buf.generation, self.spare, bad_settings=bad_settings, plan=share.plan)
 
     def next_buffer(self, sig: tuple, layout: Callable[[], BufferLayout]) -> HostBuffer:
         """The buffer the next snapshot goes into, for a state of signature ``sig``: a new one laid out by
