@@ -508,13 +508,13 @@ def plan_layout(model: Model, layout: str, world: int, chunk_size: int = 16 * Mi
     """What the first save of a plan adds to rank 0's commit, run directly at ``world`` ranks: the
     step's layout from the plan of ranks alike (:func:`ckpt.save.commit_plan.from_plan`, with each rank's
     expected digest of its report's boxes). Every rank's plan post is what
-    :func:`ckpt.planning.split` makes of its inventory (rank 0's top-level digests and layouts, the
+    :func:`ckpt.save.planning.split` makes of its inventory (rank 0's top-level digests and layouts, the
     same on every rank here, with each rank's own rows: checked equal to :meth:`Inventory.of` on a
     few ranks); :func:`ckpt.save.planning_alike.assign_alike` plans them; then ``from_plan`` is timed."""
     import math
 
     from ckpt.flatten import tensor_of
-    from ckpt.planning import InventoryRow, _digest, pack, split
+    from ckpt.save.planning import InventoryRow, _digest, pack, split
     from ckpt.save.commit_plan import from_plan
     from ckpt.save.planning_alike import assign_alike
 

@@ -7,7 +7,7 @@ every rank (the 80 layers' ``q_proj`` and their two AdamW moments, say) are one 
 of one dtype and shape with the same slot classes have the same boxes on every rank, so their tiling
 is checked once, by the sweep (:func:`ckpt.format.boxes.check_tiles`), and who writes what is
 decided with numpy over (slot class × rank), not per row. :func:`assign_alike` gives exactly what
-:func:`ckpt.planning.assign` gives for the same inventories (the tests compare them), or None where
+:func:`ckpt.save.planning.assign` gives for the same inventories (the tests compare them), or None where
 the inventories are not alike (pipeline stages, keys whose plain values differ between ranks): the
 caller then plans them whole. The coordinator's cost per rank is its post's few dozen boxes and its
 answer, and its memory what is distinct."""
@@ -52,7 +52,7 @@ def assign_alike(posted: dict[int, dict], known: dict[str, dict], world: int, ch
             from it: :func:`ckpt.save.commit_plan.from_plan`).
 
     Returns:
-        One answer per rank (:func:`ckpt.planning._assignment` reads it), or None.
+        One answer per rank (:func:`ckpt.save.planning._assignment` reads it), or None.
     """
     plan = AlikePlan(world)
     owns = [unpack(posted[r]["p"]) for r in range(world)]
