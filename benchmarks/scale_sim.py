@@ -514,8 +514,8 @@ def plan_layout(model: Model, layout: str, world: int, chunk_size: int = 16 * Mi
     import math
 
     from ckpt.flatten import tensor_of
-    from ckpt.save.planning import InventoryRow, _digest, pack, split
     from ckpt.save.commit_plan import from_plan
+    from ckpt.save.planning import InventoryRow, _digest, pack, split
     from ckpt.save.planning_alike import assign_alike
 
     ranks = Ranks(model, layout, world)
