@@ -27,4 +27,7 @@ if how == "sigint":
     # to this thread, and handled before raise_signal returns: os.kill(os.getpid(), …) let the kernel hand
     # the signal to an I/O thread, and on a loaded machine the main thread could reach the end of the
     # script before it noticed, ending with 0 instead of by the KeyboardInterrupt
+    # Python's own handler even where this process was started with SIGINT ignored (a job sent to the
+    # background by a shell ignores it, and Python then installs no KeyboardInterrupt for it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.raise_signal(signal.SIGINT)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -108,8 +109,10 @@ def test_example_says_committed_only_for_saves_that_committed(tmp_path):
     (tmp_path / "bad" / "chunks").write_text("a file where the chunk directory goes: every chunk write fails")
     p = run("examples/train.py", "--dir", str(tmp_path / "bad"), "--steps", "30", "--every", "10", check=False)
     assert p.returncode == 1 and "  committed (" not in p.stdout and "saved (" not in p.stdout, p.stdout
-    assert "StorageError" in p.stderr and "the save of step 10 failed in the background, so step 20 was not saved" \
-        in p.stderr, p.stderr
+    # the next save() that finds step 10's save already failed raises it: step 20's, or on a loaded machine
+    # (step 10 still writing when step 20 is taken into the other host buffer) step 30's
+    assert "StorageError" in p.stderr and re.search(
+        r"the save of step 10 failed in the background, so step (20|30) was not saved", p.stderr), p.stderr
     assert p.stderr.count("Not a directory") <= 2  # the error once (its message and its cause), not logged again
 
 

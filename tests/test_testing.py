@@ -10,7 +10,7 @@ import pytest
 
 import ckpt
 from ckpt.format.chunk import verify_object
-from ckpt.storage import LocalStorage, Storage, open_storage, open_tiered
+from ckpt.storage import LocalStorage, Storage, durable_of, open_storage, open_tiered
 from ckpt.testing import FaultyStorage, run_ranks
 
 
@@ -48,7 +48,7 @@ def test_without_rules_it_is_the_wrapped_storage_and_counts_every_call(inner):
                         "exists": 2, "size": 1, "list": 1, "delete": 1, "flush": 1}
     assert not st.failed
     assert st.log[:3] == [("root_state", ""), ("write", "chunks/ab/abc"), ("commit", "steps/1/MANIFEST.json")]
-    assert st.durable_tier() is st  # a single tier: leases see the faults too
+    assert durable_of(st) is st  # a single tier: leases see the faults too
     st.reset_counts()
     assert not st.calls and not st.log
 
