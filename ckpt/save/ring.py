@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
+from ..flatten import Flat
 from .buffer_layout import BufferLayout, TensorSlot
 from .cuda_snapshot import CudaSnapshot
-from .snapshot import HostBuffer
+from .snapshot import HostBuffer, Share, Snapshot, optimizer_guarded
 
 log = logging.getLogger("ckpt")
 
@@ -109,6 +110,9 @@ class Ring(HostBuffer):
         self._cond = threading.Condition()
         self._save = _Save()
         self._next = 0  # the next piece to copy
+        log.info("the state's %.1f MiB are larger than host_memory (%.1f MiB): saves copy it in %d pieces through "
+                 "two slabs of %.1f MiB, and write its chunks without deltas", layout.nbytes / 2**20, budget / 2**20,
+                 len(pieces), slab / 2**20)
         if 2 * slab > budget:
             log.warning("a chunk of %.1f MiB is larger than half of host_memory (%.1f MiB): the ring of two slabs "
                         "holds %.1f MiB; a smaller chunk_size keeps it within", slab / 2**20, budget / 2**20,
@@ -252,6 +256,42 @@ class Ring(HostBuffer):
             raise
         self._save.nonfinite += [k for k in bad if k not in self._save.nonfinite]
         return _Copied(slab, hashes, pending)
+
+
+def take_pieces(ring: Ring, flat: Flat, share: Share, check: frozenset[str], bad_settings: list[str]) -> Snapshot:
+    """The snapshot of ``flat`` into ``ring`` (taken: :meth:`Ring.acquire`): its first two pieces
+    copied (a slab each), the others left to ``Snapshot.rest``, which ``save()`` calls once the job
+    is the writer's (it returns the seconds it waited for a free slab).
+
+    Args:
+        ring: the ring, acquired.
+        flat: the state, flattened.
+        share: this rank's share of the writing.
+        check: the tensors checked for NaN and Inf.
+        bad_settings: optimizer settings found NaN or Inf.
+
+    Returns:
+        Snapshot: the snapshot, with ``rest`` set.
+
+    Raises:
+        Exception: whatever the copy of the first pieces raised (the ring is given back).
+    """
+    guarded = optimizer_guarded(flat) if ring.has_cuda else frozenset()
+    ring.begin()
+    try:
+        ring.copy_next(flat.tensors, check, guarded)
+        ring.copy_next(flat.tensors, check, guarded)
+    except BaseException as e:
+        ring.fail(e)  # the copier's part
+        ring.finished()  # and the writer's: no job will exist
+        raise
+
+    def rest() -> float:
+        ring.copy_rest(flat.tensors, check, guarded)
+        return float(ring.blocked_s)
+
+    return Snapshot(ring, {k: flat.leaves[k] for k in share.write}, share.per_rank, None, None, [],
+                    ring.generation, None, bad_settings=bad_settings, plan=share.plan, rest=rest)
 
 
 def _part(src: torch.Tensor, slot: TensorSlot, a: int, b: int) -> torch.Tensor:

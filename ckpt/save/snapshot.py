@@ -121,6 +121,7 @@ class Snapshotter:
         # (ckpt.save.ring), and the deltas' second buffer is kept only where both fit.
         self.budget: int | None = None
         self.ring: Any = None  # the buffer, when it is a ring
+        self._said_no_pair = 0  # the layout for which "no deltas within host_memory" was logged
         # Memory a load staged into before the first save: that save's buffer takes it over when
         # the sizes agree, so the pages faulted in once serve both (SaveEngine.lend_buffer).
         self.reserve: torch.Tensor | None = None
@@ -152,7 +153,9 @@ class Snapshotter:
         bad_settings = nonfinite_settings(flat) if self.check_finite is not False else []
         buf.acquire()
         if self.ring is not None and buf is self.ring:
-            return self._take_pieces(buf, flat, share, check, bad_settings)
+            from .ring import take_pieces
+
+            return take_pieces(buf, flat, share, check, bad_settings)
         try:
             cuda, hashes, bad = buf.copy_in(flat.tensors, optimizer_guarded(flat) if buf.has_cuda else frozenset(),
                                             check)
@@ -161,26 +164,6 @@ class Snapshotter:
             raise
         return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad,
                         buf.generation, self.spare, bad_settings=bad_settings, plan=share.plan)
-
-    def _take_pieces(self, ring: Any, flat: Flat, share: Share, check: frozenset[str],
-                     bad_settings: list[str]) -> Snapshot:
-        """The ring's first two pieces copied (one slab each), the rest left to ``Snapshot.rest``."""
-        guarded = optimizer_guarded(flat) if ring.has_cuda else frozenset()
-        ring.begin()
-        try:
-            ring.copy_next(flat.tensors, check, guarded)
-            ring.copy_next(flat.tensors, check, guarded)
-        except BaseException as e:
-            ring.fail(e)  # the copier's part
-            ring.finished()  # and the writer's: no job will exist
-            raise
-
-        def rest() -> float:
-            ring.copy_rest(flat.tensors, check, guarded)
-            return float(ring.blocked_s)
-
-        return Snapshot(ring, {k: flat.leaves[k] for k in share.write}, share.per_rank, None, None, [],
-                        ring.generation, None, bad_settings=bad_settings, plan=share.plan, rest=rest)
 
     def next_buffer(self, sig: tuple, layout: Callable[[], BufferLayout]) -> HostBuffer:
         """The buffer the next snapshot goes into, for a state of signature ``sig``: a new one laid out by
@@ -198,9 +181,6 @@ class Snapshotter:
 
                 self.reserve = None
                 buf = self.ring = Ring(made, self.budget, native=self.native, threads=self.threads)
-                log.info("the state's %.1f MiB are larger than host_memory (%.1f MiB): saves copy it in %d pieces "
-                         "through two slabs of %.1f MiB, and write its chunks without deltas", made.nbytes / 2**20,
-                         self.budget / 2**20, len(self.ring.pieces), self.ring.slab / 2**20)
             else:
                 buf = HostBuffer(made, native=self.native, threads=self.threads, memory=self._reserved(made.nbytes))
                 self.ring = None
@@ -216,6 +196,10 @@ class Snapshotter:
                          "(delta_chain=1 turns deltas and this buffer off)", self.spare.nbytes / 2**20)
             buf, self.spare = self.spare, buf
             self.buffer = buf
+        elif self.pair and self.ring is None and self.layouts_made != self._said_no_pair:
+            self._said_no_pair = self.layouts_made  # once per layout
+            log.info("no deltas for this state: a second host buffer of %.1f MiB would pass host_memory (%.1f MiB "
+                     "with the first)", buf.nbytes / 2**20, self.budget / 2**20 if self.budget else 0.0)
         return buf
 
     def drop(self) -> None:
