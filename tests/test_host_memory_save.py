@@ -190,3 +190,28 @@ def test_cuda_state_larger_than_the_budget_goes_through_pinned_slabs(tmp_path):
         back = _zeros(state)
         c.load(1, back)
         assert _same(back, kept)
+
+
+def test_save_blocks_about_the_state_beyond_the_budget_over_the_write_bandwidth(tmp_path):
+    """On a directory held to 20 MB/s (benchmarks/bandwidth.py's limiter), 8 MiB at a 2 MiB budget:
+    save() blocks at least (state - budget) / bandwidth (the limiter's first burst aside: every byte
+    beyond the ring's is written before the last copy), and the time it waited for free slabs is about
+    that, not much more."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bandwidth
+
+    rate, budget = 20e6, 2 * MiB
+    state = {"w": torch.randn(2 * MiB)}  # 8 MiB
+    bandwidth.ThrottledFS.limit(rate)
+    try:
+        burst = bandwidth.ThrottledFS.buckets["write"].burst
+        with ckpt.Checkpointer(f"throttled://{tmp_path}/run", codec="raw", host_memory=budget,
+                               chunk_size=256 * 1024) as c:
+            m = c.save(1, state).wait()
+    finally:
+        bandwidth.ThrottledFS.limit(None)
+    ideal = (8 * MiB - budget) / rate
+    assert m.pieces == 8
+    assert m.stall_s >= ideal - burst / rate, (m.stall_s, ideal)  # every byte beyond the ring was written first
+    # the wait itself: that less the copies which overlapped the writes (a few ms per piece)
+    assert 0.7 * ideal <= m.blocked_s <= min(m.stall_s, 1.5 * ideal + 0.1), (m.blocked_s, ideal)
