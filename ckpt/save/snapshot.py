@@ -73,6 +73,7 @@ class Snapshot:
     released: bool = False
     bad_settings: list[str] = field(default_factory=list)  # optimizer settings found NaN or Inf (their key paths)
     plan: Callable[[], PlanLayout | None] | None = None  # coordinator: the step's layout, from the plan
+    store: Any = None  # the deltas' bases within host_memory (ckpt.save.base_store), if any
     rest: Callable[[], float] | None = None  # in pieces (:mod:`ckpt.save.ring`): copy the pieces left, once
     # the job is the writer's; returns the seconds it waited for a free slab
 
@@ -118,10 +119,10 @@ class Snapshotter:
         self.threads = threads
         self.buffer: HostBuffer | None = None
         # host_memory in bytes (None: no cap): a state larger saves through a ring of two slabs
-        # (ckpt.save.ring), and the deltas' second buffer is kept only where both fit.
+        # (ckpt.save.ring); with deltas, a second buffer that would pass it is a BaseStore of what fits.
         self.budget: int | None = None
         self.ring: Any = None  # the buffer, when it is a ring
-        self._said_no_pair = 0  # the layout for which "no deltas within host_memory" was logged
+        self.store: Any = None  # with deltas, where a second buffer passes the budget: ckpt.save.base_store
         # Memory a load staged into before the first save: that save's buffer takes it over when
         # the sizes agree, so the pages faulted in once serve both (SaveEngine.lend_buffer).
         self.reserve: torch.Tensor | None = None
@@ -163,7 +164,7 @@ class Snapshotter:
             buf.release()
             raise
         return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad,
-                        buf.generation, self.spare, bad_settings=bad_settings, plan=share.plan)
+                        buf.generation, self.spare, bad_settings=bad_settings, plan=share.plan, store=self.store)
 
     def next_buffer(self, sig: tuple, layout: Callable[[], BufferLayout]) -> HostBuffer:
         """The buffer the next snapshot goes into, for a state of signature ``sig``: a new one laid out by
@@ -174,7 +175,7 @@ class Snapshotter:
             if buf is not None:  # the structure changed: wait for the old buffer, then let it go
                 buf.acquire()
                 buf.release()
-            self.buffer = self.spare = None
+            self.buffer = self.spare = self.store = None
             made = layout()
             if self.budget is not None and made.nbytes > self.budget:  # larger than host_memory: in pieces
                 from .ring import Ring
@@ -184,6 +185,10 @@ class Snapshotter:
             else:
                 buf = HostBuffer(made, native=self.native, threads=self.threads, memory=self._reserved(made.nbytes))
                 self.ring = None
+                if self.pair and self.budget is not None and 2 * made.nbytes > self.budget:
+                    from .base_store import BaseStore  # no second buffer: the room left keeps some chunks' bases
+
+                    self.store = BaseStore(made, self.budget - made.nbytes)
             self.buffer, self._signature = buf, sig
             self.layouts_made += 1
             log.debug("new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
@@ -196,15 +201,11 @@ class Snapshotter:
                          "(delta_chain=1 turns deltas and this buffer off)", self.spare.nbytes / 2**20)
             buf, self.spare = self.spare, buf
             self.buffer = buf
-        elif self.pair and self.ring is None and self.layouts_made != self._said_no_pair:
-            self._said_no_pair = self.layouts_made  # once per layout
-            log.info("no deltas for this state: a second host buffer of %.1f MiB would pass host_memory (%.1f MiB "
-                     "with the first)", buf.nbytes / 2**20, self.budget / 2**20 if self.budget else 0.0)
         return buf
 
     def drop(self) -> None:
         """Let both buffers go (their memory is freed once no save uses them)."""
-        self.buffer = self.spare = self.ring = None
+        self.buffer = self.spare = self.ring = self.store = None
         self._signature = self._share = None
 
     def _reserved(self, nbytes: int) -> torch.Tensor | None:
@@ -217,7 +218,7 @@ class Snapshotter:
     @property
     def host_bytes(self) -> int:
         """Host memory the snapshot buffers hold (both, with deltas)."""
-        return sum(b.nbytes for b in (self.buffer, self.spare) if b is not None)
+        return sum(b.nbytes for b in (self.buffer, self.spare, self.store) if b is not None)
 
     def adopt(self, other: Snapshotter) -> None:
         """Start from ``other``'s buffer and layout (both single-process): a save whose structure
@@ -225,7 +226,7 @@ class Snapshotter:
         if self.comm.world != 1 or other.comm.world != 1 or other.buffer is None:
             return
         self.buffer, self._signature, self._share = other.buffer, other._signature, other._share
-        self.ring = other.ring
+        self.ring, self.store = other.ring, other.store if self.pair else None
         self.spare = other.spare if self.pair else None
 
 

@@ -270,7 +270,10 @@ class Writer:
                     bases = self._bases(snap)
                     puts = self._put_chunks(job, buf, layout.chunks, snap_hashes, bases, 0)
                     self._restore_missing(job, puts, buf, list(layout.chunks), 0)
-                if any(bases) and (base := self._base) is not None and base[0].generation != base[1]:
+                    if snap.store is not None:  # this save's bytes of some chunks: the next one's bases
+                        snap.store.keep(buf, [p.hash for p in puts], [p.info.base is not None for p in puts])
+                base = self._base
+                if snap.store is None and any(bases) and base is not None and base[0].generation != base[1]:
                     raise CheckpointError(f"step {job.step}: the previous save's buffer changed while this save "
                                           "encoded deltas against it (a bug: please report it); nothing was committed")
                 job.hashes = [p.hash for p in puts]
@@ -317,6 +320,9 @@ class Writer:
         save, where the other buffer of the pair still holds it (deltas are on and nothing has
         been copied over it since)."""
         layout = snap.buffer.layout
+        if snap.store is not None:  # within host_memory: the bases of the chunks it keeps
+            held = snap.store.bases() if self.delta_chain >= 2 else {}
+            return [_BaseRef(*held[i]) if i in held else None for i in range(len(layout.chunks))]
         base = self._base
         if (base is None or self.delta_chain < 2 or snap.other is not base[0] or base[0].generation != base[1]
                 or base[0].layout is not layout):
@@ -405,10 +411,12 @@ class Writer:
         with self._lock:
             if committed is not None:
                 self._committed = dict(committed.chunks)
-                if (job is not None and job.snapshot.rest is None
+                if (job is not None and job.snapshot.rest is None and job.snapshot.store is None
                         and len(job.hashes) == len(job.snapshot.buffer.layout.chunks)):
                     self._base = (job.snapshot.buffer, job.snapshot.generation, list(job.hashes))
             self.known = {**self._loaded, **self._committed}
+        if job is not None and job.snapshot.store is not None:
+            job.snapshot.store.committed(committed is not None)
 
 
 
