@@ -70,8 +70,10 @@ def test_a_state_larger_than_the_budget_saves_in_pieces_and_loads_bit_exact(tmp_
         m = h.wait()
         assert m.pieces >= 8 and m.host_bytes <= MiB and c.host_buffers == 1
         assert m.blocked_s >= 0.0 and m.blocked_s <= m.stall_s
+        with c._engine.lend_buffer(MiB) as space:  # a load's window borrows the idle ring: no memory more
+            assert space is not None and space.data_ptr() == c._snapshots.ring.buffer.data_ptr()
         back = _zeros(state)
-        c.load(1, back)
+        c.load(1, back)  # through windows of the budget, in the ring
         assert _same(back, kept)
         again = c.save(2, kept).wait()  # the same bytes: every chunk is reused, none written
         assert again.chunks_written == 0 and again.chunks_reused == again.chunks and again.chunks_delta == 0

@@ -103,8 +103,9 @@ class Ring(HostBuffer):
 
     def __init__(self, layout: BufferLayout, budget: int, native: bool = True, threads: int | None = None):
         pieces = cut(layout, max(budget // 2, 1))
-        slab = max(p.hi - p.lo for p in pieces) if pieces else 1
-        super().__init__(layout, native=native, threads=threads, size=2 * slab)
+        slab = max([budget // 2] + [p.hi - p.lo for p in pieces])
+        # the whole budget where the slabs fit in it: a load's window (at most the budget) borrows it mid-run
+        super().__init__(layout, native=native, threads=threads, size=max(2 * slab, budget))
         self.pieces = pieces
         self.slab = slab
         self._cond = threading.Condition()
