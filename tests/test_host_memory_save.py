@@ -250,3 +250,29 @@ def test_ranks_save_their_shares_in_pieces_and_commit_one_step(tmp_path):
     out = run_ranks(2, _ranks_body, str(tmp_path), timeout=120)
     assert all(r["same"] and r["pieces"] >= 2 and r["host"] <= MiB for r in out), out
     assert ckpt.open(str(tmp_path)).steps() == [1]
+
+
+def test_a_copy_that_fails_midway_fails_the_save_and_the_next_one_commits(tmp_path, monkeypatch):
+    """The copy of the fourth piece raises (after save() handed the job to the writer): save() returns,
+    the writer fails the save with that error, nothing is committed, what it wrote is removed, and
+    the ring serves the next save."""
+    from ckpt.save.ring import Ring
+
+    real, calls = Ring._copy_piece, []
+
+    def breaks(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("the device went away")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Ring, "_copy_piece", breaks)
+    state = _state()
+    with ckpt.Checkpointer(tmp_path, codec="raw", on_save_error="log", **SMALL) as c:
+        h = c.save(1, state)
+        with pytest.raises(ckpt.CheckpointError, match="piece 3 .*the device went away"):
+            h.wait()
+        assert c.steps() == [] and _chunk_files(tmp_path) == []
+        assert c.save(2, state).wait().pieces >= 8
+        back = _zeros(state)
+        assert c.load("latest", back) == 2 and _same(back, state)
