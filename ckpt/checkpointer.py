@@ -116,6 +116,7 @@ class Checkpointer:
         self._chooser = StepChooser(self.storage, self._comm, engine.io, engine.manifests, engine.local,
                               staged=options.staged_load, lend=engine.lend_buffer,
                               budget=host_memory.resolve(options.host_memory, self._comm))
+        self._snapshots.budget = self._chooser.budget  # a save's host buffers too (ckpt.save.ring)
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
         self._closed = False
@@ -217,6 +218,13 @@ class Checkpointer:
             future.add_done_callback(self._run_journal.record(wall, metrics))
         at_exit.saving(self, future)  # finished at interpreter exit, even if nobody closes this
         self._protocol.submit(job, future)
+        if snap.rest is not None:  # a state larger than host_memory: the pieces left, as the writer frees slabs
+            try:
+                metrics.blocked_s = snap.rest()
+            except Exception as e:  # the writer fails the save with it (the handle's error): training goes on
+                log.error("the snapshot of step %d failed midway: %s", step, e)
+            metrics.pieces = len(self._snapshots.ring.pieces)
+            metrics.stall_s = time.perf_counter() - started
         self._schedule.saved(handle)
         if emergency:
             self._emergency = handle

@@ -28,7 +28,11 @@ class SaveMetrics:
         chunks_written: chunks this save stored (the others were there already).
         chunks_reused: chunks already stored (dedup): not written again.
         chunks_delta: chunks written as a delta of the chunk at their place in the previous save.
-        host_bytes: host memory the snapshot buffers hold (twice the state with deltas).
+        host_bytes: host memory the snapshot buffers hold (twice the state with deltas; with a state larger
+            than ``host_memory``, the two slabs the pieces go through).
+        blocked_s: of ``stall_s``, seconds ``save()`` waited for the writer to free a slab (a state larger
+            than ``host_memory``, saved in pieces; 0 otherwise).
+        pieces: the pieces the state was copied in (0: one host buffer, the state's size).
         duration_s: from the save() call until the step was committed.
         skipped: busy="skip" dropped this save.
         local_s: from the save() call until every chunk was durable in the first tier.
@@ -58,6 +62,8 @@ class SaveMetrics:
     peer_s: float | None = None
     encoded_bytes: int = 0
     encode_cpu_s: float = 0.0
+    blocked_s: float = 0.0
+    pieces: int = 0
 
 
 def as_checkpoint_error(step: int, e: BaseException) -> CheckpointError:

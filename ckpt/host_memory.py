@@ -4,7 +4,8 @@ node's ranks).
 
 :func:`check` is the option's check (no process group needed); :func:`per_rank` the pure rule
 that turns a value into bytes per rank; :func:`resolve` finds the machine's memory and the node's
-ranks and applies it. Today the budget caps a load's staging (:mod:`ckpt.load.windows`).
+ranks and applies it. The budget caps a save's snapshot (:mod:`ckpt.save.ring`) and a load's staging
+(:mod:`ckpt.load.windows`).
 """
 
 from __future__ import annotations

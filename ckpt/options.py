@@ -194,8 +194,9 @@ class IOOptions(_Record):
     host_memory: int | float | None = _option(
         None, _host_memory.check,
         "the host memory one rank may hold for staging: bytes (an int, at least 1 MiB) or a share of the machine's "
-        "memory (a float in (0, 1]) split among the node's ranks. Today it caps a load's staging: a load that needs "
-        "more reads in windows, in two passes, still atomic ([Host memory](#host-memory)); `None`: no cap")
+        "memory (a float in (0, 1]) split among the node's ranks. It caps a save's snapshot (a larger state is "
+        "copied in pieces through two slabs of half of it) and a load's staging (a load that needs more reads in "
+        "windows, in two passes, still atomic): [Host memory](#host-memory); `None`: no cap")
 
 
 @dataclass(frozen=True)

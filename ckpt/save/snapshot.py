@@ -73,6 +73,9 @@ class Snapshot:
     released: bool = False
     bad_settings: list[str] = field(default_factory=list)  # optimizer settings found NaN or Inf (their key paths)
     plan: Callable[[], PlanLayout | None] | None = None  # coordinator: the step's layout, from the plan
+    store: Any = None  # the deltas' bases within host_memory (ckpt.save.base_store), if any
+    rest: Callable[[], float] | None = None  # in pieces (:mod:`ckpt.save.ring`): copy the pieces left, once
+    # the job is the writer's; returns the seconds it waited for a free slab
 
     def release(self) -> None:
         """Give the host buffer back to the next snapshot, once every CUDA copy into it is done (on
@@ -83,12 +86,13 @@ class Snapshot:
                 if self.cuda is not None:
                     self.cuda.synchronize()
             finally:
-                self.buffer.release()
+                self.buffer.finished()
 
     def poisoned(self) -> list[str]:
         """Every checked tensor holding NaN or Inf, in state order, then every optimizer setting that
         is NaN or Inf; call after the CUDA copy is done."""
         bad = set(self.nonfinite) | set(self.cuda.nonfinite() if self.cuda is not None else ())
+        bad |= set(getattr(self.buffer, "nonfinite", ()))  # a ring's, once every piece is copied
         return [k for k in self.buffer.layout_keys if k in bad] + self.bad_settings
 
 
@@ -114,6 +118,11 @@ class Snapshotter:
         self.native = native
         self.threads = threads
         self.buffer: HostBuffer | None = None
+        # host_memory in bytes (None: no cap): a state larger saves through a ring of two slabs
+        # (ckpt.save.ring); with deltas, a second buffer that would pass it is a BaseStore of what fits.
+        self.budget: int | None = None
+        self.ring: Any = None  # the buffer, when it is a ring
+        self.store: Any = None  # with deltas, where a second buffer passes the budget: ckpt.save.base_store
         # Memory a load staged into before the first save: that save's buffer takes it over when
         # the sizes agree, so the pages faulted in once serve both (SaveEngine.lend_buffer).
         self.reserve: torch.Tensor | None = None
@@ -144,6 +153,10 @@ class Snapshotter:
         check = finite_checked(flat, self.check_finite)
         bad_settings = nonfinite_settings(flat) if self.check_finite is not False else []
         buf.acquire()
+        if self.ring is not None and buf is self.ring:
+            from .ring import take_pieces
+
+            return take_pieces(buf, flat, share, check, bad_settings)
         try:
             cuda, hashes, bad = buf.copy_in(flat.tensors, optimizer_guarded(flat) if buf.has_cuda else frozenset(),
                                             check)
@@ -151,7 +164,7 @@ class Snapshotter:
             buf.release()
             raise
         return Snapshot(buf, {k: flat.leaves[k] for k in share.write}, share.per_rank, hashes, cuda, bad,
-                        buf.generation, self.spare, bad_settings=bad_settings, plan=share.plan)
+                        buf.generation, self.spare, bad_settings=bad_settings, plan=share.plan, store=self.store)
 
     def next_buffer(self, sig: tuple, layout: Callable[[], BufferLayout]) -> HostBuffer:
         """The buffer the next snapshot goes into, for a state of signature ``sig``: a new one laid out by
@@ -162,15 +175,26 @@ class Snapshotter:
             if buf is not None:  # the structure changed: wait for the old buffer, then let it go
                 buf.acquire()
                 buf.release()
-            self.buffer = self.spare = None
+            self.buffer = self.spare = self.store = None
             made = layout()
-            buf = HostBuffer(made, native=self.native, threads=self.threads, memory=self._reserved(made.nbytes))
+            if self.budget is not None and made.nbytes > self.budget:  # larger than host_memory: in pieces
+                from .ring import Ring
+
+                self.reserve = None
+                buf = self.ring = Ring(made, self.budget, native=self.native, threads=self.threads)
+            else:
+                buf = HostBuffer(made, native=self.native, threads=self.threads, memory=self._reserved(made.nbytes))
+                self.ring = None
+                if self.pair and self.budget is not None and 2 * made.nbytes > self.budget:
+                    from .base_store import BaseStore  # no second buffer: the room left keeps some chunks' bases
+
+                    self.store = BaseStore(made, self.budget - made.nbytes)
             self.buffer, self._signature = buf, sig
             self.layouts_made += 1
             log.debug("new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
                       self.comm.describe(), len(buf.layout.slots), len(buf.layout.chunks), buf.nbytes / 2**20,
                       buf.pinned)
-        elif self.pair:
+        elif self.pair and self.ring is None and (self.budget is None or 2 * buf.nbytes <= self.budget):
             if self.spare is None:
                 self.spare = HostBuffer(buf.layout, native=self.native, threads=self.threads, lock_with=buf)
                 log.info("a second host buffer of %.1f MiB keeps the previous save for delta encoding "
@@ -181,7 +205,7 @@ class Snapshotter:
 
     def drop(self) -> None:
         """Let both buffers go (their memory is freed once no save uses them)."""
-        self.buffer = self.spare = None
+        self.buffer = self.spare = self.ring = self.store = None
         self._signature = self._share = None
 
     def _reserved(self, nbytes: int) -> torch.Tensor | None:
@@ -194,7 +218,7 @@ class Snapshotter:
     @property
     def host_bytes(self) -> int:
         """Host memory the snapshot buffers hold (both, with deltas)."""
-        return sum(b.nbytes for b in (self.buffer, self.spare) if b is not None)
+        return sum(b.nbytes for b in (self.buffer, self.spare, self.store) if b is not None)
 
     def adopt(self, other: Snapshotter) -> None:
         """Start from ``other``'s buffer and layout (both single-process): a save whose structure
@@ -202,6 +226,7 @@ class Snapshotter:
         if self.comm.world != 1 or other.comm.world != 1 or other.buffer is None:
             return
         self.buffer, self._signature, self._share = other.buffer, other._signature, other._share
+        self.ring, self.store = other.ring, other.store if self.pair else None
         self.spare = other.spare if self.pair else None
 
 
@@ -301,7 +326,8 @@ class HostBuffer:
     ``native=False`` (or no compiled core) uses torch's copies and leaves hashing to the writer."""
 
     def __init__(self, layout: BufferLayout, native: bool = True, threads: int | None = None,
-                 lock_with: HostBuffer | None = None, shared: bool = False, memory: torch.Tensor | None = None):
+                 lock_with: HostBuffer | None = None, shared: bool = False, memory: torch.Tensor | None = None,
+                 size: int | None = None):
         self.layout = layout
         # Allocated at the layout's exact size, then pinned where it lies (cudaHostRegister):
         # pin_memory=True would take it from torch's caching host allocator, which rounds every
@@ -309,7 +335,7 @@ class HostBuffer:
         if memory is not None and not shared:  # already faulted in (a load staged there): cleared, not allocated
             self.buffer = memory.zero_()
         else:
-            self.buffer = torch.zeros(max(layout.nbytes, 1), dtype=torch.uint8)
+            self.buffer = torch.zeros(max(layout.nbytes if size is None else size, 1), dtype=torch.uint8)
         if shared:  # for another process to map (DCP's process mode): shared before anything views it
             self.buffer = self.buffer.share_memory_()
         self.pinned = _register_pinned(self, self.buffer)
@@ -346,6 +372,10 @@ class HostBuffer:
         """Give the buffer back; once per :meth:`acquire` (a second release would let two saves in)."""
         self._lock.release()
 
+    def finished(self) -> None:
+        """The writer is done with the snapshot in it: give the buffer back (a ring waits for its copier too)."""
+        self.release()
+
     @property
     def busy(self) -> bool:
         return self._lock.locked()
@@ -379,7 +409,10 @@ class HostBuffer:
     def _dst(self, slot) -> torch.Tensor:
         return self.buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
-    def _copy_cpu(self, slots: list, check: frozenset[str]) -> tuple[list[str | None] | None, list[str]]:
+    def _copy_cpu(self, slots: list, check: frozenset[str], offsets: np.ndarray | None = None,
+                  want: np.ndarray | None = None) -> tuple[list[str | None] | None, list[str]]:
+        """Copy ``slots`` and hash the chunks that start at ``offsets`` (default: the layout's, with
+        ``want`` saying which to hash)."""
         core = self.cpu_core
         bad: list[str] = []
         if core is None:
@@ -398,9 +431,10 @@ class HostBuffer:
                     keys.append(slot.key)
                 else:  # strided (or lazily conjugated) sources: torch lays them out first, the core hashes them
                     self._torch_copy(slot, src, check, bad)
-        hashes, flags = core.copy_hash(self.buffer.data_ptr(), segs[:len(keys)], self._offsets, self._want,
-                                       self.threads)
-        bad += [keys[i] for i in np.flatnonzero(flags)]
+        hashes, flags = core.copy_hash(self.buffer.data_ptr(), segs[:len(keys)],
+                                       self._offsets if offsets is None else offsets,
+                                       self._want if want is None else want, self.threads)
+        bad += [k for k in dict.fromkeys(keys[i] for i in np.flatnonzero(flags)) if k not in bad]
         self.last_used["cpu"] = f"native/{core.simd}"
         return hashes, bad
 

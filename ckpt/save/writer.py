@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import Any
 
 from .. import _ext
 from .._tasks import run_all
@@ -176,7 +177,8 @@ class Writer:
             known = {**self.known, **table}
         return mf.closure(known, table, unknown), unknown
 
-    def _restore_missing(self, job: SaveJob, puts: list[_Put], buf: HostBuffer) -> None:
+    def _restore_missing(self, job: SaveJob, puts: list[_Put], buf: HostBuffer,
+                         chunks: list[ChunkSlot], at: int) -> None:
         """Chunks taken from the dedup table, and the bases of deltas, must still be stored: another
         process may have deleted them before this job held its lease (or one that keeps no lease: a
         bucket lifecycle rule, an operator), or a local tier may hold a copy its remote lost. Every
@@ -195,16 +197,15 @@ class Writer:
         with self._lock:
             for h in gone:
                 self.known.pop(h, None)
-        layout = buf.layout
         again: dict[str, _Put] = {}
         for i, p in enumerate(puts):
             if p.hash in again:
                 puts[i] = again[p.hash]
             elif any(x in gone for x in mf.chain(table, p.hash)):
-                c = layout.chunks[i]
+                c = chunks[i]
                 with self._lock:
                     self.known.pop(p.hash, None)
-                puts[i] = again[p.hash] = self._store(job, p.hash, buf.view(c.offset, c.length), None, c.width,
+                puts[i] = again[p.hash] = self._store(job, p.hash, buf.view(c.offset + at, c.length), None, c.width,
                                                       c.rotate, again=True)
 
     def _adopt_lost(self, job: SaveJob, puts: list[_Put]) -> None:
@@ -260,15 +261,19 @@ class Writer:
                 if snap.cuda is not None:
                     snap.cuda.synchronize()
                 _refuse_poison(job.step, rank, snap.poisoned(), lambda: mf.committed_steps(self.over(job)))
-                snap_hashes = snap.hashes or [None] * len(layout.chunks)
                 job.created = []
-                bases = self._bases(snap)
-                puts = run_all(self.io, lambda ch: self._put_chunk(job, buf.view(ch[0].offset, ch[0].length), ch[1],
-                                                                   buf.address(ch[0].offset), buf.cpu_core, ch[2],
-                                                                   ch[0]),
-                               list(zip(layout.chunks, snap_hashes, bases)))
-                self._restore_missing(job, puts, buf)
-                if any(bases) and (base := self._base) is not None and base[0].generation != base[1]:
+                if snap.rest is not None:  # a ring (ckpt.save.ring): piece by piece, as save() copies them
+                    puts = self._write_pieces(job, buf, rank)
+                    bases: list[_BaseRef | None] = []
+                else:
+                    snap_hashes = snap.hashes or [None] * len(layout.chunks)
+                    bases = self._bases(snap)
+                    puts = self._put_chunks(job, buf, layout.chunks, snap_hashes, bases, 0)
+                    self._restore_missing(job, puts, buf, list(layout.chunks), 0)
+                    if snap.store is not None:  # this save's bytes of some chunks: the next one's bases
+                        snap.store.keep(buf, [p.hash for p in puts], [p.info.base is not None for p in puts])
+                base = self._base
+                if snap.store is None and any(bases) and base is not None and base[0].generation != base[1]:
                     raise CheckpointError(f"step {job.step}: the previous save's buffer changed while this save "
                                           "encoded deltas against it (a bug: please report it); nothing was committed")
                 job.hashes = [p.hash for p in puts]
@@ -286,11 +291,38 @@ class Writer:
             self.discard(job)
             raise
 
+    def _put_chunks(self, job: SaveJob, buf: HostBuffer, chunks: list[ChunkSlot] | tuple[ChunkSlot, ...],
+                    hashes: list[str | None], bases: list[_BaseRef | None], at: int) -> list[_Put]:
+        """Store ``chunks``, whose bytes are at their layout offset plus ``at`` in ``buf``."""
+        return run_all(self.io, lambda ch: self._put_chunk(job, buf.view(ch[0].offset + at, ch[0].length), ch[1],
+                                                           buf.address(ch[0].offset + at), buf.cpu_core, ch[2], ch[0]),
+                       list(zip(chunks, hashes, bases)))
+
+    def _write_pieces(self, job: SaveJob, ring: Any, rank: int) -> list[_Put]:
+        """Store the chunks of a ring's pieces, each once ``save()`` copied it, giving its slab back
+        once its chunks are stored (and the reused ones checked); then refuse NaN or Inf, which is
+        known only once every piece is copied (the chunks written are then deleted, nothing committed)."""
+        snap, chunks = job.snapshot, ring.layout.chunks
+        puts: list[_Put] = []
+        for k, piece in enumerate(ring.pieces):
+            at, hashes = ring.piece(k)
+            mine = list(chunks[piece.first:piece.end])
+            got = self._put_chunks(job, ring, mine, hashes or [None] * len(mine), [None] * len(mine), at)
+            self._restore_missing(job, got, ring, mine, at)
+            puts += got
+            ring.written(k)
+        ring.wait_copied()
+        _refuse_poison(job.step, rank, snap.poisoned(), lambda: mf.committed_steps(self.over(job)))
+        return puts
+
     def _bases(self, snap: Snapshot) -> list[_BaseRef | None]:
         """Per chunk of the snapshot's buffer, the chunk at its place in this rank's last committed
         save, where the other buffer of the pair still holds it (deltas are on and nothing has
         been copied over it since)."""
         layout = snap.buffer.layout
+        if snap.store is not None:  # within host_memory: the bases of the chunks it keeps
+            held = snap.store.bases() if self.delta_chain >= 2 else {}
+            return [_BaseRef(*held[i]) if i in held else None for i in range(len(layout.chunks))]
         base = self._base
         if (base is None or self.delta_chain < 2 or snap.other is not base[0] or base[0].generation != base[1]
                 or base[0].layout is not layout):
@@ -379,9 +411,12 @@ class Writer:
         with self._lock:
             if committed is not None:
                 self._committed = dict(committed.chunks)
-                if job is not None and len(job.hashes) == len(job.snapshot.buffer.layout.chunks):
+                if (job is not None and job.snapshot.rest is None and job.snapshot.store is None
+                        and len(job.hashes) == len(job.snapshot.buffer.layout.chunks)):
                     self._base = (job.snapshot.buffer, job.snapshot.generation, list(job.hashes))
             self.known = {**self._loaded, **self._committed}
+        if job is not None and job.snapshot.store is not None:
+            job.snapshot.store.committed(committed is not None)
 
 
 
