@@ -111,9 +111,11 @@ def test_example_says_committed_only_for_saves_that_committed(tmp_path):
     assert p.returncode == 1 and "  committed (" not in p.stdout and "saved (" not in p.stdout, p.stdout
     # the next save() that finds step 10's save already failed raises it: step 20's, or on a loaded machine
     # (step 10 still writing when step 20 is taken into the other host buffer) step 30's
-    assert "StorageError" in p.stderr and re.search(
-        r"the save of step 10 failed in the background, so step (20|30) was not saved", p.stderr), p.stderr
-    assert p.stderr.count("Not a directory") <= 2  # the error once (its message and its cause), not logged again
+    found = re.search(r"the save of step 10 failed in the background, so step (20|30) was not saved", p.stderr)
+    assert "StorageError" in p.stderr and found, p.stderr
+    # the error once (its message and its cause), not logged again; where step 20's save was taken, its
+    # own failure is said once more, at exit
+    assert p.stderr.count("Not a directory") <= (2 if found.group(1) == "20" else 3), p.stderr
 
 
 def test_benchmark_script_runs_and_checks_what_it_loaded(tmp_path):
