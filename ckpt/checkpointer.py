@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import at_exit, events, host_memory
+from . import at_exit, events
 from ._args import flag, flags
 from ._gc import paused
 from .errors import CheckpointError, ConfigError, StorageError
@@ -115,8 +115,7 @@ class Checkpointer:
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
         self._chooser = StepChooser(self.storage, self._comm, engine.io, engine.manifests, engine.local,
                               staged=options.staged_load, lend=engine.lend_buffer,
-                              budget=host_memory.resolve(options.host_memory, self._comm))
-        self._snapshots.budget = self._chooser.budget  # a save's host buffers too (ckpt.save.ring)
+                              budget=engine.budget)
         self.last_load: LoadStats | None = None  # what the last load read
         self._seq = 0  # save() calls so far: the same on every rank, names the save in the store
         self._closed = False
@@ -210,9 +209,16 @@ class Checkpointer:
             return SaveHandle(step, metrics, None)
         future: Future = Future()
         handle = SaveHandle(step, metrics, future, started=started)
-        persists = self._engine.persists(seq, emergency, persist)
-        job = SaveJob(step=step, seq=seq, snapshot=snap, structure=flat.structure, metrics=metrics, started=started,
-                      on_local=handle.mark_local, persist=persists, storage=self._engine.storage_for(persists))
+        try:
+            persists = self._engine.persists(seq, emergency, persist)
+            job = SaveJob(step=step, seq=seq, snapshot=snap, structure=flat.structure, metrics=metrics,
+                          started=started, on_local=handle.mark_local, persist=persists,
+                          storage=self._engine.storage_for(persists))
+        except BaseException as e:  # before the writer has the job: nothing else would give the buffer back
+            snap.abandon(e)
+            self._ledger.release(step)
+            self._protocol.abandon(seq, step, e)
+            raise
         self._ledger.add(handle)
         if self._run_journal is not None:
             future.add_done_callback(self._run_journal.record(wall, metrics))
@@ -223,7 +229,7 @@ class Checkpointer:
                 metrics.blocked_s = snap.rest()
             except Exception as e:  # the writer fails the save with it (the handle's error): training goes on
                 log.error("the snapshot of step %d failed midway: %s", step, e)
-            metrics.pieces = len(self._snapshots.ring.pieces)
+            metrics.pieces = snap.pieces
             metrics.stall_s = time.perf_counter() - started
         self._schedule.saved(handle)
         if emergency:

@@ -71,7 +71,7 @@ def test_a_state_larger_than_the_budget_saves_in_pieces_and_loads_bit_exact(tmp_
         assert m.pieces >= 8 and m.host_bytes <= MiB and c.host_buffers == 1
         assert m.blocked_s >= 0.0 and m.blocked_s <= m.stall_s
         with c._engine.lend_buffer(MiB) as space:  # a load's window borrows the idle ring: no memory more
-            assert space is not None and space.data_ptr() == c._snapshots.ring.buffer.data_ptr()
+            assert space is not None and space.data_ptr() == c._snapshots.buffer.buffer.data_ptr()
         back = _zeros(state)
         c.load(1, back)  # through windows of the budget, in the ring
         assert _same(back, kept)
@@ -108,11 +108,15 @@ def test_nan_in_a_late_piece_refuses_the_save_and_removes_its_chunks(tmp_path):
     the save is refused all the same, nothing committed, and the chunks it wrote are deleted."""
     state = _state()
     state["zz"] = torch.full((300_000,), float("nan"))  # a parameter-like tensor last in the layout
-    with ckpt.Checkpointer(tmp_path, codec="raw", on_save_error="log", check_finite="all", **SMALL) as c:
+    disk = FaultyStorage(LocalStorage(str(tmp_path)))
+    with ckpt.Checkpointer(tmp_path, storage=disk, codec="raw", on_save_error="log", check_finite="all",
+                           **SMALL) as c:
         h = c.save(1, state)
         with pytest.raises(NonFiniteStateError, match="zz"):
             h.wait()
         assert c.steps() == []
+    created = [k for op, k in disk.log if op == "create" and k.startswith("chunks/")]
+    assert created  # earlier pieces were written before the NaN was found
     assert _chunk_files(tmp_path) == []
 
 

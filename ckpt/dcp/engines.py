@@ -39,8 +39,9 @@ class Kept:
     def __init__(self, url: str, options: Options, storage: Storage | None):
         # the ranks talk through the store only for local commits (which steps each rank's directory holds)
         comm = make_comm(None, options.timeout) if options.local_commits else LocalComm(options.timeout)
-        self.engine = SaveEngine(url, options, comm, storage, name="ckpt-dcp", exclusive=False)
-        self.engine.closes_storage = storage is None  # a storage handed in stays open
+        # a storage handed in stays open
+        self.engine = SaveEngine(url, options, comm, storage, name="ckpt-dcp", exclusive=False,
+                                 closes_storage=storage is None)
         self.pending: tuple[int, mf.Manifest, SaveJob] | None = None  # the newest save, until its commit is known
         self.lock = threading.Lock()  # one save of this rank into this root at a time
 

@@ -35,7 +35,7 @@ from .._args import flag
 from ..errors import CheckpointError, ConfigError
 from ..save.buffer_layout import BufferLayout, TensorSlot, make_layout
 from ..save.snapshot import HostBuffer
-from ..save.snapshot import local_tensor as _local
+from ..save.state_checks import local_tensor as _local
 from ..sharding import is_dtensor
 
 log = logging.getLogger("ckpt")

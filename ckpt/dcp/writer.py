@@ -59,6 +59,8 @@ REFUSED = {
     "check_finite": "DCP's flat state does not say which tensors are parameters; use the Checkpointer",
     "strict": "it is a load option",
     "shared_root": "each rank of a DCP save holds its own lease, so ckpt.dcp.Writer never refuses a shared root",
+    "host_memory": "DCP copies its whole state where it stages it (ckpt.dcp.Stager holds one buffer of its size); "
+                   "use the Checkpointer to save within a budget",
 }
 
 

@@ -15,6 +15,11 @@ def volume(lengths: Sequence[int]) -> int:
     return math.prod(lengths)
 
 
+def slices(box: Box) -> tuple[slice, ...]:
+    """The box as an index: ``t[slices(box)]`` is its part of ``t``."""
+    return tuple(slice(o, o + n) for o, n in zip(box[0], box[1]))
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     """The box common to ``a`` and ``b`` (None if they share no element)."""
     offs, lens = [], []

@@ -23,14 +23,14 @@ import torch
 from .._tasks import run_all
 from ..errors import CheckpointError, ConfigError, StateMismatchError
 from ..format import manifest as mf
-from ..format.boxes import Box
+from ..format.boxes import Box, slices
 from ..save.buffer_layout import aligned
 from ..storage import Storage
 from ..tree import DTYPES, dtype_name
 from .apply import copy_back
 from .chunk_reads import read_chunk
 from .plan import BoxPlan, Request, plan_boxes, shape_str
-from .windows import read_in_windows, staging_needed
+from .windows import read_in_windows
 
 # Lends staging memory for a load: ``lend(nbytes)`` is a context manager giving a uint8 CPU tensor of
 # at least ``nbytes`` bytes (or None: the load allocates its own), held until the load is done.
@@ -158,12 +158,12 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
     there, nothing written. ``budget``: the bytes of staging memory it may hold (``host_memory``);
     where the reads need more they go in windows (:mod:`ckpt.load.windows`). Every read is finished or
     cancelled before this returns."""
-    if budget is not None and staging_needed(plan, into, stand_in) > budget:
+    places, need = _places([into[i] for i in stand_in])
+    if budget is not None and need + sum(s.nbytes for s in plan.stages) > budget:
         stats = LoadStats(m.step, chunks_read=len(plan.reads), chunks=sorted(plan.reads))
         read_in_windows(storage, m, plan, into, io, stand_in=stand_in, staged=staged, budget=budget, lend=lend,
                         before_read=before_read, before_write=before_write, stats=stats)
         return stats
-    places, need = _places([into[i] for i in stand_in])
     dest = list(into)
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     with (lend(need) if lend is not None and need else nullcontext()) as lent:
@@ -200,7 +200,7 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
             for s, rows in zip(plan.stages, stages):
                 local = dest[s.request]
                 src = torch.from_numpy(rows).view(local.dtype).view(s.rows)
-                local[_slices(s.in_dest)].copy_(src[_slices(s.in_stage)])
+                local[slices(s.in_dest)].copy_(src[slices(s.in_stage)])
             copy_back(pairs)
     return stats
 
@@ -212,7 +212,9 @@ def staging_memory(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
     except (RuntimeError, MemoryError) as e:
         raise CheckpointError(f"could not allocate {nbytes / 2**20:.0f} MiB of staging memory for the load ({e}); "
-                              "load with staged_load=False to read straight into the tensors") from e
+                              "set host_memory= to a budget the machine has (the load then reads in windows "
+                              "of that size, still changing nothing unless every chunk checks out), or load "
+                              "with staged_load=False to read straight into the tensors") from e
 
 
 def _places(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
@@ -226,6 +228,3 @@ def _places(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
         pos += t.nbytes
     return places, pos
 
-
-def _slices(box: Box) -> tuple:
-    return tuple(slice(o, o + n) for o, n in zip(box[0], box[1]))

@@ -31,7 +31,7 @@ import torch
 from .._tasks import run_all
 from ..errors import CorruptCheckpointError
 from ..format import manifest as mf
-from ..format.boxes import Box
+from ..format.boxes import slices
 from ..save.buffer_layout import aligned
 from ..storage import Storage
 from .apply import copy_back
@@ -69,12 +69,6 @@ class Window:
 
     def fits(self, size: int, item: int, budget: int) -> bool:
         return not self.pieces or aligned(self.nbytes, size, item) + size <= budget
-
-
-def staging_needed(plan: BoxPlan, into: Sequence[torch.Tensor], stand_in: Sequence[int]) -> int:
-    """The bytes of staging a load of ``plan`` holds at once without a budget: every stand-in and
-    row stage."""
-    return sum(into[i].nbytes for i in stand_in) + sum(s.nbytes for s in plan.stages)
 
 
 def windows(plan: BoxPlan, into: Sequence[torch.Tensor], stand_in: Sequence[int], budget: int) -> list[Window]:
@@ -210,10 +204,7 @@ def _copy_out(plan: BoxPlan, into: list[torch.Tensor], w: Window, space: torch.T
                 dest = views.get(s.request, into[s.request])
                 t = into[s.request]
                 src = space[p.at : p.at + s.nbytes].view(t.dtype).view(s.rows)
-                dest[_slices(s.in_dest)].copy_(src[_slices(s.in_stage)])
+                dest[slices(s.in_dest)].copy_(src[slices(s.in_stage)])
         copy_back([(into[p.k][p.r0 : p.r1] if into[p.k].dim() else into[p.k], views[p.k])
                    for p in w.pieces if p.k < n and views[p.k].numel()])
 
-
-def _slices(box: Box) -> tuple:
-    return tuple(slice(o, o + k) for o, k in zip(box[0], box[1]))

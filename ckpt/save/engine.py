@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import events
+from .. import events, host_memory
 from ..format import manifest as mf
 from ..format.chunk import verify_object
 from ..lease import Leases
@@ -59,12 +59,15 @@ class SaveEngine:
         name: the thread names' prefix.
         exclusive: whether the writer lease refuses a root another process writes into (default: not
             ``shared_root``; ``ckpt.dcp.Writer``'s ranks each hold their own lease, so never).
+        closes_storage: whether :meth:`close` closes the storage, one handed in too (``ckpt.dcp.Writer``
+            leaves a storage it was given open).
     """
 
     def __init__(self, path: str, options: Options, comm: Comm, storage: Storage | None = None, *,
-                 process_group: Any = None, name: str = "ckpt", exclusive: bool | None = None):
+                 process_group: Any = None, name: str = "ckpt", exclusive: bool | None = None,
+                 closes_storage: bool = True):
         self.path, self.options, self.comm = path, options, comm
-        self.closes_storage = True  # close() closes it, a storage handed in too (ckpt.dcp.Writer's stays open)
+        self.closes_storage = closes_storage  # close() closes the storage, one handed in too
         self.storage = storage if storage is not None else open_tiered(
             path, options.local_dir, options.storage_options, verify=verify_object,
             upload_threads=options.threads, local_commits=options.local_commits)
@@ -94,8 +97,10 @@ class SaveEngine:
         self.protocol = CommitProtocol(comm, self.writer, self.io, self.commit_thread, self.after_commit,
                                        self.leases, self.local, self.window)
         self.protocol.log_failures = options.on_save_error == "log"
+        # host_memory in bytes per rank (None: no cap): what a save's host buffers and a load's staging hold
+        self.budget = host_memory.resolve(options.host_memory, comm)
         self.snapshots = Snapshotter(comm, options.chunk_size, options.native, options.snapshot_threads,
-                                     options.check_finite, pair=options.deltas)
+                                     options.check_finite, pair=options.deltas, budget=self.budget)
         self.journal: RunJournal | None = None  # the Checkpointer's run journal (open_journal)
         self.closed = False
 

@@ -31,7 +31,8 @@ from ..errors import CheckpointError
 from ..flatten import Flat
 from .buffer_layout import BufferLayout, TensorSlot
 from .cuda_snapshot import CudaSnapshot
-from .snapshot import HostBuffer, Share, Snapshot, optimizer_guarded
+from .snapshot import HostBuffer, Share, Snapshot
+from .state_checks import optimizer_guarded
 
 log = logging.getLogger("ckpt")
 
@@ -100,6 +101,8 @@ class Ring(HostBuffer):
         ...                              # the job goes to the writer
         ring.copy_rest(tensors, check)   # the other pieces, each into a slab the writer gave back
     """
+
+    in_pieces = True
 
     def __init__(self, layout: BufferLayout, budget: int, native: bool = True, threads: int | None = None):
         pieces = cut(layout, max(budget // 2, 1))
@@ -292,7 +295,8 @@ def take_pieces(ring: Ring, flat: Flat, share: Share, check: frozenset[str], bad
         return float(ring.blocked_s)
 
     return Snapshot(ring, {k: flat.leaves[k] for k in share.write}, share.per_rank, None, None, [],
-                    ring.generation, None, bad_settings=bad_settings, plan=share.plan, rest=rest)
+                    ring.generation, None, bad_settings=bad_settings, plan=share.plan, rest=rest,
+                    pieces=len(ring.pieces))
 
 
 def _part(src: torch.Tensor, slot: TensorSlot, a: int, b: int) -> torch.Tensor:
@@ -303,5 +307,10 @@ def _part(src: torch.Tensor, slot: TensorSlot, a: int, b: int) -> torch.Tensor:
     size = slot.dtype.itemsize
     if (a - slot.offset) % size or (b - a) % size:
         raise CheckpointError(f"a piece boundary cuts an element of {slot.key} (a bug: please report it)")
-    flat = src.reshape(-1)  # a view of a contiguous tensor (a copy of a strided one, for its pieces)
-    return flat[(a - slot.offset) // size:(b - slot.offset) // size]
+    lo, hi = (a - slot.offset) // size, (b - slot.offset) // size  # elements, in row-major order
+    if src.is_contiguous() or src.dim() == 0:
+        return src.reshape(-1)[lo:hi]  # a view
+    # a strided tensor: copy only the rows of dim 0 that hold the piece, not the whole tensor per piece
+    row = max(src.numel() // max(src.shape[0], 1), 1)
+    r0, r1 = lo // row, -(-hi // row)
+    return src[r0:r1].reshape(-1)[lo - r0 * row:hi - r0 * row]

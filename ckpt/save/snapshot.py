@@ -13,7 +13,8 @@ copies, the device-side NaN/Inf check and the optimizer pre-step fence). The bac
 waits on the copy's events before it reads the buffer, and the buffer is handed back only once
 every copy into it is done.
 
-The same pass checks the state for NaN and Inf (:func:`finite_checked` says which tensors): on CPU
+The same pass checks the state for NaN and Inf (:func:`ckpt.save.state_checks.finite_checked` says
+which tensors): on CPU
 the compiled core tests each element right after copying it, while it is in cache; without the core
 torch checks the copy; on a GPU a reduction per dtype runs on the side stream, before anything
 queued later may change the tensors, and its verdict travels with the copy's event. The writer
@@ -26,7 +27,6 @@ which tensors this rank writes) only when the state's structure changes.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -37,13 +37,14 @@ import numpy as np
 import torch
 
 from .. import _cpus, _ext
-from ..flatten import Flat, Leaf, key_component
+from ..flatten import Flat, Leaf
 from ..ranks import Comm
 from ..tree import dtype_name
 from .buffer_layout import BufferLayout, TensorSlot, make_layout
 from .commit_plan import PlanLayout, lazily
-from .cuda_snapshot import CudaSnapshot, copy_to_host, handed_over, launch_native, native_core
+from .cuda_snapshot import CudaSnapshot, copy_to_host, launch_native, native_core
 from .planning import Inventory, exchange_plan
+from .state_checks import finite_checked, nonfinite_settings, optimizer_guarded
 
 log = logging.getLogger("ckpt")
 
@@ -76,6 +77,7 @@ class Snapshot:
     store: Any = None  # the deltas' bases within host_memory (ckpt.save.base_store), if any
     rest: Callable[[], float] | None = None  # in pieces (:mod:`ckpt.save.ring`): copy the pieces left, once
     # the job is the writer's; returns the seconds it waited for a free slab
+    pieces: int = 0  # in pieces: how many
 
     def release(self) -> None:
         """Give the host buffer back to the next snapshot, once every CUDA copy into it is done (on
@@ -87,6 +89,12 @@ class Snapshot:
                     self.cuda.synchronize()
             finally:
                 self.buffer.finished()
+
+    def abandon(self, error: BaseException) -> None:
+        """The save stopped before its job reached the writer (``error``): give the buffer back (a
+        ring's copier is done too)."""
+        self.buffer.fail(error)
+        self.release()
 
     def poisoned(self) -> list[str]:
         """Every checked tensor holding NaN or Inf, in state order, then every optimizer setting that
@@ -107,7 +115,7 @@ class Snapshotter:
     """
 
     def __init__(self, comm: Comm, chunk_size: int, native: bool = True, threads: int | None = None,
-                 check_finite: bool | str = True, pair: bool = False):
+                 check_finite: bool | str = True, pair: bool = False, budget: int | None = None):
         self.comm = comm
         # With deltas, two buffers take turns: the previous save's bytes stay in one (the base the
         # writer XORs against) while the next snapshot goes into the other.
@@ -120,8 +128,7 @@ class Snapshotter:
         self.buffer: HostBuffer | None = None
         # host_memory in bytes (None: no cap): a state larger saves through a ring of two slabs
         # (ckpt.save.ring); with deltas, a second buffer that would pass it is a BaseStore of what fits.
-        self.budget: int | None = None
-        self.ring: Any = None  # the buffer, when it is a ring
+        self.budget = budget
         self.store: Any = None  # with deltas, where a second buffer passes the budget: ckpt.save.base_store
         # Memory a load staged into before the first save: that save's buffer takes it over when
         # the sizes agree, so the pages faulted in once serve both (SaveEngine.lend_buffer).
@@ -153,9 +160,10 @@ class Snapshotter:
         check = finite_checked(flat, self.check_finite)
         bad_settings = nonfinite_settings(flat) if self.check_finite is not False else []
         buf.acquire()
-        if self.ring is not None and buf is self.ring:
-            from .ring import take_pieces
+        if buf.in_pieces:
+            from .ring import Ring, take_pieces
 
+            assert isinstance(buf, Ring)
             return take_pieces(buf, flat, share, check, bad_settings)
         try:
             cuda, hashes, bad = buf.copy_in(flat.tensors, optimizer_guarded(flat) if buf.has_cuda else frozenset(),
@@ -181,10 +189,9 @@ class Snapshotter:
                 from .ring import Ring
 
                 self.reserve = None
-                buf = self.ring = Ring(made, self.budget, native=self.native, threads=self.threads)
+                buf = Ring(made, self.budget, native=self.native, threads=self.threads)
             else:
                 buf = HostBuffer(made, native=self.native, threads=self.threads, memory=self._reserved(made.nbytes))
-                self.ring = None
                 if self.pair and self.budget is not None and 2 * made.nbytes > self.budget:
                     from .base_store import BaseStore  # no second buffer: the room left keeps some chunks' bases
 
@@ -194,7 +201,7 @@ class Snapshotter:
             log.debug("new layout (%s): %d tensors, %d chunks, host buffer %.1f MiB (pinned=%s)",
                       self.comm.describe(), len(buf.layout.slots), len(buf.layout.chunks), buf.nbytes / 2**20,
                       buf.pinned)
-        elif self.pair and self.ring is None and (self.budget is None or 2 * buf.nbytes <= self.budget):
+        elif self.pair and not buf.in_pieces and self.store is None:  # both buffers within the budget
             if self.spare is None:
                 self.spare = HostBuffer(buf.layout, native=self.native, threads=self.threads, lock_with=buf)
                 log.info("a second host buffer of %.1f MiB keeps the previous save for delta encoding "
@@ -205,7 +212,7 @@ class Snapshotter:
 
     def drop(self) -> None:
         """Let both buffers go (their memory is freed once no save uses them)."""
-        self.buffer = self.spare = self.ring = self.store = None
+        self.buffer = self.spare = self.store = None
         self._signature = self._share = None
 
     def _reserved(self, nbytes: int) -> torch.Tensor | None:
@@ -226,7 +233,7 @@ class Snapshotter:
         if self.comm.world != 1 or other.comm.world != 1 or other.buffer is None:
             return
         self.buffer, self._signature, self._share = other.buffer, other._signature, other._share
-        self.ring, self.store = other.ring, other.store if self.pair else None
+        self.store = other.store if self.pair else None
         self.spare = other.spare if self.pair else None
 
 
@@ -234,90 +241,6 @@ def signature(flat: Flat) -> tuple:
     """Everything the layout and the share depend on: keys, dtypes, local shapes, devices, boxes, kinds."""
     return (tuple((k, t.dtype, tuple(t.shape), t.device.type, flat.leaves[k]) for k, t in flat.tensors.items()),
             tuple(sorted(flat.per_rank)))
-
-
-CHECKABLE = frozenset(_ext.CHECK_KINDS)  # dtypes whose NaN/Inf are checked (IEEE half, bfloat16, single, double)
-
-
-def finite_checked(flat: Flat, mode: bool | str) -> frozenset[str]:
-    """The keys of ``flat``'s tensors a save checks for NaN and Inf: with ``mode=True`` the floating
-    tensors that are model parameters or optimizer state (found by storage address among the
-    modules' parameters and the optimizers' parameters and state flatten found); with ``"all"``
-    every floating tensor (buffers and loose tensors too: masks holding -inf are common there);
-    none with ``False``."""
-    if mode is False:
-        return frozenset()
-    floating = [k for k, t in flat.tensors.items() if t.numel() and dtype_name(t.dtype) in CHECKABLE]
-    if mode == "all":
-        return frozenset(floating)
-    ptrs: set[int] = set()
-    for v in flat.statefuls.values():  # the modules and optimizers flatten found: no second walk of the state
-        if isinstance(v, torch.nn.Module):
-            ptrs.update(_local(p).data_ptr() for p in v.parameters())
-        elif isinstance(v, torch.optim.Optimizer):
-            ptrs.update(_local(p).data_ptr() for g in v.param_groups for p in g["params"])
-            # settings held as tensors (a tensor learning rate, for capturable optimizers)
-            ptrs.update(_local(t).data_ptr() for g in v.param_groups for k, x in g.items() if k != "params"
-                        for t in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(t, torch.Tensor))
-            ptrs.update(_local(t).data_ptr() for pst in v.state.values() for t in pst.values()
-                        if isinstance(t, torch.Tensor))
-    return frozenset(k for k in floating if flat.tensors[k].data_ptr() in ptrs)
-
-
-# Settings for which no value but a finite one makes sense. Elsewhere an infinite setting is often a
-# deliberate "no limit" (a max_grad_norm, Prodigy's growth_rate), so only NaN is refused there.
-_FINITE_ONLY = frozenset({"lr", "betas", "eps", "weight_decay", "momentum", "dampening", "alpha", "rho"})
-
-
-def nonfinite_settings(flat: Flat) -> list[str]:
-    """The key paths (``"optim/param_groups/0/lr"``) of the float settings in the optimizers'
-    ``param_groups`` that are NaN, or infinite where no infinite value makes sense (learning rate,
-    betas, eps, weight decay, momentum, ...), in state order. A NaN learning rate turns every
-    parameter into NaN at the next step: a state holding one is as poisoned as a NaN weight, though
-    every tensor in it is still finite. The optimizers are those flatten found (``flat.statefuls``)."""
-    bad: list[str] = []
-
-    def settings(path: str, x: Any, finite_only: bool) -> None:
-        if isinstance(x, float) and (math.isnan(x) or (finite_only and math.isinf(x))):
-            bad.append(path)
-        elif isinstance(x, (list, tuple)):  # betas, Adafactor's eps pair
-            for i, y in enumerate(x):
-                settings(f"{path}/{i}", y, finite_only)
-
-    for where, obj in flat.statefuls.items():
-        if isinstance(obj, torch.optim.Optimizer):
-            for i, group in enumerate(obj.param_groups):
-                for name, x in group.items():
-                    if name != "params":
-                        settings(f"{where}/param_groups/{i}/{key_component(name)}", x, name in _FINITE_ONLY)
-    return bad
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (what is saved), or ``t`` itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-_local = local_tensor
-
-
-def optimizer_guarded(flat: Flat) -> set[int]:
-    """Data pointers of the CUDA tensors that an optimizer in the state (``flat.statefuls``), or handed over with
-    :func:`ckpt.save.cuda_snapshot.guarding`, updates (its parameters and its state): the optimizer
-    pre-step hook protects those, so their snapshot copy may overlap compute."""
-    out: set[int] = set()
-    for v in [*flat.statefuls.values(), *handed_over()]:  # as flatten found them, and those handed over
-        if isinstance(v, torch.optim.Optimizer):
-            for group in v.param_groups:
-                for p in group["params"]:
-                    if p.is_cuda:
-                        out.add(_local(p).data_ptr())  # a DTensor's own data_ptr() is 0
-            for pst in v.state.values():
-                for t in pst.values():
-                    if isinstance(t, torch.Tensor) and t.is_cuda:
-                        out.add(_local(t).data_ptr())
-    return out
 
 
 class HostBuffer:
@@ -375,6 +298,11 @@ class HostBuffer:
     def finished(self) -> None:
         """The writer is done with the snapshot in it: give the buffer back (a ring waits for its copier too)."""
         self.release()
+
+    in_pieces = False  # a ring (ckpt.save.ring.Ring): a save copies the state in pieces
+
+    def fail(self, error: BaseException) -> None:
+        """The copy stopped on ``error`` (a ring's copier: :class:`ckpt.save.ring.Ring`); one buffer has no copier."""
 
     @property
     def busy(self) -> bool:
