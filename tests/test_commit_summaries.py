@@ -228,6 +228,8 @@ def test_a_whole_step_read_report_by_report_is_the_step_every_report_gives(saved
     folded = mf.read_step(storage, 1)  # index.whole_step: one report at a time
     at_once = index.partial_step(ix, index.read_reports(storage, ix, [0, 1]))
     assert folded.tensors == at_once.tensors and folded.chunks == at_once.chunks
+    merged = mf.merge(1, reports(saved)[0], frozenset({"rng"}))  # the reports merged whole, as before the index
+    assert {t.key: t for t in folded.tensors} == {t.key: t for t in merged.tensors} and folded.chunks == merged.chunks
     w = next(t for t in folded.tensors if t.key == "w")
     assert len(w.shards) == 2 and sum(len(s.segments) for s in w.shards) >= 2
 

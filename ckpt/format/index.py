@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -134,10 +135,15 @@ def _entry_json(t: IndexEntry) -> dict:
     return doc
 
 
+def inlined(owner: int | None, dtype: str, shape: Sequence[int], shards: int) -> bool:
+    """Is a tensor written into the index itself: a small global tensor (AdamW's 0-d ``step``, a bias
+    kept on one rank), which every loading rank needs and would read another rank's report for?
+    ``owner``: its per-rank owner (None: global); ``shards``: how many shards its layout has."""
+    return owner is None and shards <= INLINE_SHARDS and math.prod(shape) * ITEMSIZE[dtype] <= INLINE_BYTES
+
+
 def _inline(t: TensorEntry) -> bool:
-    """Is ``t`` written into the index itself: a small global tensor (AdamW's 0-d ``step``, a bias
-    kept on one rank), which every loading rank needs and would read another rank's report for?"""
-    return t.rank is None and len(t.shards) <= INLINE_SHARDS and t.nbytes <= INLINE_BYTES
+    return inlined(t.rank, t.dtype, t.shape, len(t.shards))
 
 
 def _layout_of(t: TensorEntry) -> Layout:
@@ -255,7 +261,7 @@ def _parse_entry(t: Any, world: int, layouts: list[Layout], chunks: dict[str, mf
     if raw is None:
         return IndexEntry(key, dtype, tuple(shape), t["layout"], owner)
     lay = layouts[t["layout"]]
-    c.check(owner is None and len(lay) <= INLINE_SHARDS and math.prod(shape) * ITEMSIZE[dtype] <= INLINE_BYTES,
+    c.check(inlined(owner, dtype, shape, len(lay)),
             f"tensor {key!r} is inlined, but is not a global tensor of at most {INLINE_BYTES} bytes in at most "
             f"{INLINE_SHARDS} shards")
     per_shard = _list(raw, f"segments of tensor {key!r}", c)
@@ -463,10 +469,11 @@ def committable(step: int, ix: Index, parts: list[mf.Manifest]) -> bytes:
         back = mf.parse_committed(data, name=manifest_key(step))
         if not isinstance(back, Index) or back.step != step:
             raise CorruptCheckpointError(f"it describes step {back.step}")
-        boxes = LayoutBoxes(back)
-        for p in parts:
-            assert p.rank is not None
-            check_report(back, p.rank, p, boxes)
+        if parts:  # the reports to check against it (none where the commit built it from summaries)
+            boxes = LayoutBoxes(back)
+            for p in parts:
+                assert p.rank is not None
+                check_report(back, p.rank, p, boxes)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"step {step} was not committed: its index would not load ({e}). Nothing was "
                                      "changed; the committed steps are as they were") from e

@@ -21,7 +21,6 @@ differently is the one case it hands back (None): the caller then reads every re
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -32,13 +31,13 @@ import xxhash
 
 from .. import tree as st
 from .._version import __version__
-from ..errors import CorruptCheckpointError, DistributedSaveError, StateMismatchError
+from ..errors import DistributedSaveError, StateMismatchError
 from ..format import index, paths, tree_union
 from ..format import manifest as mf
 from ..format.boxes import Box
-from ..format.entries import Segment, check_chains, closure, ints
-from ..tree import ITEMSIZE
+from ..format.entries import Segment, closure, ints
 from .commit_plan import PlanLayout, boxes_digest
+from .committer import check_merged_chunks
 
 VALUE_BYTES = 4096  # a per-rank top-level value up to this many JSON bytes travels in the summary itself
 CACHE_BYTES = 256 << 20  # the structure values the coordinator keeps, by digest
@@ -85,6 +84,8 @@ def _lean(data: bytes, step: int, rank: int) -> tuple[list[Row], list[tuple[str,
 
 
 def _inlinable(t: mf.TensorEntry) -> bool:
+    """Whether ``t``'s segments may be inlined in the index (:func:`ckpt.format.index.inlined`; its shard
+    count across the ranks is the coordinator's to know, so a rank sends those that pass the rest)."""
     return t.rank is None and t.nbytes <= index.INLINE_BYTES
 
 
@@ -258,11 +259,7 @@ class IndexBuilder:
                     return None
                 elif have.spans is None and info.spans is not None:
                     chunks[h] = info
-        try:
-            check_chains(chunks, paths.manifest_key(step))
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
-                                         f"({e})") from e
+        check_merged_chunks(step, chunks)
         if self.digests != [s["layout"] for s in summaries] and not self._adopt(plan, summaries):
             self._learn(step, own, summaries, read, io)
         self._keep_values(st.top_items(own.structure))
@@ -276,8 +273,7 @@ class IndexBuilder:
         for key, dtype, shape, owner, lay in self.tensors:
             shards = self.layouts[lay]
             segs = None
-            if (owner is None and len(shards) <= index.INLINE_SHARDS
-                    and math.prod(shape) * ITEMSIZE[dtype] <= index.INLINE_BYTES):
+            if index.inlined(owner, dtype, shape, len(shards)):
                 segs = tuple(self._inline(step, summaries, key, shards))
             entries.append(index.IndexEntry(key, dtype, shape, lay, owner, segs))
         inline_chunks = closure(chunks, [g.chunk for e in entries for per in e.segments or () for g in per])

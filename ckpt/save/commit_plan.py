@@ -118,7 +118,9 @@ def lazily(keep: list) -> Callable[[], PlanLayout | None] | None:
     memo: list[PlanLayout | None] = []
 
     def get() -> PlanLayout | None:
+        nonlocal plan
         if not memo:
             memo.append(from_plan(plan))
+            plan = None  # what from_plan made is all a later save asks for: the plan's memory goes
         return memo[0]
     return get

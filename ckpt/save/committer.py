@@ -41,11 +41,7 @@ def commit_step(storage: Storage, step: int, parts: list[mf.Manifest], per_rank:
     if structure is not None:
         step_manifest.structure = structure
         step_manifest.format_version = max(step_manifest.format_version, newest_feature(structure))
-    try:
-        mf.check_chains(step_manifest.chunks, paths.manifest_key(step))
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
-                                     f"({e})") from e
+    check_merged_chunks(step, step_manifest.chunks)
     if reports is not None and len(parts) > 1 and not conflicts:
         data = index.committable(step, index.build(step_manifest, reports), parts)
     else:
@@ -82,3 +78,12 @@ def resolve_conflicts(parts: list[mf.Manifest], storage: Storage) -> set[str]:
             if h in part.chunks:
                 part.chunks[h] = dataclasses.replace(truth, spans=part.chunks[h].spans)
     return conflicts
+
+
+def check_merged_chunks(step: int, chunks: dict[str, mf.ChunkInfo]) -> None:
+    """Every base a merged chunk table lists is in it and its chains are bounded, or the step is not committed."""
+    try:
+        mf.check_chains(chunks, paths.manifest_key(step))
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"step {step} was not committed: its merged chunk table is inconsistent "
+                                     f"({e})") from e

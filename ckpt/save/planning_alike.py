@@ -18,7 +18,7 @@ import numpy as np
 
 from ..format import tree_union
 from ..format.boxes import Box, check_tiles
-from .planning import MISMATCH_HINT, PACK_BELOW, in_packs, ints, not_tiled, top_of, unints, unpack
+from .planning import MISMATCH_HINT, PACK_BELOW, WriteAssignment, in_packs, ints, not_tiled, top_of, unints, unpack
 
 
 class _Holders:
@@ -60,7 +60,7 @@ def assign_alike(posted: dict[int, dict], known: dict[str, dict], world: int, ch
         return None
     bad = plan.classes(min(PACK_BELOW, chunk_size // 4))
     if bad is not None:
-        return [{"error": bad + MISMATCH_HINT, "mismatch": True}] * world
+        return [WriteAssignment(error=bad + MISMATCH_HINT, mismatch=True).to_json()] * world  # as assign() answers
     plan.place(chunk_size)
     if keep is not None:
         keep.append(plan)
