@@ -36,6 +36,7 @@ import os
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")  # bf16 matmuls of the training steps (see README)
 
 import argparse  # noqa: E402
+import faulthandler  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -57,6 +58,7 @@ warnings.filterwarnings("ignore")
 MB = 1_000_000
 BUCKET = "ckpt-bw"
 PIECE = 1 << 20  # bytes a throttled file passes per bucket draw
+WATCH = 300  # seconds one method's save and load may take before every thread's stack is printed
 
 
 # -- the throttled local filesystem ---------------------------------------------------------------------------
@@ -253,8 +255,20 @@ def run_target(url: str, so: dict | None, state: dict, train: Callable[[], None]
         train()
         step_no[0] += 1
 
-    contenders = {"ckpt auto": ckpt_method("auto"), "ckpt raw": ckpt_method("raw"), "DCP": dcp,
-                  "safetensors": safetensors}
+    def watched(name: str, fn: Callable[[int], None]) -> Callable[[int], None]:
+        """A run that makes no progress for WATCH seconds prints every thread's stack (a run once hung
+        here with no CPU used, and left nothing saying where)."""
+        def go(r: int) -> None:
+            faulthandler.dump_traceback_later(WATCH, repeat=True)
+            try:
+                fn(r)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+        return go
+
+    contenders = {name: watched(name, fn) for name, fn in (("ckpt auto", ckpt_method("auto")),
+                                                           ("ckpt raw", ckpt_method("raw")), ("DCP", dcp),
+                                                           ("safetensors", safetensors))}
     rounds(contenders, repeats, warmup=1, before=before,
            report=lambda r, name, _: print(f"    round {r} {name} done", flush=True))
     for c in cps.values():

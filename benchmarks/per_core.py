@@ -9,6 +9,9 @@ training as benchmarks/bandwidth.py), and a sparse one (fp32, 90% zeros: a maske
   does: element width and rotation from the dtype, no delta base) and decoded back, hash checked, on one
   thread; reported in GB of raw state per CPU-second of that thread (``time.thread_time``), with the
   xxh3-128 hash of the same bytes as the floor every save and load pays.
+* The machine's floor: the same bytes as plain 16 MiB files, written and fsynced, then read back,
+  hashed and copied into the tensors, by 1 and 2 threads with nothing of ckpt's (the "plain files"
+  rows): how far 2 cores of this machine scale on that memory and I/O work at all.
 * Scaling: a ``Checkpointer`` with ``io_threads=1`` and ``=2`` (and ``snapshot_threads`` the same), time
   from ``save()`` to committed and ``load`` time from the page cache, ``auto`` and ``raw``, on a local
   directory; the ratio 1 thread / 2 threads (2.0 is perfect on 2 cores), and ``auto``'s page-cache load
@@ -26,6 +29,7 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")  # bf16 matmuls of the train
 import argparse  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -88,6 +92,54 @@ def codec_speed(state: dict[str, Any]) -> dict[str, float]:
             "raw_bytes": raw_total}
 
 
+def floor(state: dict[str, Any], root: str, repeats: int) -> dict[str, dict[str, float]]:
+    """The machine's own scaling on a save's and a load's bytes, with nothing of ckpt's: the state cut
+    into 16 MiB files, written and fsynced one by one, then read back (from the page cache) into a
+    scratch buffer per thread, hashed (xxh3-128) and copied into the state's tensors, by 1 and by 2
+    threads taking the files in turn. Medians of seconds for "plain x1" and "plain x2"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xxhash
+
+    pieces = [(arr[i:i + CHUNK], os.path.join(root, f"{k}-{i}")) for k, (arr, _) in enumerate(flat_bytes(state))
+              for i in range(0, len(arr), CHUNK)]
+    os.makedirs(root, exist_ok=True)
+
+    def save(piece: tuple[np.ndarray, str]) -> None:
+        arr, path = piece
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, memoryview(arr))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def method(n: int):
+        scratch: dict[int, bytearray] = {}
+
+        def load(piece: tuple[np.ndarray, str]) -> None:
+            arr, path = piece
+            buf = scratch.setdefault(threading.get_ident(), bytearray(CHUNK))
+            view = memoryview(buf)[:len(arr)]
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(view)
+            xxhash.xxh3_128_hexdigest(view)
+            np.copyto(arr, np.frombuffer(view, np.uint8))
+
+        def go(r: int) -> dict[str, float]:
+            with ThreadPoolExecutor(n) as pool:
+                t0 = time.perf_counter()
+                list(pool.map(save, pieces))
+                t1 = time.perf_counter()
+                list(pool.map(load, pieces))
+                return {"durable": t1 - t0, "load": time.perf_counter() - t1}
+        return go
+
+    kept = rounds({f"plain x{n}": method(n) for n in (1, 2)}, repeats, warmup=1)
+    shutil.rmtree(root, ignore_errors=True)
+    return {name: {k: median(r[k] for r in runs) for k in ("durable", "load")} for name, runs in kept.items()}
+
+
 def scaling(state: dict[str, Any], root: str, repeats: int) -> dict[str, dict[str, float]]:
     """Medians of durable and load seconds for (codec, threads)."""
     cps = {(codec, n): ckpt.Checkpointer(os.path.join(root, f"{codec}-{n}"), codec=codec, io_threads=n,
@@ -133,6 +185,7 @@ def main() -> None:
             print(f"   encode {speed['encode_gb_per_cpu_s']:.2f}  decode {speed['decode_gb_per_cpu_s']:.2f}  "
                   f"hash {speed['hash_gb_per_cpu_s']:.2f} GB/CPU-s, stored {speed['stored_over_raw']:.3f}", flush=True)
             scale = scaling(state, os.path.join(tmp, name.split()[0]), args.repeats)
+            scale.update(floor(state, os.path.join(tmp, "plain-" + name.split()[0]), args.repeats))
             results[name] = {"codec": speed, "scaling": scale}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -155,9 +208,12 @@ def markdown(results: dict[str, Any]) -> str:
               "load / raw's (2 thr) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         s = r["scaling"]
-        for codec in ("auto", "raw"):
+        for codec in ("auto", "raw", "plain"):
+            if f"{codec} x1" not in s:
+                continue
             one, two = s[f"{codec} x1"], s[f"{codec} x2"]
-            lines.append(f"| {name} | {codec} | {fmt(one['durable'])} | {fmt(two['durable'])} | "
+            label = codec if codec != "plain" else "plain files (floor)"
+            lines.append(f"| {name} | {label} | {fmt(one['durable'])} | {fmt(two['durable'])} | "
                          f"{ratio(one['durable'], two['durable'])} | {fmt(one['load'])} | {fmt(two['load'])} | "
                          f"{ratio(one['load'], two['load'])} | {ratio(two['load'], s['raw x2']['load'])} |")
     return "\n".join(lines) + "\n"

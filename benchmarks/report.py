@@ -43,6 +43,8 @@ SECTIONS = [
             "python benchmarks/bandwidth.py --size-gib 0.5 --repeats 3"),
     Section("per_core", "Per core: the codec's throughput, 1 and 2 threads",
             "python benchmarks/per_core.py --size-gib 0.5 --repeats 3"),
+    Section("host_memory", "Within a host-memory budget: 2 GiB at 512 MiB",
+            "python benchmarks/host_memory.py --size-gib 2 --budget-mib 512"),
     Section("snapshot_cpu", "The snapshot with the compiled core (CPU)",
             "python benchmarks/snapshot_cpu.py --size-gib 2 --repeats 5"),
     Section("gpu_snapshot", "The snapshot on GPU",

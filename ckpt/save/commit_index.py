@@ -38,6 +38,7 @@ from ..format.boxes import Box
 from ..format.entries import Segment, closure, ints
 from .commit_plan import PlanLayout, boxes_digest
 from .committer import check_merged_chunks
+from .planning import MISMATCH_HINT
 
 VALUE_BYTES = 4096  # a per-rank top-level value up to this many JSON bytes travels in the summary itself
 CACHE_BYTES = 256 << 20  # the structure values the coordinator keeps, by digest
@@ -195,7 +196,7 @@ class IndexBuilder:
                     raise StateMismatchError(
                         f"step {step} was not committed: rank {r} saved tensor {key!r} as {dtype} of shape "
                         f"{shape}, rank {have[2]} as {have[0]} of shape {list(have[1])}; every rank must hold "
-                        "the same tensors")
+                        "the same tensors" + MISMATCH_HINT)
                 link = (at.get(k, -1), r, tuple((tuple(o), tuple(n)) for o, n in boxes))
                 at[k] = nodes.setdefault(link, len(links))
                 if at[k] == len(links):
@@ -302,7 +303,7 @@ class IndexBuilder:
         for r, s in enumerate(summaries):
             if sorted(s["tops"]) != sorted(tops):
                 raise StateMismatchError(f"step {step}: rank {r} saved top-level keys {sorted(s['tops'])}, rank 0 "
-                                         f"saved {sorted(tops)}; every rank must save the same keys")
+                                         f"saved {sorted(tops)}; every rank must save the same keys" + MISMATCH_HINT)
 
         def value(r: int, k: str) -> Any:
             s = summaries[r]
