@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import pytest
 import torch
@@ -239,3 +240,31 @@ def test_the_structure_values_rank_0_holds_are_bounded_by_bytes():
     values.put("a", {"x": 1}, 60)
     values.put("b", {"x": 2}, 60)  # past 100 bytes: the least recently used goes
     assert values.get("a") is None and values.get("b") == {"x": 2} and values.bytes == 60
+
+
+def test_report_reads_stream_in_order_and_stop_when_the_commit_gives_up():
+    """Rank 0 reads reports a window at a time, in rank order; where the commit fails on one (a
+    mismatch), the reads not yet begun are cancelled rather than left running after the error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt.save.commit_index import _streamed
+
+    started: list[int] = []
+    gate = threading.Event()
+
+    def read(r: int) -> int:
+        started.append(r)
+        if r > 0:
+            assert gate.wait(10)
+        return r
+
+    with ThreadPoolExecutor(2) as io:
+        gate.set()
+        assert list(_streamed(io, read, range(50), window=4)) == list(range(50))
+        started.clear()
+        gate.clear()
+        reads = _streamed(io, read, range(50), window=4)
+        assert next(reads) == 0  # reads 1 and 2 now hold both threads until the gate opens; 3 waits
+        reads.close()  # the consumer raised: the generator is closed
+        gate.set()
+    assert 3 not in started and set(started) <= {0, 1, 2}, started

@@ -20,6 +20,7 @@ differently is the one case it hands back (None): the caller then reads every re
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections import OrderedDict
@@ -137,21 +138,21 @@ class _Values:
 
 
 def _streamed(io: Executor | None, fn: Callable[[int], Any], items: range, window: int = 8) -> Iterator[Any]:
-    """``fn`` of each item, in order, at most ``window`` in flight (not every result held at once)."""
+    """``fn`` of each item, in order, at most ``window`` in flight (not every result held at once).
+    A consumer that stops early (an error in what it does with a result) cancels the reads not begun."""
     if io is None:
         yield from map(fn, items)
         return
-    pending: list[Future] = []
     it = iter(items)
-    for x in it:
-        pending.append(io.submit(fn, x))
-        if len(pending) >= window:
-            break
-    while pending:
-        yield pending.pop(0).result()
-        nxt = next(it, None)
-        if nxt is not None:
-            pending.append(io.submit(fn, nxt))
+    pending: list[Future] = [io.submit(fn, x) for _, x in zip(range(window), it)]
+    try:
+        while pending:
+            yield pending.pop(0).result()
+            for x in itertools.islice(it, 1):
+                pending.append(io.submit(fn, x))
+    finally:
+        for f in pending:
+            f.cancel()
 
 
 class IndexBuilder:
