@@ -248,7 +248,7 @@ class CommitProtocol:
             if hooks is not None and part is not None:  # its rank report travels with it
                 report["part"] = part.to_json().decode()
             elif part is not None and comm.world > 1:  # what rank 0 builds the step's index from
-                report["summary"] = summarize(part, part.to_json(), job.snapshot.per_rank)
+                report["summary"] = summarize(part, job.report, job.snapshot.per_rank)
         else:
             status = (Status.EXISTS if isinstance(error, StepExistsError) else
                       Status.NONFINITE if isinstance(error, NonFiniteStateError) else Status.FAIL)
@@ -359,8 +359,8 @@ class CommitProtocol:
         if self.hooks is None:  # the reports as stored: the step's index names them (format v6)
             read = list(self.io.map(lambda r: _read_part(self.writer, job.step, r), range(1, world)))
             parts = [part] + [p for p, _ in read]
-            if world > 1:  # its own report: the bytes it wrote (to_json is deterministic)
-                refs = [index.report_ref(job.step, 0, part.to_json())] + [ref for _, ref in read]
+            if world > 1:  # its own report: the bytes it wrote
+                refs = [index.report_ref(job.step, 0, job.report)] + [ref for _, ref in read]
         else:  # local commits: every tier gets the whole manifest (the reports are not on every tier)
             parts = [part] + [_sent_part(docs[r], job.step, r) for r in range(1, world)]
         return commit_step(self.writer.over(job), job.step, parts, job.snapshot.per_rank, reports=refs)

@@ -25,6 +25,7 @@ class SaveJob:
     on_local: Callable[[], None] | None = None  # every chunk durable where it is first written (SaveHandle stage)
     created: list[str] = field(default_factory=list)  # chunks this save wrote where none was stored
     hashes: list[str] = field(default_factory=list)  # per chunk of the buffer, once written
+    report: bytes = b""  # this rank's report as written (summarized and indexed from these bytes)
     persist: bool = True  # uploaded to the checkpoint path (else committed to the local directories only)
     committed: bool = False  # set once the step is committed (on every rank)
     storage: Storage | None = None  # the storage this save runs over (``SaveEngine.storage_for``); None: the writer's

@@ -285,7 +285,8 @@ class Writer:
             self._adopt_lost(job, puts)
             part = self._report(job, rank, puts)
             self._check_not_committed(job)  # a committed step's rank reports never change
-            self.over(job).write(paths.rank_key(job.step, rank), [part.to_json()])
+            job.report = part.to_json()
+            self.over(job).write(paths.rank_key(job.step, rank), [job.report])
             return part
         except BaseException:
             self.discard(job)
