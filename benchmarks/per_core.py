@@ -36,7 +36,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bandwidth import tensors_of, trained_state  # noqa: E402
-from harness import banner, command, fmt, median, ratio, rounds, write_results  # noqa: E402
+from harness import DASH, banner, command, fmt, median, ratio, rounds, write_results  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt.format.chunk import chunk_hash, decode  # noqa: E402
@@ -213,9 +213,10 @@ def markdown(results: dict[str, Any]) -> str:
                 continue
             one, two = s[f"{codec} x1"], s[f"{codec} x2"]
             label = codec if codec != "plain" else "plain files (floor)"
+            over_raw = ratio(two["load"], s["raw x2"]["load"]) if codec != "plain" else DASH
             lines.append(f"| {name} | {label} | {fmt(one['durable'])} | {fmt(two['durable'])} | "
                          f"{ratio(one['durable'], two['durable'])} | {fmt(one['load'])} | {fmt(two['load'])} | "
-                         f"{ratio(one['load'], two['load'])} | {ratio(two['load'], s['raw x2']['load'])} |")
+                         f"{ratio(one['load'], two['load'])} | {over_raw} |")
     return "\n".join(lines) + "\n"
 
 
