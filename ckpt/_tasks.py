@@ -90,3 +90,10 @@ def run_all(pool: Executor, fn: Callable[[T], R], items: Iterable[T], width: int
     if run.error is not None:
         raise run.error
     return run.results  # type: ignore[return-value]  # every item finished: no None is left
+
+
+def threads_of(pool: Executor) -> int | None:
+    """How many threads ``pool`` runs (a ``ThreadPoolExecutor``'s ``max_workers``); None where it does
+    not say. Work done beside the pool (a load's copy-back) keeps to it: ``io_threads=1`` is one thread."""
+    n = getattr(pool, "_max_workers", None)
+    return n if isinstance(n, int) and n > 0 else None

@@ -16,7 +16,7 @@ import xxhash
 
 import ckpt
 from ckpt import _ext
-from ckpt._tasks import run_all
+from ckpt._tasks import run_all, threads_of
 from ckpt.format import paths
 from ckpt.load.apply import copy_back as _copy_back
 from ckpt.testing import run_ranks
@@ -66,6 +66,23 @@ def test_copy_back_copies_into_tensors_that_share_memory_in_order():
     pairs = [(base, torch.arange(10.0)), (view, torch.full((4,), -1.0)), (other, torch.ones(3, dtype=torch.float64))]
     _copy_back(pairs)
     assert base.tolist() == [0, 1, -1, -1, -1, -1, 6, 7, 8, 9] and other.tolist() == [1, 1, 1]
+
+
+@needs_core
+def test_copy_back_keeps_to_the_load_pools_threads(monkeypatch):
+    """io_threads=1 is one thread: the copy-back after a load's reads uses no more threads than the
+    load's I/O pool (it took every core whatever the pool)."""
+    asked: list[int] = []
+    real = type(CORE).copy_many
+    monkeypatch.setattr(type(CORE), "copy_many", lambda self, items, n: (asked.append(n), real(self, items, n))[1])
+    src = torch.arange(1 << 16, dtype=torch.float32)
+    for workers in (1, 3):
+        dst = torch.zeros_like(src)
+        with ThreadPoolExecutor(workers) as pool:
+            assert threads_of(pool) == workers
+            _copy_back([(dst, src)], threads_of(pool))
+        assert torch.equal(dst, src)
+    assert asked[0] == 1 and 1 <= asked[1] <= 3, asked
 
 
 def test_run_all_runs_at_most_width_items_at_once():

@@ -61,10 +61,11 @@ def init_optimizers(state: dict[str, Any], m: mf.Manifest) -> bool:
 
 
 
-def copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int | None = None) -> None:
     """Copy every verified stand-in into its tensor. CPU tensors that overlap nothing are copied by
-    the compiled core, on as many threads as there are cores, the GIL released; the rest (tensors
-    on a device, strided, or sharing memory with another) one by one by torch."""
+    the compiled core, on as many threads as there are cores (at most 8, and at most ``threads``:
+    the load's I/O pool), the GIL released; the rest (tensors on a device, strided, or sharing memory
+    with another) one by one by torch."""
     core = _ext.cpu()
     plain = [(t, s) for t, s in pairs if t.device.type == "cpu" and t.is_contiguous() and s.is_contiguous()
              and t.dtype == s.dtype and t.nbytes == s.nbytes] if core is not None else []
@@ -75,7 +76,7 @@ def copy_back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     if plain:
         assert core is not None
         items = np.array([(t.data_ptr(), s.data_ptr(), t.nbytes) for t, s in plain], dtype=_ext.COPY)
-        core.copy_many(items, min(8, _cpus.usable()))
+        core.copy_many(items, min(8, _cpus.usable(), threads or 8))
     for t, s in pairs:
         if id(t) not in done:
             t.copy_(s)

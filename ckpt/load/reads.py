@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._tasks import run_all
+from .._tasks import run_all, threads_of
 from ..errors import CheckpointError, ConfigError, StateMismatchError
 from ..format import manifest as mf
 from ..format.boxes import Box, slices
@@ -201,7 +201,7 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
                 local = dest[s.request]
                 src = torch.from_numpy(rows).view(local.dtype).view(s.rows)
                 local[slices(s.in_dest)].copy_(src[slices(s.in_stage)])
-            copy_back(pairs)
+            copy_back(pairs, threads_of(io))
     return stats
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .._tasks import run_all
+from .._tasks import run_all, threads_of
 from ..errors import CorruptCheckpointError
 from ..format import manifest as mf
 from ..format.boxes import slices
@@ -149,7 +149,7 @@ def read_in_windows(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[
                     f"{e} (it checked out in this load's first pass and not in its second: the stored object changed "
                     f"or went away while step {m.step} loaded; {done} written before this)",
                     object=e.object, chunk=e.chunk) from e
-            _copy_out(plan, into, w, space)
+            _copy_out(plan, into, w, space, threads_of(io))
 
 
 # Per target, its feeds sorted by where they land: (the positions, (position, chunk, feed) each).
@@ -187,7 +187,8 @@ def _read_window(storage: Storage, m: mf.Manifest, index: FeedIndex, into: list[
                        width=storage.read_width))
 
 
-def _copy_out(plan: BoxPlan, into: list[torch.Tensor], w: Window, space: torch.Tensor) -> None:
+def _copy_out(plan: BoxPlan, into: list[torch.Tensor], w: Window, space: torch.Tensor,
+              threads: int | None = None) -> None:
     """Copy window ``w``'s verified pieces to their tensors: row stages into their request's
     stand-in (in the window too, or the tensor itself), then the stand-ins' rows."""
     n = len(into)
@@ -206,5 +207,5 @@ def _copy_out(plan: BoxPlan, into: list[torch.Tensor], w: Window, space: torch.T
                 src = space[p.at : p.at + s.nbytes].view(t.dtype).view(s.rows)
                 dest[slices(s.in_dest)].copy_(src[slices(s.in_stage)])
         copy_back([(into[p.k][p.r0 : p.r1] if into[p.k].dim() else into[p.k], views[p.k])
-                   for p in w.pieces if p.k < n and views[p.k].numel()])
+                   for p in w.pieces if p.k < n and views[p.k].numel()], threads)
 
