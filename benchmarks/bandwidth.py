@@ -255,9 +255,9 @@ def run_target(url: str, so: dict | None, state: dict, train: Callable[[], None]
         train()
         step_no[0] += 1
 
-    def watched(name: str, fn: Callable[[int], None]) -> Callable[[int], None]:
-        """A run that makes no progress for WATCH seconds prints every thread's stack (a run once hung
-        here with no CPU used, and left nothing saying where)."""
+    def watched(fn: Callable[[int], None]) -> Callable[[int], None]:
+        """A method's save and load that take longer than WATCH seconds print every thread's stack,
+        every WATCH seconds (a run once hung here with no CPU used, and left nothing saying where)."""
         def go(r: int) -> None:
             faulthandler.dump_traceback_later(WATCH, repeat=True)
             try:
@@ -266,7 +266,7 @@ def run_target(url: str, so: dict | None, state: dict, train: Callable[[], None]
                 faulthandler.cancel_dump_traceback_later()
         return go
 
-    contenders = {name: watched(name, fn) for name, fn in (("ckpt auto", ckpt_method("auto")),
+    contenders = {name: watched(fn) for name, fn in (("ckpt auto", ckpt_method("auto")),
                                                            ("ckpt raw", ckpt_method("raw")), ("DCP", dcp),
                                                            ("safetensors", safetensors))}
     rounds(contenders, repeats, warmup=1, before=before,

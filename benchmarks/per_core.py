@@ -119,7 +119,9 @@ def floor(state: dict[str, Any], root: str, repeats: int) -> dict[str, dict[str,
 
         def load(piece: tuple[np.ndarray, str]) -> None:
             arr, path = piece
-            buf = scratch.setdefault(threading.get_ident(), bytearray(CHUNK))
+            buf = scratch.get(threading.get_ident())
+            if buf is None:  # once per thread: fresh memory per piece would cost its page faults
+                buf = scratch[threading.get_ident()] = bytearray(CHUNK)
             view = memoryview(buf)[:len(arr)]
             with open(path, "rb", buffering=0) as f:
                 f.readinto(view)

@@ -221,7 +221,8 @@ class Ckpt(Method):
         t = time.perf_counter()
         h = self.c.save(step, state)
         blocked = time.perf_counter() - t
-        self.encode_cpu = h.wait().encode_cpu_s
+        m = h.wait()
+        self.encode_cpu, self.written = m.encode_cpu_s, m.written_bytes
         durable = time.perf_counter() - t
         if self.first_stall is None:
             self.first_stall = blocked
@@ -267,7 +268,8 @@ class CkptFresh(Ckpt):
         self.c = ckpt.Checkpointer(os.path.join(self.dir, f"fresh{step}"), **self.options)
         h = self.c.save(step, state)
         blocked = time.perf_counter() - t
-        self.encode_cpu = h.wait().encode_cpu_s
+        m = h.wait()
+        self.encode_cpu, self.written = m.encode_cpu_s, m.written_bytes
         return blocked, time.perf_counter() - t
 
     def cleanup(self, step):
@@ -331,7 +333,7 @@ def main() -> None:
             m.cleanup(rep)
             out = {"blocked": blocked, "durable": durable, "load": loaded}
             if isinstance(m, Ckpt):
-                out["encode_cpu"] = m.encode_cpu
+                out["encode_cpu"], out["written"] = m.encode_cpu, m.written
             return out
         return run
 
@@ -348,9 +350,10 @@ def main() -> None:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
 
-    med = {n: {k: median(r[k] for r in rs) for k in ("blocked", "durable", "load", "encode_cpu") if k in rs[0]}
+    med = {n: {k: median(r[k] for r in rs) for k in ("blocked", "durable", "load", "encode_cpu", "written")
+               if k in rs[0]}
            for n, rs in runs.items()}
-    first_stall = next((m.first_stall for m in methods if isinstance(m, Ckpt)), None)
+    first_stall = next((m.first_stall for m in methods if type(m) is Ckpt), None)
     report(med, nbytes, args, first_stall)
 
 
@@ -410,21 +413,24 @@ def report(med: dict, nbytes: int, args, first_stall: float | None) -> None:
 
 def overlap(med: dict) -> list[str]:
     """Does the writer overlap coding with I/O? The default codec's durable time against the I/O alone
-    (``codec="raw"``'s durable: the same writes and fsyncs, no coding) and the coding alone (its
-    encode CPU seconds spread over the cores the writer threads can use): overlapped, the slower of
-    the two sets the pace; one after the other, their sum would."""
+    (``codec="raw"``'s durable, scaled to the bytes the default codec wrote: the same writes and
+    fsyncs, no coding) and the coding alone (its encode CPU seconds spread over the cores the writer's
+    threads can use): overlapped, the slower of the two sets the pace; one after the other, their sum."""
+    from ckpt import _cpus
+    from ckpt.options import Options
+
     auto, raw = med.get("ckpt"), med.get("ckpt (codec=raw)")
-    if not auto or not raw or not auto.get("encode_cpu"):
+    if not auto or not raw or not auto.get("encode_cpu") or not raw.get("written"):
         return []
-    cores = os.cpu_count() or 1  # the writer runs 8 threads or more: every core codes
-    coding, io = auto["encode_cpu"] / cores, raw["durable"]
+    cores = min(_cpus.usable(), Options().threads)  # the default writer's threads
+    coding, io = auto["encode_cpu"] / cores, raw["durable"] * auto["written"] / raw["written"]
     slower, both = max(coding, io), coding + io
     ok = auto["durable"] <= slower + 0.25 * min(coding, io)
     return ["", f"- {'MET' if ok else 'NOT MET'}: coding overlaps I/O: ckpt durable {auto['durable']:.3f} s, "
                 f"{auto['durable'] / slower:.2f} × the slower of coding alone ({coding:.3f} s: "
-                f"{auto['encode_cpu']:.2f} CPU s over {cores} cores) and I/O alone (codec=raw's durable, "
-                f"{io:.3f} s), {auto['durable'] / both:.2f} × their sum (met: within a quarter of the faster "
-                "one above the slower)"]
+                f"{auto['encode_cpu']:.2f} CPU s over {cores} cores) and I/O alone (codec=raw's durable for the "
+                f"bytes it wrote, {io:.3f} s), {auto['durable'] / both:.2f} × their sum (met: within a quarter "
+                "of the faster one above the slower)"]
 
 
 def plot(med: dict, path: str, nbytes: int) -> None:

@@ -246,7 +246,7 @@ class CommitProtocol:
         if error is None:
             report = Report(Status.OK, job.step, persist=job.persist).to_json()
             if hooks is not None and part is not None:  # its rank report travels with it
-                report["part"] = part.to_json().decode()
+                report["part"] = job.report.decode()
             elif part is not None and comm.world > 1:  # what rank 0 builds the step's index from
                 report["summary"] = summarize(part, job.report, job.snapshot.per_rank)
         else:

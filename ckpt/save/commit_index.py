@@ -151,7 +151,7 @@ def _streamed(io: Executor | None, fn: Callable[[int], Any], items: range, windo
             for x in itertools.islice(it, 1):
                 pending.append(io.submit(fn, x))
     finally:
-        for f in pending:
+        for f in reversed(pending):  # the newest first: a worker freed meanwhile finds the next cancelled
             f.cancel()
 
 
