@@ -85,16 +85,21 @@ def from_plan(plan: Any) -> PlanLayout | None:
             sa = sum(_a(k, dtype, shape, None) for k in keys) & MASK
             sums[rs] += bs * np.uint64(sa)
             base = tuple((r, plan.gbox[g]) for r, g in zip(rs.tolist(), gs.tolist()))
+            base_id: int | None = None  # a layout of N entries is hashed once per class, not once per tensor
             for k in keys:
                 extra = chosen.pop(k, [])
-                lay = base
                 if extra:
                     for r, box in extra:
                         sums[r] += np.uint64((_a(k, dtype, shape, None) * _b(*box)) & MASK)
                     lay = tuple(sorted(base + tuple(extra), key=lambda e: e[0]))
                     if len({r for r, _ in lay}) != len(lay):
                         return None
-                tensors.append((k, dtype, tuple(shape), None, ids.setdefault(lay, len(ids))))
+                    at = ids.setdefault(lay, len(ids))
+                else:
+                    if base_id is None:
+                        base_id = ids.setdefault(base, len(ids))
+                    at = base_id
+                tensors.append((k, dtype, tuple(shape), None, at))
         if chosen:
             return None
         for r, rows in sorted(plan.rows_of.items()):
