@@ -228,7 +228,8 @@ class Checkpointer:
             try:
                 metrics.blocked_s = snap.rest()
             except Exception as e:  # the writer fails the save with it (the handle's error): training goes on
-                log.error("the snapshot of step %d failed midway: %s", step, e)
+                log.error("the snapshot of step %d failed midway: %s; the save fails with this error and commits "
+                          "nothing, training goes on and the next save() starts afresh", step, e)
             metrics.pieces = snap.pieces
             metrics.stall_s = time.perf_counter() - started
         self._schedule.saved(handle)

@@ -64,12 +64,12 @@ class BaseStore:
         self._held = {}
         order = [i for i, d in enumerate(deltas) if d] + [i for i, d in enumerate(deltas) if not d]
         at, room = 0, self.nbytes
-        dst = self.memory.numpy()
+        dst, src = self.memory.numpy(), buf.buffer.numpy()
         for i in order:
             c = self.layout.chunks[i]
             if at + c.length > room:
                 continue
-            dst[at:at + c.length] = buf.buffer.numpy()[c.offset:c.offset + c.length]
+            dst[at:at + c.length] = src[c.offset:c.offset + c.length]
             self._held[i] = (at, hashes[i])
             at += c.length
         if not self._said:

@@ -30,7 +30,7 @@ import torch
 from ..errors import CheckpointError
 from ..flatten import Flat
 from .buffer_layout import BufferLayout, TensorSlot
-from .cuda_snapshot import CudaSnapshot
+from .cuda_snapshot import CudaSnapshot, copy_to_host
 from .snapshot import HostBuffer, Share, Snapshot
 from .state_checks import optimizer_guarded
 
@@ -193,7 +193,7 @@ class Ring(HostBuffer):
             got = s.copied[k]
         if got.cuda is not None:
             got.cuda.synchronize()
-            s.nonfinite += [b for b in got.cuda.nonfinite() if b not in s.nonfinite]
+            s.nonfinite += got.cuda.nonfinite()  # Snapshot.poisoned() makes it a set
         return got.slab * self.slab - self.pieces[k].lo, got.hashes
 
     def written(self, k: int) -> None:
@@ -247,8 +247,6 @@ class Ring(HostBuffer):
             (cuda if src.device.type == "cuda" else cpu).append((clipped, part))
         pending = None
         if cuda:
-            from .cuda_snapshot import copy_to_host
-
             pending = copy_to_host(cuda, guarded, check, self._launch)
         try:
             offsets = np.array([c.offset + at for c in self.layout.chunks[piece.first:piece.end]] + [piece.hi + at],
@@ -258,7 +256,7 @@ class Ring(HostBuffer):
             if pending is not None:
                 pending.synchronize()
             raise
-        self._save.nonfinite += [k for k in bad if k not in self._save.nonfinite]
+        self._save.nonfinite += bad  # Snapshot.poisoned() makes it a set
         return _Copied(slab, hashes, pending)
 
 

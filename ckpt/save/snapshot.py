@@ -100,7 +100,7 @@ class Snapshot:
         """Every checked tensor holding NaN or Inf, in state order, then every optimizer setting that
         is NaN or Inf; call after the CUDA copy is done."""
         bad = set(self.nonfinite) | set(self.cuda.nonfinite() if self.cuda is not None else ())
-        bad |= set(getattr(self.buffer, "nonfinite", ()))  # a ring's, once every piece is copied
+        bad |= set(self.buffer.nonfinite)  # a ring's, once every piece is copied
         return [k for k in self.buffer.layout_keys if k in bad] + self.bad_settings
 
 
@@ -280,6 +280,11 @@ class HostBuffer:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+    @property
+    def nonfinite(self) -> list[str]:
+        """A ring's checked tensors its pieces found holding NaN or Inf; a whole buffer's are the snapshot's."""
+        return []
+
     def view(self, offset: int, length: int) -> memoryview:
         """A zero-copy view of buffer bytes, for hashing and writing."""
         return self.buffer.numpy().data[offset : offset + length]  # .data is memoryview(array)
@@ -362,7 +367,7 @@ class HostBuffer:
         hashes, flags = core.copy_hash(self.buffer.data_ptr(), segs[:len(keys)],
                                        self._offsets if offsets is None else offsets,
                                        self._want if want is None else want, self.threads)
-        bad += [k for k in dict.fromkeys(keys[i] for i in np.flatnonzero(flags)) if k not in bad]
+        bad += [keys[i] for i in np.flatnonzero(flags)]  # each slot once: native or torch, never both
         self.last_used["cpu"] = f"native/{core.simd}"
         return hashes, bad
 
