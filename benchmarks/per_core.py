@@ -13,8 +13,8 @@ training as benchmarks/bandwidth.py), and a sparse one (fp32, 90% zeros: a maske
   hashed and copied into the tensors, by 1 and 2 threads with nothing of ckpt's (the "plain files"
   rows): how far 2 cores of this machine scale on that memory and I/O work at all.
 * Scaling: a ``Checkpointer`` with ``io_threads=1`` and ``=2`` (and ``snapshot_threads`` the same), time
-  from ``save()`` to committed and ``load`` time from the page cache, ``auto`` and ``raw``, on a local
-  directory; the ratio 1 thread / 2 threads (2.0 is perfect on 2 cores), and ``auto``'s page-cache load
+  from ``save()`` to committed and ``load`` time from the page cache (``direct_io=False``: chunks written
+  through it), ``auto`` and ``raw``, on a local directory; the ratio 1 thread / 2 threads (2.0 is perfect on 2 cores), and ``auto``'s page-cache load
   as a multiple of ``raw``'s. A load verifies every chunk.
 
 Prints a table, writes benchmarks/results/per_core.{json,md}.
@@ -159,7 +159,7 @@ def floor(state: dict[str, Any], root: str, repeats: int) -> dict[str, dict[str,
 def scaling(state: dict[str, Any], root: str, repeats: int) -> dict[str, dict[str, float]]:
     """Medians of durable and load seconds for (codec, threads)."""
     cps = {(codec, n): ckpt.Checkpointer(os.path.join(root, f"{codec}-{n}"), codec=codec, io_threads=n,
-                                         snapshot_threads=n, keep_last=2)
+                                         snapshot_threads=n, keep_last=2, direct_io=False)  # page-cache loads
            for codec in ("auto", "raw") for n in (1, 2)}
     step = [0]
 

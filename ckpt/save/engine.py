@@ -70,7 +70,7 @@ class SaveEngine:
         self.closes_storage = closes_storage  # close() closes the storage, one handed in too
         self.storage = storage if storage is not None else open_tiered(
             path, options.local_dir, options.storage_options, verify=verify_object,
-            upload_threads=options.threads, local_commits=options.local_commits)
+            upload_threads=options.threads, local_commits=options.local_commits, direct_io=options.direct_io)
         self.durable = durable_of(self.storage)  # the checkpoint path: leases and the journal live there
         self.io = ThreadPoolExecutor(options.threads, thread_name_prefix=f"{name}-io")
         self.commit_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-commit")

@@ -20,15 +20,16 @@ __all__ = ["Storage", "Blob", "RootState", "TierCounters", "LocalStorage", "Fssp
            "open_tiered", "durable_of", "read_counters"]
 
 
-def open_storage(url: str, storage_options: dict | None = None) -> Storage:
-    """Open a local path, ``file://`` URL, or any fsspec URL (``memory://``, ``s3://`` …)."""
+def open_storage(url: str, storage_options: dict | None = None, *, direct_io: bool = False) -> Storage:
+    """Open a local path, ``file://`` URL, or any fsspec URL (``memory://``, ``s3://`` …). ``direct_io``: a
+    local directory writes its large objects around the page cache (a Checkpointer's saves; readers need not)."""
     if not isinstance(url, str) or not url:
         raise ConfigError(f"checkpoint path must be a non-empty string or os.PathLike, got {url!r}")
     scheme = urlparse(url).scheme
     if scheme in ("", "file") or (len(scheme) == 1 and url[1:3] in (":\\", ":/")):  # windows drive
         if storage_options:
             raise ConfigError("storage_options apply to fsspec URLs only, not to a local directory")
-        return LocalStorage(url[len("file://"):] if scheme == "file" else url)
+        return LocalStorage(url[len("file://"):] if scheme == "file" else url, direct_io=direct_io)
     if scheme in ("s3", "s3a"):
         try:
             from .s3 import S3Storage
@@ -78,14 +79,15 @@ def read_counters(storage: Storage, reset: bool = False) -> TierCounters | None:
 
 def open_tiered(url: str, local_dir: str | None, storage_options: dict | None = None, *,
                 verify: Callable[[str, list[memoryview]], None], upload_threads: int = 8,
-                local_commits: bool = False) -> Storage:
+                local_commits: bool = False, direct_io: bool = False) -> Storage:
     """The storage of a Checkpointer: ``url`` alone, or ``local_dir`` staged in front of it.
 
     ``verify(key, parts)`` checks a chunk object (its bytes, in order as read) before the local tier
-    serves it, raising a ``CheckpointError`` for a copy that must not be trusted."""
+    serves it, raising a ``CheckpointError`` for a copy that must not be trusted. ``direct_io``: a local
+    ``url`` writes its chunks around the page cache (the local tier always does)."""
     from .tiered import TieredStorage
 
-    remote = open_storage(url, storage_options)
+    remote = open_storage(url, storage_options, direct_io=direct_io)
     if local_dir is None:
         return remote
     local = open_storage(local_dir)
