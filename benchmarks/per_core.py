@@ -14,8 +14,8 @@ training as benchmarks/bandwidth.py), and a sparse one (fp32, 90% zeros: a maske
   rows): how far 2 cores of this machine scale on that memory and I/O work at all.
 * Scaling: a ``Checkpointer`` with ``io_threads=1`` and ``=2`` (and ``snapshot_threads`` the same), time
   from ``save()`` to committed and ``load`` time from the page cache (``direct_io=False``: chunks written
-  through it), ``auto`` and ``raw``, on a local directory; the ratio 1 thread / 2 threads (2.0 is perfect on 2 cores), and ``auto``'s page-cache load
-  as a multiple of ``raw``'s. A load verifies every chunk.
+  through it), ``auto`` and ``raw``, on a local directory; the ratio 1 thread / 2 threads (2.0 is perfect
+  on 2 cores), and ``auto``'s page-cache load as a multiple of ``raw``'s. A load verifies every chunk.
 
 Prints a table, writes benchmarks/results/per_core.{json,md}.
 """

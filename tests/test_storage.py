@@ -332,3 +332,26 @@ def test_the_durable_tier_is_found_through_a_wrapper_and_the_surface_has_no_tier
     assert durable_of(plain) is plain and durable_of(faulty) is faulty  # the faults stay on a single tier
     assert not {"view", "durable_tier", "tier_counters", "reset_tier_counters"} & set(vars(Storage))
     tiered.close()
+
+
+def test_retention_through_fsspec_removes_step_directories(tmp_path, caplog):
+    """Through an fsspec file system that has directories (``local://``: fsspec's own local file system,
+    as NFS or a mounted bucket would be reached), retention deletes an old step's files and then its
+    directory, which fsspec's bulk ``rm`` refuses ("Cannot delete directory"): the directory goes one key
+    at a time, with no warning, and the kept steps load."""
+    import torch
+
+    import ckpt
+
+    root = tmp_path / "run"
+    state = {"w": torch.arange(1000.0)}
+    with caplog.at_level("WARNING", logger="ckpt"), ckpt.Checkpointer(f"local://{root}", keep_last=1) as c:
+        for step in range(3):
+            state["w"] += 1
+            c.save(step, state).wait()
+        c.wait()  # retention runs in the background
+        assert sorted(os.listdir(root / "steps")) == ["000000000002"]
+        back = {"w": torch.zeros(1000)}
+        c.load(2, back)
+    assert torch.equal(back["w"], state["w"])
+    assert "retention" not in caplog.text, caplog.text

@@ -55,8 +55,13 @@ class FsspecStorage(Storage):
         # One copy (join takes the buffers as they are): a copy per buffer first held a chunk twice per
         # writing thread, 256 MiB beside a host_memory budget at 8 threads of 16 MiB chunks.
         data = b"".join(b if isinstance(b, bytes) else memoryview(b).cast("B") for b in buffers)
+        path = self._path(key)
         try:
-            self.fs.pipe_file(self._path(key), data)
+            try:
+                self.fs.pipe_file(path, data)
+            except FileNotFoundError:  # a file system with directories that makes none itself (fsspec's local://)
+                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                self.fs.pipe_file(path, data)
         except Exception as e:
             raise self._fail("writing", key, e) from e
         return len(data)
@@ -123,6 +128,11 @@ class FsspecStorage(Storage):
             self.fs.rm_file(self._path(key))
         except FileNotFoundError:
             return
+        except IsADirectoryError:  # a step's directory, on a file system that has them (``local://``, NFS)
+            try:
+                self.fs.rmdir(self._path(key))
+            except OSError:
+                return  # not empty (something new landed in it) or gone: leave it
         except Exception as e:
             raise self._fail("deleting", key, e) from e
 
@@ -133,8 +143,8 @@ class FsspecStorage(Storage):
             return
         try:
             self.fs.rm([self._path(k) for k in keys])
-        except FileNotFoundError:
-            super().delete_many(keys)
+        except (FileNotFoundError, IsADirectoryError, ValueError):  # ValueError: fsspec's "Cannot delete directory"
+            super().delete_many(keys)  # one at a time: a missing key is no error, an empty directory is removed
         except Exception as e:
             raise self._fail("deleting", keys[0], e) from e
 
