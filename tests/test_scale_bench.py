@@ -74,3 +74,15 @@ def test_the_simulated_ranks_hold_what_flatten_gives_each_rank():
             assert sim.leaves == real.leaves and sim.structure == real.structure
             assert Inventory.of(sim) == Inventory.of(real)
 
+
+
+def test_the_first_commit_takes_the_layout_from_the_plan_where_ranks_share_an_empty_box(tmp_path):
+    """More ranks than some tensors have rows (FSDP2 gives every rank past the last row the same empty
+    box, which one of them writes): rank 0's first commit still takes the step's layout from the plan,
+    with each such tensor's layout built once per distinct set of shared boxes (``from_plan``), reads
+    no rank report, and a rank loads the step (``save_and_load`` asserts the plan was used)."""
+    model = scale_sim.MODELS["tiny"]
+    world = 384  # tiny's 256-row tensors: ranks 256..383 hold the shared empty box
+    assert any(scale_sim.box(shape, split, world - 1, world, 1)[1][0] == 0 for _, shape, split in model.params())
+    out = scale_sim.save_and_load(model, "fsdp", world, str(tmp_path / "ck"))
+    assert out["commit_first_report_reads"] == 0 and out["commit_report_reads"] == 0
