@@ -112,18 +112,21 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
         stored: bytes | memoryview = sec.data
         how = STORED
         if i < width and n >= 64:
-            # The sample's winner is encoded on the whole plane, the other coder not tried again: where the
-            # sample found zstd best, rANS also trying the whole plane never won (the same bytes to five
-            # digits on trained fp32 and bf16 AdamW, 4 and 16 MiB chunks spanning tensors, sparse and
-            # zero-row planes), and skipping it made `auto` encode 1.35-1.9x faster. Planes the sample
+            # Where the sample found zstd best, the whole plane is coded both ways only if it has zero runs
+            # (3% of its 8-byte words zero): there rANS's blocks of one repeated byte can beat zstd on the
+            # whole plane though not on the sample (the top plane of a sparse update's XOR delta: 26.6 KB
+            # against zstd's 33.6 KB, and a rANS section decodes in part, tile by tile). Elsewhere (the
+            # exponent planes of trained fp32 and bf16) rANS never won and cost a third of `auto`'s
+            # encoding: zstd alone (1.35-1.6x faster, the same bytes to five digits). Planes the sample
             # found incompressible get zstd where the chunk has runs the sample missed (the zero rows of an
             # embedding's moments; a count of zero words: far cheaper than compressing noise).
             # A trial tries rANS first: a plane that is one byte repeated per block (a frozen tensor's zero
             # delta, a fixed bit flip) is kept as rANS whatever zstd would give (a few bytes more per
             # 16 KiB): decoders write it as a run, and a chain decoded in one pass skips a zero one, where a
             # zstd frame must be inflated. Such a sample makes rANS the plane's method.
-            tries = ((RANS, ZSTD) if methods is None else (ZSTD,) if methods[i] == ZSTD
-                     else (RANS,) if methods[i] == RANS else (ZSTD,) if _runs(sec) else ())
+            zero_runs = methods is not None and methods[i] != RANS and _runs(sec)
+            tries = ((RANS, ZSTD) if methods is None or (methods[i] == ZSTD and zero_runs) else (ZSTD,)
+                     if methods[i] == ZSTD or zero_runs else (RANS,) if methods[i] == RANS else ())
             for t in tries:
                 packed = cctx.compress(sec.data) if t == ZSTD else rans.encode(sec) if t == RANS else None
                 if packed is not None and len(packed) < min(n * (1 - min_saving), _nbytes(stored)):
