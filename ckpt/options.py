@@ -202,7 +202,7 @@ class IOOptions(_Record):
         True, chk.flag,
         "write chunk objects of 1 MiB or more to a local directory (the checkpoint path or `local_dir`) with "
         "`O_DIRECT`, around the page cache: a save then costs the kernel little CPU beside training and evicts "
-        "none of its page cache (through the page cache, the same bytes cost 2-30x the CPU on the machines "
+        "none of its page cache (through the page cache, the same bytes cost 7-40x the CPU on the machine "
         "measured: [Durable writes](#durable-writes-around-the-page-cache)). A file system that refuses `O_DIRECT` "
         "is written through the page cache. `False`: always through it, so a load straight after a save reads "
         "from memory. `local_dir` is always written around it")

@@ -215,9 +215,11 @@ def test_direct_io_writes_exact_objects_around_the_page_cache(tmp_path):
 @pytest.mark.parametrize("direct_io", [True, False])
 def test_checkpointer_writes_chunks_around_the_page_cache_unless_told(tmp_path, direct_io):
     """A Checkpointer's saves into a local directory write their chunks with O_DIRECT by default (a
-    buffered write's page-cache copy cost 2-30x the CPU on the benchmark machine, taken from training):
+    buffered write's page-cache copy cost 7-40x the CPU on the benchmark machine, taken from training):
     none of a chunk's pages is left cached, and the step loads back exact. ``direct_io=False`` writes
     through the page cache, which then holds the chunks (a load straight after reads from memory)."""
+    import mmap
+
     import torch
 
     import ckpt
@@ -235,16 +237,10 @@ def test_checkpointer_writes_chunks_around_the_page_cache_unless_told(tmp_path, 
         if direct_io:
             assert all(r <= 1 for r in resident), resident  # at most the last page, zeroed past the end by the cut
         else:
-            assert all(r >= os.path.getsize(p) // mmap_pagesize() for r, p in zip(resident, big)), resident
+            assert all(r >= os.path.getsize(p) // mmap.PAGESIZE for r, p in zip(resident, big)), resident
         back = {"w": torch.zeros_like(state["w"]), "b": torch.zeros_like(state["b"])}
         c.load(1, back)
     assert all(torch.equal(back[k], state[k]) for k in state)
-
-
-def mmap_pagesize() -> int:
-    import mmap
-
-    return mmap.PAGESIZE
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")

@@ -117,7 +117,7 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
             # whole plane though not on the sample (the top plane of a sparse update's XOR delta: 26.6 KB
             # against zstd's 33.6 KB, and a rANS section decodes in part, tile by tile). Elsewhere (the
             # exponent planes of trained fp32 and bf16) rANS never won and cost a third of `auto`'s
-            # encoding: zstd alone (1.35-1.6x faster, the same bytes to five digits). Planes the sample
+            # encoding: zstd alone (about 1.2x faster on those states, the same bytes to five digits). Planes the sample
             # found incompressible get zstd where the chunk has runs the sample missed (the zero rows of an
             # embedding's moments; a count of zero words: far cheaper than compressing noise).
             # A trial tries rANS first: a plane that is one byte repeated per block (a frozen tensor's zero

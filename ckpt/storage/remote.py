@@ -10,6 +10,7 @@ import datetime
 from collections.abc import Sequence
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import ConfigError, StorageError
 from .base import RootState, Storage
@@ -59,8 +60,10 @@ class FsspecStorage(Storage):
         try:
             try:
                 self.fs.pipe_file(path, data)
-            except FileNotFoundError:  # a file system with directories that makes none itself (fsspec's local://)
-                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            except FileNotFoundError:
+                if not isinstance(self.fs, LocalFileSystem):
+                    raise  # an object store's makedirs would create a bucket: a missing one stays an error
+                self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # fsspec's local:// makes none itself
                 self.fs.pipe_file(path, data)
         except Exception as e:
             raise self._fail("writing", key, e) from e
