@@ -72,7 +72,8 @@ class BuildCore(build_ext):
 def _extensions() -> list:
     if _flag("CKPT_NO_EXT"):
         return []
-    sources = ["csrc/copyhash.cpp", "csrc/planes.cpp", "csrc/rans.cpp", "csrc/rans_encode.cpp", "csrc/chain.cpp"]
+    sources = ["csrc/copyhash.cpp", "csrc/planes.cpp", "csrc/rans.cpp", "csrc/rans_encode.cpp", "csrc/chain.cpp",
+               "csrc/mask.cpp"]
     exts = [Extension("ckpt._copyhash", sources, language="c++",
                       depends=["csrc/core.h", "csrc/rans.h"],
                       extra_compile_args=["-O3", "-std=c++17", "-pthread"], extra_link_args=["-pthread"],

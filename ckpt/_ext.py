@@ -25,7 +25,7 @@ SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<
 # A link of a chain for CpuCore.chain_decode: its planes, which are rANS sections, its tail bytes, rotated.
 ChainLink = tuple[list[np.ndarray], list[bool], np.ndarray, bool]
 
-ABI_VERSION = 10  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+ABI_VERSION = 11  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -103,6 +103,10 @@ class CpuCore:
         lib.ckpt_pread_hash.argtypes = [ctypes.c_int, u64, ptr, u64, ptr]
         lib.ckpt_copy_many.restype = ctypes.c_int
         lib.ckpt_copy_many.argtypes = [ptr, u64, ctypes.c_int]
+        lib.ckpt_mask_compact.restype = ctypes.c_int64
+        lib.ckpt_mask_compact.argtypes = [ptr, ptr, u64, ctypes.c_int, ptr, ptr]
+        lib.ckpt_mask_expand.restype = ctypes.c_int64
+        lib.ckpt_mask_expand.argtypes = [ptr, ptr, u64, u64, ctypes.c_int, ptr, ptr]
 
     def pread_hash(self, fd: int, offset: int, ptr: int, length: int) -> tuple[int, str | None]:
         """Read ``length`` bytes at ``offset`` of file ``fd`` into memory at ``ptr``, hashing each
@@ -135,6 +139,24 @@ class CpuCore:
         if self.lib.ckpt_ungroup_planes(ptrs, tail.ctypes.data, None if base is None else base.ctypes.data, n,
                                         len(planes), int(rot), out.ctypes.data):
             raise ValueError(f"byte planes of width {len(planes)} (rotated: {rot}) are not supported")
+
+    def mask_compact(self, src: np.ndarray, base: np.ndarray | None, width: int, mask: np.ndarray,
+                     out: np.ndarray) -> int:
+        """The elements of ``src`` (XOR ``base``) with a bit set, in order, into ``out`` (room for all of
+        them), and one bit per element into ``mask`` (``ceil(m / 8)`` bytes): the count kept. Widths 2, 4
+        and 8 (ValueError else)."""
+        k = self.lib.ckpt_mask_compact(src.ctypes.data, None if base is None else base.ctypes.data,
+                                       src.nbytes // width, width, mask.ctypes.data, out.ctypes.data)
+        if k < 0:
+            raise ValueError(f"zero masks of width {width} are not supported")
+        return int(k)
+
+    def mask_expand(self, mask: np.ndarray, kept: np.ndarray, k: int, width: int, base: np.ndarray | None,
+                    out: np.ndarray) -> int:
+        """The inverse of :meth:`mask_compact` into ``out`` (the elements' bytes; ``base`` may be ``out``):
+        the count the mask kept, or -1 where it keeps more than the ``k`` elements ``kept`` holds."""
+        return int(self.lib.ckpt_mask_expand(mask.ctypes.data, kept.ctypes.data, k, out.size // width, width,
+                                             None if base is None else base.ctypes.data, out.ctypes.data))
 
     def rans_encode(self, src: np.ndarray, simd: int = 2) -> bytes:
         """The rANS section of the uint8 array ``src`` (csrc/rans_encode.cpp; format in ckpt/format/rans.py).

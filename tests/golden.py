@@ -10,7 +10,8 @@ Together they cover what the on-disk format can express: format v1 (tensors and 
 (per-rank state, shards of a global tensor saved by two ranks), v3 (numpy values stored as raw
 bytes), v4 (planes and xor chunks: deltas in chains three long), v6 (``index``: the sharded state's
 MANIFEST.json as an index naming the two rank reports); raw and zstd chunks; chunks reused from an
-earlier step; tensors of every dtype family.
+earlier step; tensors of every dtype family; chunk format v3 (``masked``: zero masks, whole and as
+deltas).
 """
 
 from __future__ import annotations
@@ -99,6 +100,18 @@ def delta_state(step: int) -> dict:
             "step": step}
 
 
+def masked_state(step: int) -> dict:
+    """Chunk format v3 (zero masks): a pruned fp32 layer (90% zeros: ``planes/3``) with a few of its
+    weights moved per step (``xor/3`` deltas), and a bf16 tensor with every other column zero."""
+    w = torch.randn(CHUNK // 4 * 3, generator=_g(9))
+    w[torch.rand(w.numel(), generator=_g(10)) < 0.9] = 0
+    for s in range(1, step + 1):
+        w[s::7] += torch.randn(w[s::7].numel(), generator=_g(10 + s))  # a seventh of it moves
+    half = torch.randn(256, 128, generator=_g(11)).to(torch.bfloat16)
+    half[:, ::2] = 0
+    return {"pruned": w, "half": half, "step": step}
+
+
 def digest(tensors: dict) -> dict:
     return {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
             for k, v in sorted(tensors.items())}
@@ -114,7 +127,7 @@ def main(names: list[str]) -> None:
     from ckpt.testing import run_ranks
 
     makers = {"plain": (plain_state, (1, 2)), "model": (model_state, (1, 2)), "delta": (delta_state, (1, 2, 3)),
-              "sharded": (None, (1, 2)), "index": (None, (1, 2))}
+              "sharded": (None, (1, 2)), "index": (None, (1, 2)), "masked": (masked_state, (1, 2))}
     unknown = set(names) - set(makers)
     if not names or unknown:
         sys.exit(f"usage: python tests/golden.py NAME... (names: {', '.join(makers)})")

@@ -5,6 +5,8 @@ the damaged link."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,7 @@ from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode, parse_heade
 from ckpt.format.entries import ChunkInfo
 from ckpt.format.paths import chunk_key
 from ckpt.format.planes import LENGTH_MASK, RANS_FLAG, ZSTD_FLAG
+from ckpt.save import encode as encoder
 from ckpt.save.encode import CodecSpec, encode
 from ckpt.storage import LocalStorage
 
@@ -60,9 +63,17 @@ LINKS = [(4, True, "dense"), (2, False, "sparse"), (8, False, "mask"), (1, False
 WHOLE = [("auto", 4, True), ("raw", 1, False), ("zstd", 1, False), ("auto", 8, False)]
 
 
-def build(count: int, seed: int, zero: bool = False) -> list[tuple[str, bytes]]:
+def build(count: int, seed: int, zero: bool = False, masks: bool = False) -> list[tuple[str, bytes]]:
     """A chain of ``count`` links, whole first: (hash, stored object) each. ``zero``: the first half of
-    the first version is zero (tiles of the whole chunk whose planes are each one byte repeated)."""
+    the first version is zero (tiles of the whole chunk whose planes are each one byte repeated).
+    ``masks``: links that are mostly zero elements get a zero mask where it is smaller, as saves store
+    them (such a link is XORed into place between the core's passes); without, every link is
+    decoded by the core."""
+    with mock.patch.object(encoder, "_MASK_ZEROS", encoder._MASK_ZEROS if masks else 2.0):
+        return _build(count, seed, zero)
+
+
+def _build(count: int, seed: int, zero: bool) -> list[tuple[str, bytes]]:
     rng = np.random.default_rng(seed)
     data = np.concatenate([(rng.standard_normal(SIZE // 4) * 0.02).astype(np.float32).view(np.uint8),
                            rng.integers(0, 256, SIZE % 4, dtype=np.uint8)])
@@ -97,10 +108,11 @@ def section_kinds(blob: bytes) -> set[str]:
 
 
 @needs_core
+@pytest.mark.parametrize("masks", [False, True], ids=["core", "masks"])
 @pytest.mark.parametrize("count", range(1, 9))
-def test_a_chain_decoded_at_once_gives_the_link_by_link_bytes(count):
+def test_a_chain_decoded_at_once_gives_the_link_by_link_bytes(count, masks):
     for seed, zero in ((count, False), (count + 1, False), (count + 2, True)):
-        chain = build(count, seed, zero)
+        chain = build(count, seed, zero, masks)
         want = link_by_link(chain)
         guard = np.full(SIZE + 64, 0xA5, np.uint8)
         out = guard[32:32 + SIZE]
@@ -110,15 +122,22 @@ def test_a_chain_decoded_at_once_gives_the_link_by_link_bytes(count):
 
 
 def test_the_chains_cover_every_kind_of_link_and_section():
-    """The chains above hold every whole codec, rANS, zstd and stored sections, and several widths."""
+    """The chains above hold every whole codec, rANS, zstd and stored sections, and several widths;
+    with masks, zero-masked links both whole and as deltas, amid links the core decodes."""
     kinds, widths = set(), set()
+    masked = {"planes": 0, "xor": 0, "other": 0}
     for count in (4, 8):
         for seed in range(len(WHOLE)):
             for _, blob in build(count, seed):
                 kinds |= section_kinds(blob)
                 widths.add((parse_header(blob, name="x").width, parse_header(blob, name="x").rot))
+                assert not parse_header(blob, name="x").masked
+            for _, blob in build(count, seed, seed % 2 == 0, masks=True):
+                hdr = parse_header(blob, name="x")
+                masked[hdr.codec if hdr.masked else "other"] += 1
     assert {"raw", "zstd", "rans", "stored"} <= kinds and "zstd" in kinds
     assert len(widths) >= 5
+    assert min(masked.values()) > 0, masked
 
 
 def stored(tmp_path, chain: list[tuple[str, bytes]]) -> tuple[LocalStorage, dict[str, ChunkInfo]]:

@@ -197,7 +197,7 @@ def test_inspect_shows_shards_kinds_codecs_and_new_versus_reused_chunks(two_rank
     assert t[("head", None)]["kind"] == "tensor" and t[("head", None)]["dtype"] == "bfloat16"
     assert {k for k in t if k[0] == "pos/buf"} == {("pos/buf", 0), ("pos/buf", 1)}
     assert t[("pos/buf", 1)]["kind"] == "per-rank" and t[("pos/buf", 1)]["shape"] == [3]
-    known = {"raw/1", "zstd/1", "planes/1", "xor/1", "planes/2", "xor/2"}
+    known = {"raw/1", "zstd/1", "planes/1", "xor/1", "planes/2", "xor/2", "planes/3", "xor/3"}
     assert all(x["codecs"] and set(x["codecs"]) <= known for x in t.values())
     assert doc["detail"]["per_rank_keys"] == ["pos"]
     assert doc["detail"]["value_nodes"]["step"] == 2 and doc["detail"]["values"]["pos[rank 1]/seed"] == "11"

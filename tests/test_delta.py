@@ -647,7 +647,7 @@ def test_unknown_codecs_and_formats_are_refused_clearly(tmp_path):
     doc = json.load(open(path))
     assert doc["format_version"] == 4
     h1 = next(k for k, v in doc["chunks"].items() if v[2].startswith("xor/"))
-    for change, error in ((lambda d: d["chunks"][h1].__setitem__(2, "xor/3"), IncompatibleFormatError),
+    for change, error in ((lambda d: d["chunks"][h1].__setitem__(2, "xor/4"), IncompatibleFormatError),
                           (lambda d: d.__setitem__("format_version", mf.FORMAT_VERSION + 1), IncompatibleFormatError),
                           (lambda d: d["chunks"][h1].__setitem__(3, h1), CorruptCheckpointError),  # loops
                           (lambda d: d["chunks"][h1].__setitem__(3, "e" * 32), CorruptCheckpointError)):

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from golden import DATA, delta_state, digest, model_state, plain_state, shard_state
+from golden import DATA, delta_state, digest, masked_state, model_state, plain_state, shard_state
 
 import ckpt
 from ckpt import cli
@@ -37,7 +37,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["plain", "model", "sharded", "delta", "index"])
+@pytest.mark.parametrize("name", ["plain", "model", "sharded", "delta", "index", "masked"])
 def test_the_stored_bytes_are_what_they_were(golden, name):
     root = golden(name)
     assert cli.main(["verify", root, "--all"]) == 0
@@ -149,3 +149,24 @@ def test_delta_chains_load_in_place_link_by_link(golden):
             tensors = stored(root, s)
             assert all(same(got[k], tensors[k]) for k in tensors)
             assert c.last_load.bytes_read > sum(m.chunks[h].stored for h in c.last_load.chunks) or s == 1
+
+
+@pytest.mark.parametrize("disabled", ["", "1"], ids=["core", "numpy"])
+def test_zero_masked_chunks_load_whole_and_in_part(golden, monkeypatch, disabled):
+    """Chunk format v3: a pruned layer's chunks behind zero masks, and step 2's deltas of them, decoded
+    with the compiled core and without."""
+    root = golden("masked")
+    monkeypatch.setenv("CKPT_NO_EXT", disabled)
+    with ckpt.Checkpointer(root) as c:
+        m = c.manifest(2)
+        assert {"planes/3", "xor/3"} <= {info.codec for info in m.chunks.values()}
+        for s in (2, 1):
+            want = masked_state(s)
+            got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in want.items()}
+            assert c.load(s, got) == s and got["step"] == s
+            tensors = stored(root, s)
+            assert all(same(got[k], tensors[k]) for k in tensors)
+        n = want["pruned"].numel()
+        part = torch.zeros(n // 3)  # a third of the layer, from inside its chunks: decoded in part
+        c.load(2, {"pruned": ckpt.LocalShard(part, (n // 3,), (n,))}, strict=False)
+        assert same(part, stored(root, 2)["pruned"][n // 3 : 2 * n // 3])

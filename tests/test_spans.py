@@ -238,9 +238,12 @@ def test_decoding_spans_of_a_planes_object_gives_the_bytes_of_those_spans(dtype,
             assert np.array_equal(out[at : at + b - a], data[a:b]), (runs, a, b)
 
 
-def test_objects_that_cannot_be_decoded_in_part_say_so():
+def test_objects_that_cannot_be_decoded_in_part_say_so(monkeypatch):
     from ckpt.format import partial
     from ckpt.format.chunk import parse_header
+    from ckpt.save import encode
+
+    monkeypatch.setattr(encode, "_MASK_ZEROS", 2.0)  # no zero masks (one decodes in part: the test below)
 
     data = float_bytes(torch.float32, MiB, 2)
     for codec in ("zstd", "raw"):
@@ -255,6 +258,33 @@ def test_objects_that_cannot_be_decoded_in_part_say_so():
     assert name == "planes"
     with pytest.raises(partial.NotPartial):
         partial.decode_spans(hdr, blob, [(0, MiB)], np.zeros(MiB, np.uint8), name="x", expect_hash=hdr.digest)
+
+
+@pytest.mark.parametrize("width,extra", [(4, 0), (2, 1), (4, 3)])
+def test_a_chunk_with_a_zero_mask_is_decoded_in_part(width, extra):
+    """A mostly-zero chunk stores a zero mask and its nonzero elements' planes; the kept elements a run
+    needs are counted from the mask and only their rANS blocks decoded, the zeros written around them."""
+    from ckpt.format import partial
+    from ckpt.format.chunk import decode, parse_header
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[width]
+    g = torch.Generator().manual_seed(width)
+    values = torch.randn((5 * MiB + 3000) // width, generator=g).to(dtype)
+    values[torch.rand(values.numel(), generator=g) < 0.9] = 0  # a pruned layer: 90% zeros
+    values[: MiB // width] = 0  # and a first MiB with no element kept at all
+    data = np.concatenate([values.view(torch.uint8).numpy(), np.arange(1, extra + 1, dtype=np.uint8)])
+    blob, name = planes_object(data, width, True)
+    hdr = parse_header(blob, name="x")
+    assert name == "planes" and hdr.masked and hdr.label == "planes/3"
+    assert len(blob) < 0.2 * data.size  # a mask and the kept tenth: smaller than every plane coded
+    assert decode(blob, name="x", expect_hash=hdr.digest).tobytes() == data.tobytes()
+    size = data.size
+    for runs in ([(0, MiB)], [(MiB, 3 * MiB)], [(0, MiB), (4 * MiB, size)], [(5 * MiB, size)], [(0, size)]):
+        out = np.full(sum(b - a for a, b in runs), 0xA5, np.uint8)
+        placed = partial.decode_spans(hdr, blob, runs, out, name="x", expect_hash=hdr.digest)
+        assert [(a, b) for a, b, _ in placed] == runs
+        for a, b, at in placed:
+            assert np.array_equal(out[at : at + b - a], data[a:b]), (runs, a, b)
 
 
 @pytest.fixture

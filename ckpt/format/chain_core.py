@@ -18,6 +18,7 @@ from .chunk import (
     HEADER_SIZE,
     PLANED,
     ChunkHeader,
+    _decode_masked,
     _decompress_into,
     parse_header,
     section_table,
@@ -52,6 +53,13 @@ def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], s
         batch: list[_ext.ChainLink] = []
         used = 0
         for (name, expect, _), part, need in zip(parts, found, needs):
+            assert part is not None
+            if part[0].masked:  # the links before it decoded, then its kept elements XORed into place
+                if batch and core.chain_decode(batch, out)[0]:
+                    return False
+                _decode_masked(part[0], part[1], out if batch else None, out, name=name, expect_hash=expect)
+                batch, used = [_IN_OUT], 0
+                continue
             if used + need > room.size:
                 if core.chain_decode(batch, out)[0]:
                     return False
@@ -92,8 +100,8 @@ def decode_chain_ranges(parts: list[tuple[str, str, bytes | bytearray | memoryvi
     try:
         maybe = [_chain_part(i, name, expect, blob, size, check=False) for i, (name, expect, blob) in enumerate(parts)]
         found = [f for f in maybe if f is not None]
-        if len(found) < len(parts):
-            return False
+        if len(found) < len(parts) or any(hdr.masked for hdr, _, _ in found):
+            return False  # a zero mask: span by span (ckpt.format.partial)
         tile = _tile(found)
         # an open frame holds a window of decompression state, up to its plane's length: the frames
         # stay open from one range to the next only where the zstd planes add up to a chunk at most
@@ -288,9 +296,10 @@ def _core_decodes(hdr: ChunkHeader, table) -> list[bool]:
 
 
 def _unpacked_bytes(part) -> int:
-    """The scratch bytes a link's sections take before the core runs: its zstd sections and rANS tail."""
+    """The scratch bytes a link's sections take before the core runs: its zstd sections and rANS tail
+    (a zero mask's link is decoded into place: none)."""
     hdr, _, table = part
-    if table is None:
+    if table is None or hdr.masked:
         return 0
     return sum(length for (how, _, length), c in zip(table, _core_decodes(hdr, table)) if how != STORED and not c)
 

@@ -4,9 +4,10 @@ The header makes every chunk checkable on its own, without the manifest:
 
     offset size  field
     0      8     magic b"CKPTCHNK"
-    8      2     chunk format version (1; 2 where a planes/xor section is rANS-coded)
+    8      2     chunk format version (1; 2 where a planes/xor section is rANS-coded; 3 with a zero mask)
     10     1     codec id (0 raw, 1 zstd, 2 planes, 3 xor)
-    11     1     planes, xor: element width of the byte planes (bits 0-4), elements rotated (bit 7)
+    11     1     planes, xor: element width of the byte planes (bits 0-4), zero mask (bit 6, v3),
+                 elements rotated (bit 7)
     12     4     xor: low 32 bits of the payload's xxh3-64 (a check that needs no base); 0 otherwise
     16     8     raw length in bytes
     24     16    xxh3-128 digest of the raw bytes (the chunk's name is its hex form)
@@ -30,6 +31,11 @@ length), for the w planes and the n mod w tail bytes (stored as they are), then 
 order. A chunk with a rANS section is written as format v2 and named ``planes/2`` / ``xor/2`` in
 manifests, so an older ckpt refuses it by name instead of misreading it; the rest stay v1.
 
+A chunk with a zero mask (format v3, ``planes/3`` / ``xor/3``; :mod:`ckpt.format.mask`) stores only
+its nonzero elements in the planes: its table has w + 3 entries, the count k of elements kept, then
+the mask's section (one bit per element, ceil((n // w) / 8) bytes, coded like a plane), the w planes
+of k bytes each and the tail, then the sections in that order.
+
 Encoding (choosing a codec per chunk) is the writer's business: :mod:`ckpt.save.encode`.
 """
 
@@ -46,7 +52,7 @@ import zstandard
 
 from .. import _ext
 from ..errors import CorruptCheckpointError, IncompatibleFormatError
-from . import rans
+from . import mask, rans
 from .planes import LENGTH_MASK, RANS, RANS_FLAG, ROTATES, STORED, ZSTD, ZSTD_FLAG, scratch, sections, u8, ungroup_parts
 
 _local = threading.local()
@@ -54,7 +60,7 @@ _local = threading.local()
 
 MAGIC = b"CKPTCHNK"
 
-CHUNK_VERSION = 2  # the newest this ckpt reads and writes (1: no rANS sections)
+CHUNK_VERSION = 3  # the newest this ckpt reads and writes (1: no rANS sections; 2: no zero masks)
 
 HEADER = struct.Struct("<8sHBBIQ16s16sQ")
 
@@ -66,13 +72,15 @@ CODEC_IDS = {"raw": 0, "zstd": 1, "planes": 2, "xor": 3}
 
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 
-CODEC_VERSIONS = {"raw": 1, "zstd": 1, "planes": 2, "xor": 2}
+CODEC_VERSIONS = {"raw": 1, "zstd": 1, "planes": 3, "xor": 3}
 
 PLANED = ("planes", "xor")
 
 MAX_WIDTH = 16
 
 ROTATED = 0x80  # header flags bit: the planes are of elements rotated left one bit
+
+MASKED = 0x40  # ... the planes hold the nonzero elements only, after a zero mask (format v3)
 
 MAX_RAW = 1 << 34  # no chunk holds more (manifest.MAX_CHUNK_BYTES): a header that says so is damaged
 
@@ -124,11 +132,13 @@ class ChunkHeader:
     check: int = 0
     rot: bool = False  # planes, xor: elements rotated left one bit before grouping
     version: int = 1  # chunk format version
+    masked: bool = False  # planes, xor: a zero mask, then the nonzero elements' planes (v3)
 
     @property
     def label(self) -> str:
-        """The codec as manifests name it: ``planes/2`` where a section is rANS-coded."""
-        return f"{self.codec}/{2 if self.version >= 2 and self.codec in PLANED else 1}"
+        """The codec as manifests name it: ``planes/2`` where a section is rANS-coded, ``planes/3``
+        with a zero mask."""
+        return f"{self.codec}/{max(1, self.version) if self.codec in PLANED else 1}"
 
 
 def parse_header(blob, *, name: str) -> ChunkHeader:
@@ -151,16 +161,19 @@ def parse_header(blob, *, name: str) -> ChunkHeader:
         raise IncompatibleFormatError(
             f"chunk {name} uses codec id {codec_id}, unknown to this ckpt; upgrade ckpt to read it")
     codec = CODEC_NAMES[codec_id]
-    rot, width = bool(flags & ROTATED), flags & ~ROTATED
-    if codec in PLANED and (not 1 <= width <= MAX_WIDTH or (rot and width not in ROTATES)):
+    rot, masked, width = bool(flags & ROTATED), bool(flags & MASKED), flags & ~(ROTATED | MASKED)
+    if codec in PLANED and (not 1 <= width <= MAX_WIDTH or (rot and width not in ROTATES)
+                            or (masked and (width not in mask.WIDTHS or version < 3))):
         raise CorruptCheckpointError(f"chunk object {name} declares byte planes of width {width}"
-                                     f"{' (rotated)' if rot else ''}; it is damaged", object=name)
+                                     f"{' (rotated)' if rot else ''}{' with a zero mask' if masked else ''}"
+                                     f" in format v{version}; it is damaged", object=name)
     if (codec == "xor") != (base != NO_BASE):
         raise CorruptCheckpointError(f"chunk object {name} is stored as {codec} "
                                      f"{'without' if codec == 'xor' else 'with'} a base chunk; it is damaged",
                                      object=name)
     return ChunkHeader(codec, raw_len, digest.hex(), payload_len, width if codec in PLANED else 0,
-                       base.hex() if codec == "xor" else None, check, rot and codec in PLANED, version)
+                       base.hex() if codec == "xor" else None, check, rot and codec in PLANED, version,
+                       masked and codec in PLANED)
 
 
 def _decompress_into(payload, out: memoryview, *, name: str, expect_hash: str) -> None:
@@ -197,15 +210,23 @@ def _decompress_bounded(payload: memoryview, raw_len: int, *, name: str, expect_
 def section_table(hdr: ChunkHeader, payload: memoryview, *, name: str, expect_hash: str
                    ) -> list[tuple[int, memoryview, int]]:
     """The sections of a planes/xor payload: (how it is kept: STORED, ZSTD or RANS; stored bytes;
-    decoded length), checked to fit the payload and the raw length."""
+    decoded length), checked to fit the payload and the raw length: the w planes, the tail and, with a
+    zero mask, the mask last (the planes then hold the kept elements only: their decoded length)."""
     w = hdr.width
     bad = CorruptCheckpointError(f"chunk object {name} has a damaged section table", object=name, chunk=expect_hash)
-    if len(payload) < 8 * (w + 1):
+    head = w + 3 if hdr.masked else w + 1
+    if len(payload) < 8 * head:
         raise bad
-    table = np.frombuffer(payload[:8 * (w + 1)], "<u8").tolist()
-    pos = 8 * (w + 1)
+    table = np.frombuffer(payload[:8 * head], "<u8").tolist()
+    pos = 8 * head
+    wants = sections(hdr.raw_len, w)
+    if hdr.masked:
+        m, k = hdr.raw_len // w, table.pop(0)
+        if k > m:
+            raise bad
+        wants = [mask.mask_bytes(m)] + [k] * w + wants[w:]
     out = []
-    for entry, want in zip(table, sections(hdr.raw_len, w)):
+    for entry, want in zip(table, wants):
         zstd, coded, length = bool(entry & ZSTD_FLAG), bool(entry & RANS_FLAG), entry & LENGTH_MASK
         how = ZSTD if zstd else RANS if coded else STORED
         if (zstd and coded) or (coded and hdr.version < 2) or pos + length > len(payload) \
@@ -215,7 +236,7 @@ def section_table(hdr: ChunkHeader, payload: memoryview, *, name: str, expect_ha
         pos += length
     if pos != len(payload):
         raise bad
-    return out
+    return out[1:] + out[:1] if hdr.masked else out
 
 
 def unpack_section(how: int, stored: memoryview, dst: np.ndarray, *, name: str, expect_hash: str) -> None:
@@ -249,6 +270,10 @@ def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray 
     where the compiled core hashed them as it wrote them, their digest (else None). The core decodes
     rANS-coded planes a tile at a time as it interleaves them, instead of into scratch first."""
     n, w = hdr.raw_len, hdr.width
+    out = np.empty(n, np.uint8) if out is None else out[:n]
+    if hdr.masked:
+        return _decode_masked(hdr, payload, None if base is None else u8(base), out, name=name,
+                              expect_hash=expect_hash), None
     core = _ext.cpu()
     planes: list[np.ndarray] = []
     coded: list[bool] = []
@@ -262,7 +287,6 @@ def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray 
         else:
             planes.append(u8(stored) if length else np.empty(0, np.uint8))
         coded.append(how == RANS and core is not None and i < w)
-    out = np.empty(n, np.uint8) if out is None else out[:n]
     if core is None:
         ungroup_parts(planes, base, w, out, hdr.rot)
         return out.data, None
@@ -272,6 +296,39 @@ def _decode_planes(hdr: ChunkHeader, payload: memoryview, base, out: np.ndarray 
         raise CorruptCheckpointError(f"chunk object {name} has a rANS section that does not decode: "
                                      f"{rans.error_text(err)}", object=name, chunk=expect_hash)
     return out.data, digest
+
+
+def _decode_masked(hdr: ChunkHeader, payload: memoryview, base: np.ndarray | None, out: np.ndarray, *, name: str,
+                   expect_hash: str) -> memoryview:
+    """A chunk with a zero mask into ``out``: its kept elements' planes decoded and put back in element
+    order in scratch, then spread over the zeros by the mask, XOR ``base`` (which may be ``out``)."""
+    n, w = hdr.raw_len, hdr.width
+    m = n // w
+    table = section_table(hdr, payload, name=name, expect_hash=expect_hash)
+    k = table[0][2]
+    parts = [_unpacked(sec, f"plane{i}", name, expect_hash) for i, sec in enumerate(table[:w + 2])]
+    kept = scratch("kept", k * w)
+    if k:
+        ungroup_parts(parts[:w] + [parts[w][:0]], None, w, kept, hdr.rot)
+    if not mask.expand(parts[w + 1], kept, k, w, None if base is None else base[:m * w], out[:m * w]):
+        raise CorruptCheckpointError(f"chunk object {name} has a zero mask that does not keep the {k} elements its "
+                                     "table says; it is damaged", object=name, chunk=expect_hash)
+    tail = parts[w]
+    if base is None:
+        out[m * w:] = tail
+    else:
+        np.bitwise_xor(tail, base[m * w:n], out=out[m * w:])
+    return out.data
+
+
+def _unpacked(section: tuple[int, memoryview, int], key: str, name: str, expect_hash: str) -> np.ndarray:
+    """A section's decoded bytes: where they lie when stored as they are, else decoded into scratch."""
+    how, stored, length = section
+    if how == STORED:
+        return u8(stored) if length else np.empty(0, np.uint8)
+    dst = scratch(key, length)
+    unpack_section(how, stored, dst, name=name, expect_hash=expect_hash)
+    return dst
 
 
 def check_header(hdr: ChunkHeader, *, name: str, expect_hash: str, expect_len: int | None = None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..storage.base import Storage
-from . import chains, rans, spans
+from . import chains, mask, rans, spans
 from . import manifest as mf
 from .chunk import HEADER_SIZE, ChunkHeader, check_header, parse_header, section_table, unpack_section
 from .paths import chunk_key
@@ -28,13 +28,14 @@ class NotPartial(Exception):
 
 
 def resolve_spans(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, blob, runs: list[tuple[int, int]],
-                  out: np.ndarray, step: int | None = None) -> tuple[list[tuple[int, int, int]], int]:
+                  out: np.ndarray, step: int | None = None, chain: tuple[list, int] | None = None
+                  ) -> tuple[list[tuple[int, int, int]], int]:
     """The byte ranges ``runs`` ((start, end), span-aligned, sorted) of chunk ``h`` (its object
     ``blob`` read already), decoded down its chain into ``out`` one after another; returns (start,
     end, position in ``out``) per run, and the bytes read for the chain's other links. The links'
     headers are checked; their bytes are not (the caller checks the result against the span
-    digests). :class:`NotPartial` where it cannot."""
-    blobs, read = chains.links(storage, chunks, h, step, blob)
+    digests). :class:`NotPartial` where it cannot. ``chain``: what :func:`chains.links` gave already."""
+    blobs, read = chains.links(storage, chunks, h, step, blob) if chain is None else chain
     placed: list[tuple[int, int, int]] = []
     delta: np.ndarray | None = None
     for x, data in reversed(blobs):  # the chunk stored whole first, then each delta on it
@@ -77,6 +78,8 @@ def decode_spans(hdr: ChunkHeader, blob, runs: list[tuple[int, int]], out: np.nd
         raise NotPartial
     payload = memoryview(blob).cast("B")[HEADER_SIZE:]
     table = section_table(hdr, payload, name=name, expect_hash=expect_hash)
+    if hdr.masked:
+        return _masked_spans(hdr, table, runs, out, name, expect_hash)
     m = n // w
     placed, pos = [], 0
     for lo, hi in runs:
@@ -88,6 +91,41 @@ def decode_spans(hdr: ChunkHeader, blob, runs: list[tuple[int, int]], out: np.nd
             tail = np.frombuffer(stored, np.uint8) if how == STORED else _whole(how, stored, length, name, expect_hash)
         dst = out[pos : pos + hi - lo]
         ungroup_parts(parts + [tail], None, w, dst, hdr.rot)
+        placed.append((lo, hi, pos))
+        pos += hi - lo
+    return placed
+
+
+def _masked_spans(hdr: ChunkHeader, table: list, runs: list[tuple[int, int]], out: np.ndarray, name: str,
+                  expect_hash: str) -> list[tuple[int, int, int]]:
+    """:func:`decode_spans` of a chunk with a zero mask: the mask decoded whole (an eighth of a byte per
+    element), then per run the kept elements it covers (counted by the mask) decoded from the planes
+    and spread over the run's zeros."""
+    w, n = hdr.width, hdr.raw_len
+    m, k = n // w, table[0][2]
+    how, stored, length = table[w + 1]
+    bits = np.frombuffer(stored, np.uint8) if how == STORED else _whole(how, stored, length, name, expect_hash)
+    before = np.concatenate([[0], np.cumsum(np.bitwise_count(bits), dtype=np.int64)])  # kept before each byte
+
+    def kept_before(e: int) -> int:
+        return int(before[e // 8]) + (int(bits[e // 8]) & ((1 << e % 8) - 1)).bit_count() if e < m else k
+
+    placed, pos = [], 0
+    for lo, hi in runs:
+        e0, e1 = lo // w, min(hi, m * w) // w
+        c0, c1 = kept_before(e0), kept_before(e1)
+        parts = [_elements(how, stored, c0, c1, k, p) for p, (how, stored, _) in enumerate(table[:w])]
+        kept = scratch("partial-kept", (c1 - c0) * w)
+        if c1 > c0:
+            ungroup_parts(parts + [np.empty(0, np.uint8)], None, w, kept, hdr.rot)
+        run = np.unpackbits(bits[e0 // 8:(e1 + 7) // 8], bitorder="little")[e0 % 8:e0 % 8 + e1 - e0]
+        dst = out[pos : pos + hi - lo]
+        if not mask.expand(np.packbits(run, bitorder="little"), kept, c1 - c0, w, None, dst[:(e1 - e0) * w]):
+            raise NotPartial
+        if hi > m * w:  # the run ends the chunk: the tail bytes (fewer than w)
+            how, stored, length = table[w]
+            tail = np.frombuffer(stored, np.uint8) if how == STORED else _whole(how, stored, length, name, expect_hash)
+            dst[(e1 - e0) * w:] = tail
         placed.append((lo, hi, pos))
         pos += hi - lo
     return placed

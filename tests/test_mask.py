@@ -1,0 +1,158 @@
+"""Zero masks (chunk format v3): a mostly-zero chunk stores one bit per element and its nonzero elements'
+planes. The compiled core and numpy write the same bytes, every decode path gives the chunk back, and a
+damaged mask or count is refused, never read past."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt
+from ckpt import _ext
+from ckpt.errors import CorruptCheckpointError
+from ckpt.format import mask
+from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode, parse_header
+from ckpt.save.encode import CodecSpec, encode
+
+core = _ext.cpu()
+needs_core = pytest.mark.skipif(core is None, reason="compiled core not built (no C++ compiler, or CKPT_NO_EXT)")
+
+
+def sparse(n: int, width: int, seed: int, share: float = 0.9) -> np.ndarray:
+    """``n`` bytes of ``width``-byte elements, ``share`` of them zero, the rest random bytes (some with a
+    zero byte, none all zero), and n mod width tail bytes."""
+    rng = np.random.default_rng(seed)
+    out = rng.integers(0, 256, n, dtype=np.uint8)
+    m = n // width
+    words = out[: m * width].reshape(m, width)
+    words[:, 0] |= 1  # no kept element is zero by chance
+    words[rng.random(m) < share] = 0
+    return out
+
+
+@needs_core
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("n", [0, 5, 64, 8 * 8 * 3 + 5, 100_003 * 8])
+def test_compiled_masks_write_the_numpy_bytes_and_invert(monkeypatch, width, n):
+    raw = sparse(n, width, n + width)
+    base = sparse(n, width, n + width + 1, 0.5)
+    base[: n // 2] = raw[: n // 2]  # half unchanged: zero elements of the delta there
+    m = n // width
+    body, b = raw[: m * width], base[: m * width]
+    for under in (None, b):
+        got = []
+        for native in (True, False):
+            if not native:
+                monkeypatch.setattr(_ext, "cpu", lambda: None)
+            bits, kept = np.empty(mask.mask_bytes(m), np.uint8), np.empty(m * width, np.uint8)
+            k = mask.compact(body, under, width, bits, kept)
+            got.append((k, bits.tobytes(), kept[: k * width].tobytes()))
+            for into in ("fresh", "in place"):
+                out = np.full(m * width, 0xA5, np.uint8) if into == "fresh" or under is None else under.copy()
+                over = out if into == "in place" and under is not None else under
+                assert mask.expand(bits, kept, k, width, over, out)
+                assert np.array_equal(out, body), (native, into)
+            monkeypatch.undo()
+        assert got[0] == got[1]
+        want = body.reshape(m, width) if under is None else (body ^ under).reshape(m, width)
+        assert got[0][0] == int(want.any(axis=1).sum())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_mask_that_does_not_keep_its_count_is_refused(monkeypatch, native):
+    if native and core is None:
+        pytest.skip("compiled core not built")
+    if not native:
+        monkeypatch.setattr(_ext, "cpu", lambda: None)
+    width, m = 4, 61  # the last mask byte has three bits past the end
+    raw = sparse(m * width, width, 1, 0.5)
+    bits, kept = np.empty(mask.mask_bytes(m), np.uint8), np.empty(m * width, np.uint8)
+    k = mask.compact(raw, None, width, bits, kept)
+    out = np.empty(m * width, np.uint8)
+    assert mask.expand(bits, kept[: k * width], k, width, None, out) and np.array_equal(out, raw)
+    assert not mask.expand(bits, kept[: (k - 1) * width], k - 1, width, None, out)  # keeps more than given
+    assert not mask.expand(bits, kept, k + 1, width, None, out)  # keeps fewer than its count
+    past = bits.copy()
+    past[-1] |= 0x80  # a bit past the last element
+    assert not mask.expand(past, kept, k + 1, width, None, out)
+    assert not mask.expand(bits[:-1], kept, k, width, None, out)  # a mask too short for the elements
+
+
+def masked_chunk(data: np.ndarray, width: int, base: np.ndarray | None = None) -> tuple[bytes, str]:
+    h = chunk_hash(data)
+    b = None if base is None else Base(memoryview(base), chunk_hash(base))
+    name, parts = encode(memoryview(data), h, CodecSpec(), width=width, rotate=width in (2, 4), base=b)
+    blob = b"".join(bytes(p) for p in parts)
+    hdr = parse_header(blob, name="x")
+    assert hdr.masked and hdr.label == f"{name}/3", (name, hdr)
+    return blob, h
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_masked_chunks_and_deltas_decode_exactly(monkeypatch, native):
+    if native and core is None:
+        pytest.skip("compiled core not built")
+    if not native:
+        monkeypatch.setattr(_ext, "cpu", lambda: None)
+    for width in (2, 4, 8):
+        n = (1 << 20) + 3
+        data = sparse(n, width, width)
+        blob, h = masked_chunk(data, width)
+        assert len(blob) < 0.25 * n
+        assert decode(blob, name="x", expect_hash=h).tobytes() == data.tobytes()
+        nxt = data.copy()
+        rng = np.random.default_rng(width)
+        changed = rng.integers(0, n // width, n // width // 20)
+        words = nxt[: n // width * width].reshape(-1, width)  # a sparse update: 5% of the elements move
+        words[changed] = rng.integers(1, 256, (changed.size, width), dtype=np.uint8)
+        delta, h2 = masked_chunk(nxt, width, data)
+        assert parse_header(delta, name="x").codec == "xor" and len(delta) < 0.1 * n
+        base = Base(memoryview(data), h)
+        assert decode(delta, name="x", expect_hash=h2, base=base).tobytes() == nxt.tobytes()
+        in_place = data.copy()  # a delta decoded over its base's own bytes
+        decode(delta, name="x", expect_hash=h2, base=Base(memoryview(in_place), h), out=in_place)
+        assert in_place.tobytes() == nxt.tobytes()
+
+
+def test_a_damaged_count_or_mask_is_refused_naming_the_object():
+    width, n = 4, 1 << 20
+    data = sparse(n, width, 3)
+    blob, h = masked_chunk(data, width)
+    table = HEADER_SIZE  # the first table entry: the count of elements kept
+    k = int(np.frombuffer(blob, "<u8", 1, table)[0])
+    damage = "zero mask|section table|does not decode"
+    for bad, match in ((k - 1, damage), (k + 1, damage), (n // width + 1, "section table")):
+        damaged = bytearray(blob)
+        damaged[table:table + 8] = np.array([bad], "<u8").tobytes()
+        with pytest.raises(CorruptCheckpointError, match=match):
+            decode(bytes(damaged), name="chunks/x", expect_hash=h)
+    flags = bytearray(blob)
+    flags[8] = 2  # a zero mask in a chunk that says format v2
+    with pytest.raises(CorruptCheckpointError, match="zero mask in format v2"):
+        decode(bytes(flags), name="chunks/x", expect_hash=h)
+
+
+def test_sparse_state_saves_with_masks_and_loads_exactly_with_and_without_the_core(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(2048, 1024, generator=g)
+    w[torch.rand(w.shape, generator=g) < 0.9] = 0  # a pruned layer
+    half = torch.randn(1024, 1024, generator=g).to(torch.bfloat16)
+    half[:, ::2] = 0
+    moved = w + (torch.rand(w.shape, generator=g) < 0.02) * (w != 0) * 1e-3  # a sparse update: 2% of the kept
+    states = [{"w": w, "half": half}, {"w": moved, "half": half}]
+    manifests = []
+    for native in ([True, False] if core is not None else [False]):
+        monkeypatch.setenv("CKPT_NO_EXT", "" if native else "1")
+        with ckpt.Checkpointer(tmp_path / str(native)) as c:
+            for step in (1, 2):
+                c.save(step, states[step - 1]).wait()
+            manifests.append(c.manifest(2))
+        codecs = {info.codec for info in manifests[-1].chunks.values()}
+        assert {"planes/3", "xor/3"} <= codecs, codecs
+        for step, want in ((1, states[0]), (2, states[1])):
+            out = {k: torch.full_like(v, 7) for k, v in want.items()}
+            with ckpt.Checkpointer(tmp_path / str(native)) as c:
+                c.load(step, out)
+            assert all(torch.equal(out[k], v) for k, v in want.items()), (native, step)
+    assert all(m.chunks == manifests[0].chunks for m in manifests)  # the same bytes either way
