@@ -50,16 +50,31 @@ uint64_t compact(const uint8_t* src, const uint8_t* base, uint64_t m, uint8_t* m
 template <int W, bool X>
 int64_t expand(const uint8_t* mask, const uint8_t* kept, uint64_t k, uint64_t m, const uint8_t* base, uint8_t* out) {
   using T = typename Word<W>::T;
+  const uint64_t bytes = (m + 7) / 8;
   uint64_t j = 0;
-  for (uint64_t i = 0; i < m; i += 8) {
-    const uint64_t e = m - i < 8 ? m - i : 8;
-    unsigned bits = mask[i / 8];
-    // the eight elements first as zeros (or the base's), then the kept ones set bit by bit: a sparse
-    // chunk's bytes are mostly runs, and no branch depends on each element's bit
+  for (uint64_t q = 0; q < bytes;) {
+    unsigned bits = mask[q];
+    if (bits == 0) {  // a run of zero elements (most of a sparse chunk; all of a frozen tensor's delta): one fill
+      uint64_t r = q + 1;
+      while (r + 8 <= bytes) {
+        uint64_t word;
+        std::memcpy(&word, mask + r, 8);
+        if (word) break;
+        r += 8;
+      }
+      while (r < bytes && mask[r] == 0) ++r;
+      const uint64_t i = q * 8, end = r * 8 < m ? r * 8 : m;
+      if (!X) std::memset(out + i * W, 0, (end - i) * W);
+      else if (base != out) std::memcpy(out + i * W, base + i * W, (end - i) * W);
+      q = r;
+      continue;
+    }
+    const uint64_t i = q * 8, e = m - i < 8 ? m - i : 8;
+    if (j + static_cast<uint64_t>(__builtin_popcount(bits)) > k || bits >> e) return -1;
+    // the eight elements first as zeros (or the base's), then the kept ones set bit by bit: no branch
+    // depends on each element's bit
     if (!X) std::memset(out + i * W, 0, e * W);
     else if (base != out) std::memcpy(out + i * W, base + i * W, e * W);
-    if (bits == 0) continue;
-    if (j + static_cast<uint64_t>(__builtin_popcount(bits)) > k || bits >> e) return -1;
     for (; bits; bits &= bits - 1) {
       const uint64_t at = (i + static_cast<uint64_t>(__builtin_ctz(bits))) * W;
       T v, u;
@@ -70,6 +85,7 @@ int64_t expand(const uint8_t* mask, const uint8_t* kept, uint64_t k, uint64_t m,
       }
       std::memcpy(out + at, &v, W);
     }
+    ++q;
   }
   return static_cast<int64_t>(j);
 }

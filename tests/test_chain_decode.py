@@ -42,8 +42,15 @@ def delta(data: np.ndarray, prev: np.ndarray, width: int, rotate: bool) -> bytes
 
 def step(prev: np.ndarray, rng: np.random.Generator, kind: str) -> np.ndarray:
     """The next version: small changes to the low bytes of many floats ("dense"), of a run of them
-    only ("sparse": a delta of zero runs, whose planes zstd keeps best, and of tiles of zeros), or the
-    same bits flipped in every element ("mask": every plane of the delta one byte repeated)."""
+    only ("sparse": a delta of zero runs, whose planes zstd keeps best, and of tiles of zeros), of a
+    tenth of them scattered ("scattered": a delta a zero mask keeps best), or the same bits flipped in
+    every element ("mask": every plane of the delta one byte repeated)."""
+    if kind == "scattered":
+        out = prev.copy()
+        f = out[:SIZE // 4 * 4].view(np.float32)
+        at = rng.random(f.size) < 0.1
+        f[at] = rng.standard_normal(int(at.sum())).astype(np.float32)
+        return out
     if kind == "mask":
         out = prev.copy()
         out[:SIZE // 4 * 4].view(np.uint32)[:] ^= np.uint32(rng.integers(1, 1 << 23) | 0x10101)
@@ -70,20 +77,22 @@ def build(count: int, seed: int, zero: bool = False, masks: bool = False) -> lis
     them (such a link is XORed into place between the core's passes); without, every link is
     decoded by the core."""
     with mock.patch.object(encoder, "_MASK_ZEROS", encoder._MASK_ZEROS if masks else 2.0):
-        return _build(count, seed, zero)
+        return _build(count, seed, zero, masks)
 
 
-def _build(count: int, seed: int, zero: bool) -> list[tuple[str, bytes]]:
+def _build(count: int, seed: int, zero: bool, masks: bool) -> list[tuple[str, bytes]]:
     rng = np.random.default_rng(seed)
     data = np.concatenate([(rng.standard_normal(SIZE // 4) * 0.02).astype(np.float32).view(np.uint8),
                            rng.integers(0, 256, SIZE % 4, dtype=np.uint8)])
     if zero:
         data[:SIZE // 2] = 0
+    if masks:  # a pruned layer: 90% of the floats zero, and sparse updates scattered over it
+        data[:SIZE // 4 * 4].view(np.float32)[rng.random(SIZE // 4) < 0.9] = 0
     codec, w, rot = WHOLE[seed % len(WHOLE)]
     out = [(chunk_hash(data), whole(data, codec, w, rot))]
     for i in range(count - 1):
         w, rot, kind = LINKS[(i + seed) % len(LINKS)]
-        nxt = step(data, rng, kind)
+        nxt = step(data, rng, "scattered" if masks and kind == "sparse" else kind)
         out.append((chunk_hash(nxt), delta(nxt, data, w, rot)))
         data = nxt
     return out
