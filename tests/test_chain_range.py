@@ -7,7 +7,6 @@ part of a delta chunk loads through it."""
 from __future__ import annotations
 
 import logging
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ from ckpt.format.chain_core import decode_chain, decode_chain_range, decode_chai
 from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, parse_header, section_table
 from ckpt.format.planes import RANS, ZSTD
 from ckpt.load import chunk_reads
-from ckpt.save import encode as encoder
 from ckpt.save.encode import CodecSpec, encode
 
 pytestmark = pytest.mark.skipif(_ext.cpu() is None, reason="needs the compiled core")
@@ -56,6 +54,32 @@ def test_a_range_holds_the_whole_decodes_bytes_and_nothing_outside_it_is_written
         a, b, c, d = sorted(int(x) for x in rng.integers(0, SIZE + 1, 4))
         ranges = [(lo, hi) for lo, hi in [(a, b), (c, d)] if lo < hi]
         assert_ranges(parts_of(chain), SIZE, ranges, want)
+
+
+@pytest.mark.parametrize("count", range(2, 9))
+def test_a_range_of_a_chain_with_zero_masked_links_holds_the_whole_decodes_bytes(count):
+    """Links with a zero mask (a pruned layer, then scattered updates) amid links the core decodes: the
+    core decodes up to one, its part is XORed in from its spans, and the core goes on. Ranges on whole
+    elements (a reshard's) decode; one that cuts a masked link's element is refused, never wrong."""
+    rng = np.random.default_rng(count)
+    masked = 0
+    for seed, zero in ((count, False), (count + 1, False), (count + 2, True), (count + 3, True)):
+        chain = build(count, seed, zero, masks=True)
+        if not any(parse_header(blob, name="x").masked for _, blob in chain):
+            continue  # (a chunk stored raw or zstd whole, and deltas without a mask: the tests above)
+        masked += 1
+        want = np.frombuffer(link_by_link(chain), np.uint8)
+        for lo, hi in [(0, MiB), (MiB, SIZE), (0, SIZE), (8 * 1001, 8 * 50_003)]:  # whole elements of every width
+            out = np.full(SIZE, 0xA5, np.uint8)
+            assert decode_chain_range(parts_of(chain), SIZE, out, lo, hi), (seed, lo, hi)
+            assert (out[lo:hi] == want[lo:hi]).all(), (seed, lo, hi)
+            assert (out[:lo] == 0xA5).all() and (out[hi:] == 0xA5).all(), (seed, lo, hi)
+        for lo, hi in [random_range(rng, SIZE) for _ in range(4)]:
+            out = np.full(SIZE, 0xA5, np.uint8)
+            if decode_chain_range(parts_of(chain), SIZE, out, lo, hi):
+                assert (out[lo:hi] == want[lo:hi]).all(), (seed, lo, hi)
+        assert_ranges(parts_of(chain), SIZE, [(0, 8 * 4096), (8 * 8192, SIZE)], want)
+    assert masked  # whole chunks with a mask first, and masked deltas after links without
 
 
 def assert_ranges(parts, size: int, ranges: list[tuple[int, int]], want: np.ndarray) -> None:
@@ -153,13 +177,11 @@ def test_damage_where_a_range_needs_nothing_does_not_stop_it_and_damage_where_it
 
 
 def save_chain(root, rows: int, cols: int, steps: int) -> dict[int, torch.Tensor]:
-    """Sparse updates (30% of the elements move) as deltas without zero masks: a chain with a masked
-    link goes span by span (tests/test_spans.py), not through the core's range decode tested here."""
+    """Sparse updates (30% of the elements move): deltas with zero masks."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(rows, cols, generator=g) * 0.02
     saved = {}
-    with mock.patch.object(encoder, "_MASK_ZEROS", 2.0), \
-            ckpt.Checkpointer(root, delta_budget=4.0, chunk_size=4 * MiB) as c:
+    with ckpt.Checkpointer(root, delta_budget=4.0, chunk_size=4 * MiB) as c:
         for s in range(1, steps + 1):
             w = w + (torch.rand(rows, cols, generator=g) < 0.3) * 1e-4
             saved[s] = w.clone()
@@ -177,6 +199,7 @@ def test_uneven_parts_of_delta_chunks_load_through_the_range_decode(tmp_path, mo
     deltas = [h for h, info in m.chunks.items() if info.base is not None and h not in
               {x.base for x in m.chunks.values()}]
     assert deltas and all(len(mf.chain(m.chunks, h)) == 3 and m.chunks[h].spans is not None for h in deltas)
+    assert {m.chunks[h].codec for h in deltas} == {"xor/3"}  # zero masks: the core decodes around them
     calls = []
     real = chunk_reads.decode_chain_ranges
 

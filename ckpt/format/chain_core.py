@@ -100,8 +100,8 @@ def decode_chain_ranges(parts: list[tuple[str, str, bytes | bytearray | memoryvi
     try:
         maybe = [_chain_part(i, name, expect, blob, size, check=False) for i, (name, expect, blob) in enumerate(parts)]
         found = [f for f in maybe if f is not None]
-        if len(found) < len(parts) or any(hdr.masked for hdr, _, _ in found):
-            return False  # a zero mask: span by span (ckpt.format.partial)
+        if len(found) < len(parts):
+            return False
         tile = _tile(found)
         # an open frame holds a window of decompression state, up to its plane's length: the frames
         # stay open from one range to the next only where the zstd planes add up to a chunk at most
@@ -138,7 +138,14 @@ def _decode_tiles(core: _ext.CpuCore, parts: list, found: list, base: np.ndarray
     links: list[_ext.ChainLink] = []
     first: list[list[int]] = []
     used = 0
-    for i, ((name, expect, _), part, need) in enumerate(zip(parts, found, needs)):
+    for i, ((name, expect, blob), part, need) in enumerate(zip(parts, found, needs)):
+        if part[0].masked:  # the links before it decoded into out[lo:hi], then its bytes XORed in
+            if links and core.chain_decode_range(links, base, out, lo, hi, first):
+                return False
+            if not _masked_range(part[0], blob, out, lo, hi, xor=bool(links), name=name, expect_hash=expect):
+                return False
+            links, first, used, base = [_IN_OUT], [[]], 0, out
+            continue
         if need > room.size:
             return False
         if used + need > room.size:
@@ -151,6 +158,25 @@ def _decode_tiles(core: _ext.CpuCore, parts: list, found: list, base: np.ndarray
         first.append(starts)
         used += need
     return not core.chain_decode_range(links, base, out, lo, hi, first)
+
+
+def _masked_range(hdr: ChunkHeader, blob, out: np.ndarray, lo: int, hi: int, *, xor: bool, name: str,
+                  expect_hash: str) -> bool:
+    """Bytes [lo, hi) of a link with a zero mask (its kept elements there found by the mask, their rANS
+    blocks decoded: :func:`ckpt.format.partial.decode_spans`) into ``out[lo:hi]``, or XORed over what
+    is there. False where it cannot (a zstd plane, a range not on whole elements)."""
+    from . import partial  # (partial reads chains through .chains, which imports this module)
+
+    if lo % hdr.width or (hi % hdr.width and hi != hdr.raw_len):
+        return False
+    dst = scratch("chain-masked", hi - lo) if xor else out[lo:hi]
+    try:
+        partial.decode_spans(hdr, blob, [(lo, hi)], dst, name=name, expect_hash=expect_hash)
+    except partial.NotPartial:
+        return False
+    if xor:
+        np.bitwise_xor(out[lo:hi], dst, out=out[lo:hi])
+    return True
 
 
 def _tile(found: list) -> int:
@@ -178,7 +204,7 @@ def _range_bytes(part, size: int, b0: int, b1: int) -> int:
     """The scratch bytes a link's sections take for tiles [b0, b1): what the tiles need of its zstd
     planes, its tail where it is not stored."""
     hdr, _, table = part
-    if table is None:
+    if table is None or hdr.masked:  # decoded by its spans (_masked_range)
         return 0
     j0, j1 = _elements(hdr, size, b0, b1)
     return sum((j1 - j0 if k < hdr.width else length) if how == ZSTD or (how == RANS and k == hdr.width) else 0

@@ -28,14 +28,13 @@ class NotPartial(Exception):
 
 
 def resolve_spans(storage: Storage, chunks: dict[str, mf.ChunkInfo], h: str, blob, runs: list[tuple[int, int]],
-                  out: np.ndarray, step: int | None = None, chain: tuple[list, int] | None = None
-                  ) -> tuple[list[tuple[int, int, int]], int]:
+                  out: np.ndarray, step: int | None = None) -> tuple[list[tuple[int, int, int]], int]:
     """The byte ranges ``runs`` ((start, end), span-aligned, sorted) of chunk ``h`` (its object
     ``blob`` read already), decoded down its chain into ``out`` one after another; returns (start,
     end, position in ``out``) per run, and the bytes read for the chain's other links. The links'
     headers are checked; their bytes are not (the caller checks the result against the span
-    digests). :class:`NotPartial` where it cannot. ``chain``: what :func:`chains.links` gave already."""
-    blobs, read = chains.links(storage, chunks, h, step, blob) if chain is None else chain
+    digests). :class:`NotPartial` where it cannot."""
+    blobs, read = chains.links(storage, chunks, h, step, blob)
     placed: list[tuple[int, int, int]] = []
     delta: np.ndarray | None = None
     for x, data in reversed(blobs):  # the chunk stored whole first, then each delta on it

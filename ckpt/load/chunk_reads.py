@@ -18,7 +18,7 @@ import logging
 import numpy as np
 
 from .. import _ext
-from ..errors import CorruptCheckpointError, IncompatibleFormatError
+from ..errors import CorruptCheckpointError
 from ..format import chains, partial, paths, spans
 from ..format import manifest as mf
 from ..format.chain_core import decode_chain_ranges
@@ -200,18 +200,17 @@ def _copy_out(feeds: list, staged: list[tuple[int, int, int]], buf: np.ndarray) 
             k += 1
 
 
-def _decode_spans(storage: Storage, m: mf.Manifest, blob, h: str, info: mf.ChunkInfo, feeds: list,
-                  chain: tuple[list[tuple[str, bytes]], int] | None = None) -> int | None:
+def _decode_spans(storage: Storage, m: mf.Manifest, blob, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:
     """Decode only the spans of chunk ``h`` (planes, or a delta down its chain) that ``feeds``
     touch, check them against the manifest's digests and put what the feeds take where it goes;
     returns the bytes read for the chain's other links. None, nothing written, where it did not: the
-    chunk is then decoded whole and checked by its name. ``chain``: its links as read already."""
+    chunk is then decoded whole and checked by its name."""
     lo_hi = _span_ranges(info, feeds)
     if lo_hi is None or info.spans is None:
         return None
     buf = scratch("raw", sum(hi - lo for lo, hi in lo_hi))
     try:
-        placed, more = partial.resolve_spans(storage, m.chunks, h, blob, lo_hi, buf, m.step, chain)
+        placed, more = partial.resolve_spans(storage, m.chunks, h, blob, lo_hi, buf, m.step)
     except partial.NotPartial:
         return None
     for lo, hi, at in placed:
@@ -235,12 +234,6 @@ def _decode_ranges(storage: Storage, m: mf.Manifest, blob, h: str, info: mf.Chun
         blobs, more = chains.links(storage, m.chunks, h, m.step, blob)
     except CorruptCheckpointError:
         return None  # the whole path says what is wrong
-    try:
-        masked = any(parse_header(data, name=paths.chunk_key(x)).masked for x, data in blobs)
-    except (CorruptCheckpointError, IncompatibleFormatError):
-        return None  # the whole path says what is wrong
-    if masked:  # a link with a zero mask: span by span down the chain (the core takes none such)
-        return _decode_spans(storage, m, blob, h, info, feeds, (blobs, more))
     buf = scratch("chain", info.size)  # the chunk's place: only the runs are written
     if not decode_chain_ranges([(paths.chunk_key(x), x, data) for x, data in reversed(blobs)], info.size, buf, lo_hi):
         return None
