@@ -50,8 +50,8 @@ uint64_t compact(const uint8_t* src, const uint8_t* base, uint64_t m, uint8_t* m
 
 // The inverse: element i of out is base's (zero without one) XOR, where its bit is set, the next
 // kept element. base may be out itself (a delta XORed in place: only kept elements are touched).
-// Returns -1, touching nothing past the byte of the mask that says so, where the mask keeps more
-// elements than the k given or sets a bit past the last element; else the count it kept.
+// Returns -1 where the mask keeps more elements than the k given or sets a bit past the last
+// element (out then holds anything up to there); else the count it kept.
 template <int W, bool X>
 int64_t expand(const uint8_t* mask, const uint8_t* kept, uint64_t k, uint64_t m, const uint8_t* base, uint8_t* out) {
   using T = typename Word<W>::T;

@@ -159,3 +159,26 @@ def test_sparse_state_saves_with_masks_and_loads_exactly_with_and_without_the_co
             with ckpt.Checkpointer(tmp_path) as c:
                 c.load(step, out)
             assert all(torch.equal(out[k], v) for k, v in want.items()), (disabled, step)
+
+
+@pytest.mark.parametrize("disabled", ["", "1"], ids=["core", "numpy"])
+def test_a_count_below_the_masks_bits_is_refused_in_part_and_whole(monkeypatch, disabled):
+    """A damaged table whose count k is below the bits the mask sets (here none kept, every bit set): a
+    decode in part (a reshard's run from past the first span to the end) stops before reading a kept
+    element that is not there, and the whole decode names the chunk damaged. Found in review: the run's
+    count came out negative and the core read past the kept elements."""
+    from ckpt.format import partial, spans
+    from ckpt.format.chunk import HEADER, MAGIC, MASKED, NO_BASE
+
+    monkeypatch.setenv("CKPT_NO_EXT", disabled)
+    width, m = 4, 1 << 20
+    n = m * width
+    bits = np.full(mask.mask_bytes(m), 0xFF, np.uint8)
+    payload = np.array([0, bits.size] + [0] * (width + 1), "<u8").tobytes() + bits.tobytes()
+    blob = HEADER.pack(MAGIC, 3, 2, width | MASKED, 0, n, bytes(16), NO_BASE, len(payload)) + payload
+    hdr = parse_header(blob, name="x")
+    with pytest.raises(partial.NotPartial):
+        partial.decode_spans(hdr, blob, [(spans.SPAN, n)], np.zeros(n, np.uint8), name="x", expect_hash="0" * 32)
+    with pytest.raises(CorruptCheckpointError, match="zero mask"):
+        decode(blob, name="x", expect_hash="0" * 32)
+    assert not mask.expand(bits, np.zeros(0, np.uint8), -3, width, None, np.zeros(n, np.uint8))

@@ -21,6 +21,9 @@ WIDTHS = (2, 4, 8)  # element widths a mask is made for (16-, 32- and 64-bit ele
 
 _WORD: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
+POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.uint8)  # bits set per mask byte (numpy 1.26 has no
+# bitwise_count)
+
 
 def mask_bytes(m: int) -> int:
     """Bytes of the mask of ``m`` elements."""
@@ -63,8 +66,8 @@ def expand(mask: np.ndarray, kept: np.ndarray, k: int, width: int, base: np.ndar
     elements ``kept`` holds. False, with ``out`` holding anything, where the mask does not keep
     exactly ``k`` elements or sets a bit past the last element (a damaged chunk)."""
     m = out.size // width
-    if mask.size != mask_bytes(m) or kept.size < k * width:
-        return False
+    if k < 0 or mask.size != mask_bytes(m) or kept.size < k * width or (base is not None and base.size < out.size):
+        return False  # (the core would read past a buffer: a count from a damaged table)
     if m % 8 and int(mask[-1]) >> (m % 8):
         return False
     core = _ext.cpu()

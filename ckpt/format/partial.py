@@ -104,7 +104,9 @@ def _masked_spans(hdr: ChunkHeader, table: list, runs: list[tuple[int, int]], ou
     m, k = n // w, table[0][2]
     how, stored, length = table[w + 1]
     bits = np.frombuffer(stored, np.uint8) if how == STORED else _whole(how, stored, length, name, expect_hash)
-    before = np.concatenate([[0], np.cumsum(np.bitwise_count(bits), dtype=np.int64)])  # kept before each byte
+    before = np.concatenate([[0], np.cumsum(mask.POPCOUNT[bits], dtype=np.int64)])  # kept before each byte
+    if bits.size != mask.mask_bytes(m) or int(before[-1]) != k:
+        raise NotPartial  # a mask that does not keep its count: the whole decode says the chunk is damaged
 
     def kept_before(e: int) -> int:
         return int(before[e // 8]) + (int(bits[e // 8]) & ((1 << e % 8) - 1)).bit_count() if e < m else k

@@ -204,7 +204,8 @@ def _try(codec: str, sample, base_sample, width: int, rot: bool, level: int, mas
 
 def _masked_group(raw, base, width: int, rot: bool, name: str, reuse: bool) -> tuple[np.ndarray, Masked]:
     """The planes of ``raw``'s nonzero elements (XOR ``base``), and (how many, the mask, the tail
-    bytes): in this thread's scratch memory with ``reuse``, else fresh."""
+    bytes): in this thread's scratch memory with ``reuse``, else fresh (the kept elements are gathered
+    in scratch either way, then grouped out of it)."""
     src = u8(raw)
     b = None if base is None else u8(base)
     m = src.size // width
