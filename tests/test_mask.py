@@ -182,3 +182,22 @@ def test_a_count_below_the_masks_bits_is_refused_in_part_and_whole(monkeypatch, 
     with pytest.raises(CorruptCheckpointError, match="zero mask"):
         decode(blob, name="x", expect_hash="0" * 32)
     assert not mask.expand(bits, np.zeros(0, np.uint8), -3, width, None, np.zeros(n, np.uint8))
+
+
+def test_a_storage_tier_refuses_a_masked_delta_whose_mask_does_not_keep_its_count():
+    """``verify_object`` (what a tier checks a copy by, without the delta's base) checks the mask against
+    the count too: a delta whose payload check was rewritten to match its damage is still refused."""
+    from ckpt.format.chunk import HEADER, MAGIC, MASKED, verify_object, xor_check
+
+    width, m = 4, 4096
+    n = m * width
+    for bits, ok in ((np.zeros(mask.mask_bytes(m), np.uint8), True), (np.full(mask.mask_bytes(m), 1, np.uint8), False)):
+        payload = np.array([0, bits.size] + [0] * (width + 1), "<u8").tobytes() + bits.tobytes()
+        fields = [MAGIC, 3, 3, width | MASKED, 0, n, bytes(16), b"\1" * 16, len(payload)]
+        fields[4] = xor_check(HEADER.pack(*fields), [payload])
+        blob = HEADER.pack(*fields) + payload
+        if ok:
+            verify_object("chunks/00/" + "0" * 32, [blob])
+        else:
+            with pytest.raises(CorruptCheckpointError, match="zero mask"):
+                verify_object("chunks/00/" + "0" * 32, [blob])

@@ -428,11 +428,19 @@ def verify_object(key: str, parts: list[memoryview]) -> None:
     if xor_check(header, [payload]) != hdr.check:
         raise CorruptCheckpointError(f"chunk object {key} failed its payload check; the stored bytes are damaged",
                                      object=key, chunk=expect)
-    for how, stored, length in section_table(hdr, payload, name=key, expect_hash=expect):
+    table = section_table(hdr, payload, name=key, expect_hash=expect)
+    for how, stored, length in table:
         if how == ZSTD:
             _check_frames(stored, length, name=key, expect_hash=expect)
         elif how == RANS:  # bounded: a section decodes to its plane's length, at most the chunk's
             unpack_section(how, stored, scratch("frames", length), name=key, expect_hash=expect)
+    if hdr.masked:  # the mask must keep exactly the count its table gives, and no element past the last
+        bits = _unpacked(table[-1], "frames", key, expect)
+        m = hdr.raw_len // hdr.width
+        if int(mask.POPCOUNT[bits].sum(dtype=np.int64)) != table[0][2] or (m % 8 and int(bits[-1]) >> m % 8):
+            raise CorruptCheckpointError(f"chunk object {key} has a zero mask that does not keep the "
+                                         f"{table[0][2]} elements its table says; it is damaged", object=key,
+                                         chunk=expect)
 
 
 def _check_frames(payload, length: int, *, name: str, expect_hash: str) -> None:
