@@ -7,6 +7,12 @@
 
 namespace ckpt_core {
 
+// The unsigned word of a w-byte element (byte planes, zero masks).
+template <int W> struct Word;
+template <> struct Word<2> { using T = uint16_t; };
+template <> struct Word<4> { using T = uint32_t; };
+template <> struct Word<8> { using T = uint64_t; };
+
 constexpr size_t HASH_BLOCK = 1024;  // XXH3's block: pieces fed to hash_blocks hold whole ones
 
 // XXH3-128 of an input longer than 240 bytes fed in pieces (copyhash.cpp): hash_blocks() takes the

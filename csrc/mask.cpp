@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CKPT_MASK_X86 1
@@ -15,10 +17,7 @@
 
 namespace {
 
-template <int W> struct Word;
-template <> struct Word<2> { using T = uint16_t; };
-template <> struct Word<4> { using T = uint32_t; };
-template <> struct Word<8> { using T = uint64_t; };
+using ckpt_core::Word;
 
 // Elements [0, m) of src (XOR base) with any bit set, in order, into out; their mask into mask.
 // Every element is written at out's next place and the place kept only where nonzero (no branch
@@ -48,48 +47,66 @@ uint64_t compact(const uint8_t* src, const uint8_t* base, uint64_t m, uint8_t* m
   return j;
 }
 
+// Zeros (or the base's elements) over elements [i, end) of out.
+template <int W, bool X>
+inline void fill(const uint8_t* base, uint8_t* out, uint64_t i, uint64_t end) {
+  if (!X) std::memset(out + i * W, 0, (end - i) * W);
+  else if (base != out) std::memcpy(out + i * W, base + i * W, (end - i) * W);
+}
+
+// The mask byte after the run of zero bytes that starts at q (a run of zero elements: most of a
+// sparse chunk, all of a frozen tensor's delta), eight bytes at a time.
+inline uint64_t zero_run(const uint8_t* mask, uint64_t q, uint64_t bytes) {
+  uint64_t r = q + 1;
+  while (r + 8 <= bytes) {
+    uint64_t word;
+    std::memcpy(&word, mask + r, 8);
+    if (word) break;
+    r += 8;
+  }
+  while (r < bytes && mask[r] == 0) ++r;
+  return r;
+}
+
+// The e elements of mask byte `bits` from element i: zeros (or the base's) first, then the kept ones
+// set bit by bit from kept[j]. Returns the next kept element.
+template <int W, bool X>
+inline uint64_t place_bits(unsigned bits, uint64_t i, uint64_t e, const uint8_t* kept, uint64_t j,
+                           const uint8_t* base, uint8_t* out) {
+  using T = typename Word<W>::T;
+  fill<W, X>(base, out, i, i + e);
+  for (; bits; bits &= bits - 1) {
+    const uint64_t at = (i + static_cast<uint64_t>(__builtin_ctz(bits))) * W;
+    T v, u;
+    std::memcpy(&v, kept + j++ * W, W);
+    if (X) {
+      std::memcpy(&u, out + at, W);
+      v ^= u;
+    }
+    std::memcpy(out + at, &v, W);
+  }
+  return j;
+}
+
 // The inverse: element i of out is base's (zero without one) XOR, where its bit is set, the next
 // kept element. base may be out itself (a delta XORed in place: only kept elements are touched).
 // Returns -1 where the mask keeps more elements than the k given or sets a bit past the last
 // element (out then holds anything up to there); else the count it kept.
 template <int W, bool X>
 int64_t expand(const uint8_t* mask, const uint8_t* kept, uint64_t k, uint64_t m, const uint8_t* base, uint8_t* out) {
-  using T = typename Word<W>::T;
   const uint64_t bytes = (m + 7) / 8;
   uint64_t j = 0;
   for (uint64_t q = 0; q < bytes;) {
-    unsigned bits = mask[q];
-    if (bits == 0) {  // a run of zero elements (most of a sparse chunk; all of a frozen tensor's delta): one fill
-      uint64_t r = q + 1;
-      while (r + 8 <= bytes) {
-        uint64_t word;
-        std::memcpy(&word, mask + r, 8);
-        if (word) break;
-        r += 8;
-      }
-      while (r < bytes && mask[r] == 0) ++r;
-      const uint64_t i = q * 8, end = r * 8 < m ? r * 8 : m;
-      if (!X) std::memset(out + i * W, 0, (end - i) * W);
-      else if (base != out) std::memcpy(out + i * W, base + i * W, (end - i) * W);
+    const unsigned bits = mask[q];
+    const uint64_t i = q * 8, e = m - i < 8 ? m - i : 8;
+    if (bits == 0) {
+      const uint64_t r = zero_run(mask, q, bytes);
+      fill<W, X>(base, out, i, r * 8 < m ? r * 8 : m);
       q = r;
       continue;
     }
-    const uint64_t i = q * 8, e = m - i < 8 ? m - i : 8;
     if (j + static_cast<uint64_t>(__builtin_popcount(bits)) > k || bits >> e) return -1;
-    // the eight elements first as zeros (or the base's), then the kept ones set bit by bit: no branch
-    // depends on each element's bit
-    if (!X) std::memset(out + i * W, 0, e * W);
-    else if (base != out) std::memcpy(out + i * W, base + i * W, e * W);
-    for (; bits; bits &= bits - 1) {
-      const uint64_t at = (i + static_cast<uint64_t>(__builtin_ctz(bits))) * W;
-      T v, u;
-      std::memcpy(&v, kept + j++ * W, W);
-      if (X) {
-        std::memcpy(&u, out + at, W);
-        v ^= u;
-      }
-      std::memcpy(out + at, &v, W);
-    }
+    j = place_bits<W, X>(bits, i, e, kept, j, base, out);
     ++q;
   }
   return static_cast<int64_t>(j);
@@ -166,7 +183,6 @@ __attribute__((target("avx2"), always_inline)) inline void place8(const Tables& 
 template <int W, bool X>
 __attribute__((target("avx2"))) int64_t expand_avx2(const uint8_t* mask, const uint8_t* kept, uint64_t k, uint64_t m,
                                                     const uint8_t* base, uint8_t* out) {
-  using T = typename Word<W>::T;
   const Tables& t = tables();
   const uint64_t bytes = (m + 7) / 8;
   uint64_t j = 0;
@@ -176,8 +192,7 @@ __attribute__((target("avx2"))) int64_t expand_avx2(const uint8_t* mask, const u
       std::memcpy(&word, mask + q, 8);
       const uint64_t i = q * 8;
       if (word == 0) {
-        if (!X) std::memset(out + i * W, 0, 64 * W);
-        else if (base != out) std::memcpy(out + i * W, base + i * W, 64 * W);
+        fill<W, X>(base, out, i, i + 64);
       } else {
         for (int b = 0; b < 8; ++b) {  // no branch on a byte's bits: a sparse mask's are random
           const unsigned bits = static_cast<unsigned>(word >> (8 * b)) & 255u;
@@ -191,11 +206,8 @@ __attribute__((target("avx2"))) int64_t expand_avx2(const uint8_t* mask, const u
     unsigned bits = mask[q];
     const uint64_t i = q * 8, e = m - i < 8 ? m - i : 8;
     if (bits == 0) {
-      uint64_t r = q + 1;
-      while (r < bytes && mask[r] == 0) ++r;
-      const uint64_t end = r * 8 < m ? r * 8 : m;
-      if (!X) std::memset(out + i * W, 0, (end - i) * W);
-      else if (base != out) std::memcpy(out + i * W, base + i * W, (end - i) * W);
+      const uint64_t r = zero_run(mask, q, bytes);
+      fill<W, X>(base, out, i, r * 8 < m ? r * 8 : m);
       q = r;
       continue;
     }
@@ -205,18 +217,7 @@ __attribute__((target("avx2"))) int64_t expand_avx2(const uint8_t* mask, const u
       place8<W, X>(t, bits, kept + j * W, X ? base + i * W : nullptr, out + i * W);
       j += count;
     } else {
-      if (!X) std::memset(out + i * W, 0, e * W);
-      else if (base != out) std::memcpy(out + i * W, base + i * W, e * W);
-      for (; bits; bits &= bits - 1) {
-        const uint64_t at = (i + static_cast<uint64_t>(__builtin_ctz(bits))) * W;
-        T v, u;
-        std::memcpy(&v, kept + j++ * W, W);
-        if (X) {
-          std::memcpy(&u, out + at, W);
-          v ^= u;
-        }
-        std::memcpy(out + at, &v, W);
-      }
+      j = place_bits<W, X>(bits, i, e, kept, j, base, out);
     }
     ++q;
   }

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core.h"
+
 #if defined(__SSE2__)  // every x86-64 compiler targets SSE2: no runtime dispatch needed
 #include <emmintrin.h>
 #define CKPT_SSE2 1
@@ -21,10 +23,7 @@
 
 namespace {
 
-template <int W> struct Word;
-template <> struct Word<2> { using T = uint16_t; };
-template <> struct Word<4> { using T = uint32_t; };
-template <> struct Word<8> { using T = uint64_t; };
+using ckpt_core::Word;
 
 template <typename T> inline T rotl1(T v) { return static_cast<T>((v << 1) | (v >> (8 * sizeof(T) - 1))); }
 template <typename T> inline T rotr1(T v) { return static_cast<T>((v >> 1) | (v << (8 * sizeof(T) - 1))); }
