@@ -66,6 +66,54 @@ def test_unawaited_async_saves_through_one_stager_keep_their_own_values(tmp_path
                 assert tensors["optim/exp_avg"].unique().tolist() == [10.0 + s], s
 
 
+_step2_set_up = threading.Event()  # per rank process
+
+
+class LateFirstWriter(ckpt.dcp.Writer):
+    """On rank 1, step 1's save thread reaches DCP only once step 2's has: the saving threads start
+    in the other order than the calls, as they may when the scheduler says so."""
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        if self.step == 2:
+            _step2_set_up.set()
+        elif self._late:
+            assert _step2_set_up.wait(30), "step 2's save never reached set_up while step 1's waited"
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+
+def late_first_body(rank: int, world: int, path: str) -> list[str]:
+    """Two unawaited async_saves; the state grows between them (step 2 has a tensor step 1 lacks)."""
+    state: dict = {"model": {"w": torch.full((64,), 1.0)}}
+    futs = []
+    for s in (1, 2):
+        writer = LateFirstWriter(path, step=s)
+        writer._late = rank == 1
+        futs.append(dcp.async_save(state, storage_writer=writer))
+        state = {"model": {"w": torch.full((64,), 2.0)}, "optim": {"exp_avg": torch.full((32,), 12.0)}}
+    errors = []
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+@pytest.mark.multiprocess
+def test_saves_keep_the_order_of_their_calls_when_their_threads_start_in_the_other(tmp_path):
+    """Each async_save's collectives are issued in the order of the calls on every rank, not in the
+    order their threads reach DCP: rank 1 running step 2's plan round against rank 0's step 1 put
+    step 2's tensors into step 1's metadata ("no rank wrote tensor 'optim.exp_avg'", seen in CI)."""
+    path = str(tmp_path / "run")
+    out = run_ranks(2, late_first_body, path, timeout=150, pg_timeout=40)
+    assert out == [[], []], out
+    reader = ckpt.open(path)
+    assert reader.steps() == [1, 2]
+    one, two = reader.tensors(1), reader.tensors(2)
+    assert set(one) == {"model/w"} and one["model/w"].unique().tolist() == [1.0]
+    assert two["model/w"].unique().tolist() == [2.0] and two["optim/exp_avg"].unique().tolist() == [12.0]
+
+
 def test_a_tensor_that_starts_with_the_stagers_magic_is_the_users_tensor(tmp_path):
     """A user's tensor whose first bytes are the Stager's magic is saved as it is: nothing written
     into it, no bytes it never had stored, and an odd value there waits for nothing."""
@@ -121,3 +169,33 @@ def test_a_save_failing_after_its_copy_does_not_release_the_next_calls_snapshot(
     reader = ckpt.open(path)
     assert reader.steps() == [2, 3]
     assert reader.tensors(2)["w"].unique().tolist() == [2.0] and reader.tensors(3)["w"].unique().tolist() == [3.0]
+
+
+def test_a_writer_made_and_never_used_holds_the_next_save_only_for_its_timeout(tmp_path, caplog):
+    """Saves wait for every Writer made before theirs; one that is kept but never handed to DCP
+    would hold them for ever, so they go on after ``timeout`` seconds, saying why."""
+    path = str(tmp_path / "run")
+    unused = ckpt.dcp.Writer(path, step=1)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="ckpt"):
+        dcp.save({"w": torch.ones(4)}, storage_writer=ckpt.dcp.Writer(path, step=2, timeout=1), no_dist=True)
+    assert 1 <= time.monotonic() - started < 20
+    assert "step 1" in caplog.text and "has not started its save" in caplog.text
+    assert ckpt.open(path).steps() == [2]
+    del unused
+
+
+def test_a_call_whose_staging_failed_is_not_waited_for(tmp_path):
+    """A Stager that fails to stage (as in an async_save whose stage raises) gives up the Writer made
+    for that call: the next save does not wait for it, even while the caller keeps it alive."""
+    path = str(tmp_path / "run")
+    stager = ckpt.dcp.Stager()
+    failed = ckpt.dcp.Writer(path, step=1)
+    with pytest.raises(ckpt.ConfigError):
+        stager.stage(["not", "a", "dict"])
+    started = time.monotonic()
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckpt.dcp.Writer(path, step=2, timeout=30), no_dist=True)
+    assert time.monotonic() - started < 10  # not the 30 s wait for step 1's Writer
+    assert ckpt.open(path).steps() == [2]
+    del failed
+    stager.close()

@@ -37,6 +37,7 @@ from ..save.buffer_layout import BufferLayout, TensorSlot, make_layout
 from ..save.snapshot import HostBuffer
 from ..save.state_checks import local_tensor as _local
 from ..sharding import is_dtensor
+from . import _serial
 
 log = logging.getLogger("ckpt")
 
@@ -174,6 +175,13 @@ class Stager(AsyncStager):
         Raises:
             ConfigError: ``state_dict`` is not a dict.
         """
+        try:
+            return self._stage(state_dict)
+        except BaseException:
+            _serial.give_up_newest()  # this call's save never starts: later ones must not wait for its Writer
+            raise
+
+    def _stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(state_dict, dict):
             raise ConfigError(f"stage needs a state dict, got {type(state_dict).__name__}")
         found = _tensors(state_dict)

@@ -70,7 +70,8 @@ class Writer(StorageWriter):
         dcp.save({"model": model.state_dict(), "optim": optim.state_dict()},
                  storage_writer=ckpt.dcp.Writer("s3://bucket/run", step=100, keep_last=3))
 
-    One Writer per save.
+    One Writer per save, made in its ``dcp.save`` call: the saves of a process run in the order their
+    Writers were made (:mod:`ckpt.dcp._serial`).
 
     Deltas (``codec="auto"`` or ``"smallest"`` with ``delta_chain`` > 1, the default): successive saves
     of this process into the same root, with the same items and shapes, store chunks as XOR deltas of
@@ -115,15 +116,21 @@ class Writer(StorageWriter):
         self._rank = 0
         self._coordinator = False
         self._copied = False  # this save copied its staged snapshot out (a failure then releases nothing)
+        self._ticket: int | None = _serial.take(self, step)  # its place among this process's saves: the calls' order
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_kept"], state["_holding"] = None, False  # found again where it is used
+        if self._ticket is not None:  # pickled for DCP's process mode: it saves there, never in this process
+            _serial.give_up(self._ticket)
+        state["_ticket"] = None  # the process it saves in gives it a place of its own
         return state
 
     # -- DCP's calls, in order ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.url:
+            if self._ticket is not None:
+                _serial.give_up(self._ticket)  # this save ends here: later ones need not wait for it
             raise ConfigError(f"ckpt.dcp.Writer writes to {self.url!r}; dcp.save's checkpoint_id {checkpoint_id!r} "
                               "names another place: leave checkpoint_id out")
 
@@ -131,7 +138,9 @@ class Writer(StorageWriter):
         self._rank = int(kwargs.get("rank", dist.get_rank() if dist.is_available() and dist.is_initialized() else 0))
         self._coordinator = is_coordinator
         try:  # before DCP's first collective of this save: the earlier save's are all issued first
-            _serial.wait_for_earlier(self.options.timeout, self.step)
+            if self._ticket is None:
+                self._ticket = _serial.take(self, self.step)
+            _serial.wait_for_earlier(self._ticket, self.options.timeout, self.step)
         except BaseException:
             release_pending()
             raise
