@@ -35,6 +35,7 @@ import io
 import json
 import math
 import pickle
+import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -236,9 +237,16 @@ def rebuild(node: Node, tensors: dict[str, Any], *, allow_pickle: bool,
 MAX_DEPTH = 100  # containers nested deeper than this are refused at save (and in a manifest)
 
 
+_PLAIN_JSON = re.compile(r'[ !#-\[\]-~]*')  # printable ASCII but '"' and '\\': JSON writes such a string as it is
+
+
 def path_component(key: Node) -> str:
     """One step of a tensor's path: a dict key's node, or a list index, as canonical JSON. Unlike
     the printed key path, it keeps types apart: 0 and "0", "a/b" and "a" then "b"."""
+    if type(key) is str and _PLAIN_JSON.fullmatch(key):  # the common case, without the encoder (a load's planning)
+        return f'"{key}"'
+    if type(key) is int:
+        return str(key)
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 

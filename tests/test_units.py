@@ -399,3 +399,19 @@ def test_a_process_alone_is_its_own_coordinator():
     bad = Inventory({"m": "d"}, [], [InventoryRow("m/w", "shard", "float32", [4], [1], [2], 8)])
     with pytest.raises(ckpt.StateMismatchError, match="do not tile"):
         exchange_plan(comm, 1, bad)
+
+
+def test_a_path_component_is_the_canonical_json_of_its_key():
+    """The fast path for plain strings and ints writes exactly what the JSON encoder writes, for every
+    character class the encoder escapes (quotes, backslashes, controls, DEL, non-ASCII) and for keys
+    that are not plain (bools, typed key nodes)."""
+    import json
+    import random
+
+    rng = random.Random(7)
+    alphabet = [chr(c) for c in range(0, 0x80)] + ["é", "\u2028", "𝔸"]
+    keys: list = ["", "w", "model.layers.0.w", 0, 7, -3, True, False, {"t": "int", "v": 1}, ["a", 1]]
+    keys += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) for _ in range(5000)]
+    for key in keys:
+        assert st.path_component(key) == json.dumps(key, sort_keys=True, separators=(",", ":")), repr(key)
+    assert st.path_component(0) != st.path_component("0") and st.path_component(True) != st.path_component(1)
