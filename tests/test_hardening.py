@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -405,6 +406,30 @@ def test_a_chunk_replaced_by_a_link_to_outside_is_never_read(ckdir, tmp_path):
         ckpt.Checkpointer(ckdir).load(2, target)
     assert not (target["w"].view(torch.uint8) == ord("S")).any()  # not a byte of the outside file got in
     assert ckpt.Checkpointer(ckdir).load("latest", target, fallback=True) == 1
+
+
+def test_a_chunk_directory_replaced_by_a_link_to_outside_is_never_read(ckdir, tmp_path):
+    """The directory holding a chunk moved out of the root and a link left in its place: the chunk's
+    bytes are right (they would pass the hash check), but they lie outside the root, so the object
+    is missing to every reader, and a load fails with the state unchanged."""
+    from ckpt.format import paths
+    from ckpt.storage import LocalStorage
+
+    path, _ = _raw_step(ckdir)
+    directory = os.path.dirname(path)
+    moved = tmp_path / "elsewhere"
+    shutil.move(directory, moved)
+    os.symlink(moved, directory)
+    assert os.path.exists(path)  # the bytes are there, through the link
+    key = paths.chunk_key(os.path.basename(path))
+    storage = LocalStorage(ckdir)
+    assert not storage.exists(key)
+    with pytest.raises(FileNotFoundError):
+        storage.read(key)
+    target = {"w": torch.zeros(CHUNK // 4)}
+    with pytest.raises(ckpt.CorruptCheckpointError):
+        ckpt.Checkpointer(ckdir).load(2, target)
+    assert not target["w"].any()  # nothing of the linked chunk got in
 
 
 @pytest.mark.parametrize("what", ["fifo", "directory"])
