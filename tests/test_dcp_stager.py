@@ -171,9 +171,19 @@ def test_a_save_failing_after_its_copy_does_not_release_the_next_calls_snapshot(
     assert reader.tensors(2)["w"].unique().tolist() == [2.0] and reader.tensors(3)["w"].unique().tolist() == [3.0]
 
 
-def test_a_writer_made_and_never_used_holds_the_next_save_only_for_its_timeout(tmp_path, caplog):
+@pytest.fixture
+def fresh_line(monkeypatch):
+    """This test's Writers alone in the line of saves (none kept alive by an earlier test)."""
+    from ckpt.dcp import _serial
+
+    monkeypatch.setattr(_serial, "_tickets", {})
+    monkeypatch.setattr(_serial, "_current", {})
+
+
+def test_a_writer_made_and_never_used_holds_the_next_save_only_for_its_timeout(tmp_path, caplog, fresh_line):
     """Saves wait for every Writer made before theirs; one that is kept but never handed to DCP
-    would hold them for ever, so they go on after ``timeout`` seconds, saying why."""
+    would hold them for ever, so they go on after ``timeout`` seconds, saying why, and the saves
+    after that do not wait for it again."""
     path = str(tmp_path / "run")
     unused = ckpt.dcp.Writer(path, step=1)
     started = time.monotonic()
@@ -181,11 +191,14 @@ def test_a_writer_made_and_never_used_holds_the_next_save_only_for_its_timeout(t
         dcp.save({"w": torch.ones(4)}, storage_writer=ckpt.dcp.Writer(path, step=2, timeout=1), no_dist=True)
     assert 1 <= time.monotonic() - started < 20
     assert "step 1" in caplog.text and "has not started its save" in caplog.text
-    assert ckpt.open(path).steps() == [2]
+    started = time.monotonic()
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckpt.dcp.Writer(path, step=3, timeout=30), no_dist=True)
+    assert time.monotonic() - started < 10  # given up for good: not another wait
+    assert ckpt.open(path).steps() == [2, 3]
     del unused
 
 
-def test_a_call_whose_staging_failed_is_not_waited_for(tmp_path):
+def test_a_call_whose_staging_failed_is_not_waited_for(tmp_path, fresh_line):
     """A Stager that fails to stage (as in an async_save whose stage raises) gives up the Writer made
     for that call: the next save does not wait for it, even while the caller keeps it alive."""
     path = str(tmp_path / "run")
@@ -199,3 +212,46 @@ def test_a_call_whose_staging_failed_is_not_waited_for(tmp_path):
     assert ckpt.open(path).steps() == [2]
     del failed
     stager.close()
+
+
+_main_in_step3 = threading.Event()
+
+
+class AfterStep3Writer(ckpt.dcp.Writer):
+    """Step 2's save (on its own thread) reaches DCP only once the main thread is inside step 3's."""
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        if self.step == 3:
+            _main_in_step3.set()
+        elif self.step == 2:
+            assert _main_in_step3.wait(30)
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+
+def test_a_thread_that_went_on_to_the_next_save_is_not_still_in_the_one_it_finished(tmp_path, fresh_line):
+    """Step 1 saved on the main thread, step 2 async, step 3 on the main thread again: step 3 waits
+    for step 2, and step 2 must not wait for step 1 because the main thread is inside a save (step
+    3's): they waited on each other until the timeout."""
+    path = str(tmp_path / "run")
+    writers = [AfterStep3Writer(path, step=s, timeout=20) for s in (1, 2, 3)]
+    started = time.monotonic()
+    dcp.save({"w": torch.full((4,), 1.0)}, storage_writer=writers[0], no_dist=True)
+    fut = dcp.async_save({"w": torch.full((4,), 2.0)}, storage_writer=writers[1], no_dist=True)
+    dcp.save({"w": torch.full((4,), 3.0)}, storage_writer=writers[2], no_dist=True)
+    fut.result()
+    assert time.monotonic() - started < 15  # not the 20 s timeout
+    reader = ckpt.open(path)
+    assert reader.steps() == [1, 2, 3]
+    assert [reader.tensors(s)["w"].unique().tolist() for s in (1, 2, 3)] == [[1.0], [2.0], [3.0]]
+
+
+def test_a_writer_saves_once(tmp_path, fresh_line):
+    """A second save through the same Writer is refused by name (it would have no place in the
+    order of the process's saves), and nothing of it is stored."""
+    path = str(tmp_path / "run")
+    writer = ckpt.dcp.Writer(path, step=1)
+    dcp.save({"w": torch.ones(4)}, storage_writer=writer, no_dist=True)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.zeros(4)}, storage_writer=writer, no_dist=True)
+    assert "used for a save already" in str(info.value)
+    assert ckpt.open(path).tensors(1)["w"].tolist() == [1.0] * 4

@@ -58,7 +58,8 @@ UNSTARTED_S = 60.0
 class _Ticket:
     """One Writer's place in line: waiting to set up (``thread`` None), saving on ``thread``, or done."""
 
-    def __init__(self, writer: Any, step: int):
+    def __init__(self, number: int, writer: Any, step: int):
+        self.number = number
         self.writer = weakref.ref(writer)
         self.step = step
         self.thread: threading.Thread | None = None
@@ -66,13 +67,17 @@ class _Ticket:
         self.done = False
 
     def pending(self) -> bool:
-        """Whether this save may still issue collectives here."""
+        """Whether this save may still issue collectives here: not yet set up, or its thread is in
+        DCP's save for this ticket (a thread that went on to the next save is in that one's)."""
         if self.done or self.writer() is None:
             return False
-        return self.thread is None or _in_save(self.thread)
+        if self.thread is None:
+            return True
+        return _current.get(self.thread.ident) == self.number and _in_save(self.thread)
 
 
 _tickets: dict[int, _Ticket] = {}  # ticket number -> ticket, in the order the Writers were made
+_current: dict[int | None, int] = {}  # thread ident -> the ticket it set up last
 _numbers = itertools.count()
 _lock = threading.Lock()
 
@@ -95,7 +100,7 @@ def take(writer: Any, step: int) -> int:
         for number in [n for n, t in _tickets.items() if not t.pending()]:
             del _tickets[number]
         number = next(_numbers)
-        _tickets[number] = _Ticket(writer, step)
+        _tickets[number] = _Ticket(number, writer, step)
     return number
 
 
@@ -120,22 +125,28 @@ def give_up_newest() -> None:
 
 def wait_for_earlier(number: int, timeout: float, step: int) -> None:
     """Mark ticket ``number`` as saving on this thread, then wait (at most ``timeout`` seconds)
-    until every earlier ticket is done."""
+    until every earlier ticket is done. A ticket not yet set up is waited for ``UNSTARTED_S`` at
+    most, then given up for good (a Writer kept and never used holds no later save back twice)."""
     me = threading.current_thread()
     with _lock:
         ticket = _tickets.get(number)
         if ticket is not None:
             ticket.thread = me
-        earlier = [(n, t) for n, t in _tickets.items() if n < number]
+        _current[me.ident] = number
+        for ident in [i for i in _current if i != me.ident and not any(t.ident == i for t in threading.enumerate())]:
+            del _current[ident]  # threads gone
+        earlier = [t for n, t in _tickets.items() if n < number]
     now = time.monotonic()
     deadline, unstarted_deadline = now + timeout, now + min(timeout, UNSTARTED_S)
-    for _, other in earlier:
+    for other in earlier:
         while other.pending() and other.thread is not me:
             if time.monotonic() > (deadline if other.thread is not None else unstarted_deadline):
                 if other.thread is None:  # made but never handed to DCP: it issues nothing yet
                     log.warning("step %d: a ckpt.dcp.Writer for step %d, made earlier in this process, has not "
-                                "started its save after %.0fs; saving without waiting for it (make each Writer in "
-                                "its dcp.save call)", step, other.step, min(timeout, UNSTARTED_S))
+                                "started its save after %.0fs; saving without waiting for it, and no later save "
+                                "waits for it (make each Writer in its dcp.save call)", step, other.step,
+                                min(timeout, UNSTARTED_S))
+                    give_up(other.number)
                     break
                 raise CheckpointError(
                     f"step {step} was not saved: an earlier dcp.save/async_save of this process (step "

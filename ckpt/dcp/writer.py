@@ -117,13 +117,14 @@ class Writer(StorageWriter):
         self._coordinator = False
         self._copied = False  # this save copied its staged snapshot out (a failure then releases nothing)
         self._ticket: int | None = _serial.take(self, step)  # its place among this process's saves: the calls' order
+        self._used = False  # set up once: a second save through it would have no place in that order
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_kept"], state["_holding"] = None, False  # found again where it is used
         if self._ticket is not None:  # pickled for DCP's process mode: it saves there, never in this process
             _serial.give_up(self._ticket)
-        state["_ticket"] = None  # the process it saves in gives it a place of its own
+        state["_ticket"], state["_used"] = None, False  # the process it saves in gives it a place of its own
         return state
 
     # -- DCP's calls, in order ------------------------------------------------------------------
@@ -138,7 +139,12 @@ class Writer(StorageWriter):
         self._rank = int(kwargs.get("rank", dist.get_rank() if dist.is_available() and dist.is_initialized() else 0))
         self._coordinator = is_coordinator
         try:  # before DCP's first collective of this save: the earlier save's are all issued first
-            if self._ticket is None:
+            if self._used:
+                raise ConfigError(f"this ckpt.dcp.Writer (step {self.step}) was used for a save already; make a new "
+                                  "one for each dcp.save or async_save: the saves of a process run in the order their "
+                                  "Writers were made, and a reused one has no place in it")
+            self._used = True
+            if self._ticket is None:  # unpickled in DCP's checkpoint process: its saves run there one by one
                 self._ticket = _serial.take(self, self.step)
             _serial.wait_for_earlier(self._ticket, self.options.timeout, self.step)
         except BaseException:
