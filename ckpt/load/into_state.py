@@ -5,8 +5,9 @@ pickle), so a mismatch costs no I/O and changes nothing. Then every chunk the st
 once, in parallel, verified and scattered into staging memory (``staged``, the default: the
 caller's tensors are written only once every chunk has checked out, so a damaged chunk changes
 nothing), or straight into the caller's CPU tensors (``staged=False``: one copy and the staging
-memory less, but a failure midway leaves a mixture of two steps). A raw chunk that maps onto one
-contiguous piece of a destination is read straight into it. Only when every tensor is filled are
+memory less, but a failure midway leaves a mixture of two steps). A chunk that maps onto one
+contiguous piece of a destination (or of the staging memory, several stand-ins side by side) is read
+or decoded straight into it. Only when every tensor is filled are
 ``load_state_dict`` calls made and plain values assigned.
 :func:`load_into` runs three steps: the plan (:func:`ckpt.load.plan.plan_load`: match, checks,
 destinations, values rebuilt, the reads), the reads (:func:`ckpt.load.reads.read_planned`: stage,

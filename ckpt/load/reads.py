@@ -11,6 +11,8 @@ damaged chunk changes nothing there.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, nullcontext
@@ -24,7 +26,7 @@ from .._tasks import run_all, threads_of
 from ..errors import CheckpointError, ConfigError, StateMismatchError
 from ..format import manifest as mf
 from ..format.boxes import Box, slices
-from ..save.buffer_layout import aligned
+from ..save.buffer_layout import ALIGN, aligned
 from ..storage import Storage
 from ..tree import DTYPES, dtype_name
 from .apply import copy_back
@@ -176,15 +178,24 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
                 pairs.append((t, dest[i]))
         stages = [np.empty(s.nbytes, dtype=np.uint8) for s in plan.stages]
         flats: dict[int, np.ndarray] = {}
+        # A stand-in's bytes are addressed in the staging memory as a whole, so that the feeds of one
+        # chunk into tensors laid out next to each other there join into one run (below): such a chunk
+        # is read or decoded straight into staging, not into scratch memory and then copied.
+        staging = space.view(torch.uint8).numpy() if need else None
+        at_in_staging = dict(zip(stand_in, places))
 
-        def target(k: int) -> np.ndarray:
+        def target(k: int) -> tuple[np.ndarray, int]:
             if k >= len(dest):
-                return stages[k - len(dest)]
+                return stages[k - len(dest)], 0
+            if k in at_in_staging and staging is not None and into[k].nbytes:
+                return staging, at_in_staging[k]
             if k not in flats:
                 flats[k] = dest[k].view(-1).view(torch.uint8).numpy()
-            return flats[k]
+            return flats[k], 0
 
-        feeds = {h: [(f.offset, f.length, target(f.into), f.at) for f in fs] for h, fs in plan.reads.items()}
+        gaps = _FreeGaps(staging, [(p, into[i].nbytes) for i, p in zip(stand_in, places)])
+        feeds = {h: _joined([(f.offset, f.length, *_shift(target(f.into), f.at)) for f in fs], gaps)
+                 for h, fs in plan.reads.items()}
         stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds),
                           staging_bytes=need + sum(s.nbytes for s in plan.stages))
         if before_read is not None:
@@ -203,6 +214,47 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
                 local[slices(s.in_dest)].copy_(src[slices(s.in_stage)])
             copy_back(pairs, threads_of(io))
     return stats
+
+
+def _shift(where: tuple[np.ndarray, int], at: int) -> tuple[np.ndarray, int]:
+    return where[0], where[1] + at
+
+
+def _joined(feeds: list[tuple[int, int, np.ndarray, int]], gaps: _FreeGaps) -> list[tuple[int, int, np.ndarray, int]]:
+    """A chunk's feeds, those that continue one another on both sides joined into one: the next feed
+    starts in the same array as many bytes after the last one as it does in the chunk, with nothing
+    between them on either side but padding (at most ``_PAD`` bytes, and in staging memory bytes no
+    tensor stands in). A chunk of several whole tensors staged as the host buffer lays them out is
+    then one feed, read or decoded in place instead of through scratch memory."""
+    out: list[tuple[int, int, np.ndarray, int]] = []
+    for off, length, flat, at in sorted(feeds, key=lambda f: f[0]):
+        if out:
+            o, n, f, a = out[-1]
+            gap = off - (o + n)
+            if f is flat and 0 <= gap <= _PAD and at - (a + n) == gap and (gap == 0 or gaps.free(f, a + n, at)):
+                out[-1] = (o, off + length - o, f, a)
+                continue
+        out.append((off, length, flat, at))
+    return out
+
+
+_PAD = ALIGN  # padding between two tensors a save lays out is less (ckpt.save.buffer_layout.aligned)
+
+
+class _FreeGaps:
+    """Which byte ranges of staging memory no stand-in takes (the padding between them)."""
+
+    def __init__(self, staging: np.ndarray | None, spans: list[tuple[int, int]]):
+        self.staging = staging
+        spans = sorted(spans)
+        self.starts = [p for p, _ in spans]
+        self.ends = list(itertools.accumulate((p + n for p, n in spans), max))  # furthest end so far
+
+    def free(self, array: np.ndarray, lo: int, hi: int) -> bool:
+        if array is not self.staging or lo >= hi:
+            return False
+        k = bisect.bisect_left(self.starts, hi)  # spans starting before hi: starts[:k]
+        return k == 0 or (self.ends[k - 1] <= lo)
 
 
 def staging_memory(nbytes: int) -> torch.Tensor:
