@@ -129,6 +129,8 @@ def test_feeds_of_tensors_staged_side_by_side_join_only_across_padding_no_tensor
     assert len(_joined([(0, 4100, staging, 0), (4160, 4096, other, 4160)], free_gaps)) == 2  # two arrays
     assert len(_joined([(0, 4100, staging, 0), (4160, 4096, staging, 4224)], free_gaps)) == 2  # unequal gaps
     assert len(_joined([(0, 4000, staging, 0), (4160, 4096, staging, 4160)], free_gaps)) == 2  # wider than padding
+    lent = _FreeGaps(None, [(0, 4100), (4160, 4096)])  # lent memory (the host buffer): its padding stays zero
+    assert len(_joined(over_z, lent)) == 2 and _joined(adjacent, lent) == [(0, 4160, staging, 4160)]
 
 
 def test_a_state_staged_in_another_order_than_saved_loads_bit_exact(tmp_path):
