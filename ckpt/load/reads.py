@@ -193,9 +193,7 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
                 flats[k] = dest[k].view(-1).view(torch.uint8).numpy()
             return flats[k], 0
 
-        # Padding is joined over in memory of our own only: lent memory is the idle host buffer, whose
-        # padding is zero and stays zero (a chunk's hash covers it), so there only touching feeds join.
-        gaps = _FreeGaps(staging if lent is None else None, [(p, into[i].nbytes) for i, p in zip(stand_in, places)])
+        gaps = _FreeGaps(staging, [(p, into[i].nbytes) for i, p in zip(stand_in, places)])
         feeds = {h: _joined([(f.offset, f.length, *_shift(target(f.into), f.at)) for f in fs], gaps)
                  for h, fs in plan.reads.items()}
         stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds),

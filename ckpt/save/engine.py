@@ -165,6 +165,8 @@ class SaveEngine:
             buf.generation += 1
             yield buf.buffer[:nbytes]
         finally:
+            if not buf.in_pieces:  # the load staged by its own layout (and read chunks' padding across gaps)
+                buf.zero_padding()
             buf.release()
 
     # -- lifetime -------------------------------------------------------------------------------------

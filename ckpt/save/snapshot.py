@@ -306,6 +306,18 @@ class HostBuffer:
 
     in_pieces = False  # a ring (ckpt.save.ring.Ring): a save copies the state in pieces
 
+    def zero_padding(self) -> None:
+        """Zero every byte no slot holds. A load that borrowed the buffer placed its stand-ins by its
+        own layout and read chunks' padding across the gaps between them; a save copies only the
+        slots, and the padding between them is part of its chunks' hashes, so it must be zero again."""
+        pos = 0
+        for slot in sorted(self.layout.slots, key=lambda s: s.offset):
+            if slot.offset > pos:
+                self.buffer[pos:slot.offset].zero_()
+            pos = max(pos, slot.offset + slot.nbytes)
+        if pos < self.buffer.numel():
+            self.buffer[pos:].zero_()
+
     def fail(self, error: BaseException) -> None:
         """The copy stopped on ``error`` (a ring's copier: :class:`ckpt.save.ring.Ring`); one buffer has no copier."""
 
