@@ -18,6 +18,17 @@ from ckpt.storage import LocalStorage
 from ckpt.testing import run_ranks
 
 
+def outcomes(futs: list) -> list[str]:
+    """Each failed save's error, as "Type: message", waiting for every future."""
+    errors = []
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
 def unawaited_body(rank: int, world: int, path: str, grow: bool) -> list[str]:
     """Three async_saves through one Stager, none awaited before the next; the state changes right
     after each returns (and, with ``grow``, AdamW-like state appears after the first step)."""
@@ -33,12 +44,7 @@ def unawaited_body(rank: int, world: int, path: str, grow: bool) -> list[str]:
         w.fill_(-1.0)  # changed once async_save returned: must not reach any step
         if "optim" in state:
             state["optim"]["exp_avg"].fill_(-1.0)
-    errors = []
-    for f in futs:
-        try:
-            f.result()
-        except BaseException as e:
-            errors.append(f"{type(e).__name__}: {e}")
+    errors = outcomes(futs)
     stager.close()
     return errors
 
@@ -90,13 +96,7 @@ def late_first_body(rank: int, world: int, path: str) -> list[str]:
         writer._late = rank == 1
         futs.append(dcp.async_save(state, storage_writer=writer))
         state = {"model": {"w": torch.full((64,), 2.0)}, "optim": {"exp_avg": torch.full((32,), 12.0)}}
-    errors = []
-    for f in futs:
-        try:
-            f.result()
-        except BaseException as e:
-            errors.append(f"{type(e).__name__}: {e}")
-    return errors
+    return outcomes(futs)
 
 
 @pytest.mark.multiprocess
