@@ -131,22 +131,33 @@ def test_feeds_of_tensors_staged_side_by_side_join_only_across_padding_no_tensor
     assert len(_joined([(0, 4000, staging, 0), (4160, 4096, staging, 4160)], free_gaps)) == 2  # wider than padding
 
 
-def test_a_state_staged_in_another_order_than_saved_loads_bit_exact(tmp_path):
-    """Saved as x (odd size: padding after it), y, a larger tensor over several chunks, then z in a
-    chunk of its own; loaded into states that list them in other orders: the first chunk's feeds
-    (x and y, across x's padding) join and it is read in place into staging, and every tensor comes
-    back exactly. (Stand-ins follow the saved structure's order, so a tensor staged inside another's
-    padding needs a layout the save does not make; the unit test above covers that case.)"""
+def test_a_chunk_of_tensors_staged_side_by_side_is_read_in_place_and_loads_bit_exact(tmp_path, monkeypatch):
+    """Saved as x (odd size: 60 bytes of padding after it), y, a larger tensor over several chunks,
+    then z in a chunk of its own: x's and y's feeds join across the padding, so their chunk reaches
+    the read as one feed covering all of it (read straight into staging), and every tensor comes
+    back exactly."""
+    import ckpt.load.reads as reads
+
     torch.manual_seed(0)
     saved = {"x": torch.randn(1025), "y": torch.randn(1024), "big": torch.randn(1 << 20),
              "z": torch.tensor([7], dtype=torch.int32)}
     root = str(tmp_path / "run")
+    seen: dict[str, list] = {}
+    real = reads.read_chunk
+
+    def spy(storage, m, h, feeds):
+        seen[h] = [(off, length) for off, length, _, _ in feeds]
+        return real(storage, m, h, feeds)
+
+    monkeypatch.setattr(reads, "read_chunk", spy)
     with ckpt.Checkpointer(root, codec="raw", io_threads=1, chunk_size=1 << 20) as c:
         c.save(1, saved).wait()
-        for order in (("x", "z", "y", "big"), ("big", "x", "z", "y"), ("z", "y", "x", "big"), tuple(saved)):
-            target = {k: torch.zeros_like(saved[k]) for k in order}
-            c.load(1, target)
-            assert all(torch.equal(target[k], saved[k]) for k in saved), order
+        m = c.manifest(1)
+        first = next(t for t in m.tensors if t.key == "x").shards[0].segments[0].chunk
+        target = {k: torch.zeros_like(v) for k, v in saved.items()}
+        c.load(1, target)
+        assert all(torch.equal(target[k], saved[k]) for k in saved)
+    assert seen[first] == [(0, m.chunks[first].size)]  # x and y (and the padding between): one feed
 
 
 def test_a_load_that_borrows_the_host_buffer_leaves_its_padding_zero(tmp_path):

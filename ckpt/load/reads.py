@@ -184,17 +184,18 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
         staging = space.view(torch.uint8).numpy() if need else None
         at_in_staging = dict(zip(stand_in, places))
 
-        def target(k: int) -> tuple[np.ndarray, int]:
+        def target(k: int, at: int) -> tuple[np.ndarray, int]:
+            """The array request ``k``'s byte ``at`` lands in, and where in it."""
             if k >= len(dest):
-                return stages[k - len(dest)], 0
+                return stages[k - len(dest)], at
             if k in at_in_staging and staging is not None and into[k].nbytes:
-                return staging, at_in_staging[k]
+                return staging, at_in_staging[k] + at
             if k not in flats:
                 flats[k] = dest[k].view(-1).view(torch.uint8).numpy()
-            return flats[k], 0
+            return flats[k], at
 
         gaps = _FreeGaps(staging, [(p, into[i].nbytes) for i, p in zip(stand_in, places)])
-        feeds = {h: _joined([(f.offset, f.length, *_shift(target(f.into), f.at)) for f in fs], gaps)
+        feeds = {h: _joined([(f.offset, f.length, *target(f.into, f.at)) for f in fs], gaps)
                  for h, fs in plan.reads.items()}
         stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds),
                           staging_bytes=need + sum(s.nbytes for s in plan.stages))
@@ -214,10 +215,6 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
                 local[slices(s.in_dest)].copy_(src[slices(s.in_stage)])
             copy_back(pairs, threads_of(io))
     return stats
-
-
-def _shift(where: tuple[np.ndarray, int], at: int) -> tuple[np.ndarray, int]:
-    return where[0], where[1] + at
 
 
 def _joined(feeds: list[tuple[int, int, np.ndarray, int]], gaps: _FreeGaps) -> list[tuple[int, int, np.ndarray, int]]:
