@@ -96,11 +96,15 @@ sanitize() {
     fi
     # Without torch's caching allocator each tensor is its own cudaMalloc, so memcheck sees its
     # bounds. The tests that launch ckpt's kernel or copy through the side stream; not the 3 GiB one
-    # (instrumented, it would take the whole phase) nor the Lightning fit.
+    # (instrumented, it would take the whole phase) nor the Lightning fit. Nor the unfenced negative
+    # control: memcheck runs one kernel at a time, so the unordered step it counts on cannot overtake
+    # the copy there (seen on the first H200 run: the control "failed" by being correct). Nor the
+    # conjugated views, which go through torch's own copies: with the caching allocator off, that test
+    # ended in an abort inside torch (2.11) with 0 memcheck errors reported before it.
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$LIMIT" "$cs" --tool memcheck --error-exitcode 99 \
         --target-processes all --print-limit 50 \
         "$PY" -m pytest -q -p no:cacheprovider -x tests/test_gpu.py \
-        -k "batched_copy or unrolled or conjugated or work_queued or nan_in_the_last or guarded_copy or state_dicts or ckpts_own" \
+        -k "(batched_copy or unrolled or work_queued or nan_in_the_last or guarded_copy or state_dicts or ckpts_own) and not unfenced" \
         >"$OUT/sanitize.log" 2>&1
     local rc=$?
     grep -E "ERROR SUMMARY|passed|failed|error" "$OUT/sanitize.log" | tail -n 20

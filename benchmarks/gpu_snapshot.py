@@ -180,6 +180,13 @@ class CkptSaver:
     def before_opt_step(self) -> float:
         return 0.0  # the pre-step fence orders the step after the copy on the device: the host never waits
 
+    def abandon(self) -> None:
+        """After a failure: end the background work, so that the process can exit."""
+        try:
+            self.c.close()
+        except Exception as e:  # noqa: BLE001 - the failure is already reported
+            print(f"closing the failed saver: {e}", file=sys.stderr)
+
     def finish(self) -> list[float]:
         self.c.close()
         return [h.metrics.duration_s for h in self.handles]
@@ -190,15 +197,20 @@ class DcpSaver:
     stream, staged in a background thread), used the way a snapshot must be: its staging stream does
     not wait for the compute stream, so the queued optimizer step is drained first, and the next
     ``optimizer.step()`` waits on the host for ``staging_completion``. The stager reuses its pinned
-    copies, so a save also waits for the previous upload (timed apart, as the disk wait)."""
+    copies, so a save also waits for the previous upload (timed apart, as the disk wait).
+
+    ``blocking=True``: DCP's ``BlockingAsyncStager`` (cached pinned copies made in the call, then
+    the write in the background), the stager that does not deep-copy the state; torch 2.11's
+    ``DefaultStager`` fails on an optimizer's state_dict (KeyError on a class, first H200 run)."""
 
     name = "dcp"
 
-    def __init__(self, root: str, model: torch.nn.Module, opt: torch.optim.Optimizer):
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    def __init__(self, root: str, model: torch.nn.Module, opt: torch.optim.Optimizer, blocking: bool = False):
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
         self.root, self.model, self.opt = root, model, opt
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                   use_async_staging=True, use_non_blocking_copy=True))
+        self.stager = (BlockingAsyncStager(cache_staged_state_dict=True) if blocking else
+                       DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                    use_async_staging=True, use_non_blocking_copy=True)))
         self.staging = self.upload = None
         self.durable: dict[int, float] = {}  # step -> seconds from the call until the upload completed
         self.landed: dict[int, threading.Event] = {}
@@ -229,8 +241,12 @@ class DcpSaver:
             self.durable[step] = time.perf_counter() - t0
             landed.set()
 
-        resp.upload_completion.add_done_callback(done)
-        self.staging, self.upload = resp.staging_completion, resp.upload_completion
+        if hasattr(resp, "upload_completion"):  # staged in the background
+            resp.upload_completion.add_done_callback(done)
+            self.staging, self.upload = resp.staging_completion, resp.upload_completion
+        else:  # a Future of the write: staged in the call
+            resp.add_done_callback(done)
+            self.upload = resp
         return time.perf_counter() - t0
 
     def before_opt_step(self) -> float:
@@ -240,6 +256,17 @@ class DcpSaver:
         self.staging.result()
         self.staging = None
         return time.perf_counter() - t0
+
+    def abandon(self) -> None:
+        """After a failure (torch 2.11's DefaultStager, first H200 run, the process then hung at exit):
+        let the write in flight end, and stop the stager's threads."""
+        for f in (self.staging, self.upload):
+            if f is not None:
+                try:
+                    f.result(timeout=60)
+                except Exception:  # noqa: BLE001 - the failure is already reported
+                    pass
+        self.stager.close()
 
     def finish(self) -> list[float]:
         self.wait_previous()
@@ -272,17 +299,34 @@ def training(steps: int, every: int, layers: int, d: int, root: str) -> dict:
     for _ in range(5):
         step(lambda: 0.0)
     runs: dict[str, list[dict]] = {}
+    failed: dict[str, str] = {}  # a saver that raised (DCP's stager on some torch releases): reported, not fatal
     for rnd in range(2):  # interleaved, order reversed in the second round: drift hits every mode alike
-        for mode in (("none", "ckpt", "dcp") if rnd == 0 else ("dcp", "ckpt", "none")):
+        for mode in (("none", "ckpt", "dcp", "dcp_blocking") if rnd == 0 else ("dcp_blocking", "dcp", "ckpt", "none")):
+            if mode in failed:
+                continue
             where = os.path.join(root, f"{mode}{rnd}")
-            saver = {"none": None, "ckpt": CkptSaver, "dcp": DcpSaver}[mode]
-            runs.setdefault(mode, []).append(loop(step, saver(where, model, opt) if saver else None, steps, every))
+            saver = {"none": None, "ckpt": CkptSaver, "dcp": DcpSaver,
+                     "dcp_blocking": lambda *a: DcpSaver(*a, blocking=True)}[mode]
+            made = saver(where, model, opt) if saver else None
+            try:
+                runs.setdefault(mode, []).append(loop(step, made, steps, every))
+            except Exception as e:  # noqa: BLE001 - the other savers' figures still come out
+                if made is None:
+                    raise
+                failed[mode] = f"{type(e).__name__}: {e}"[:300]
+                print(f"training with {mode} failed: {failed[mode]}", file=sys.stderr, flush=True)
+                runs.pop(mode, None)
+                made.abandon()
+                torch.cuda.synchronize()
             shutil.rmtree(where, ignore_errors=True)
     base = median(d for r in runs["none"] for d in r["step_ms"])
     out: dict = {"params_GiB": sum(p.numel() * 4 for p in model.parameters()) / GiB, "steps": steps, "every": every,
                  "step_ms": base, "s_none": min(r["s"] for r in runs["none"])}
     out["saved_GiB"] = out["params_GiB"] * 3  # fp32 parameters and AdamW's two moments
-    for mode in ("ckpt", "dcp"):
+    for mode in SAVERS:
+        if mode in failed:
+            out[mode] = {"failed": failed[mode]}
+            continue
         rs = runs[mode]
         # the save after step s: steps s+1 .. s+every, whose GPU times are step_ms[s : s+every]
         stalls = [sum(r["step_ms"][i] - base for i in range(s, min(s + every, steps)))
@@ -336,6 +380,7 @@ def _parts(text: str) -> list[str]:
 
 
 PARTS = ("throughput", "sizes", "training")
+SAVERS = ("ckpt", "dcp", "dcp_blocking")
 QUICK = {"gib": 1.0, "reps": 2, "steps": 24, "every": 8, "layers": 2, "d": 1024}
 
 
@@ -376,6 +421,8 @@ def main() -> None:
         lines += training_table(tr, args)
     os.makedirs(args.out, exist_ok=True)
     cmd = "python benchmarks/gpu_snapshot.py " + ("--quick" if args.quick else f"--gib {args.gib:g}")
+    if list(args.parts) != list(PARTS):
+        cmd += " --parts " + ",".join(args.parts)
     md = f"`{cmd}` on {dev}\n\n" + "\n".join(lines) + "\n"
     write_results(args.out, "gpu_snapshot", md, doc, indent=1, plot=(lambda path: plot(sc, dev, path)) if sc else None)
 
@@ -408,9 +455,13 @@ def training_table(tr: dict, args) -> list[str]:
              "| saver | run (s) | slowdown | host blocked per save, median / max (ms) | compute stream stall per "
              "save, median / max (ms) | waiting for the previous write (ms) | save to durable (s) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    names = {"ckpt": "ckpt `Checkpointer.save`", "dcp": "DCP `async_save`, `DefaultStager` (pinned, non-blocking)"}
-    for mode in ("ckpt", "dcp"):
+    names = {"ckpt": "ckpt `Checkpointer.save`", "dcp": "DCP `async_save`, `DefaultStager` (pinned, non-blocking)",
+             "dcp_blocking": "DCP `async_save`, `BlockingAsyncStager` (cached pinned copies in the call)"}
+    for mode in SAVERS:
         r = tr[mode]
+        if "failed" in r:
+            lines.append(f"| {names[mode]} | failed on torch {torch.__version__}: {r['failed']} |||||| ")
+            continue
         lines.append(f"| {names[mode]} | {r['s']:.2f} | {100 * r['slowdown']:+.1f}% | {r['host_ms']:.2f} / "
                      f"{r['host_ms_max']:.2f} | {r['stall_ms']:.1f} / {r['stall_ms_max']:.1f} | "
                      f"{r['disk_wait_ms']:.1f} | {r['durable_s']:.2f} |")

@@ -82,6 +82,11 @@ HEADLINES = [
              "fp32 AdamW, local, 400 MB/s", "load auto/DCP"),
     Headline("time to durable ÷ DCP `async_save`'s, storage at 400 MB/s, trained bf16 AdamW", "bandwidth",
              "bf16 AdamW, local, 400 MB/s", "durable auto/DCP"),
+    Headline("GPU snapshot of 8 GiB (H200) ÷ one flat `cudaMemcpyAsync` of the same bytes, in throughput",
+             "gpu_snapshot", "ckpt (kernel < 1024 KiB, else memcpy)", "÷ one cudaMemcpyAsync"),
+    Headline("a GPU training run saving 4.5 GiB every 40 steps (H200), ckpt ÷ DCP `async_save` "
+             "(`BlockingAsyncStager`), in run time", "gpu_snapshot", "ckpt `Checkpointer.save`", "run (s)",
+             per=("DCP `async_save`, `BlockingAsyncStager` (cached pinned copies in the call)", "run (s)")),
     Headline("upload throughput to S3 ÷ plain s3fs puts", "s3", "ckpt → S3", "throughput ÷ plain s3fs"),
     Headline("resharding load, 4 ranks → 2, ÷ DCP's", "distributed", "4→2", "ckpt ÷ dcp"),
     Headline("SIGTERM → emergency save durable (1 GiB), share of torchrun's 30 s", "failure", "ckpt",

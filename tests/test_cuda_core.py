@@ -154,5 +154,6 @@ def test_the_gpu_readiness_script_parses_and_names_its_phases():
 def test_the_gpu_benchmark_explains_itself_without_a_gpu():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_snapshot.py"), "--help"],
                          capture_output=True, text=True, check=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT}).stdout
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(  # ROOT first, the rest kept
+                             filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}).stdout
     assert "async_save" in out and "--quick" in out

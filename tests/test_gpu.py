@@ -23,14 +23,17 @@ def _trained(seed=0):
     return model, opt
 
 
-def _step_then_reload(c, h, opt, ckdir):
+def _step_then_reload(c, h, opt, ckdir, as_state_dicts=False):
     """The optimizer steps while save ``h`` may still be copying; then the step is loaded into a
-    fresh model and optimizer and returned as CPU copies (model, optimizer state)."""
+    fresh model and optimizer (their ``state_dict()``s where it saved those) and returned as CPU
+    copies (model, optimizer state)."""
     opt.step()
     h.wait()
     c.close()
     fresh, fopt = _trained(seed=1)
-    ckpt.Checkpointer(ckdir).load(1, {"model": fresh, "optim": fopt})
+    into = ({"model": fresh.state_dict(), "optim": fopt.state_dict()} if as_state_dicts  # loaded in place
+            else {"model": fresh, "optim": fopt})
+    ckpt.Checkpointer(ckdir).load(1, into)
     return _cpu_copy(fresh, fopt)
 
 
@@ -141,7 +144,7 @@ def _slow_copies(monkeypatch):
     monkeypatch.setattr(cuda_snapshot, "COPY_DELAY_CYCLES", SLOW)
 
 
-@pytest.mark.parametrize("fenced", [True, False])
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "unfenced"])
 def test_a_step_right_after_save_waits_for_the_guarded_copy(ckdir, monkeypatch, fenced):
     """With the fence, opt.step() queued at once leaves the snapshot alone; without it (the negative
     control) the same step reaches the snapshot, so the test can tell the two apart."""
@@ -197,8 +200,7 @@ def test_nan_in_the_last_chunk_of_a_cuda_parameter_is_refused(ckdir, dtype):
     c = ckpt.Checkpointer(ckdir, chunk_size=1 << 20)
     with pytest.raises(ckpt.NonFiniteStateError):
         c.save(1, {"p": p, "opt": opt}).wait()
-    with pytest.raises(ckpt.NonFiniteStateError):
-        c.close()
+    c.close()  # the failure was seen through its handle: close() does not raise it again (Checkpointer.wait)
     assert ckpt.Checkpointer(ckdir).steps() == []  # ckpt.open refuses a root that holds nothing
 
 
@@ -275,7 +277,7 @@ def test_a_state_of_state_dicts_overlaps_only_when_its_optimizer_is_handed_over(
     else:
         h = c.save(1, state)
     assert bool(cuda_snapshot.pending_copies()) is handed
-    got_model, got_opt = _step_then_reload(c, h, opt, ckdir)
+    got_model, got_opt = _step_then_reload(c, h, opt, ckdir, as_state_dicts=True)
     assert all(torch.equal(got_model[k], v) for k, v in want_model.items())
     assert all(torch.equal(got_opt[i][k], v) for i, s in want_opt.items() for k, v in s.items())
 
