@@ -243,6 +243,12 @@ class Journal:
         self._queue.put(("stop", clean))
         self._thread.join(timeout)
 
+    def abandon(self) -> None:
+        """Its Checkpointer was garbage-collected without ``close()``: the thread writes the last-seen
+        time once more (not a clean end) and stops. Only queues: a finalizer may run on any thread."""
+        if self._thread is not None:
+            self._queue.put(("stop", False))
+
     # -- on the journal's thread ---------------------------------------------------------------------
     def _failed(self, what: str, e: BaseException) -> None:
         self.errors += 1

@@ -218,6 +218,26 @@ def test_a_journal_that_cannot_be_written_fails_no_save(tmp_path, caplog):
     assert ckpt.open(tmp_path).steps() == [1, 2, 3] and not os.path.exists(tmp_path / "journal")
 
 
+def test_a_checkpointer_dropped_unclosed_stops_its_journal_thread(tmp_path):
+    """A load in a notebook or an eval script often drops its Checkpointer without close(): its
+    journal's heartbeat must not go on rewriting seen.json in the checkpoint until the process ends
+    (a CI flake: a test copied a directory while such a thread replaced a file in it)."""
+    import gc
+    with ckpt.Checkpointer(tmp_path) as c:
+        c.save(1, {"w": torch.ones(2)})
+    c = ckpt.Checkpointer(tmp_path)
+    c.load(1, {"w": torch.zeros(2)})
+    j = c._journal
+    assert j._thread.is_alive()
+    del c
+    gc.collect()
+    j._thread.join(30)
+    assert not j._thread.is_alive()
+    g = ckpt.open(tmp_path).goodput()
+    assert [s.ended for s in g.starts] == ["closed", "last"]  # the dropped start: last seen, not a clean close
+    assert not [f for f in os.listdir(tmp_path / "journal" / j.id) if ".tmp" in f]
+
+
 def two_ranks_body(rank: int, world: int, root: str) -> int:
     socket.gethostname = lambda: f"node-{rank}"  # type: ignore[assignment]  # two ranks as if on two hosts
     for _ in range(2):  # two starts of the job (one process group, to spawn the ranks once)
