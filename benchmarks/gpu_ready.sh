@@ -7,13 +7,13 @@
 #   bash benchmarks/gpu_ready.sh --help
 #
 # Phases: build (setup.py build_ext --inplace, CKPT_BUILD_STRICT=1, then the library's probe of GPU 0),
-# test (tests/test_gpu.py, test_cuda_core.py, test_fence.py), sanitize (memcheck over the GPU tests
-# that launch ckpt's kernel; skipped with a message where compute-sanitizer is absent), bench
-# (benchmarks/gpu_snapshot.py; extra arguments in BENCH_ARGS). A phase other than build builds first
-# if the CUDA library is missing. Each phase is cut off after PHASE_LIMIT_S seconds (default 540), so
-# one phase fits a 10-minute command. Logs and the benchmark's tables go to $OUT if set, else
-# benchmarks/results/gpu_ready; a summary line per phase ends the output.
-# benchmarks/readings/gpu_snapshot.md, "Running it", says how to run it on a lent machine.
+# test (tests/test_gpu.py, test_cuda_core.py, test_fence.py, and test_host_memory_save.py's CUDA test),
+# sanitize (memcheck over the GPU tests that launch ckpt's kernel; skipped with a message where
+# compute-sanitizer is absent), bench (benchmarks/gpu_snapshot.py; extra arguments in BENCH_ARGS).
+# A phase other than build builds first if the CUDA library is missing. Each phase is cut off after
+# PHASE_LIMIT_S seconds (default 540). Logs and the benchmark's tables go to $OUT if set, else
+# benchmarks/results/gpu_ready; a summary line per phase ends the output. The whole of it ran in
+# 4 minutes on an H200 (benchmarks/readings/gpu_snapshot.md, "Running it": how, on a lent machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -75,7 +75,8 @@ built() { compgen -G "ckpt/_cuda_copy*.so" >/dev/null && compgen -G "ckpt/_copyh
 
 run_tests() {
     timeout "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_cuda_core.py \
-        tests/test_fence.py 2>&1 | tee "$OUT/test.log" | tail -n 40
+        tests/test_fence.py tests/test_host_memory_save.py::test_cuda_state_larger_than_the_budget_goes_through_pinned_slabs \
+        2>&1 | tee "$OUT/test.log" | tail -n 40
 }
 
 sanitizer() {
