@@ -79,9 +79,9 @@ class ReadWatch(LocalStorage):
         self.watch(key)
         return super().read_object(key, limit)
 
-    def read_hashed(self, key, out, offset=0):  # the raw path's one-pass read and hash
+    def read_hashed(self, key, out, offset=0, head=None):  # the raw path's one-pass read and hash
         self.watch(key)
-        return super().read_hashed(key, out, offset)
+        return super().read_hashed(key, out, offset, head)
 
 
 def test_a_failed_load_finishes_or_cancels_every_read_before_it_returns(ckdir):

@@ -5,6 +5,7 @@ before reading anything."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -182,3 +183,46 @@ def test_a_load_that_borrows_the_host_buffer_leaves_its_padding_zero(tmp_path):
         assert not buf.buffer[~covered].any()
         again = c.save(2, state).wait()
         assert again.chunks_written == 0 and again.chunks_reused == again.chunks
+
+
+# -- a raw chunk is one request, its header with it --------------------------------------------------------
+
+def _raw_root(root, state, codec="raw"):
+    with ckpt.Checkpointer(root, codec=codec, chunk_size=256 * 1024) as c:
+        c.save(1, state).wait()
+        return sorted(c.manifest(1).chunks)
+
+
+def test_a_raw_chunk_is_read_in_one_request_with_its_header(tmp_path):
+    """On object storage a request is a GET: the header and the payload come in one (they took two)."""
+    from ckpt.storage.local import LocalStorage
+    from ckpt.testing import FaultyStorage
+    state = {"w": torch.randn(4, 64 * 1024), "b": torch.randn(7)}  # 1 MiB in 256 KiB chunks, and a small one
+    names = _raw_root(tmp_path, state)
+    disk = FaultyStorage(LocalStorage(tmp_path))
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    with ckpt.Checkpointer(tmp_path, storage=disk) as c:
+        c.load(1, got)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    reads = [(op, k) for op, k in disk.log if k.startswith("chunks/")]
+    assert sorted(k.rsplit("/", 1)[1] for _, k in reads) == names  # one request per chunk
+    assert {op for op, _ in reads} == {"readv"}
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_raw_entry_whose_object_is_stored_encoded_still_loads(tmp_path, staged):
+    """A chunk's name is its raw bytes' hash, so another writer may have stored the same bytes
+    encoded: the header read with the payload says so, and the chunk is decoded instead."""
+    import shutil
+    state = {"w": torch.zeros(4, 64 * 1024)}  # compressible: "auto" stores every chunk encoded
+    raw_names = _raw_root(tmp_path / "raw", state)
+    assert _raw_root(tmp_path / "auto", state, codec="auto") == raw_names
+    for name in raw_names:
+        rel = os.path.join("chunks", name[:2], name)
+        assert os.path.getsize(tmp_path / "auto" / rel) < os.path.getsize(tmp_path / "raw" / rel)
+        shutil.copyfile(tmp_path / "auto" / rel, tmp_path / "raw" / rel)
+    got = {"w": torch.full((4, 64 * 1024), 7.0)}
+    with ckpt.Checkpointer(tmp_path / "raw", staged_load=staged) as c:
+        assert all(e.codec.startswith("raw/") for e in c.manifest(1).chunks.values())
+        c.load(1, got)
+    assert torch.equal(got["w"], state["w"])

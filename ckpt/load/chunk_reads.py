@@ -86,17 +86,18 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
     """Read a chunk stored raw, hashing each piece as it lands (``Storage.read_hashed``): straight
     into its destination when the whole chunk feeds one contiguous run, else into this thread's
     reused memory, whose verified bytes are then copied where they go; where only part of it is
-    needed and the manifest has its span digests, only the spans that part touches. Its header is
-    read and checked first, so a wrong object never reaches a tensor. None when the header says the
-    object is stored another way (the caller decodes it)."""
+    needed and the manifest has its span digests, only the spans that part touches. A whole chunk
+    is one request, its header with it (one GET on object storage, not two); the header is checked
+    before the bytes are used, and a part's header is read first. Reads land in staging memory or
+    scratch, or, in an in-place load, in the tensors (as a damaged payload would). None when the
+    header says the object is stored another way (the caller decodes it)."""
     size = info.size
-    header = storage.read(key, 0, HEADER_SIZE)
-    hdr = parse_header(header, name=key)
-    check_header(hdr, name=key, expect_hash=h, expect_len=size)
-    if hdr.codec != "raw" or hdr.payload_len != size:
-        return None
     whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == size
+    head: bytearray | None = bytearray(HEADER_SIZE)
     if not whole and info.spans is not None:
+        if not _raw_header(storage.read(key, 0, HEADER_SIZE), key, h, size):
+            return None
+        head = None
         got = _read_spans(storage, key, h, info, feeds)
         if got is not None:
             return got
@@ -108,7 +109,9 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
         target = flat[pos : pos + size]
     else:
         target = scratch("raw", size)
-    n, digest = storage.read_hashed(key, target, HEADER_SIZE)
+    n, digest = storage.read_hashed(key, target, HEADER_SIZE, head)
+    if head is not None and not _raw_header(head[: HEADER_SIZE + min(0, n)], key, h, size):
+        return None
     if n != size:
         raise CorruptCheckpointError(f"chunk object {key} is truncated: payload is {n} bytes, header says "
                                      f"{size}", object=key, chunk=h)
@@ -119,6 +122,13 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
         for off, length, flat, pos in feeds:
             flat[pos : pos + length] = target[off : off + length]
     return HEADER_SIZE + n
+
+
+def _raw_header(header: bytes | bytearray | memoryview, key: str, h: str, size: int) -> bool:
+    """Check chunk ``h``'s header (refused where it names other bytes); whether it says stored raw."""
+    hdr = parse_header(header, name=key)
+    check_header(hdr, name=key, expect_hash=h, expect_len=size)
+    return hdr.codec == "raw" and hdr.payload_len == size
 
 
 def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:

@@ -135,11 +135,17 @@ class Storage(abc.ABC):
 
     hashes_reads = False  # read_hashed hashes as it reads (so many small reads cost no extra pass)
 
-    def read_hashed(self, key: str, buffer, offset: int = 0) -> tuple[int, str | None]:
+    def read_hashed(self, key: str, buffer, offset: int = 0, head=None) -> tuple[int, str | None]:
         """:meth:`readv` into one buffer, and the xxh3-128 of the bytes read where the backend hashed
         them as they arrived (None: the caller hashes them). A backend that can fuse the two
-        overrides this: hashing each piece while it is still in cache saves a pass over memory."""
-        return self.readv(key, [buffer], offset), None
+        overrides this: hashing each piece while it is still in cache saves a pass over memory.
+        ``head``: a buffer the ``len(head)`` bytes before ``offset`` are read into, in the same
+        request (a chunk's header with its payload: one GET, not two); not hashed, and not counted in
+        the bytes returned, which are negative where the object ends inside the head."""
+        if head is None:
+            return self.readv(key, [buffer], offset), None
+        k = memoryview(head).nbytes
+        return self.readv(key, [head, buffer], offset - k) - k, None
 
     def read_parts(self, key: str, parts: Sequence[tuple[int, Any]]) -> Sequence[int]:
         """Fill each ``(offset, buffer)`` of ``parts`` from ``key``; the bytes filled, per part. For a

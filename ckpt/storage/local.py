@@ -77,6 +77,17 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from byte ``offset`` of ``fd``; the bytes read (fewer where the file ends)."""
+    got = 0
+    while got < len(view):
+        k = os.preadv(fd, [view[got:]], offset + got)
+        if k == 0:
+            break
+        got += k
+    return got
+
+
 class LocalStorage(Storage):
     # Reads from the page cache are memory-bound: threads beyond the cores only evict each other's
     # pieces from cache before they are hashed.
@@ -319,13 +330,18 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def read_hashed(self, key: str, buffer, offset: int = 0) -> tuple[int, str | None]:
+    def read_hashed(self, key: str, buffer, offset: int = 0, head=None) -> tuple[int, str | None]:
         core = _ext.cpu()
         view = memoryview(buffer).cast("B")
         if core is None or view.readonly or not view.c_contiguous:
-            return self.readv(key, [view], offset), None
-        fd = self._open(key)
+            return super().read_hashed(key, view, offset, head)
+        fd = self._open(key)  # once, for the head and the rest
         try:
+            if head is not None:
+                k = memoryview(head).nbytes
+                got = _pread_full(fd, memoryview(head).cast("B"), offset - k)
+                if got < k:
+                    return got - k, None
             target = np.frombuffer(view, np.uint8)  # for its address; the read is one call, the GIL released
             return core.pread_hash(fd, offset, target.ctypes.data, len(view))
         except OSError as e:
@@ -338,13 +354,7 @@ class LocalStorage(Storage):
         try:
             n = min(os.fstat(fd).st_size, limit + 1)  # one byte more than limit tells the caller it is too large
             view = scratch("object", n).data.cast("B")
-            got = 0
-            while got < n:
-                k = os.preadv(fd, [view[got:]], got)
-                if k == 0:
-                    break
-                got += k
-            return view[:got]
+            return view[:_pread_full(fd, view, 0)]
         except OSError as e:
             raise StorageError(f"reading {self._path(key)} failed: {e}") from e
         finally:
