@@ -15,7 +15,7 @@ What is simulated, and what is ckpt's code as a real job runs it:
 * the rank report: :func:`ckpt.save.buffer_layout.make_layout` of the tensors the plan gave the rank, cut into
   16 MiB chunks, and :meth:`Writer._report` with a chunk table of made-up hashes (no bytes are hashed,
   encoded or written: every chunk is "raw", without span digests);
-* the commit, as :meth:`ckpt.save.commit.CommitProtocol._commit_summarized` runs it: every rank's
+* the commit, :func:`ckpt.save.commit_index.commit_summarized` as the commit protocol runs it: every rank's
   summary of its report (:func:`ckpt.save.commit_index.summarize`, what its commit report carries), then on
   rank 0 :meth:`ckpt.save.commit_index.IndexBuilder.build` (the first save of a plan reads every report
   once to learn the layout; the next save, measured apart, reads none), the index checked as every
@@ -49,7 +49,6 @@ from ckpt.format import manifest as mf
 from ckpt.format.chunk import HEADER_SIZE
 from ckpt.handle import SaveMetrics
 from ckpt.save.buffer_layout import make_layout
-from ckpt.save.committer import commit_bytes
 from ckpt.save.encode import CodecSpec
 from ckpt.save.planning import Inventory, WriteAssignment, exchange_plan
 from ckpt.save.writer import Writer, _Put
@@ -241,9 +240,8 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     import dataclasses
     import json
 
-    from ckpt.format import index, paths
-    from ckpt.save.commit import _read_report
-    from ckpt.save.commit_index import IndexBuilder, summarize
+    from ckpt.format import paths
+    from ckpt.save.commit_index import IndexBuilder, commit_summarized, summarize
     from ckpt.save.commit_plan import lazily
     from ckpt.storage.local import LocalStorage
 
@@ -299,12 +297,9 @@ def save_and_load(model: Model, layout: str, world: int, root: str, chunk_size: 
     coord.read_bytes = 0
     builders = [IndexBuilder()]
 
-    def commit(s: int) -> None:  # as CommitProtocol._commit_summarized, on rank 0
-        sums = summaries[s]
-        built = builders[0].build(s, parts[s], sums, frozenset(),
-                                  lambda r: _read_report(coord, s, r, sums[r]["size"]), plan=lazily(kept))
+    def commit(s: int) -> None:  # CommitProtocol's commit, on rank 0
+        built = commit_summarized(coord, builders[0], s, parts[s], summaries[s], frozenset(), plan=lazily(kept))
         assert built is not None  # no chunk listed differently by two ranks
-        commit_bytes(coord, s, index.committable(s, built[0], []))
 
     for s, tag in ((step, "commit_first_"), (step + 1, "commit_")):
         coord.reset_counts()
@@ -429,8 +424,8 @@ def steady_commit(model: Model, layout: str, world: int, root: str, chunk_size: 
     the commit round is not counted."""
     import math
 
-    from ckpt.format import index, paths
-    from ckpt.save.commit_index import IndexBuilder
+    from ckpt.format import paths
+    from ckpt.save.commit_index import IndexBuilder, commit_summarized
     from ckpt.storage.local import LocalStorage
     from ckpt.tree import digest, top_items
 
@@ -485,9 +480,7 @@ def steady_commit(model: Model, layout: str, world: int, root: str, chunk_size: 
     disk = CountingStorage(LocalStorage(root))
 
     def commit() -> None:
-        built = builder.build(step, own, summaries, frozenset(), lambda r: b"")
-        assert built is not None
-        commit_bytes(disk, step, index.committable(step, built[0], []))
+        assert commit_summarized(disk, builder, step, own, summaries, frozenset()) is not None  # reads no report
 
     t = time.thread_time()
     commit()

@@ -54,9 +54,8 @@ from ..format import manifest as mf
 from ..handle import SaveMetrics
 from ..lease import Leases
 from ..ranks import KEEP_SEQS, Comm, Gathered
-from ..storage import Storage
-from .commit_index import IndexBuilder, summarize
-from .committer import commit_bytes, commit_step
+from .commit_index import IndexBuilder, commit_summarized, summarize
+from .committer import commit_step
 from .job import SaveJob
 from .planning import fail_plan
 from .retention_thread import DeletionWindow
@@ -371,14 +370,11 @@ class CommitProtocol:
         (then every report is read and merged, as :func:`~ckpt.save.committer.commit_step` does)."""
         if self._index is None:
             self._index = IndexBuilder()
-        storage = self.writer.over(job)
-        built = self._index.build(job.step, part, summaries, job.snapshot.per_rank,
-                                  lambda r: _read_report(storage, job.step, r, summaries[r]["size"]), self.io,
-                                  job.snapshot.plan)
+        built = commit_summarized(self.writer.over(job), self._index, job.step, part, summaries,
+                                  job.snapshot.per_rank, self.io, job.snapshot.plan)
         if built is None:
             return None
         ix, chunks = built
-        commit_bytes(storage, job.step, index.committable(job.step, ix, []))
         return mf.Outline(step=job.step, kind="step", structure=ix.structure, tensors=[], chunks=chunks,
                           world_size=ix.world_size, created=ix.created, writer=ix.writer, stats=ix.stats,
                           format_version=ix.format_version)
@@ -420,15 +416,6 @@ def _sent_part(report: dict, step: int, rank: int) -> mf.Manifest:
     try:
         return mf.parse_rank_part(str(report["part"]).encode(), step, rank)
     except CheckpointError as e:
-        raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
-
-
-def _read_report(storage: Storage, step: int, rank: int, size: int) -> bytes:
-    """Rank ``rank``'s report as stored (``size`` bytes, as it summarized it)."""
-    try:
-        return bytes(storage.read_object(paths.rank_key(step, rank), size))
-    except (FileNotFoundError, OSError) as e:
-        key = paths.rank_key(step, rank)
         raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
 
 

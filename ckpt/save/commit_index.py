@@ -37,8 +37,9 @@ from ..format import index, paths, tree_union
 from ..format import manifest as mf
 from ..format.boxes import Box
 from ..format.entries import Segment, closure, ints
+from ..storage import Storage
 from .commit_plan import PlanLayout, boxes_digest
-from .committer import check_merged_chunks
+from .committer import check_merged_chunks, commit_bytes
 from .planning import MISMATCH_HINT
 
 VALUE_BYTES = 4096  # a per-rank top-level value up to this many JSON bytes travels in the summary itself
@@ -333,3 +334,28 @@ class IndexBuilder:
             values.append(st.per_rank_node([value(r, k) for r in range(len(summaries))])
                           if united is None else united)
         return st.dict_node(tops, values)
+
+
+def commit_summarized(storage: Storage, builder: IndexBuilder, step: int, own: mf.Manifest, summaries: list[dict],
+                      per_rank: frozenset[str], io: Executor | None = None,
+                      plan: Callable[[], PlanLayout | None] | None = None
+                      ) -> tuple[index.Index, dict[str, mf.ChunkInfo]] | None:
+    """Rank 0's commit of ``step`` from every rank's summary: the index :meth:`IndexBuilder.build`
+    makes (reading a rank's stored report only where the summaries do not carry what it needs),
+    written create-only as the step's manifest. None, nothing written, where two ranks list a chunk
+    differently (the caller then reads and merges every report). The Checkpointer's and ckpt.dcp's
+    commit (:class:`ckpt.save.commit.CommitProtocol`), and what benchmarks/scale_sim.py runs."""
+    built = builder.build(step, own, summaries, per_rank,
+                          lambda r: read_report(storage, step, r, summaries[r]["size"]), io, plan)
+    if built is not None:
+        commit_bytes(storage, step, index.committable(step, built[0], []))
+    return built
+
+
+def read_report(storage: Storage, step: int, rank: int, size: int) -> bytes:
+    """Rank ``rank``'s report as stored (``size`` bytes, as it summarized it)."""
+    try:
+        return bytes(storage.read_object(paths.rank_key(step, rank), size))
+    except (FileNotFoundError, OSError) as e:
+        key = paths.rank_key(step, rank)
+        raise DistributedSaveError(f"rank {rank}'s report {key} is unreadable: {e}", ranks=[rank]) from e
