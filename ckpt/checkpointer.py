@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -113,7 +112,7 @@ class Checkpointer:
                                   options.preemption_deadline, finish=self._ledger.settle)
         self._run_journal = engine.open_journal(self._schedule)  # the run journal: rank 0 writes it
         if self._run_journal is not None:  # dropped unclosed (a load in a notebook): no heartbeat left writing
-            weakref.finalize(self, self._run_journal.journal.abandon).atexit = False  # at exit: at_exit closes
+            self._run_journal.journal.finalize_with(self)
         self._clean_end = True  # False: closed by __exit__ on an exception (the journal says so)
         self._emergency: SaveHandle | None = None  # the save a preemption asked for
         self._chooser = StepChooser(self.storage, self._comm, engine.io, engine.manifests, engine.local,

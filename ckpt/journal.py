@@ -29,6 +29,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -243,11 +244,12 @@ class Journal:
         self._queue.put(("stop", clean))
         self._thread.join(timeout)
 
-    def abandon(self) -> None:
-        """Its Checkpointer was garbage-collected without ``close()``: the thread writes the last-seen
-        time once more (not a clean end) and stops. Only queues: a finalizer may run on any thread."""
-        if self._thread is not None:
-            self._queue.put(("stop", False))
+    def finalize_with(self, owner: object) -> None:
+        """When ``owner`` (its Checkpointer) is garbage-collected without ``close()``, the thread
+        writes the last-seen time once more (not a clean end) and stops. The finalizer holds only the
+        queue (what it holds must not lead back to ``owner``, or ``owner`` would never be freed) and
+        only puts on it: a finalizer may run on any thread. Not at exit, where ckpt.at_exit closes."""
+        weakref.finalize(owner, self._queue.put, ("stop", False)).atexit = False
 
     # -- on the journal's thread ---------------------------------------------------------------------
     def _failed(self, what: str, e: BaseException) -> None:
@@ -280,6 +282,7 @@ class Journal:
                 self._history(read(self.storage))
             except Exception as e:
                 self._failed("reading earlier starts", e)
+            self._history = None  # it holds the schedule (every="auto"): nothing here keeps it alive after
         due: float | None = None  # when the last-seen time is written next (None: until the start record)
         while True:
             wait = None if due is None else max(0.0, due - time.monotonic())

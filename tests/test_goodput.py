@@ -238,6 +238,22 @@ def test_a_checkpointer_dropped_unclosed_stops_its_journal_thread(tmp_path):
     assert not [f for f in os.listdir(tmp_path / "journal" / j.id) if ".tmp" in f]
 
 
+@pytest.mark.parametrize("every", [None, "auto"])
+def test_a_closed_checkpointer_is_freed(tmp_path, every):
+    """Nothing the journal leaves behind (its finalizer; with every="auto" the schedule its history
+    tunes) keeps a closed Checkpointer, its engine and its host buffer alive."""
+    import gc
+    import weakref
+    c = ckpt.Checkpointer(tmp_path, **({} if every is None else {"every": every}))
+    c.save(1, {"w": torch.ones(2)}).wait()
+    c.load(1, {"w": torch.zeros(2)})
+    c.close()
+    gone = weakref.ref(c)
+    del c
+    gc.collect()
+    assert gone() is None
+
+
 def two_ranks_body(rank: int, world: int, root: str) -> int:
     socket.gethostname = lambda: f"node-{rank}"  # type: ignore[assignment]  # two ranks as if on two hosts
     for _ in range(2):  # two starts of the job (one process group, to spawn the ranks once)
