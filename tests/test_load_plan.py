@@ -6,6 +6,7 @@ before reading anything."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -187,21 +188,28 @@ def test_a_load_that_borrows_the_host_buffer_leaves_its_padding_zero(tmp_path):
 
 # -- a raw chunk is one request, its header with it --------------------------------------------------------
 
-def _raw_root(root, state, codec="raw"):
-    with ckpt.Checkpointer(root, codec=codec, chunk_size=256 * 1024) as c:
+def _raw_root(root, state, codec="raw", chunk_size=256 * 1024):
+    with ckpt.Checkpointer(root, codec=codec, chunk_size=chunk_size) as c:
         c.save(1, state).wait()
         return sorted(c.manifest(1).chunks)
 
 
-def test_a_raw_chunk_is_read_in_one_request_with_its_header(tmp_path):
-    """On object storage a request is a GET: the header and the payload come in one (they took two)."""
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_raw_chunk_is_read_in_one_request_with_its_header(tmp_path, staged):
+    """On object storage a request is a GET: the header and the payload come in one (they took two),
+    also for a chunk that feeds several tensors (in place: the feeds do not join into one run)."""
     from ckpt.storage.local import LocalStorage
     from ckpt.testing import FaultyStorage
-    state = {"w": torch.randn(4, 64 * 1024), "b": torch.randn(7)}  # 1 MiB in 256 KiB chunks, and a small one
-    names = _raw_root(tmp_path, state)
+    state = {"w": torch.randn(4, 512 * 1024), "b": torch.randn(7),  # 8 MiB in 4 MiB chunks, and a small one
+             **{f"p{i}": torch.randn(25 * 1024) for i in range(60)}}  # 100 KiB each: packed, chunks with spans
+    names = _raw_root(tmp_path, state, chunk_size=4 << 20)
+    with ckpt.Checkpointer(tmp_path) as c:  # a chunk that feeds several tensors, with span digests
+        m = c.manifest(1)
+    feeds = Counter(g.chunk for t in m.tensors for s in t.shards for g in s.segments)
+    assert any(n > 1 and m.chunks[h].spans is not None for h, n in feeds.items())
     disk = FaultyStorage(LocalStorage(tmp_path))
     got = {k: torch.zeros_like(v) for k, v in state.items()}
-    with ckpt.Checkpointer(tmp_path, storage=disk) as c:
+    with ckpt.Checkpointer(tmp_path, storage=disk, staged_load=staged) as c:
         c.load(1, got)
     assert all(torch.equal(got[k], v) for k, v in state.items())
     reads = [(op, k) for op, k in disk.log if k.startswith("chunks/")]

@@ -94,7 +94,9 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
     size = info.size
     whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == size
     head: bytearray | None = bytearray(HEADER_SIZE)
-    if not whole and info.spans is not None:
+    # Only part of it, where the spans give a part: a storage that does not hash as it reads would
+    # read every span needed in one run anyway, so a chunk needed whole is read whole (one request)
+    if not whole and info.spans is not None and (storage.hashes_reads or not _every_span(info, feeds)):
         if not _raw_header(storage.read(key, 0, HEADER_SIZE), key, h, size):
             return None
         head = None
@@ -102,8 +104,7 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
         if got is not None:
             return got
         # a span differs: the whole chunk is read and checked by its name, which tells damaged bytes
-        # (refused below) from wrong digests (a writer's fault: logged, the bytes used); or nothing
-        # was gained over reading it whole
+        # (refused below) from wrong digests (a writer's fault: logged, the bytes used)
     if whole:
         _, _, flat, pos = feeds[0]
         target = flat[pos : pos + size]
@@ -124,6 +125,12 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
     return HEADER_SIZE + n
 
 
+def _every_span(info: mf.ChunkInfo, feeds: list) -> bool:
+    """Whether ``feeds`` touch every span of the chunk."""
+    runs = spans.runs([(off, length) for off, length, _, _ in feeds], info.size)
+    return sum(b - a for a, b in runs) == spans.count(info.size, spans.SPAN)
+
+
 def _raw_header(header: bytes | bytearray | memoryview, key: str, h: str, size: int) -> bool:
     """Check chunk ``h``'s header (refused where it names other bytes); whether it says stored raw."""
     hdr = parse_header(header, name=key)
@@ -137,13 +144,11 @@ def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: l
     each span is its own read, straight into the destination when one feed takes all of it; elsewhere
     one read per run of neighbouring spans, into scratch memory. None where a span does not match its
     digest (spans read in place may have landed: the whole read that follows writes over them or fails
-    the load) or where the spans needed are the whole chunk and reading it whole is as good."""
+    the load)."""
     assert info.spans is not None
     span, size = spans.SPAN, info.size
     runs = spans.runs([(off, length) for off, length, _, _ in feeds], size)
     if not storage.hashes_reads:
-        if sum(b - a for a, b in runs) == spans.count(size, span):
-            return None
         return _read_runs(storage, key, h, info, feeds, [(a * span, min(size, b * span)) for a, b in runs])
     staged: list[tuple[int, int, int]] = []  # (span start, span end, position in scratch) of spans not read in place
     todo: list[tuple[int, int, np.ndarray | None]] = []
