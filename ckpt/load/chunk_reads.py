@@ -94,13 +94,14 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
     size = info.size
     whole = len(feeds) == 1 and feeds[0][0] == 0 and feeds[0][1] == size
     head: bytearray | None = bytearray(HEADER_SIZE)
+    runs = None if whole or info.spans is None else spans.runs([(off, n) for off, n, _, _ in feeds], size)
     # Only part of it, where the spans give a part: a storage that does not hash as it reads would
     # read every span needed in one run anyway, so a chunk needed whole is read whole (one request)
-    if not whole and info.spans is not None and (storage.hashes_reads or not _every_span(info, feeds)):
+    if runs is not None and (storage.hashes_reads or sum(b - a for a, b in runs) < spans.count(size, spans.SPAN)):
         if not _raw_header(storage.read(key, 0, HEADER_SIZE), key, h, size):
             return None
         head = None
-        got = _read_spans(storage, key, h, info, feeds)
+        got = _read_spans(storage, key, h, info, feeds, runs)
         if got is not None:
             return got
         # a span differs: the whole chunk is read and checked by its name, which tells damaged bytes
@@ -125,12 +126,6 @@ def _read_raw(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: lis
     return HEADER_SIZE + n
 
 
-def _every_span(info: mf.ChunkInfo, feeds: list) -> bool:
-    """Whether ``feeds`` touch every span of the chunk."""
-    runs = spans.runs([(off, length) for off, length, _, _ in feeds], info.size)
-    return sum(b - a for a, b in runs) == spans.count(info.size, spans.SPAN)
-
-
 def _raw_header(header: bytes | bytearray | memoryview, key: str, h: str, size: int) -> bool:
     """Check chunk ``h``'s header (refused where it names other bytes); whether it says stored raw."""
     hdr = parse_header(header, name=key)
@@ -138,8 +133,10 @@ def _raw_header(header: bytes | bytearray | memoryview, key: str, h: str, size: 
     return hdr.codec == "raw" and hdr.payload_len == size
 
 
-def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list) -> int | None:
-    """Read the spans of raw chunk ``h`` that ``feeds`` touch, check each against the manifest's digest, and
+def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: list,
+                runs: list[tuple[int, int]]) -> int | None:
+    """Read the spans of raw chunk ``h`` that ``feeds`` touch (``runs`` of them, :func:`spans.runs`),
+    check each against the manifest's digest, and
     put what the feeds take where it goes. Where reads are hashed as they land (``Storage.hashes_reads``)
     each span is its own read, straight into the destination when one feed takes all of it; elsewhere
     one read per run of neighbouring spans, into scratch memory. None where a span does not match its
@@ -147,7 +144,6 @@ def _read_spans(storage: Storage, key: str, h: str, info: mf.ChunkInfo, feeds: l
     the load)."""
     assert info.spans is not None
     span, size = spans.SPAN, info.size
-    runs = spans.runs([(off, length) for off, length, _, _ in feeds], size)
     if not storage.hashes_reads:
         return _read_runs(storage, key, h, info, feeds, [(a * span, min(size, b * span)) for a, b in runs])
     staged: list[tuple[int, int, int]] = []  # (span start, span end, position in scratch) of spans not read in place

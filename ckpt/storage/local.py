@@ -77,15 +77,21 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _pread_full(fd: int, view: memoryview, offset: int) -> int:
-    """Fill ``view`` from byte ``offset`` of ``fd``; the bytes read (fewer where the file ends)."""
-    got = 0
-    while got < len(view):
-        k = os.preadv(fd, [view[got:]], offset + got)
-        if k == 0:
+def _preadv_full(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` in order from byte ``offset`` of ``fd``; the bytes read (fewer where the file ends)."""
+    views = [v for v in views if len(v)]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, offset + total)
+        if n == 0:
             break
-        got += k
-    return got
+        total += n
+        while views and n >= len(views[0]):  # drop the buffers that are full
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
 
 
 class LocalStorage(Storage):
@@ -313,18 +319,7 @@ class LocalStorage(Storage):
         views = [memoryview(b).cast("B") for b in buffers]
         fd = self._open(key)
         try:
-            total = 0
-            while views:
-                n = os.preadv(fd, views, offset + total)
-                if n == 0:
-                    break
-                total += n
-                while views and n >= len(views[0]):  # drop the buffers that are full
-                    n -= len(views[0])
-                    views.pop(0)
-                if views and n:
-                    views[0] = views[0][n:]
-            return total
+            return _preadv_full(fd, views, offset)
         except OSError as e:
             raise StorageError(f"reading {self._path(key)} failed: {e}") from e
         finally:
@@ -339,7 +334,7 @@ class LocalStorage(Storage):
         try:
             if head is not None:
                 k = memoryview(head).nbytes
-                got = _pread_full(fd, memoryview(head).cast("B"), offset - k)
+                got = _preadv_full(fd, [memoryview(head).cast("B")], offset - k)
                 if got < k:
                     return got - k, None
             target = np.frombuffer(view, np.uint8)  # for its address; the read is one call, the GIL released
@@ -354,7 +349,7 @@ class LocalStorage(Storage):
         try:
             n = min(os.fstat(fd).st_size, limit + 1)  # one byte more than limit tells the caller it is too large
             view = scratch("object", n).data.cast("B")
-            return view[:_pread_full(fd, view, 0)]
+            return view[:_preadv_full(fd, [view], 0)]
         except OSError as e:
             raise StorageError(f"reading {self._path(key)} failed: {e}") from e
         finally:
