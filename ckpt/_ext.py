@@ -25,7 +25,7 @@ SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<
 # A link of a chain for CpuCore.chain_decode: its planes, which are rANS sections, its tail bytes, rotated.
 ChainLink = tuple[list[np.ndarray], list[bool], np.ndarray, bool]
 
-ABI_VERSION = 11  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+ABI_VERSION = 12  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -87,6 +87,8 @@ class CpuCore:
         lib.ckpt_rans_bound.argtypes = [u64]
         lib.ckpt_rans_encode.restype = ctypes.c_int64
         lib.ckpt_rans_encode.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
+        lib.ckpt_rans_estimate.restype = u64
+        lib.ckpt_rans_estimate.argtypes = [ptr, u64, ptr]
         lib.ckpt_rans_decode.restype = ctypes.c_int
         lib.ckpt_rans_decode.argtypes = [ptr, u64, ptr, u64, ctypes.c_int]
         lib.ckpt_rans_simd.restype = ctypes.c_int
@@ -167,6 +169,12 @@ class CpuCore:
         if n < 0:
             raise ValueError("rans: output bound too small")
         return out[:n].tobytes()
+
+    def rans_estimate(self, src: np.ndarray, cost: np.ndarray) -> int:
+        """About the length of :meth:`rans_encode`'s section of ``src``, from its blocks' counts alone
+        (``cost``: uint32 per frequency, from ckpt/format/rans.py)."""
+        src = np.ascontiguousarray(src, np.uint8)
+        return int(self.lib.ckpt_rans_estimate(src.ctypes.data, src.size, cost.ctypes.data))
 
     def rans_decode(self, section, out: np.ndarray, simd: int = 2) -> int:
         """Decode ``section`` into exactly the uint8 array ``out``: 0, or the core's error code. ``simd``

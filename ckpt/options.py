@@ -99,7 +99,7 @@ class EncodingOptions(_Record):
     codec: CodecSpec = _option(
         CodecSpec(), chk.codec,
         "`\"auto\"`: per chunk the smallest of raw, zstd, byte planes (each entropy-coded or zstd; behind a zero mask "
-        "where most elements are zero) and an XOR delta against the previous save, chosen from a 256 KiB sample by "
+        "where most elements are zero) and an XOR delta against the previous save, chosen from a 128 KiB sample by "
         "content alone (see [Deltas](#deltas-fewer-bytes-per-save)); `\"smallest\"`: the same; `\"raw\"`; "
         "`\"zstd\"` or `\"grouped\"` "
         "(byte planes) always; all but raw optionally `\":<level>\"` (zstd's level, e.g. `\"zstd:3\"`)",

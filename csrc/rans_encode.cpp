@@ -97,6 +97,31 @@ bool one_symbol(const uint8_t* p, uint32_t n) {
   return true;
 }
 
+// The block's symbol counts.
+void count_block(const uint8_t* src, uint32_t n, uint32_t* count) {
+  if (one_symbol(src, n)) {
+    memset(count, 0, 256 * sizeof(uint32_t));
+    count[src[0]] = n;
+    return;
+  }
+  // Eight histograms fed from 64-bit loads: runs of one symbol (a plane of mostly zeros) would
+  // otherwise wait on their own increments. 16-bit counts: a table sees at most n / 8 < 2^16.
+  static_assert((1u << BLOCK_LOG) / 8 < 65536, "a histogram's counts must fit 16 bits");
+  uint16_t part[8][256] = {{0}};
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    memcpy(&w, src + i, 8);  // the byte order does not matter: every byte is counted once
+    for (int k = 0; k < 8; ++k) part[k][(w >> (8 * k)) & 255]++;
+  }
+  for (int s = 0; s < 256; ++s) {
+    uint32_t c = 0;
+    for (int k = 0; k < 8; ++k) c += part[k][s];
+    count[s] = c;
+  }
+  for (; i < n; ++i) count[src[i]]++;
+}
+
 // Count the block's symbols and derive its frequencies; the states start at LOW.
 void plan_block(EncBlock& b, const uint8_t* src, uint32_t n, uint16_t* words, uint32_t room) {
   b.src = src;
@@ -104,27 +129,7 @@ void plan_block(EncBlock& b, const uint8_t* src, uint32_t n, uint16_t* words, ui
   b.words = words;
   b.room = room;
   uint32_t count[256];
-  if (one_symbol(src, n)) {
-    memset(count, 0, sizeof count);
-    count[src[0]] = n;
-  } else {
-    // Eight histograms fed from 64-bit loads: runs of one symbol (a plane of mostly zeros) would
-    // otherwise wait on their own increments. 16-bit counts: a table sees at most n / 8 < 2^16.
-    static_assert((1u << BLOCK_LOG) / 8 < 65536, "a histogram's counts must fit 16 bits");
-    uint16_t part[8][256] = {{0}};
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      uint64_t w;
-      memcpy(&w, src + i, 8);  // the byte order does not matter: every byte is counted once
-      for (int k = 0; k < 8; ++k) part[k][(w >> (8 * k)) & 255]++;
-    }
-    for (int s = 0; s < 256; ++s) {
-      uint32_t c = 0;
-      for (int k = 0; k < 8; ++k) c += part[k][s];
-      count[s] = c;
-    }
-    for (; i < n; ++i) count[src[i]]++;
-  }
+  count_block(src, n, count);
   normalize(count, n, b.f);
   b.present = 0;
   uint32_t c = 0;
@@ -452,6 +457,13 @@ size_t encode_vector(const uint8_t* src, uint64_t n, uint8_t* out, int level) {
 
 #endif
 
+// A coded block's bytes: length, count, table, states and word counts exactly; its words from the
+// symbols' information (`bits`, in 1/65536 bits) less the ~4 words its final states keep.
+uint64_t estimate_block(int present, uint64_t bits) {
+  const uint64_t words = (bits + (uint64_t(16) << 16) - 1) / (uint64_t(16) << 16);
+  return 4 + 1 + 3 * uint64_t(present) + 6 * STATES + 2 * (words > 4 ? words - 4 : 0);
+}
+
 }  // namespace
 
 extern "C" {
@@ -483,6 +495,30 @@ int64_t ckpt_rans_encode(const uint8_t* src, uint64_t n, uint8_t* out, uint64_t 
     pos += encode_block(src + i, len, out + pos, words);
   }
   return int64_t(pos);
+}
+
+// About the bytes ckpt_rans_encode would write for n bytes, without coding them (auto's trials compare
+// sizes only): per block the exact header and table, and the coded words from the symbols' costs,
+// cost[f] being -log2(f / SCALE) in 1/65536 bits for each frequency f (1..SCALE; made by
+// ckpt/format/rans.py, which computes the same sum without the core: the same result on every machine).
+// A block of one symbol is exact (6 bytes), so a section of such blocks only is recognised by its size.
+uint64_t ckpt_rans_estimate(const uint8_t* src, uint64_t n, const uint32_t* cost) {
+  uint64_t total = 2;
+  uint32_t count[256], f[256];
+  for (uint64_t i = 0; i < n; i += 1u << BLOCK_LOG) {
+    const uint32_t len = uint32_t(n - i < (1u << BLOCK_LOG) ? n - i : (1u << BLOCK_LOG));
+    count_block(src + i, len, count);
+    normalize(count, len, f);
+    uint64_t bits = 0;  // in 1/65536 bits
+    int present = 0;
+    for (int s = 0; s < 256; ++s) {
+      if (!f[s]) continue;
+      ++present;
+      bits += uint64_t(count[s]) * cost[f[s]];
+    }
+    total += present == 1 ? 6 : estimate_block(present, bits);
+  }
+  return total;
 }
 
 }  // extern "C"

@@ -109,3 +109,28 @@ def test_a_level_above_the_cpus_runs_the_best_it_has():
     """simd beyond what the CPU has (or below 0) is clamped, never refused: the bytes are the same."""
     a = np.random.default_rng(24).integers(0, 40, 3 * BLOCK, dtype=np.uint8)
     assert core.rans_encode(a, 7) == core.rans_encode(a, -1) == core.rans_encode(a, core.rans_simd)
+
+
+@pytest.mark.parametrize("name,a", _cases(), ids=[c[0] for c in _cases()])
+def test_the_size_estimate_is_the_same_everywhere_and_close_to_the_section(name, a):
+    """``auto``'s trials compare rANS sizes estimated from counts: the compiled core and numpy give the
+    same number (a choice made from it must not depend on the machine), within 1% and 8 bytes a block
+    of the section's length, and a section of one-symbol blocks only is recognised from either."""
+    est = core.rans_estimate(a, rans._cost())
+    assert est == rans._estimate_numpy(a), name
+    real = len(core.rans_encode(a))
+    blocks = -(-a.size // BLOCK)
+    assert abs(est - real) <= 0.01 * real + 8 * blocks, (name, est, real)
+    assert rans.repeats(est, a.size) == rans.repeats(core.rans_encode(a), a.size), name
+
+
+def test_the_cost_table_is_the_information_of_each_frequency():
+    """-log2(f / 4096) in 1/65536 bits, from log2 f rounded down (integers only): exact at powers of
+    two, within one unit of the real value elsewhere, decreasing in f."""
+    import math
+
+    cost = rans._cost()
+    assert cost[1] == 12 << 16 and cost[2048] == 1 << 16 and cost[4096] == 0
+    assert all(cost[f] > cost[f + 1] for f in range(1, 4096))
+    for f in range(1, 4097):
+        assert 0 <= int(cost[f]) - (12 - math.log2(f)) * 65536 < 1 + 1e-6, f

@@ -22,6 +22,7 @@ not depend on the machine.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -56,6 +57,60 @@ def encode(src: np.ndarray) -> bytes:
 
 
 _warned = False
+
+
+def estimate(src: np.ndarray) -> int:
+    """About the length of :func:`encode`'s section of ``src``, from each block's symbol counts alone
+    (no coding: `auto`'s trials compare sizes): every block's header and table exactly, its coded words
+    from its symbols' information. A block of one symbol is exact, so :func:`repeats` holds for an
+    estimate as for a section. The compiled core and numpy give the same number (integer arithmetic
+    on one table of costs), so a choice made from it does not depend on the machine."""
+    core = _ext.cpu()
+    if core is not None:
+        return core.rans_estimate(src, _cost())
+    return _estimate_numpy(np.ascontiguousarray(src, np.uint8))
+
+
+_COST_FRAC = 16  # costs in 1/65536 bits
+
+
+@functools.lru_cache(None)
+def _cost() -> np.ndarray:
+    """Per frequency f (1..4096; index 0 unused), -log2(f / 4096) in 1/65536 bits, from log2 f rounded
+    down, in integers alone (its bits by repeated squaring): the same table on every machine."""
+    out = np.zeros((1 << SCALE_BITS) + 1, np.uint32)
+    one = 1 << 62  # fixed point: 1.0
+    for f in range(1, (1 << SCALE_BITS) + 1):
+        e = f.bit_length() - 1
+        x = (f << 62) >> e  # f / 2^e in [1, 2)
+        frac = 0
+        for _ in range(_COST_FRAC):
+            x = (x * x) >> 62
+            frac <<= 1
+            if x >= 2 * one:
+                x >>= 1
+                frac |= 1
+        out[f] = (SCALE_BITS << _COST_FRAC) - ((e << _COST_FRAC) + frac)  # log2 f = e + frac / 2^16
+    return out
+
+
+def _estimate_numpy(src: np.ndarray) -> int:
+    n = src.size
+    block = 1 << BLOCK_LOG
+    k = -(-n // block)
+    if k == 0:
+        return 2
+    starts = np.arange(k) * block
+    ms = np.minimum(block, n - starts)
+    ids = np.repeat(np.arange(k), ms)
+    counts = np.bincount(ids * 256 + src.astype(np.int64), minlength=k * 256).reshape(k, 256)
+    f = _normalize(counts, ms)
+    present = (f > 0).sum(axis=1)
+    bits = (counts.astype(np.uint64) * _cost()[f].astype(np.uint64)).sum(axis=1)
+    unit = 16 << _COST_FRAC
+    words = (bits + np.uint64(unit - 1)) // np.uint64(unit)
+    coded = 4 + 1 + 3 * present + 6 * STATES + 2 * np.maximum(words.astype(np.int64) - 4, 0)
+    return int(2 + np.where(present == 1, 6, coded).sum())
 
 
 def decode_into(section, out: np.ndarray) -> None:
@@ -176,11 +231,12 @@ def _decode_batch(coded: list, out: np.ndarray) -> None:
 BLOCK_LOG = 14  # what the encoder writes (csrc/rans.h BLOCK_LOG)
 
 
-def repeats(section: bytes, n: int) -> bool:
-    """Is ``section`` (the encoder's, of ``n`` symbols) one-symbol blocks only: a byte repeated per
-    block, which decoders write as such (no arithmetic)? Its length says so: every other block is
-    longer than six bytes."""
-    return len(section) == 2 + 6 * -(-n // (1 << BLOCK_LOG))
+def repeats(section: bytes | int, n: int) -> bool:
+    """Is ``section`` (the encoder's, of ``n`` symbols, or its length or :func:`estimate`) one-symbol
+    blocks only: a byte repeated per block, which decoders write as such (no arithmetic)? Its length
+    says so: every other block is longer than six bytes."""
+    size = section if isinstance(section, int) else len(section)
+    return size == 2 + 6 * -(-n // (1 << BLOCK_LOG))
 
 
 def _normalize(counts: np.ndarray, n: np.ndarray) -> np.ndarray:
