@@ -6,7 +6,11 @@ On a trained AdamW state (weights and both moments; fp32, and bf16 for everythin
 (one rank), the same run measures, taking turns within each repeat:
 
 * ``ckpt auto`` and ``ckpt raw``: a steady ``Checkpointer`` (its first save, untimed, allocates the host
-  buffer), time from ``save()`` until the step is committed, and ``load`` into the state;
+  buffer), time from ``save()`` until the step is committed; ``load`` into the state through a second
+  ``Checkpointer`` on the same path, as a restarted job or an evaluator reads it. The saving one is not
+  asked to load: a load through it would stage in its idle host buffer, which holds the previous save
+  as the next one's delta base, and the timed saves would then never store a delta, which a training
+  loop saving every N steps does (with ``auto``, about every other save of these states);
 * ``DCP async_save``: ``torch.distributed.checkpoint.async_save`` with its fsspec writer, time until its
   future is done; ``DCP load`` with the fsspec reader;
 * ``safetensors``: ``safetensors.torch.save`` of the tensors, written as one object; read back with
@@ -27,8 +31,9 @@ How the bandwidth is limited, the same for every method:
   forwards each direction at the rate (one bucket per direction shared by every connection: one rank's
   network share); every method reaches the server through it (s3fs underneath them all).
 
-Reported per method: medians of time to durable (committed) and load time, and the ratios the issue
-asks for (``auto/raw``, ``auto/DCP``). Prints a table, writes benchmarks/results/bandwidth.{json,md}.
+Reported per method: medians of time to durable (committed) and load time, the bytes a save stored
+(ckpt: its ``written_bytes``, median; the others: the state's bytes), and the ratios the issue asks for
+(``auto/raw``, ``auto/DCP``). Prints a table, writes benchmarks/results/bandwidth.{json,md}.
 """
 
 from __future__ import annotations
@@ -282,6 +287,7 @@ def run_target(url: str, so: dict | None, state: dict, train: Callable[[], None]
     kw = {"storage_options": so} if so else {}
     cps = {codec: ckpt.Checkpointer(f"{url}/{run}-{codec}", codec=codec, keep_last=2, **kw)
            for codec in ("auto", "raw")}
+    readers = {codec: ckpt.Checkpointer(f"{url}/{run}-{codec}", **kw) for codec in ("auto", "raw")}
     dcp_kw = plain_s3(so) if so else {}
     times: dict[str, dict[str, list[float]]] = {}
     step_no = [0]
@@ -293,13 +299,15 @@ def run_target(url: str, so: dict | None, state: dict, train: Callable[[], None]
         def go(r: int) -> None:
             c = cps[codec]
             t0 = time.perf_counter()
-            c.save(step_no[0], state).wait()
+            h = c.save(step_no[0], state)
+            h.wait()
             t1 = time.perf_counter()
-            c.load(step_no[0], state)
+            readers[codec].load(step_no[0], state)
             t2 = time.perf_counter()
             if r > 0:
                 keep(f"ckpt {codec}", "durable", t1 - t0)
                 keep(f"ckpt {codec}", "load", t2 - t1)
+                keep(f"ckpt {codec}", "stored_mb", h.metrics.written_bytes / MB)
         return go
 
     def dcp(r: int) -> None:
@@ -349,7 +357,7 @@ def run_target(url: str, so: dict | None, state: dict, train: Callable[[], None]
                                                            ("safetensors", safetensors))}
     rounds(contenders, repeats, warmup=1, before=before,
            report=lambda r, name, _: print(f"    round {r} {name} done", flush=True))
-    for c in cps.values():
+    for c in [*cps.values(), *readers.values()]:
         c.close()
     return {name: {what: median(ts) for what, ts in d.items()} for name, d in times.items()}
 
@@ -431,11 +439,14 @@ def main() -> None:
 def markdown(results: list[dict[str, Any]], cmd: str, machine: str) -> str:
     lines = [f"`{cmd}`", "", machine, "",
              "Seconds (medians); ratios below 1 favour ckpt auto.", "",
-             "| state | storage | bandwidth | method | durable s | load s |", "|---|---|---|---|---:|---:|"]
+             "| state | storage | bandwidth | method | durable s | load s | stored MB |",
+             "|---|---|---|---|---:|---:|---:|"]
     for r in results:
         bw = "unthrottled" if not r["rate_mb_s"] else f"{r['rate_mb_s']:g} MB/s"
         for name, m in r["methods"].items():
-            lines.append(f"| {r['dtype']} | {r['target']} | {bw} | {name} | {fmt(m['durable'])} | {fmt(m['load'])} |")
+            stored = m.get("stored_mb", r["bytes"] / MB if name.startswith(("DCP", "safetensors")) else None)
+            lines.append(f"| {r['dtype']} | {r['target']} | {bw} | {name} | {fmt(m['durable'])} | {fmt(m['load'])} | "
+                         f"{'' if stored is None else f'{stored:.0f}'} |")
     lines += ["", "| state, storage, bandwidth | durable auto/raw | durable auto/DCP | load auto/raw | "
               "load auto/DCP |", "|---|---:|---:|---:|---:|"]
     for r in results:
