@@ -299,7 +299,8 @@ class Checkpointer:
         self._chooser.partial = None
 
     def protect(self, step: int) -> None:
-        """Never let retention delete ``step`` (the step this run resumed from is protected already).
+        """Never let retention delete ``step`` (the step this Checkpointer last loaded is protected already,
+        while it is the last: a later load lets it go unless it was protected here).
 
         Args:
             step: a step number, committed or to come.

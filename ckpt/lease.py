@@ -223,11 +223,22 @@ class Leases:
         another process deletes it while the lease is live; this process's retention asks
         :func:`protected_here`. Written at once if the lease is held, else when it is taken."""
         self.protected.add(step)
+        self._record_protected()
+
+    def _record_protected(self) -> None:
         if self.writer_id in self._held:
             try:
                 self._valid_until = self._write(self.writer_id, "writer")
             except Exception as e:  # the next heartbeat writes it
-                log.warning("recording protected step %d in %s failed: %s", step, self.storage.describe(), e)
+                log.warning("recording the protected steps %s in %s failed: %s", sorted(self.protected),
+                            self.storage.describe(), e)
+
+    def unprotect(self, step: int) -> None:
+        """``step`` is no longer the one this run resumed from (a later load): no longer recorded."""
+        if step not in self.protected:
+            return
+        self.protected.discard(step)
+        self._record_protected()
 
     def release(self) -> None:
         """Drop the writer lease (at close)."""

@@ -108,6 +108,25 @@ def test_a_dcp_writer_keeps_the_step_an_open_checkpointer_of_this_process_loaded
     assert ckpt.open(root).steps() == [12]  # closed: nobody resumed from 10 any more
 
 
+def test_a_reader_loading_each_new_step_keeps_only_the_last_it_loaded(tmp_path):
+    """An evaluator's Checkpointer loads each step a training Checkpointer of the same process commits: the
+    trainer's keep_last=1 removes the steps the evaluator has moved past (each load protected its step,
+    and every one had stayed), keeps the one it last loaded, and a step protect() was asked for stays."""
+    root = str(tmp_path / "ck")
+    w = {"w": torch.zeros(64)}
+    with ckpt.Checkpointer(root, keep_last=1) as trainer, ckpt.Checkpointer(root) as reader:
+        trainer.save(1, {"w": torch.full((64,), 1.0)}).wait()
+        reader.load(1, w)
+        reader.protect(1)
+        for step in (2, 3, 4):
+            trainer.save(step, {"w": torch.full((64,), float(step))}).wait()
+            reader.load(step, w)
+            assert torch.equal(w["w"], torch.full((64,), float(step)))
+        trainer.save(5, {"w": torch.full((64,), 5.0)}).wait()
+        trainer.wait()  # retention after 5's commit
+        assert ckpt.open(root).steps() == [1, 4, 5]  # 1 asked for, 4 last loaded, 5 newest; 2 and 3 gone
+
+
 @pytest.mark.multiprocess
 def test_retention_keeps_the_step_another_live_job_resumed_from(tmp_path):
     """A job sharing the root on purpose resumed from 10 and saved 11; this job's keep_last=1 removes

@@ -129,7 +129,7 @@ class SaveEngine:
         """A load of ``done.manifest`` succeeded: retention keeps that step, the next save reuses its
         chunks without probing (where it writes to where they were read), and the heal runs before it."""
         m = done.manifest
-        self.retention.protect(m.step)  # retention never deletes the step this run resumed from
+        self.retention.resumed(m.step)  # retention never deletes the step this run last loaded
         if self.local is None or self.local.reuses_loaded(done.stats):
             self.writer.learn(m.chunks)
         if done.heal is not None:  # in the background, before the next save (the same thread)

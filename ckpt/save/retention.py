@@ -166,7 +166,9 @@ class Retention:
         self.manifests = manifests
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self.protected: set[int] = set()
+        self.protected: set[int] = set()  # never deleted: what protect() asked for, and the step last loaded
+        self._asked: set[int] = set()  # protect()'s
+        self._resumed: int | None = None  # the step last loaded
         self.leases = leases
         self._delete_many = delete_many
         self._in_use = in_use
@@ -174,8 +176,21 @@ class Retention:
         self._warned: set[int] = set()  # abandoned steps already named in a warning
 
     def protect(self, step: int) -> None:
+        """Keep ``step`` for good (``Checkpointer.protect``)."""
+        self._asked.add(step)
         self.protected.add(step)
         self.leases.protect(step)  # other processes' retention, and this process's other writers, keep it too
+
+    def resumed(self, step: int) -> None:
+        """A load of ``step``: kept while it is the step this run last loaded. The step an earlier load
+        protected is let go (unless :meth:`protect` was asked for it): an evaluator loading each new step
+        would otherwise keep every one it ever loaded from this process's retention."""
+        before, self._resumed = self._resumed, step
+        if before is not None and before != step and before not in self._asked:
+            self.protected.discard(before)
+            self.leases.unprotect(before)
+        self.protected.add(step)
+        self.leases.protect(step)
 
     def after_commit(self, committed: mf.Manifest) -> None:
         """Apply retention now that ``committed`` is; a failure is logged, never raised (the save
