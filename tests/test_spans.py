@@ -456,7 +456,7 @@ def test_a_delta_on_a_raw_chunk_whose_payload_is_cut_short_is_refused_not_misrea
 
     g = torch.Generator().manual_seed(6)
     w = torch.randint(-(1 << 31), (1 << 31) - 1, (ROWS, COLS), generator=g, dtype=torch.int32)  # stored raw
-    with ckpt.Checkpointer(tmp_path) as c:
+    with ckpt.Checkpointer(tmp_path, delta_budget=1.3) as c:  # room for a delta on a raw chunk
         c.save(1, {"w": w}).wait()
         w.view(-1)[::97] ^= 1  # a sparse change: the second save is a delta on it
         c.save(2, {"w": w}).wait()

@@ -109,7 +109,7 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 
 def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | None,
                    min_saving: float = 0.0, masked: Masked | None = None,
-                   estimate: bool = False) -> tuple[list, int, list[int]]:
+                   estimate: bool = False, cap: float | None = None) -> tuple[list, int, list[int]]:
     """Sections of grouped bytes ``g`` (with ``masked``: of the kept elements only, the mask coded
     like a plane before them and the chunk's tail after): each plane the smaller of zstd and rANS (a
     trial: ``methods`` None), or the coder ``methods`` (per plane, from a trial) names, zstd where it
@@ -117,7 +117,8 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
     ``min_saving`` (the final encode: ``_PLANE_MIN_SAVING``; a trial keeps any gain, so a plane that
     shrinks a little in the sample is tried on the whole chunk). With ``estimate`` (a trial on a sample,
     whose bytes are not kept) rANS is not run: :func:`rans.estimate` says its size from the plane's
-    counts (within 0.1%, a third of the time; the payload buffers are then not the encoding). Returns
+    counts (within 0.1%, a third of the time; the payload buffers are then not the encoding). A trial
+    with ``cap`` stops once its length passes it (a delta's that can no longer be kept). Returns
     (payload buffers, payload length, how each section but the tail was kept)."""
     cctx = _compressor(level)
     m = g.size // width
@@ -173,6 +174,8 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
         table[first + i] = SECTION_FLAGS[how] | nbytes
         parts.append(stored)
         total += nbytes
+        if cap is not None and total > cap:
+            break
     return parts, total, kept
 
 
@@ -198,9 +201,10 @@ class _Trial:
 
 
 def _try(codec: str, sample, base_sample, width: int, rot: bool, level: int, masked: bool = False,
-         estimate: bool = False) -> _Trial:
+         estimate: bool = False, cap: float | None = None) -> _Trial:
     """The sample encoded one way; ``estimate``: rANS sizes estimated, not coded (the sample is not the
-    chunk, so its bytes are not kept: ``parts`` is then None)."""
+    chunk, so its bytes are not kept: ``parts`` is then None); ``cap``: stop once the size passes it
+    (the trial is then of no use: its size is only known to be larger)."""
     if codec == "zstd":
         packed = _compressor(level).compress(sample)
         return _Trial(codec, len(packed), None, [packed])
@@ -208,10 +212,10 @@ def _try(codec: str, sample, base_sample, width: int, rot: bool, level: int, mas
     name = f"trial-{codec}-{int(rot)}{'-mask' if masked else ''}"
     if masked:
         g, spread = _masked_group(sample, base, width, rot, name, True)
-        parts, size, kept = _encode_planes(g, width, level, None, masked=spread, estimate=estimate)
+        parts, size, kept = _encode_planes(g, width, level, None, masked=spread, estimate=estimate, cap=cap)
     else:
         parts, size, kept = _encode_planes(group(sample, base, width, scratch(name, len(sample)), rot), width, level,
-                                           None, estimate=estimate)
+                                           None, estimate=estimate, cap=cap)
     return _Trial(codec, size, kept, None if estimate else parts, rot, masked)
 
 
@@ -307,20 +311,29 @@ def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int,
         sample = _spread(raw, n, "sample")
         base_sample = _spread(base.raw, n, "base-sample") if base else None
     candidates = ["planes" if width > 1 else "zstd"] + (["xor"] if base is not None else [])
-    trials = [_try(c, sample, base_sample, width, r, level, estimate=not whole)
-              for c in candidates for r in ((True, False) if rot and c != "zstd" else (False,))]
+    specs = [(c, r, False) for c in candidates for r in ((True, False) if rot and c != "zstd" else (False,))]
     if width in mask.WIDTHS:
         for c in candidates:
             if mask.zero_share(sample, width, base_sample if c == "xor" else None) >= _MASK_ZEROS:
-                trials += [_try(c, sample, base_sample, width, r, level, True, estimate=not whole)
-                           for r in ((True, False) if rot else (False,))]
+                specs += [(c, r, True) for r in ((True, False) if rot else (False,))]
     k = len(sample)
+    # the whole chunk's ways first: they bound what a delta must beat to be kept (below), and a delta's
+    # trial stops as soon as its planes so far pass that (the same choice, its planes not all coded)
+    done = {sp: _try(sp[0], sample, base_sample, width, sp[1], level, sp[2], estimate=not whole)
+            for sp in specs if sp[0] != "xor"}
+    whole_size = min((t.size for t in done.values()), default=k)
+    cap = None
+    if base is not None and base.room is not None:
+        cap = max((base.room - HEADER_SIZE) * k / n, _SPARSE_DELTA * whole_size) * 1.001 + 8
+    for sp in specs:
+        if sp[0] == "xor":
+            done[sp] = _try("xor", sample, base_sample, width, sp[1], level, sp[2], estimate=not whole, cap=cap)
+    trials = [done[sp] for sp in specs]
     if base is not None and base.room is not None:
         # a delta that would make its chain read more than the budget allows is not stored: the chunk is
         # stored whole. The sample's estimate decides, except where the delta is far smaller than the
         # whole chunk (sparse changes, which a sample of a few pieces over- or underestimates): then the
         # full delta is made and measured (below), and dropped only if it does not fit
-        whole_size = min((t.size for t in trials if t.codec != "xor"), default=k)
         trials = [t for t in trials if t.codec != "xor" or t.size * (n / k) + HEADER_SIZE <= base.room
                   or t.size < _SPARSE_DELTA * whole_size]
     best = min((t for t in trials if not t.masked), key=lambda t: t.size)

@@ -54,7 +54,7 @@ class Writer:
     says whether this job may delete what a failed save alone wrote (no other writer is live)."""
 
     def __init__(self, storage: Storage, codec: CodecSpec, io: Executor, leases: Leases | None = None,
-                 delta_chain: int = 1, delta_budget: float = 1.3):
+                 delta_chain: int = 1, delta_budget: float = 1.0):
         self.storage = storage
         self.codec = codec
         self.io = io
