@@ -62,6 +62,8 @@ _MASK_ZEROS = 0.25  # a zero mask is tried where at least this share of the samp
 # nothing (Adam's bf16 second moments) and decodes 1.6x slower, at 90% it saves 45% and decodes 2.9x faster
 _MASK_MIN_SAVING = 0.1
 
+_REPEATS = -1  # a trial's plane method: rANS, the sample's plane being one byte per block (see _encode_planes)
+
 _MASKED_ZSTD = 0.08  # behind a zero mask, a plane is zstd-coded only where that is this much smaller than rANS
 
 Masked = tuple[int, np.ndarray, np.ndarray]  # a zero mask's (elements kept, mask, the chunk's tail bytes)
@@ -150,12 +152,15 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
             # A trial tries rANS first: a plane that is one byte repeated per block (a frozen tensor's zero
             # delta, a fixed bit flip) is kept as rANS whatever zstd would give (a few bytes more per
             # 16 KiB): decoders write it as a run, and a chain decoded in one pass skips a zero one, where a
-            # zstd frame must be inflated. Such a sample makes rANS the plane's method.
+            # zstd frame must be inflated. Such a sample (_REPEATS) has the whole plane coded both ways: rANS
+            # kept where it too is one byte per block, else the smaller (a sparse delta's plane, whose few
+            # changes a 128 KiB sample often misses: rANS alone took 29% more bytes on 64 flipped bits a MiB).
             # Behind a zero mask a plane holds the kept elements only, of which the sample held few (a few
             # thousand): its choice of zstd over rANS is checked on the whole plane, which is short.
-            zero_runs = methods is not None and methods[i] != RANS and _runs(sec)
+            zero_runs = methods is not None and methods[i] not in (RANS, _REPEATS) and _runs(sec)
             both = zero_runs or (masked is not None and methods is not None and methods[i] == ZSTD)
-            tries = ((RANS, ZSTD) if methods is None or (methods[i] == ZSTD and both) else (ZSTD,)
+            tries = ((RANS, ZSTD) if methods is None or methods[i] == _REPEATS or (methods[i] == ZSTD and both)
+                     else (ZSTD,)
                      if methods[i] == ZSTD or zero_runs else (RANS,) if methods[i] == RANS else ())
             for t in tries:
                 packed = (cctx.compress(sec.data) if t == ZSTD else rans.estimate(sec) if estimate
@@ -170,7 +175,7 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
                     if t == RANS and rans.repeats(size, n):
                         break
         if i < coders:
-            kept.append(how)
+            kept.append(_REPEATS if methods is None and how == RANS and rans.repeats(nbytes, n) else how)
         table[first + i] = SECTION_FLAGS[how] | nbytes
         parts.append(stored)
         total += nbytes
