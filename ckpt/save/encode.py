@@ -11,15 +11,18 @@ trained AdamW states, against a 256 KiB sample coded in full: the same bytes to 
 encoding CPU (the trials had been half of it with a delta's base). The whole chunk is then
 encoded that way, each plane the smaller of rANS (the entropy coder, best on exponent planes) and
 zstd (best where bytes repeat in runs), zstd alone where the sample found the plane incompressible,
-or as it is where neither saves 3%. The choice depends on the chunk's bytes alone (no timing, no
-machine load), so the same state and options store the same bytes on every machine (without the
-compiled core too: its numpy fallback writes the same bytes, slower).
+or as it is where neither saves 3%. A chunk at the same place as one encoded a save earlier reuses
+that one's trials for ``_RETRY - 1`` saves (:func:`_auto`): a training step changes a chunk's
+statistics little, and the trials were a third of the encoding CPU of trained fp32 state. The choice
+depends on the bytes alone, this save's and those before it (no timing, no machine load), so the same
+saves of the same states store the same bytes on every machine (without the compiled core too: its
+numpy fallback writes the same bytes, slower).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -63,6 +66,8 @@ _MASK_ZEROS = 0.25  # a zero mask is tried where at least this share of the samp
 _MASK_MIN_SAVING = 0.1
 
 _REPEATS = -1  # a trial's plane method: rANS, the sample's plane being one byte per block (see _encode_planes)
+
+_RETRY = 4  # auto's trials on a chunk run every this many saves; in between, the last ones are reused
 
 _MASKED_ZSTD = 0.08  # behind a zero mask, a plane is zstd-coded only where that is this much smaller than rANS
 
@@ -187,8 +192,8 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
 def _runs(sec: np.ndarray) -> bool:
     """Does a plane the sample found incompressible hold zero runs worth a zstd pass (3% of its
     8-byte words zero; noise has one in 2^64)?"""
-    words = sec[: sec.size // 8 * 8].view(np.uint64)
-    return bool(words.size > 0 and np.count_nonzero(words == 0) >= _PLANE_MIN_SAVING * words.size)
+    words = sec[: sec.size // 8 * 8].view(np.uint64)  # (counting the nonzero ones makes no temporary array)
+    return bool(words.size > 0 and words.size - np.count_nonzero(words) >= _PLANE_MIN_SAVING * words.size)
 
 
 def _nbytes(b) -> int:
@@ -203,6 +208,26 @@ class _Trial:
     parts: list | None = None  # the encoded sample (the whole chunk when the sample is the chunk)
     rot: bool = False  # elements rotated left one bit before grouping (planes, xor)
     masked: bool = False  # a zero mask, then the nonzero elements' planes (planes, xor)
+    complete: bool = True  # False: stopped at its cap (a delta that could not be kept): ``size`` is a lower bound
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto``'s trials on a chunk's sample found (each trial without its bytes), ``age`` saves ago.
+    The chunk at the same place in the next save reuses them instead of trying again (see :func:`_auto`)."""
+
+    trials: tuple[_Trial, ...]
+    age: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One chunk encoded: the codec, the buffers (header, then payload), and ``auto``'s choice for the chunk at
+    its place in the next save (None: not ``auto``, or a chunk short enough to be tried whole every time)."""
+
+    codec: str
+    buffers: list
+    choice: Choice | None = None
 
 
 def _try(codec: str, sample, base_sample, width: int, rot: bool, level: int, masked: bool = False,
@@ -221,7 +246,7 @@ def _try(codec: str, sample, base_sample, width: int, rot: bool, level: int, mas
     else:
         parts, size, kept = _encode_planes(group(sample, base, width, scratch(name, len(sample)), rot), width, level,
                                            None, estimate=estimate, cap=cap)
-    return _Trial(codec, size, kept, None if estimate else parts, rot, masked)
+    return _Trial(codec, size, kept, None if estimate else parts, rot, masked, cap is None or size <= cap)
 
 
 def _masked_group(raw, base, width: int, rot: bool, name: str, reuse: bool) -> tuple[np.ndarray, Masked]:
@@ -242,14 +267,23 @@ def _masked_group(raw, base, width: int, rot: bool, name: str, reuse: bool) -> t
 
 def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1, base: Base | None = None,
            rotate: bool = False, reuse: bool = False) -> tuple[str, list]:
-    """Encode one chunk. Returns (codec name, list of buffers: header then payload).
+    """Encode one chunk. Returns (codec name, list of buffers: header then payload); see :func:`encode_chunk`."""
+    out = encode_chunk(raw, digest_hex, spec, width=width, base=base, rotate=rotate, reuse=reuse)
+    return out.codec, out.buffers
+
+
+def encode_chunk(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1, base: Base | None = None,
+                 rotate: bool = False, reuse: bool = False, hint: Choice | None = None) -> Encoded:
+    """Encode one chunk.
 
     ``width`` is the element width of the chunk's data (byte planes), ``rotate`` whether its
     elements are floats whose sign is best rotated out of the top plane (bfloat16, float32, float64),
     ``base`` the chunk this one may be stored as a delta of (``auto`` and ``smallest`` only). The raw
     codec returns the caller's memoryview as the payload, so no copy is made. With ``reuse``, planes
     stored as they are may view this thread's scratch memory (no page faults on fresh memory for
-    every chunk): the caller writes the buffers before this thread encodes again (the writer does)."""
+    every chunk): the caller writes the buffers before this thread encodes again (the writer does). ``hint``:
+    ``auto``'s choice for the chunk at this place in the previous save (:attr:`Encoded.choice`), reused where
+    it is recent enough (:func:`_auto`)."""
     n = len(raw)
     width = width if 1 <= width <= MAX_WIDTH else 1
     rot = rotate and width in ROTATES
@@ -258,6 +292,7 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1,
     codec = "raw"
     parts: list[Any] = [raw]
     masked = False
+    choice = None
     if spec.name == "zstd" or (spec.name == "grouped" and width == 1):
         if n >= _MIN_COMPRESS_SIZE:
             packed = _compressor(spec.level).compress(raw)
@@ -267,7 +302,8 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1,
         g = group(raw, None, width, scratch("group", n) if reuse else None, rot)
         codec, parts = "planes", _encode_planes(g, width, spec.level, None, _PLANE_MIN_SAVING)[0]
     elif spec.name in CodecSpec.CHOOSING and n >= _MIN_COMPRESS_SIZE:
-        codec, parts, rot, masked = _auto(raw, base, width, rot, spec.level, reuse)
+        codec, parts, rot, masked, choice = _auto(raw, base, width, rot, spec.level, reuse, hint,
+                                                  int(digest_hex[:8], 16) % _RETRY)
     payload_len = sum(_nbytes(p) for p in parts)
     version = 3 if masked else 2 if codec in PLANED and _has_rans(parts[0], width) else 1
     base_digest = bytes.fromhex(base.digest) if codec == "xor" and base else NO_BASE
@@ -277,7 +313,7 @@ def encode(raw: memoryview, digest_hex: str, spec: CodecSpec, *, width: int = 1,
     header = HEADER.pack(*fields)
     if codec == "xor":
         header = HEADER.pack(*fields[:4], xor_check(header, parts), *fields[5:])
-    return codec, [header, *parts]
+    return Encoded(codec, [header, *parts], choice)
 
 
 def _has_rans(table, width: int) -> bool:
@@ -300,16 +336,93 @@ def _spread(buf, n: int, name: str) -> memoryview:
     return out.data
 
 
-def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int, reuse: bool
-          ) -> tuple[str, list, bool, bool]:
-    """(codec, payload buffers, rotated, masked). Floats are tried rotated and not: the sign in the top plane
-    costs a bit where it varies (weights, momentum) and nothing where it does not (Adam's second
-    moments), while rotation moves the exponent's lowest, nearly random bit into that plane. Where a
-    quarter of the sample's elements (XOR the base, for a delta) are zero, byte planes are also tried
-    behind a zero mask (:mod:`ckpt.format.mask`), kept where that is 10% smaller (90% zeros: 45%
-    fewer bytes, decoded about 3x faster)."""
+def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int, reuse: bool,
+          hint: Choice | None = None, stagger: int = 0) -> tuple[str, list, bool, bool, Choice | None]:
+    """(codec, payload buffers, rotated, masked, the choice for the next save). Floats are tried rotated and
+    not: the sign in the top plane costs a bit where it varies (weights, momentum) and nothing where it does
+    not (Adam's second moments), while rotation moves the exponent's lowest, nearly random bit into that
+    plane. Where a quarter of the sample's elements (XOR the base, for a delta) are zero, byte planes are
+    also tried behind a zero mask (:mod:`ckpt.format.mask`), kept where that is 10% smaller (90% zeros: 45%
+    fewer bytes, decoded about 3x faster).
+
+    A chunk longer than two samples reuses ``hint``, the trials on the chunk at its place in the previous
+    save, for ``_RETRY - 1`` saves after they ran (a training step changes a chunk's statistics little: its
+    planes keep their coder), unless it now has a delta's base the hint has no delta trial for, or room for
+    a delta whose trial stopped at a smaller room. The trials were most of ``auto``'s encoding CPU on
+    trained fp32 state with a base; the choice still depends on nothing but the chunks' bytes, in order, and
+    the options. A chunk tried afresh with no usable hint counts its age from ``stagger`` (from its digest),
+    so a steady run retries about one chunk in ``_RETRY`` each save rather than all of them every
+    ``_RETRY``-th save."""
     n = len(raw)
     whole = n <= 2 * _AUTO_SAMPLE
+    k = n if whole else _AUTO_SAMPLE
+    room = base.room if base is not None else None
+    choice = None if whole else _reuse(hint, base is not None, room, n)
+    if choice is not None:
+        trials = list(choice.trials)
+    else:
+        trials = _trials(raw, base, width, rot, level, whole, room)
+        if not whole:
+            due = hint is not None and hint.age + 1 >= _RETRY
+            choice = Choice(tuple(replace(t, parts=None) for t in trials), 0 if due else stagger)
+    best = _select([t for t in trials if base is not None or t.codec != "xor"], room, n, k)
+    if whole:
+        if best is None:
+            return "raw", [raw], False, False, None
+        if best.codec == "xor" and room is not None and best.size + HEADER_SIZE > room:
+            return _auto(raw, None, width, rot, level, reuse)  # kept to be measured, and it does not fit: whole
+        assert best.parts is not None  # views of the trial's scratch memory unless compressed
+        parts = best.parts if reuse else [bytes(p) if isinstance(p, (memoryview, np.ndarray)) else p
+                                          for p in best.parts]
+        return best.codec, parts, best.rot, best.masked, None
+    out = _final(raw, best, base, width, level, reuse)
+    if out is None:  # the sample promised a smaller delta than the chunk's, which does not fit: whole after all
+        out = _final(raw, _select([t for t in trials if t.codec != "xor"], None, n, k), None, width, level, reuse)
+        assert out is not None
+    return (*out, choice)
+
+
+def _final(raw: memoryview, best: _Trial | None, base: Base | None, width: int, level: int, reuse: bool
+           ) -> tuple[str, list, bool, bool] | None:
+    """The chunk encoded the way ``best`` (a trial on its sample; None: raw) says; None: a delta that does not
+    fit its base's room."""
+    n = len(raw)
+    if best is None:
+        return "raw", [raw], False, False
+    if best.codec == "zstd":
+        packed = _compressor(level).compress(raw)
+        return ("zstd", [packed], False, False) if len(packed) < n else ("raw", [raw], False, False)
+    delta_base = base.raw if best.codec == "xor" and base else None
+    if best.masked:
+        g, spread = _masked_group(raw, delta_base, width, best.rot, "chunk", reuse)
+        parts, size, _ = _encode_planes(g, width, level, best.planes, _PLANE_MIN_SAVING, spread)
+    else:
+        g = group(raw, delta_base, width, scratch("group", n) if reuse else None, best.rot)
+        parts, size, _ = _encode_planes(g, width, level, best.planes, _PLANE_MIN_SAVING)
+    if best.codec == "xor" and base is not None and base.room is not None and size + HEADER_SIZE > base.room:
+        return None
+    if size >= n:
+        return "raw", [raw], False, False
+    return best.codec, parts, best.rot, best.masked
+
+
+def _reuse(hint: Choice | None, has_base: bool, room: int | None, n: int) -> Choice | None:
+    """``hint`` a save older, if its trials may stand for this chunk's (see :func:`_auto`), else None."""
+    if hint is None or hint.age + 1 >= _RETRY:
+        return None
+    deltas = [t for t in hint.trials if t.codec == "xor"]
+    if has_base and not deltas:
+        return None  # the hint's chunk had no base: a delta was never tried
+    if has_base and room is not None and any(not t.complete and t.size * n / _AUTO_SAMPLE + HEADER_SIZE <= room
+                                             for t in deltas):
+        return None  # a delta trial stopped at a cap this room no longer sets: its size is unknown
+    return replace(hint, age=hint.age + 1)
+
+
+def _trials(raw: memoryview, base: Base | None, width: int, rot: bool, level: int, whole: bool,
+            room: int | None) -> list[_Trial]:
+    """The sample (the chunk itself when ``whole``) encoded every way that can win."""
+    n = len(raw)
     if whole:
         sample, base_sample = raw, base.raw if base else None
     else:
@@ -327,46 +440,25 @@ def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int,
     done = {sp: _try(sp[0], sample, base_sample, width, sp[1], level, sp[2], estimate=not whole)
             for sp in specs if sp[0] != "xor"}
     whole_size = min((t.size for t in done.values()), default=k)
-    cap = None
-    if base is not None and base.room is not None:
-        cap = max((base.room - HEADER_SIZE) * k / n, _SPARSE_DELTA * whole_size) * 1.001 + 8
+    cap = None if room is None else max((room - HEADER_SIZE) * k / n, _SPARSE_DELTA * whole_size) * 1.001 + 8
     for sp in specs:
         if sp[0] == "xor":
             done[sp] = _try("xor", sample, base_sample, width, sp[1], level, sp[2], estimate=not whole, cap=cap)
-    trials = [done[sp] for sp in specs]
-    if base is not None and base.room is not None:
-        # a delta that would make its chain read more than the budget allows is not stored: the chunk is
-        # stored whole. The sample's estimate decides, except where the delta is far smaller than the
-        # whole chunk (sparse changes, which a sample of a few pieces over- or underestimates): then the
-        # full delta is made and measured (below), and dropped only if it does not fit
-        trials = [t for t in trials if t.codec != "xor" or t.size * (n / k) + HEADER_SIZE <= base.room
-                  or t.size < _SPARSE_DELTA * whole_size]
+    return [done[sp] for sp in specs]
+
+
+def _select(trials: list[_Trial], room: int | None, n: int, k: int) -> _Trial | None:
+    """The way to encode the chunk, from its sample's trials (of ``k`` bytes, of a chunk of ``n``); None:
+    raw. A delta that would make its chain read more than the budget allows (``room``) is not stored: the
+    chunk is stored whole. The sample's estimate decides, except where the delta is far smaller than the
+    whole chunk (sparse changes, which a sample of a few pieces over- or underestimates): then the full
+    delta is made and measured, and dropped only if it does not fit."""
+    whole_size = min((t.size for t in trials if t.codec != "xor"), default=k)
+    if room is not None:
+        trials = [t for t in trials if t.codec != "xor" or t.complete and (
+            t.size * (n / k) + HEADER_SIZE <= room or t.size < _SPARSE_DELTA * whole_size)]
     best = min((t for t in trials if not t.masked), key=lambda t: t.size)
     masked = min((t for t in trials if t.masked), key=lambda t: t.size, default=None)
     if masked is not None and masked.size < best.size * (1 - _MASK_MIN_SAVING):
         best = masked
-    if best.size > k * (1 - _AUTO_MIN_SAVING):
-        return "raw", [raw], False, False
-    if whole and best.codec == "xor" and base is not None and base.room is not None \
-            and best.size + HEADER_SIZE > base.room:
-        return _auto(raw, None, width, rot, level, reuse)  # kept to be measured, and it does not fit: whole
-    if whole:
-        assert best.parts is not None  # views of the trial's scratch memory unless compressed
-        parts = best.parts if reuse else [bytes(p) if isinstance(p, (memoryview, np.ndarray)) else p
-                                          for p in best.parts]
-        return best.codec, parts, best.rot, best.masked
-    if best.codec == "zstd":
-        packed = _compressor(level).compress(raw)
-        return ("zstd", [packed], False, False) if len(packed) < n else ("raw", [raw], False, False)
-    delta_base = base.raw if best.codec == "xor" and base else None
-    if best.masked:
-        g, spread = _masked_group(raw, delta_base, width, best.rot, "chunk", reuse)
-        parts, size, _ = _encode_planes(g, width, level, best.planes, _PLANE_MIN_SAVING, spread)
-    else:
-        g = group(raw, delta_base, width, scratch("group", n) if reuse else None, best.rot)
-        parts, size, _ = _encode_planes(g, width, level, best.planes, _PLANE_MIN_SAVING)
-    if best.codec == "xor" and base is not None and base.room is not None and size + HEADER_SIZE > base.room:
-        return _auto(raw, None, width, rot, level, reuse)  # the sample promised less: whole after all
-    if size >= n:
-        return "raw", [raw], False, False
-    return best.codec, parts, best.rot, best.masked
+    return None if best.size > k * (1 - _AUTO_MIN_SAVING) else best

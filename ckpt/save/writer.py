@@ -30,7 +30,7 @@ from ..storage import Storage
 from ..tree import dtype_name
 from . import adopt
 from .buffer_layout import ChunkSlot
-from .encode import CodecSpec, encode
+from .encode import Choice, CodecSpec, encode_chunk
 from .job import SaveJob
 from .snapshot import HostBuffer, Snapshot
 
@@ -69,6 +69,9 @@ class Writer:
         self._loaded: dict[str, mf.ChunkInfo] = {}  # chunks of the step this process loaded (never deleted)
         self._committed: dict[str, mf.ChunkInfo] = {}  # this rank's chunks in its last committed step
         self._inflight: dict[str, Future] = {}  # chunks being written by this save: a twin waits for it
+        # auto's trials on the chunk last encoded at each place of the buffer, which the next save there reuses
+        # (ckpt.save.encode._auto); pruned to the places of the last save's layout
+        self._choices: dict[ChunkSlot, Choice] = {}
         self._lock = threading.Lock()
 
     # -- per chunk, on the I/O pool -------------------------------------------------------------
@@ -94,7 +97,7 @@ class Writer:
             return _Put(h, twin.result().info, "known")
         assert mine is not None
         try:
-            put = self._store(job, h, data, base, chunk.width, chunk.rotate)
+            put = self._store(job, h, data, base, chunk.width, chunk.rotate, slot=chunk)
         except BaseException as e:
             mine.set_exception(e)
             raise
@@ -105,7 +108,7 @@ class Writer:
         return put
 
     def _store(self, job: SaveJob, h: str, data: memoryview, base: _BaseRef | None = None, width: int = 1,
-               rotate: bool = False, again: bool = False) -> _Put:
+               rotate: bool = False, again: bool = False, slot: ChunkSlot | None = None) -> _Put:
         """Write chunk ``h`` unless it is stored already (``again``: write it whole over whatever is there).
 
         A new chunk is created, never written over: where another writer (another job in the same
@@ -117,7 +120,7 @@ class Writer:
         lost = 0
         while found is None and not damaged:
             try:
-                return self._write(job, h, data, base, width, rotate, create=True)
+                return self._write(job, h, data, base, width, rotate, create=True, slot=slot)
             except FileExistsError:
                 found, damaged = self._probe(job, h, len(data))
                 lost += 1
@@ -127,14 +130,21 @@ class Writer:
             with self._lock:
                 self.known[h] = found
             return _Put(h, found, "found")
-        return self._write(job, h, data, None, width, rotate, create=False)
+        return self._write(job, h, data, None, width, rotate, create=False, slot=slot)
 
     def _write(self, job: SaveJob, h: str, data: memoryview, base: _BaseRef | None, width: int, rotate: bool,
-               create: bool) -> _Put:
-        """Encode chunk ``h`` and create it (FileExistsError if a copy is there), or write it over one."""
+               create: bool, slot: ChunkSlot | None = None) -> _Put:
+        """Encode chunk ``h`` (at place ``slot`` of the buffer) and create it (FileExistsError if a copy is
+        there), or write it over one."""
         b = base.resolve(self) if base is not None and base.digest != h else None
         cpu = time.thread_time()  # this thread's CPU time: the other writer threads' work is not counted
-        codec, buffers = encode(data, h, self.codec, width=width, base=b, rotate=rotate, reuse=True)
+        with self._lock:
+            hint = self._choices.get(slot) if slot is not None else None
+        out = encode_chunk(data, h, self.codec, width=width, base=b, rotate=rotate, reuse=True, hint=hint)
+        codec, buffers = out.codec, out.buffers
+        if slot is not None and out.choice is not None:
+            with self._lock:
+                self._choices[slot] = out.choice
         cpu = time.thread_time() - cpu
         storage, key = self.over(job), paths.chunk_key(h)
         stored = storage.create(key, buffers) if create else storage.write(key, buffers)
@@ -277,6 +287,9 @@ class Writer:
                     raise CheckpointError(f"step {job.step}: the previous save's buffer changed while this save "
                                           "encoded deltas against it (a bug: please report it); nothing was committed")
                 job.hashes = [p.hash for p in puts]
+                places = set(layout.chunks)  # the choices of places this layout no longer has are dropped
+                with self._lock:
+                    self._choices = {c: v for c, v in self._choices.items() if c in places}
             finally:
                 snap.release()
             self.over(job).flush()

@@ -1,0 +1,157 @@
+"""``auto`` reuses the trials of the chunk at the same place in the previous save (issue 37): a hint
+stands for ``_RETRY - 1`` saves, then the trials run again; a delta the hint never tried, or tried only
+up to a smaller room, is tried afresh; what a hinted encode stores decodes bit-exact; and a
+``Checkpointer``'s saves of a training state run the trials on about one chunk in ``_RETRY`` per save."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt
+from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode
+from ckpt.save import encode as enc
+from ckpt.save.encode import CodecSpec, encode_chunk
+
+
+def _weights(seed: int, n: int = 1 << 19) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.02
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy().view(np.uint8)).cast("B")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many times the trials ran."""
+    calls = [0]
+    real = enc._trials
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(enc, "_trials", counting)
+    return calls
+
+
+def _roundtrip(out, raw: memoryview, h: str, base: Base | None = None) -> None:
+    blob = b"".join(bytes(b) for b in out.buffers)
+    assert bytes(decode(blob, name="x", expect_hash=h, base=base)) == bytes(raw)
+
+
+def test_a_hint_stands_for_the_trials_until_it_is_due(counted):
+    first, second = _weights(0), _weights(0) + 1e-3 * _weights(1)
+    raw0, raw1 = _view(first), _view(second)
+    h0, h1 = chunk_hash(raw0), chunk_hash(raw1)
+    out0 = encode_chunk(raw0, h0, CodecSpec("auto"), width=4, rotate=True)
+    assert counted[0] == 1 and out0.choice is not None and out0.choice.age == int(h0[:8], 16) % enc._RETRY
+    fresh = enc.replace(out0.choice, age=0)
+    for age in range(enc._RETRY - 1):
+        out = encode_chunk(raw1, h1, CodecSpec("auto"), width=4, rotate=True, hint=enc.replace(fresh, age=age))
+        assert counted[0] == 1, "a hint younger than _RETRY - 1 saves must stand for the trials"
+        assert out.choice is not None and out.choice.age == age + 1 and out.codec == "planes"
+        _roundtrip(out, raw1, h1)
+    due = encode_chunk(raw1, h1, CodecSpec("auto"), width=4, rotate=True,
+                       hint=enc.replace(fresh, age=enc._RETRY - 1))
+    assert counted[0] == 2 and due.choice is not None and due.choice.age == 0
+    # the hinted encode stores what fresh trials would, give or take the sample's drift: here the same bytes
+    assert sum(len(bytes(b)) for b in due.buffers) == sum(len(bytes(b)) for b in out.buffers)
+
+
+def test_a_delta_the_hint_never_tried_is_tried(counted):
+    prev, cur = _weights(0), _weights(0)
+    cur[::97] += 0.01  # a sparse update: the delta is far smaller than the chunk
+    raw_p, raw_c = _view(prev), _view(cur)
+    hp, hc = chunk_hash(raw_p), chunk_hash(raw_c)
+    without = encode_chunk(raw_p, hp, CodecSpec("auto"), width=4, rotate=True)
+    assert without.choice is not None and not any(t.codec == "xor" for t in without.choice.trials)
+    base = Base(raw_p, hp, len(raw_c))
+    hint = enc.replace(without.choice, age=0)
+    out = encode_chunk(raw_c, hc, CodecSpec("auto"), width=4, rotate=True, base=base, hint=hint)
+    assert counted[0] == 2 and out.codec == "xor"
+    _roundtrip(out, raw_c, hc, base)
+    # its choice (with the delta's trials) now stands for the next save's, a delta again
+    assert out.choice is not None
+    again = encode_chunk(raw_c, hc, CodecSpec("auto"), width=4, rotate=True, base=base,
+                         hint=enc.replace(out.choice, age=0))
+    assert counted[0] == 2 and again.codec == "xor"
+    _roundtrip(again, raw_c, hc, base)
+
+
+def test_a_delta_trial_stopped_at_a_smaller_room_is_tried_again(counted):
+    prev = _weights(0)
+    cur = prev + 1e-3 * _weights(1)  # dense: a delta takes most of the chunk
+    raw_p, raw_c = _view(prev), _view(cur)
+    hp, hc = chunk_hash(raw_p), chunk_hash(raw_c)
+    tight = Base(raw_p, hp, HEADER_SIZE + len(raw_c) // 20)
+    out = encode_chunk(raw_c, hc, CodecSpec("auto"), width=4, rotate=True, base=tight)
+    assert out.codec == "planes" and out.choice is not None
+    stopped = [t for t in out.choice.trials if t.codec == "xor"]
+    assert stopped and not any(t.complete for t in stopped)
+    hint = enc.replace(out.choice, age=0)
+    encode_chunk(raw_c, hc, CodecSpec("auto"), width=4, rotate=True, base=tight, hint=hint)
+    assert counted[0] == 1, "the same room: the stopped trial still says the delta does not fit"
+    roomy = Base(raw_p, hp, 2 * len(raw_c))
+    wide = encode_chunk(raw_c, hc, CodecSpec("auto"), width=4, rotate=True, base=roomy, hint=hint)
+    assert counted[0] == 2, "a room the stopped trial never measured: the delta is tried again"
+    assert wide.choice is not None and all(t.complete for t in wide.choice.trials)
+    _roundtrip(wide, raw_c, hc, roomy if wide.codec == "xor" else None)
+
+
+def test_a_hinted_delta_that_outgrew_its_room_is_stored_whole(counted):
+    """The hint's delta was small; this save's is not (the training jumped): the final encode measures it,
+    finds it past the room, and stores the chunk whole from the hint's whole-chunk trials."""
+    prev = _weights(0)
+    small = prev.clone()
+    small[::501] += 0.01
+    raw_p, raw_s = _view(prev), _view(small)
+    hp, hs = chunk_hash(raw_p), chunk_hash(raw_s)
+    base = Base(raw_p, hp, len(raw_s) // 2)
+    first = encode_chunk(raw_s, hs, CodecSpec("auto"), width=4, rotate=True, base=base)
+    assert first.codec == "xor" and first.choice is not None
+    jumped = prev + 0.5 * _weights(2)
+    raw_j = _view(jumped)
+    hj = chunk_hash(raw_j)
+    out = encode_chunk(raw_j, hj, CodecSpec("auto"), width=4, rotate=True, base=base,
+                       hint=enc.replace(first.choice, age=0))
+    assert counted[0] == 1 and out.codec == "planes"
+    _roundtrip(out, raw_j, hj)
+
+
+def test_saves_of_a_training_state_rerun_the_trials_on_one_chunk_in_retry(tmp_path, counted):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])  # 1 MiB weights: 2 chunks each
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 512)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    step()
+    state = {"model": model, "optim": opt}
+    c = ckpt.Checkpointer(tmp_path / "ck", chunk_size=512 * 1024, keep_last=2)
+    per_save = []
+    for s in range(2 + enc._RETRY):
+        step()
+        before = counted[0]
+        c.save(s, state).wait()
+        per_save.append(counted[0] - before)
+    large = sum(1 for n in (512 * 512 * 4,) * 12 for _ in range(n // (512 * 1024)))  # weights and both moments
+    assert per_save[0] >= large and per_save[1] >= large, per_save  # no hint yet; then the first delta trials
+    steady = sum(per_save[2:])
+    # each large chunk once in _RETRY saves (small chunks are tried whole every time: they have no hint)
+    assert steady <= large + (len(per_save) - 2) * (per_save[0] - large), per_save
+    reader = ckpt.Checkpointer(tmp_path / "ck")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    for p in model.parameters():
+        p.data.zero_()
+    reader.load(2 + enc._RETRY - 1, state)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    c.close()
+    reader.close()
