@@ -91,20 +91,27 @@ def _cost() -> np.ndarray:
                 x >>= 1
                 frac |= 1
         out[f] = (SCALE_BITS << _COST_FRAC) - ((e << _COST_FRAC) + frac)  # log2 f = e + frac / 2^16
+    out.setflags(write=False)  # cached: shared by every caller
     return out
 
 
-def _estimate_numpy(src: np.ndarray) -> int:
+def _block_counts(src: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per block of ``src`` (k blocks, k > 0): its start, length, symbol counts (k x 256) and the
+    frequencies the coder normalises them to."""
     n = src.size
     block = 1 << BLOCK_LOG
     k = -(-n // block)
-    if k == 0:
-        return 2
     starts = np.arange(k) * block
     ms = np.minimum(block, n - starts)
     ids = np.repeat(np.arange(k), ms)
     counts = np.bincount(ids * 256 + src.astype(np.int64), minlength=k * 256).reshape(k, 256)
-    f = _normalize(counts, ms)
+    return starts, ms, counts, _normalize(counts, ms)
+
+
+def _estimate_numpy(src: np.ndarray) -> int:
+    if src.size == 0:
+        return 2
+    _, _, counts, f = _block_counts(src)
     present = (f > 0).sum(axis=1)
     bits = (counts.astype(np.uint64) * _cost()[f].astype(np.uint64)).sum(axis=1)
     unit = 16 << _COST_FRAC
@@ -257,17 +264,11 @@ def _normalize(counts: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def _encode_numpy(src: np.ndarray) -> bytes:
-    n = src.size
-    block = 1 << BLOCK_LOG
-    k = -(-n // block)
     head = bytes([FORMAT, BLOCK_LOG])
-    if k == 0:
+    if src.size == 0:
         return head
-    starts = np.arange(k) * block
-    ms = np.minimum(block, n - starts)
-    ids = np.repeat(np.arange(k), ms)
-    counts = np.bincount(ids * 256 + src.astype(np.int64), minlength=k * 256).reshape(k, 256)
-    f = _normalize(counts, ms)
+    starts, ms, counts, f = _block_counts(src)
+    k = starts.size
     cum = np.cumsum(f, axis=1) - f
     multi = (f > 0).sum(axis=1) > 1
     x = np.full((k, STATES), LOW, np.int64)

@@ -166,7 +166,6 @@ class Retention:
         self.manifests = manifests
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self.protected: set[int] = set()  # never deleted: what protect() asked for, and the step last loaded
         self._asked: set[int] = set()  # protect()'s
         self._resumed: int | None = None  # the step last loaded
         self.leases = leases
@@ -175,10 +174,14 @@ class Retention:
         self.shared = shared
         self._warned: set[int] = set()  # abandoned steps already named in a warning
 
+    @property
+    def protected(self) -> set[int]:
+        """Never deleted: what protect() asked for, and the step last loaded."""
+        return self._asked | ({self._resumed} if self._resumed is not None else set())
+
     def protect(self, step: int) -> None:
         """Keep ``step`` for good (``Checkpointer.protect``)."""
         self._asked.add(step)
-        self.protected.add(step)
         self.leases.protect(step)  # other processes' retention, and this process's other writers, keep it too
 
     def resumed(self, step: int) -> None:
@@ -187,9 +190,7 @@ class Retention:
         would otherwise keep every one it ever loaded from this process's retention."""
         before, self._resumed = self._resumed, step
         if before is not None and before != step and before not in self._asked:
-            self.protected.discard(before)
             self.leases.unprotect(before)
-        self.protected.add(step)
         self.leases.protect(step)
 
     def after_commit(self, committed: mf.Manifest) -> None:
