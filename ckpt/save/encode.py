@@ -350,9 +350,9 @@ def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int,
     planes keep their coder), unless it now has a delta's base the hint has no delta trial for, or room for
     a delta whose trial stopped at a smaller room. The trials were most of ``auto``'s encoding CPU on
     trained fp32 state with a base; the choice still depends on nothing but the chunks' bytes, in order, and
-    the options. A chunk tried afresh with no usable hint counts its age from ``stagger`` (from its digest),
-    so a steady run retries about one chunk in ``_RETRY`` each save rather than all of them every
-    ``_RETRY``-th save."""
+    the options. A chunk tried with no hint counts its age from ``stagger`` (from its digest), and one tried
+    early (a delta's base or room appeared) keeps its hint's count, so a steady run retries about one chunk
+    in ``_RETRY`` each save rather than all of them every ``_RETRY``-th save."""
     n = len(raw)
     whole = n <= 2 * _AUTO_SAMPLE
     k = n if whole else _AUTO_SAMPLE
@@ -362,9 +362,9 @@ def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int,
         trials = list(choice.trials)
     else:
         trials = _trials(raw, base, width, rot, level, whole, room)
-        if not whole:
-            due = hint is not None and hint.age + 1 >= _RETRY
-            choice = Choice(tuple(replace(t, parts=None) for t in trials), 0 if due else stagger)
+        if not whole:  # a hint's cycle goes on, tried early or not: its chunks stay spread over the saves
+            choice = Choice(tuple(replace(t, parts=None) for t in trials),
+                            stagger if hint is None else (hint.age + 1) % _RETRY)
     best = _select([t for t in trials if base is not None or t.codec != "xor"], room, n, k)
     if whole:
         if best is None:
@@ -379,6 +379,8 @@ def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int,
     if out is None:  # the sample promised a smaller delta than the chunk's, which does not fit: whole after all
         out = _final(raw, _select([t for t in trials if t.codec != "xor"], None, n, k), None, width, level, reuse)
         assert out is not None
+        if choice is not None and choice.age > 0:  # a reused delta trial that misled: the next save tries again
+            choice = replace(choice, age=_RETRY - 1)
     return (*out, choice)
 
 
@@ -413,8 +415,8 @@ def _reuse(hint: Choice | None, has_base: bool, room: int | None, n: int) -> Cho
     deltas = [t for t in hint.trials if t.codec == "xor"]
     if has_base and not deltas:
         return None  # the hint's chunk had no base: a delta was never tried
-    if has_base and room is not None and any(not t.complete and t.size * n / _AUTO_SAMPLE + HEADER_SIZE <= room
-                                             for t in deltas):
+    if has_base and any(not t.complete and (room is None or t.size * n / _AUTO_SAMPLE + HEADER_SIZE <= room)
+                        for t in deltas):
         return None  # a delta trial stopped at a cap this room no longer sets: its size is unknown
     return replace(hint, age=hint.age + 1)
 
@@ -454,9 +456,8 @@ def _select(trials: list[_Trial], room: int | None, n: int, k: int) -> _Trial | 
     whole chunk (sparse changes, which a sample of a few pieces over- or underestimates): then the full
     delta is made and measured, and dropped only if it does not fit."""
     whole_size = min((t.size for t in trials if t.codec != "xor"), default=k)
-    if room is not None:
-        trials = [t for t in trials if t.codec != "xor" or t.complete and (
-            t.size * (n / k) + HEADER_SIZE <= room or t.size < _SPARSE_DELTA * whole_size)]
+    trials = [t for t in trials if t.codec != "xor" or t.complete and (
+        room is None or t.size * (n / k) + HEADER_SIZE <= room or t.size < _SPARSE_DELTA * whole_size)]
     best = min((t for t in trials if not t.masked), key=lambda t: t.size)
     masked = min((t for t in trials if t.masked), key=lambda t: t.size, default=None)
     if masked is not None and masked.size < best.size * (1 - _MASK_MIN_SAVING):

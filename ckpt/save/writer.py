@@ -45,6 +45,7 @@ class _Put:
     info: mf.ChunkInfo
     how: str  # "known" (in the dedup table), "found" (already stored), "written" or "created" (written, none was there)
     encode_cpu_s: float = 0.0  # CPU time of this thread in encode() (written, created)
+    choice: Choice | None = None  # auto's trials, for the chunk at this place in the next save (written, created)
 
 
 class Writer:
@@ -94,7 +95,9 @@ class Writer:
                     self.known[h] = info
             return _Put(h, info, "known")
         if twin is not None:  # an identical chunk of this save is being written: written once, then known
-            return _Put(h, twin.result().info, "known")
+            done = twin.result()
+            self._chose(chunk, done.choice)  # its place takes the twin's trials: they are of the same bytes
+            return _Put(h, done.info, "known")
         assert mine is not None
         try:
             put = self._store(job, h, data, base, chunk.width, chunk.rotate, slot=chunk)
@@ -118,9 +121,13 @@ class Writer:
         the chunk can read whatever it says of it (a whole copy ends a chain)."""
         found, damaged = (None, True) if again else self._probe(job, h, len(data))
         lost = 0
+        with self._lock:  # read once: a retried create encodes the same way
+            hint = self._choices.get(slot) if slot is not None else None
         while found is None and not damaged:
             try:
-                return self._write(job, h, data, base, width, rotate, create=True, slot=slot)
+                put = self._write(job, h, data, base, width, rotate, create=True, hint=hint)
+                self._chose(slot, put.choice)
+                return put
             except FileExistsError:
                 found, damaged = self._probe(job, h, len(data))
                 lost += 1
@@ -130,21 +137,24 @@ class Writer:
             with self._lock:
                 self.known[h] = found
             return _Put(h, found, "found")
-        return self._write(job, h, data, None, width, rotate, create=False, slot=slot)
+        put = self._write(job, h, data, None, width, rotate, create=False, hint=hint)
+        self._chose(slot, put.choice)
+        return put
+
+    def _chose(self, slot: ChunkSlot | None, choice: Choice | None) -> None:
+        """Keep auto's trials on a chunk written at place ``slot`` for the next save's chunk there."""
+        if slot is not None and choice is not None:
+            with self._lock:
+                self._choices[slot] = choice
 
     def _write(self, job: SaveJob, h: str, data: memoryview, base: _BaseRef | None, width: int, rotate: bool,
-               create: bool, slot: ChunkSlot | None = None) -> _Put:
-        """Encode chunk ``h`` (at place ``slot`` of the buffer) and create it (FileExistsError if a copy is
-        there), or write it over one."""
+               create: bool, hint: Choice | None = None) -> _Put:
+        """Encode chunk ``h`` (``hint``: auto's trials on the chunk at its place in the last save) and create it
+        (FileExistsError if a copy is there), or write it over one."""
         b = base.resolve(self) if base is not None and base.digest != h else None
         cpu = time.thread_time()  # this thread's CPU time: the other writer threads' work is not counted
-        with self._lock:
-            hint = self._choices.get(slot) if slot is not None else None
         out = encode_chunk(data, h, self.codec, width=width, base=b, rotate=rotate, reuse=True, hint=hint)
         codec, buffers = out.codec, out.buffers
-        if slot is not None and out.choice is not None:
-            with self._lock:
-                self._choices[slot] = out.choice
         cpu = time.thread_time() - cpu
         storage, key = self.over(job), paths.chunk_key(h)
         stored = storage.create(key, buffers) if create else storage.write(key, buffers)
@@ -155,7 +165,7 @@ class Writer:
             self.known[h] = info
             if create:
                 job.created.append(h)  # nothing was stored under this name: this save alone wrote it
-        return _Put(h, info, "created" if create else "written", cpu)
+        return _Put(h, info, "created" if create else "written", cpu, out.choice)
 
     def _probe(self, job: SaveJob, h: str, size: int) -> tuple[mf.ChunkInfo | None, bool]:
         """Is chunk ``h`` already stored (by an earlier run, another rank or another job)? It is
