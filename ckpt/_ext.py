@@ -174,8 +174,10 @@ class CpuCore:
         """About the length of :meth:`rans_encode`'s section of ``src``, from its blocks' counts alone
         (``cost``: uint32 per frequency, from ckpt/format/rans.py)."""
         src = np.ascontiguousarray(src, np.uint8)
-        if cost.dtype != np.uint32 or not cost.flags.c_contiguous or cost.size != 4097:
-            raise ValueError("rans_estimate takes the contiguous uint32 cost table of 4097 entries (rans._cost())")
+        from .format.rans import SCALE_BITS
+        if cost.dtype != np.uint32 or not cost.flags.c_contiguous or cost.size != (1 << SCALE_BITS) + 1:
+            raise ValueError(f"rans_estimate takes the contiguous uint32 cost table of {(1 << SCALE_BITS) + 1} "
+                             "entries (rans._cost())")
         return int(self.lib.ckpt_rans_estimate(src.ctypes.data, src.size, cost.ctypes.data))
 
     def rans_decode(self, section, out: np.ndarray, simd: int = 2) -> int:

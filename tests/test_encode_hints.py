@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode
+from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode, parse_header
 from ckpt.save import encode as enc
 from ckpt.save.encode import CodecSpec, encode_chunk
 
@@ -134,6 +134,71 @@ def test_a_hinted_delta_that_outgrew_its_room_is_stored_whole(counted):
     _roundtrip(out, raw_j, hj)
     # the hint misled: the next save's chunk there runs its trials again rather than make a delta to drop
     assert out.choice is not None and out.choice.age == enc._RETRY - 1
+
+
+def test_a_short_chunk_whose_delta_does_not_fit_is_stored_as_without_a_base(monkeypatch):
+    """A chunk short enough to be its own sample: its sparse delta is kept to be measured, is past the room,
+    and the chunk is stored whole from the whole trials already run, byte for byte what it is without a
+    base (and those trials are not run twice)."""
+    prev = _weights(0, 1 << 15)  # 128 KiB: tried whole
+    cur = prev.clone()
+    cur[::97] += 0.01
+    raw_p, raw_c = _view(prev), _view(cur)
+    hp, hc = chunk_hash(raw_p), chunk_hash(raw_c)
+    roomy = encode_chunk(raw_c, hc, CodecSpec("auto"), width=4, rotate=True, base=Base(raw_p, hp))
+    assert roomy.codec == "xor"
+    delta = sum(len(b) if isinstance(b, bytes) else memoryview(b).nbytes for b in roomy.buffers)
+    whole = encode_chunk(raw_c, hc, CodecSpec("auto"), width=4, rotate=True)
+    runs = []
+    real = enc._try
+    monkeypatch.setattr(enc, "_try", lambda codec, *a, **k: runs.append(codec) or real(codec, *a, **k))
+    out = encode_chunk(raw_c, hc, CodecSpec("auto"), width=4, rotate=True, base=Base(raw_p, hp, delta - 8))
+    assert out.codec == whole.codec != "xor"
+    assert b"".join(bytes(b) for b in out.buffers) == b"".join(bytes(b) for b in whole.buffers)
+    assert runs.count("xor") >= 1
+    assert runs.count("planes") == 2, "the whole trials (rotated and not) run once each"
+    _roundtrip(out, raw_c, hc)
+
+
+def test_a_chunk_at_two_places_is_stored_as_at_its_first_whichever_is_written_first(tmp_path, monkeypatch):
+    """Two places of one save hold the same bytes, each with its own delta base (and hint): the chunk is
+    stored once, encoded as at its first place, even where the second place's thread gets there first
+    (forced here), so what a save stores does not depend on the threads' timing."""
+    from ckpt.save.writer import Writer
+
+    n = 1 << 18  # 1 MiB of fp32: one chunk each
+    x, y = _weights(1, n), _weights(2, n)
+    state = {"a": x.clone(), "b": y.clone()}
+    cp = ckpt.Checkpointer(tmp_path, chunk_size=1 << 20, io_threads=2)
+    cp.save(1, state).wait()
+    z = y.clone()
+    z[::501] += 0.01  # close to b's last bytes (a small delta on them), unrelated to a's
+    state["a"].copy_(z)
+    state["b"].copy_(z)
+    twin = chunk_hash(_view(z))
+    later_done = threading.Event()
+    real = Writer._put_chunk
+
+    def later_first(self, job, data, h, base, chunk, first):
+        if h == twin and chunk is first:
+            assert later_done.wait(60), "the second place's store never finished"
+            return real(self, job, data, h, base, chunk, first)
+        try:
+            return real(self, job, data, h, base, chunk, first)
+        finally:
+            if h == twin:
+                later_done.set()
+
+    monkeypatch.setattr(Writer, "_put_chunk", later_first)
+    cp.save(2, state).wait()
+    assert later_done.is_set()
+    (stored,) = list((tmp_path / "chunks").glob(f"*/{twin}"))
+    head = parse_header(stored.read_bytes(), name=stored.name)
+    assert head.base != chunk_hash(_view(y)), "encoded on the second place's base: timing chose the bytes"
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    cp.load(2, out)
+    assert torch.equal(out["a"], z) and torch.equal(out["b"], z)
+    cp.close()
 
 
 def test_saves_of_a_training_state_rerun_the_trials_on_one_chunk_in_retry(tmp_path, counted):

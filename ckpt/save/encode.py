@@ -367,10 +367,12 @@ def _auto(raw: memoryview, base: Base | None, width: int, rot: bool, level: int,
                             stagger if hint is None else (hint.age + 1) % _RETRY)
     best = _select([t for t in trials if base is not None or t.codec != "xor"], room, n, k)
     if whole:
+        if best is not None and best.codec == "xor" and room is not None and best.size + HEADER_SIZE > room:
+            # kept to be measured, and it does not fit: whole, from the whole trials already run (each trial
+            # codes into its own scratch memory, so theirs are intact)
+            best = _select([t for t in trials if t.codec != "xor"], None, n, k)
         if best is None:
             return "raw", [raw], False, False, None
-        if best.codec == "xor" and room is not None and best.size + HEADER_SIZE > room:
-            return _auto(raw, None, width, rot, level, reuse)  # kept to be measured, and it does not fit: whole
         assert best.parts is not None  # views of the trial's scratch memory unless compressed
         parts = best.parts if reuse else [bytes(p) if isinstance(p, (memoryview, np.ndarray)) else p
                                           for p in best.parts]

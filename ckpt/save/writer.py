@@ -18,7 +18,6 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _ext
 from .._tasks import run_all
 from ..errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from ..flatten import tensor_of
@@ -76,12 +75,10 @@ class Writer:
         self._lock = threading.Lock()
 
     # -- per chunk, on the I/O pool -------------------------------------------------------------
-    def _put_chunk(self, job: SaveJob, data: memoryview, h: str | None, address: int,
-                   core: _ext.CpuCore | None, base: _BaseRef | None, chunk: ChunkSlot) -> _Put:
-        if h is None and core is not None:  # not hashed during the snapshot (CUDA bytes)
-            h = core.xxh3_128(address, len(data))  # releases the GIL; None for tiny chunks
-        if h is None:
-            h = chunk_hash(data)
+    def _put_chunk(self, job: SaveJob, data: memoryview, h: str, base: _BaseRef | None, chunk: ChunkSlot,
+                   first: ChunkSlot) -> _Put:
+        """Store the chunk at place ``chunk``: encoded (delta ``base``, and ``first``'s hint) as at ``first``,
+        its first place in the save, so that a chunk at two places is stored the same whichever is written."""
         with self._lock:
             info = self.known.get(h)
             twin = self._inflight.get(h) if info is None else None
@@ -100,7 +97,8 @@ class Writer:
             return _Put(h, done.info, "known")
         assert mine is not None
         try:
-            put = self._store(job, h, data, base, chunk.width, chunk.rotate, slot=chunk)
+            put = self._store(job, h, data, base, chunk.width, chunk.rotate, slot=first)
+            self._chose(chunk, put.choice)  # kept only once written: a failed write leaves the last one
         except BaseException as e:
             mine.set_exception(e)
             raise
@@ -125,9 +123,7 @@ class Writer:
             hint = self._choices.get(slot) if slot is not None else None
         while found is None and not damaged:
             try:
-                put = self._write(job, h, data, base, width, rotate, create=True, hint=hint)
-                self._chose(slot, put.choice)
-                return put
+                return self._write(job, h, data, base, width, rotate, create=True, hint=hint)
             except FileExistsError:
                 found, damaged = self._probe(job, h, len(data))
                 lost += 1
@@ -137,9 +133,7 @@ class Writer:
             with self._lock:
                 self.known[h] = found
             return _Put(h, found, "found")
-        put = self._write(job, h, data, None, width, rotate, create=False, hint=hint)
-        self._chose(slot, put.choice)
-        return put
+        return self._write(job, h, data, None, width, rotate, create=False, hint=hint)
 
     def _chose(self, slot: ChunkSlot | None, choice: Choice | None) -> None:
         """Keep auto's trials on a chunk written at place ``slot`` for the next save's chunk there."""
@@ -317,10 +311,22 @@ class Writer:
 
     def _put_chunks(self, job: SaveJob, buf: HostBuffer, chunks: list[ChunkSlot] | tuple[ChunkSlot, ...],
                     hashes: list[str | None], bases: list[_BaseRef | None], at: int) -> list[_Put]:
-        """Store ``chunks``, whose bytes are at their layout offset plus ``at`` in ``buf``."""
-        return run_all(self.io, lambda ch: self._put_chunk(job, buf.view(ch[0].offset + at, ch[0].length), ch[1],
-                                                           buf.address(ch[0].offset + at), buf.cpu_core, ch[2], ch[0]),
-                       list(zip(chunks, hashes, bases)))
+        """Store ``chunks``, whose bytes are at their layout offset plus ``at`` in ``buf`` (``hashes``: their
+        digests, or None where the snapshot did not hash them: CUDA bytes, hashed here first)."""
+        def view(c: ChunkSlot) -> memoryview:
+            return buf.view(c.offset + at, c.length)
+
+        def digest(c: ChunkSlot) -> str:
+            core = buf.cpu_core  # releases the GIL; None for tiny chunks
+            h = core.xxh3_128(buf.address(c.offset + at), c.length) if core is not None else None
+            return h if h is not None else chunk_hash(view(c))
+
+        hashed = iter(run_all(self.io, digest, [c for c, h in zip(chunks, hashes) if h is None]))
+        digests = [h if h is not None else next(hashed) for h in hashes]
+        first: dict[str, int] = {}
+        args = [(c, h, first.setdefault(h, i)) for i, (c, h) in enumerate(zip(chunks, digests))]
+        return run_all(self.io, lambda a: self._put_chunk(job, view(a[0]), a[1], bases[a[2]], a[0], chunks[a[2]]),
+                       args)
 
     def _write_pieces(self, job: SaveJob, ring: Any, rank: int) -> list[_Put]:
         """Store the chunks of a ring's pieces, each once ``save()`` copied it, giving its slab back
