@@ -25,7 +25,7 @@ SEG = np.dtype([("src", "<u8"), ("dst_off", "<u8"), ("len", "<u8"), ("check", "<
 # A link of a chain for CpuCore.chain_decode: its planes, which are rANS sections, its tail bytes, rotated.
 ChainLink = tuple[list[np.ndarray], list[bool], np.ndarray, bool]
 
-ABI_VERSION = 12  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
+ABI_VERSION = 13  # csrc/copyhash.cpp ckpt_abi_version(): a library built for another layout is not used
 CUDA_ABI_VERSION = 2  # csrc/cuda/batched_copy.cu ckpt_cuda_abi_version(), the same rule
 # Seg.check: how the core checks a segment's elements for NaN/Inf (0: not checked)
 CHECK_KINDS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
@@ -96,7 +96,8 @@ class CpuCore:
         lib.ckpt_planes_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, u64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr,
                                            ptr]
         lib.ckpt_chain_decode.restype = ctypes.c_int
-        lib.ckpt_chain_decode.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, u64, ctypes.c_int, ptr, ptr]
+        lib.ckpt_chain_decode.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, u64, ctypes.c_int, ptr, ptr,
+                                              ctypes.c_int]
         lib.ckpt_chain_decode_range.restype = ctypes.c_int
         lib.ckpt_chain_decode_range.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, u64, u64, u64,
                                                 ctypes.c_int, ptr]
@@ -206,15 +207,16 @@ class CpuCore:
         lo, hi, hashed = h.tolist()
         return int(err), (f"{hi:016x}{lo:016x}" if hashed and not err else None)
 
-    def chain_decode(self, links: list[ChainLink], out: np.ndarray, simd: int = 2) -> tuple[int, str | None]:
+    def chain_decode(self, links: list[ChainLink], out: np.ndarray, simd: int = 2,
+                     hashed: bool = True) -> tuple[int, str | None]:
         """A delta chain in one pass into ``out`` (uint8, the chunk's length): ``links`` whole-first,
         each a delta of the one before (see :meth:`planes_decode`; a link of no planes: ``out`` holds
         it already, only as the first). Returns (0, the rANS decoder's error code, or 5: widths too
-        varied to decode together; the xxh3-128 of the result or None where it is 240 bytes or shorter).
-        Only the result is hashed."""
+        varied to decode together; the xxh3-128 of the result or None where it is 240 bytes or shorter,
+        or not ``hashed``: a pass that more links follow). Only the result is hashed."""
         count, arrays = _chain_args(links)
         h = np.zeros(3, np.uint64)
-        err = self.lib.ckpt_chain_decode(count, *arrays, out.size, simd, out.ctypes.data, h.ctypes.data)
+        err = self.lib.ckpt_chain_decode(count, *arrays, out.size, simd, out.ctypes.data, h.ctypes.data, int(hashed))
         lo, hi, hashed = h.tolist()
         return int(err), (f"{hi:016x}{lo:016x}" if hashed and not err else None)
 

@@ -83,7 +83,7 @@ constexpr uint64_t MAX_TILE = 1 << 24;  // bytes; widths whose tile would be lar
 // the range is decoded into `edge` and only its part in the range copied out, so nothing outside
 // out[lo:hi) is written.
 int chain_decode(const Link* links, int count, const uint8_t* base, uint64_t n, uint64_t lo, uint64_t hi, int simd,
-                 uint8_t* out, uint64_t* hash) {
+                 uint8_t* out, uint64_t* hash, bool hashed = true) {
   if (hash) hash[2] = 0;
   if (count < 1 || hi > n || (hash ? lo || hi != n : lo >= hi)) return 4;
   const bool in_out = links[0].w == 0 && !base;  // link 0's bytes lie in `out` already
@@ -108,7 +108,7 @@ int chain_decode(const Link* links, int count, const uint8_t* base, uint64_t n, 
   const uint64_t tile = widths * unit;
   std::vector<uint8_t> buf(n < tile ? n + 16 : tile);  // a link's coded planes for one tile: at most its bytes
   std::vector<uint8_t> edge;                            // a tile that reaches past the range
-  const bool hashing = hash && n > 240;
+  const bool hashing = hash && hashed && n > 240;
   ckpt_core::Hash128 h;
   if (hashing) ckpt_core::hash_start(h, n);
   uint64_t hashed_to = 0;
@@ -204,16 +204,17 @@ int ckpt_planes_decode(const uint8_t* const* src, const uint64_t* len, const uin
 // coded likewise, as ckpt_planes_decode takes them) and its tail at tails[l]; w[0] may be 0: `out`
 // holds link 0's bytes already. Only the result is hashed: a link that decodes to wrong bytes shows
 // as a wrong hash, and the caller decodes link by link to say which. Returns ckpt_planes_decode's
-// codes, or 5 (widths whose common tile would be too large: decode link by link).
+// codes, or 5 (widths whose common tile would be too large: decode link by link). `hashed` 0: every
+// section still checked to its end, but no hash (a pass before a masked link: hash[2] stays 0).
 int ckpt_chain_decode(int count, const int32_t* wr, const uint8_t* const* src, const uint64_t* len,
                       const uint8_t* coded, const uint8_t* const* tails, uint64_t n, int simd, uint8_t* out,
-                      uint64_t* hash) {
+                      uint64_t* hash, int hashed) {
   hash[2] = 0;
   if (count < 1 || count > 256) return 4;
   std::vector<Link> links(count);
   for (int l = 0; l < count; ++l)
     links[l] = Link{wr[2 * l], wr[2 * l + 1], src + 16 * l, len + 16 * l, coded + 16 * l, tails[l], nullptr};
-  return chain_decode(links.data(), count, nullptr, n, 0, n, simd, out, hash);
+  return chain_decode(links.data(), count, nullptr, n, 0, n, simd, out, hash, hashed != 0);
 }
 
 // Bytes [lo, hi) of a delta chain (links as ckpt_chain_decode takes them; w[0] 0: link 0's bytes are

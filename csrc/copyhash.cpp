@@ -381,10 +381,10 @@ void hash_finish(Hash128& h, const uint8_t* input, uint64_t out[2]) {
 extern "C" {
 
 // The layout of this library's calls; Python refuses a library built for another (a stale build).
-int ckpt_abi_version() { return 12; }  // 5: ckpt_pread_hash, ckpt_copy_many (the load path); 6: ckpt_rans_* (rans.cpp);
+int ckpt_abi_version() { return 13; }  // 5: ckpt_pread_hash, ckpt_copy_many (the load path); 6: ckpt_rans_* (rans.cpp);
 // 7: ckpt_rans_decode takes `simd`; ckpt_rans_simd, ckpt_planes_decode; 8: ckpt_rans_encode takes `simd`;
 // 9: ckpt_chain_decode (chain.cpp); 10: ckpt_chain_decode_range; 11: ckpt_mask_compact, ckpt_mask_expand (mask.cpp);
-// 12: ckpt_rans_estimate
+// 12: ckpt_rans_estimate; 13: ckpt_chain_decode takes `hashed`
 
 // 2 = AVX2, 1 = SSE2, 0 = portable C: which accumulator loop this machine runs.
 int ckpt_simd_level() { return g_level; }

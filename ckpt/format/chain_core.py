@@ -55,13 +55,14 @@ def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], s
         for (name, expect, _), part, need in zip(parts, found, needs):
             assert part is not None
             if part[0].masked:  # the links before it decoded, then its kept elements XORed into place
-                if batch and core.chain_decode(batch, out)[0]:
-                    return False
+                if batch[1:] or batch and batch[0] is not _IN_OUT:  # (out alone: nothing to decode)
+                    if not _unhashed_pass(core, batch, out):
+                        return False
                 _decode_masked(part[0], part[1], out if batch else None, out, name=name, expect_hash=expect)
                 batch, used = [_IN_OUT], 0
                 continue
             if used + need > room.size:
-                if core.chain_decode(batch, out)[0]:
+                if not _unhashed_pass(core, batch, out):
                     return False
                 batch, used = [_IN_OUT], 0
             batch.append(_chain_link(part, room[used:used + need], out, name=name, expect_hash=expect))
@@ -70,6 +71,12 @@ def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], s
         return False
     err, digest = core.chain_decode(batch, out)
     return not err and digest == parts[-1][1]
+
+
+def _unhashed_pass(core: _ext.CpuCore, batch: list[_ext.ChainLink], out: np.ndarray) -> bool:
+    """A pass of the core over ``batch`` that the chain does not end with: every section checked to
+    its end, but not hashed (only the result is: a chain with masked links was hashed once a pass)."""
+    return core.chain_decode(batch, out, hashed=False)[0] == 0
 
 
 def decode_chain_range(parts: list[tuple[str, str, bytes | bytearray | memoryview]], size: int, out: np.ndarray,

@@ -65,6 +65,12 @@ _MASK_ZEROS = 0.25  # a zero mask is tried where at least this share of the samp
 # nothing (Adam's bf16 second moments) and decodes 1.6x slower, at 90% it saves 45% and decodes 2.9x faster
 _MASK_MIN_SAVING = 0.1
 
+# ... or, where at least this share of the sample's elements is zero, unless it adds more than this share of
+# the raw bytes: a sparse update's delta (one element in 4097 moved) codes to a few KB either way (the mask's
+# section a few bytes more), but without a mask each of its planes is inflated in full on every load (a 16 MiB
+# link: about 2 ms, as long as 1 MB takes at 400 MB/s), with one only the mask (a bit an element)
+_MASK_SPARSE, _MASK_MAX_EXTRA = 0.9, 0.002
+
 _REPEATS = -1  # a trial's plane method: rANS, the sample's plane being one byte per block (see _encode_planes)
 
 _RETRY = 4  # auto's trials on a chunk run every this many saves; in between, the last ones are reused
@@ -209,6 +215,7 @@ class _Trial:
     rot: bool = False  # elements rotated left one bit before grouping (planes, xor)
     masked: bool = False  # a zero mask, then the nonzero elements' planes (planes, xor)
     complete: bool = True  # False: stopped at its cap (a delta that could not be kept): ``size`` is a lower bound
+    zeros: float = 0.0  # masked: the share of the sample's elements (XOR the base, for a delta) that is zero
 
 
 @dataclass(frozen=True)
@@ -434,9 +441,11 @@ def _trials(raw: memoryview, base: Base | None, width: int, rot: bool, level: in
         base_sample = _spread(base.raw, n, "base-sample") if base else None
     candidates = ["planes" if width > 1 else "zstd"] + (["xor"] if base is not None else [])
     specs = [(c, r, False) for c in candidates for r in ((True, False) if rot and c != "zstd" else (False,))]
+    zeros: dict[str, float] = {}
     if width in mask.WIDTHS:
         for c in candidates:
-            if mask.zero_share(sample, width, base_sample if c == "xor" else None) >= _MASK_ZEROS:
+            zeros[c] = mask.zero_share(sample, width, base_sample if c == "xor" else None)
+            if zeros[c] >= _MASK_ZEROS:
                 specs += [(c, r, True) for r in ((True, False) if rot else (False,))]
     k = len(sample)
     # the whole chunk's ways first: they bound what a delta must beat to be kept (below), and a delta's
@@ -448,7 +457,7 @@ def _trials(raw: memoryview, base: Base | None, width: int, rot: bool, level: in
     for sp in specs:
         if sp[0] == "xor":
             done[sp] = _try("xor", sample, base_sample, width, sp[1], level, sp[2], estimate=not whole, cap=cap)
-    return [done[sp] for sp in specs]
+    return [replace(done[sp], zeros=zeros[sp[0]]) if sp[2] else done[sp] for sp in specs]
 
 
 def _select(trials: list[_Trial], room: int | None, n: int, k: int) -> _Trial | None:
@@ -462,6 +471,7 @@ def _select(trials: list[_Trial], room: int | None, n: int, k: int) -> _Trial | 
         room is None or t.size * (n / k) + HEADER_SIZE <= room or t.size < _SPARSE_DELTA * whole_size)]
     best = min((t for t in trials if not t.masked), key=lambda t: t.size)
     masked = min((t for t in trials if t.masked), key=lambda t: t.size, default=None)
-    if masked is not None and masked.size < best.size * (1 - _MASK_MIN_SAVING):
+    if masked is not None and (masked.size < best.size * (1 - _MASK_MIN_SAVING) or
+                               masked.zeros >= _MASK_SPARSE and masked.size <= best.size + k * _MASK_MAX_EXTRA):
         best = masked
     return None if best.size > k * (1 - _AUTO_MIN_SAVING) else best
