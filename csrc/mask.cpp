@@ -28,6 +28,23 @@ uint64_t compact(const uint8_t* src, const uint8_t* base, uint64_t m, uint8_t* m
   uint64_t j = 0;
   for (uint64_t i = 0; i < m; i += 8) {
     const uint64_t e = m - i < 8 ? m - i : 8;
+    if (e == 8) {  // eight elements of zeros (most of a sparse update's delta): one word test per 8 bytes
+      uint64_t any = 0;
+      for (int q = 0; q < W; ++q) {
+        uint64_t v;
+        std::memcpy(&v, src + i * W + 8 * q, 8);
+        if (X) {
+          uint64_t u;
+          std::memcpy(&u, base + i * W + 8 * q, 8);
+          v ^= u;
+        }
+        any |= v;
+      }
+      if (!any) {
+        mask[i / 8] = 0;
+        continue;
+      }
+    }
     unsigned bits = 0;
     for (uint64_t b = 0; b < e; ++b) {
       T v;
