@@ -12,7 +12,7 @@ import ckpt
 from ckpt import _ext
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import mask
-from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode, parse_header
+from ckpt.format.chunk import HEADER_SIZE, Base, chunk_hash, decode, parse_header, section_table, unpack_section
 from ckpt.save.encode import CodecSpec, encode
 
 core = _ext.cpu()
@@ -250,3 +250,29 @@ def test_a_chain_of_masked_links_is_hashed_once(monkeypatch):
     parts = [(f"c{i}", h, b) for i, (h, b) in enumerate(zip(hashes, blobs))]
     assert chain_core.decode_chain(parts, len(raws[-1]), out)
     assert out.tobytes() == bytes(raws[-1]) and hashed == [False, True]
+
+
+@pytest.mark.parametrize("share", [0.9997, 0.9])
+def test_a_sparse_mask_is_zstd_coded_unless_rans_is_much_smaller(share):
+    """The mask is decoded whole: zstd inflates its runs of zeros several times faster than rANS decodes
+    them, so it is kept unless it adds over 2% of the mask's bytes (a sparse mask: a few hundred bytes
+    more at most); a denser one (nine in ten elements zero: nearly random bits) takes the smaller."""
+    import zstandard
+
+    from ckpt.format.planes import RANS, ZSTD
+    from ckpt.format.rans import encode as rans_encode
+
+    n = 4 << 20
+    data = sparse(n, 2, 11, share)
+    blob, h = masked_chunk(data, 2)
+    hdr = parse_header(blob, name="x")
+    table = section_table(hdr, memoryview(blob)[HEADER_SIZE:], name="x", expect_hash=h)
+    how, stored, length = table[hdr.width + 1]  # the mask
+    bits = np.empty(length, np.uint8)
+    unpack_section(how, stored, bits, name="x", expect_hash=h)
+    z = len(zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bits.tobytes()))
+    r = len(rans_encode(bits))
+    assert how == (ZSTD if z <= r + 0.02 * length else RANS)
+    if share > 0.999:
+        assert how == ZSTD
+    assert decode(blob, name="x", expect_hash=h).tobytes() == data.tobytes()
