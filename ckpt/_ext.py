@@ -97,7 +97,7 @@ class CpuCore:
                                            ptr]
         lib.ckpt_chain_decode.restype = ctypes.c_int
         lib.ckpt_chain_decode.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, u64, ctypes.c_int, ptr, ptr,
-                                              ctypes.c_int]
+                                          ctypes.c_int]
         lib.ckpt_chain_decode_range.restype = ctypes.c_int
         lib.ckpt_chain_decode_range.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, u64, u64, u64,
                                                 ctypes.c_int, ptr]
@@ -217,8 +217,8 @@ class CpuCore:
         count, arrays = _chain_args(links)
         h = np.zeros(3, np.uint64)
         err = self.lib.ckpt_chain_decode(count, *arrays, out.size, simd, out.ctypes.data, h.ctypes.data, int(hashed))
-        lo, hi, hashed = h.tolist()
-        return int(err), (f"{hi:016x}{lo:016x}" if hashed and not err else None)
+        lo, hi, done = h.tolist()
+        return int(err), (f"{hi:016x}{lo:016x}" if done and not err else None)
 
     def chain_decode_range(self, links: list[ChainLink], base: np.ndarray | None, out: np.ndarray, lo: int, hi: int,
                            first: list[list[int]] | None = None, simd: int = 2) -> int:

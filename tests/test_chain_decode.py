@@ -327,6 +327,32 @@ def test_a_rans_coded_tail_is_decoded_not_read_as_tail_bytes(tmp_path):
 
 
 @needs_core
+def test_damage_in_a_pass_before_a_masked_link_is_refused_though_that_pass_is_not_hashed(tmp_path):
+    """The links before a masked one are decoded in a pass of their own, not hashed (only the result is):
+    a damaged link in that pass (a rANS tail that would read past its object) is refused as it is
+    without the masked link after it, by the one-pass decode and link by link, naming the link."""
+    chain = build(3, 1)
+    h, blob = chain[1]
+    last = np.frombuffer(link_by_link(chain), np.uint8)
+    nxt = last.copy()
+    nxt[::4096] ^= 1  # a sparse update: its delta keeps a zero mask
+    masked = encode(memoryview(nxt), chunk_hash(nxt), CodecSpec.parse("auto"), width=4, rotate=True,
+                    base=Base(memoryview(last), chain[2][0]))[1]
+    masked_blob = b"".join(bytes(p) for p in masked)
+    assert parse_header(masked_blob, name="x").masked
+    whole_chain = chain + [(chunk_hash(nxt), masked_blob)]
+    out = np.empty(SIZE, np.uint8)
+    assert decode_chain([(x, x, b) for x, b in whole_chain], SIZE, out) and out.tobytes() == nxt.tobytes()
+    empty = _tail_recoded(blob, b"")
+    bad = [chain[0], (h, empty), chain[2], whole_chain[3]]
+    assert not decode_chain([(x, x, b) for x, b in bad], SIZE, out)
+    storage, table = stored(tmp_path, whole_chain)
+    storage.write(chunk_key(h), [empty])
+    with pytest.raises(CorruptCheckpointError, match=f"{h}.*rANS"):
+        chains.resolve(storage, table, whole_chain[-1][0])
+
+
+@needs_core
 @pytest.mark.parametrize("at", [12, 15, 8])
 def test_a_delta_whose_payload_check_fails_is_refused_as_link_by_link(tmp_path, at):
     """Damage the decode never reads (the payload check field itself; the format version of a link
@@ -359,11 +385,13 @@ def test_a_chain_of_zstd_deltas_takes_about_one_chunk_of_scratch(tmp_path):
     data = (rng.standard_normal(SIZE // 4) * 0.02).astype(np.float32).view(np.uint8)
     data = np.concatenate([data, rng.integers(0, 256, SIZE % 4, dtype=np.uint8)])
     chain = [(chunk_hash(data), whole(data, "auto", 4, True))]
-    for _ in range(7):
-        nxt = data.copy()
-        nxt[rng.integers(0, SIZE, 64)] ^= 1  # a few bytes changed: every plane of the delta a zstd frame
-        chain.append((chunk_hash(nxt), delta(nxt, data, 4, False)))
-        data = nxt
+    with mock.patch.object(encoder, "_MASK_ZEROS", 2.0):  # deltas of planes only (a mask would be XORed in place)
+        for _ in range(7):
+            nxt = data.copy()
+            nxt[rng.integers(0, SIZE, 64)] ^= 1  # a few bytes changed: every plane of the delta a zstd frame
+            chain.append((chunk_hash(nxt), delta(nxt, data, 4, False)))
+            data = nxt
+    assert not any(parse_header(b, name="x").masked for _, b in chain)
     assert all(section_kinds(b) <= {"zstd", "stored", "empty"} for _, b in chain[1:])
     parts = [(h, h, b) for h, b in chain]
     out = np.empty(SIZE, np.uint8)

@@ -77,9 +77,10 @@ _RETRY = 4  # auto's trials on a chunk run every this many saves; in between, th
 
 _MASKED_ZSTD = 0.08  # behind a zero mask, a plane is zstd-coded only where that is this much smaller than rANS
 
-# ... while the mask itself (decoded whole) is zstd-coded unless that adds more than this share of its bytes to
-# rANS's: a sparse mask is long runs of zeros, which zstd inflates as matches, several times faster than rANS
-# decodes them a byte at a time (1 MiB of a sparse update's mask: about 0.1 ms against 0.7)
+# ... while a mask with zero runs (a sparse one; decoded whole) is zstd-coded unless that adds more than this share
+# of the mask's bytes to rANS's: zstd inflates the runs as matches, several times faster than rANS decodes them
+# a byte at a time (1 MiB of a sparse update's mask: about 0.1 ms against 0.7); a mask of nearly random bits
+# (a 90%-zero layer's) has no runs and takes the smaller
 _MASK_ZSTD_EXTRA = 0.02
 
 Masked = tuple[int, np.ndarray, np.ndarray]  # a zero mask's (elements kept, mask, the chunk's tail bytes)
@@ -130,8 +131,9 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
                    estimate: bool = False, cap: float | None = None) -> tuple[list, int, list[int]]:
     """Sections of grouped bytes ``g`` (with ``masked``: of the kept elements only, the mask coded
     like a plane before them and the chunk's tail after): each plane the smaller of zstd and rANS (a
-    trial: ``methods`` None), or the coder ``methods`` (per plane, from a trial) names, zstd where it
-    says STORED and the plane has zero runs, and as it is where that does not shrink it by
+    trial: ``methods`` None; a mask with zero runs zstd-coded unless rANS saves ``_MASK_ZSTD_EXTRA``),
+    or the coder ``methods`` (per plane, from a trial) names, zstd where it says STORED and the plane
+    has zero runs, and as it is where that does not shrink it by
     ``min_saving`` (the final encode: ``_PLANE_MIN_SAVING``; a trial keeps any gain, so a plane that
     shrinks a little in the sample is tried on the whole chunk). With ``estimate`` (a trial on a sample,
     whose bytes are not kept) rANS is not run: :func:`rans.estimate` says its size from the plane's
@@ -186,7 +188,7 @@ def _encode_planes(g: np.ndarray, width: int, level: int, methods: list[int] | N
                 # (a sparse update's delta planes: zstd 5% smaller, but a reshard would decode them whole)
                 planar = masked is not None and i > 0 and how == RANS  # (the mask itself is decoded whole)
                 keep = nbytes * (1 - _MASKED_ZSTD) if planar else nbytes
-                if masked is not None and i == 0 and how == RANS:
+                if masked is not None and i == 0 and how == RANS and _runs(sec):  # a sparse mask's zero runs
                     keep = nbytes + n * _MASK_ZSTD_EXTRA
                 if size is not None and size < min(n * (1 - min_saving), keep):
                     stored, how, nbytes = stored if isinstance(packed, int) else packed, t, size

@@ -77,8 +77,11 @@ class Writer:
     # -- per chunk, on the I/O pool -------------------------------------------------------------
     def _put_chunk(self, job: SaveJob, data: memoryview, h: str, base: _BaseRef | None, chunk: ChunkSlot,
                    first: ChunkSlot) -> _Put:
-        """Store the chunk at place ``chunk``: encoded (delta ``base``, and ``first``'s hint) as at ``first``,
-        its first place in the save, so that a chunk at two places is stored the same whichever is written."""
+        """Store the chunk at place ``chunk``: encoded as at ``first``, its first place in the save (that
+        place's delta ``base``, hint, element width and rotation), so that a chunk at two places is stored
+        the same whichever is written. The trials of the copy written are kept for each place of the same
+        width and rotation as ``first`` (a hint applies at the width it was made at)."""
+        same = (chunk.width, chunk.rotate) == (first.width, first.rotate)
         with self._lock:
             info = self.known.get(h)
             twin = self._inflight.get(h) if info is None else None
@@ -93,12 +96,14 @@ class Writer:
             return _Put(h, info, "known")
         if twin is not None:  # an identical chunk of this save is being written: written once, then known
             done = twin.result()
-            self._chose(chunk, done.choice)  # its place takes the twin's trials: they are of the same bytes
+            if same:  # its place takes the twin's trials: they are of the same bytes
+                self._chose(chunk, done.choice)
             return _Put(h, done.info, "known")
         assert mine is not None
         try:
-            put = self._store(job, h, data, base, chunk.width, chunk.rotate, slot=first)
-            self._chose(chunk, put.choice)  # kept only once written: a failed write leaves the last one
+            put = self._store(job, h, data, base, first.width, first.rotate, slot=first)
+            if same:  # kept only once written: a failed write leaves the last one
+                self._chose(chunk, put.choice)
         except BaseException as e:
             mine.set_exception(e)
             raise
