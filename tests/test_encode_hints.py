@@ -160,11 +160,32 @@ def test_a_short_chunk_whose_delta_does_not_fit_is_stored_as_without_a_base(monk
     _roundtrip(out, raw_c, hc)
 
 
+def _later_place_first(monkeypatch, twins: set[str]) -> threading.Event:
+    """Make a chunk in ``twins`` (filled in by the caller) be stored from its later place first: its first
+    place's store waits until the later one's is done. Returns the event set once it is."""
+    from ckpt.save.writer import Writer
+
+    later_done = threading.Event()
+    real = Writer._put_chunk
+
+    def later_first(self, job, data, h, base, chunk, first):
+        if h in twins and chunk is first:
+            assert later_done.wait(60), "the second place's store never finished"
+            return real(self, job, data, h, base, chunk, first)
+        try:
+            return real(self, job, data, h, base, chunk, first)
+        finally:
+            if h in twins:
+                later_done.set()
+
+    monkeypatch.setattr(Writer, "_put_chunk", later_first)
+    return later_done
+
+
 def test_a_chunk_at_two_places_is_stored_as_at_its_first_whichever_is_written_first(tmp_path, monkeypatch):
     """Two places of one save hold the same bytes, each with its own delta base (and hint): the chunk is
     stored once, encoded as at its first place, even where the second place's thread gets there first
     (forced here), so what a save stores does not depend on the threads' timing."""
-    from ckpt.save.writer import Writer
 
     n = 1 << 18  # 1 MiB of fp32: one chunk each
     x, y = _weights(1, n), _weights(2, n)
@@ -176,20 +197,8 @@ def test_a_chunk_at_two_places_is_stored_as_at_its_first_whichever_is_written_fi
     state["a"].copy_(z)
     state["b"].copy_(z)
     twin = chunk_hash(_view(z))
-    later_done = threading.Event()
-    real = Writer._put_chunk
-
-    def later_first(self, job, data, h, base, chunk, first):
-        if h == twin and chunk is first:
-            assert later_done.wait(60), "the second place's store never finished"
-            return real(self, job, data, h, base, chunk, first)
-        try:
-            return real(self, job, data, h, base, chunk, first)
-        finally:
-            if h == twin:
-                later_done.set()
-
-    monkeypatch.setattr(Writer, "_put_chunk", later_first)
+    twins = {twin}
+    later_done = _later_place_first(monkeypatch, twins)
     cp.save(2, state).wait()
     assert later_done.is_set()
     (stored,) = list((tmp_path / "chunks").glob(f"*/{twin}"))
@@ -206,27 +215,13 @@ def test_twin_places_of_two_widths_are_stored_at_the_first_ones(tmp_path, monkey
     """The same bytes at an fp32 place and a bf16 one, the bf16 place's thread first: the chunk is encoded at
     the first place's width and rotation with its hint (a hint made at one width does not fit another), and
     the saves after it, twins again, store and load exactly."""
-    from ckpt.save.writer import Writer
 
     n = 1 << 18
     state = {"a": _weights(1, n), "b": _weights(2, 2 * n).bfloat16()}  # 1 MiB each: one chunk each
     cp = ckpt.Checkpointer(tmp_path, chunk_size=1 << 20, io_threads=2)
     cp.save(1, state).wait()  # each place's trials, at its own width
-    real = Writer._put_chunk
     twins: set[str] = set()
-    later_done = threading.Event()
-
-    def later_first(self, job, data, h, base, chunk, first):
-        if h in twins and chunk is first:
-            assert later_done.wait(60), "the second place's store never finished"
-            return real(self, job, data, h, base, chunk, first)
-        try:
-            return real(self, job, data, h, base, chunk, first)
-        finally:
-            if h in twins:
-                later_done.set()
-
-    monkeypatch.setattr(Writer, "_put_chunk", later_first)
+    later_done = _later_place_first(monkeypatch, twins)
     for step in (2, 3, 4):
         with torch.no_grad():
             state["a"].add_(1e-3 * _weights(step, n))

@@ -55,9 +55,8 @@ def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], s
         for (name, expect, _), part, need in zip(parts, found, needs):
             assert part is not None
             if part[0].masked:  # the links before it decoded, then its kept elements XORed into place
-                if batch[1:] or batch and batch[0] is not _IN_OUT:  # (out alone: nothing to decode)
-                    if not _unhashed_pass(core, batch, out):
-                        return False
+                if not _unhashed_pass(core, batch, out):
+                    return False
                 _decode_masked(part[0], part[1], out if batch else None, out, name=name, expect_hash=expect)
                 batch, used = [_IN_OUT], 0
                 continue
@@ -75,7 +74,10 @@ def decode_chain(parts: list[tuple[str, str, bytes | bytearray | memoryview]], s
 
 def _unhashed_pass(core: _ext.CpuCore, batch: list[_ext.ChainLink], out: np.ndarray) -> bool:
     """A pass of the core over ``batch`` that the chain does not end with: every section checked to
-    its end, but not hashed (only the result is: a chain with masked links was hashed once a pass)."""
+    its end, but not hashed (only the result is: a chain with masked links was hashed once a pass).
+    Nothing to decode (no links, or only what ``out`` holds already) is no pass."""
+    if not batch or len(batch) == 1 and batch[0] is _IN_OUT:
+        return True
     return core.chain_decode(batch, out, hashed=False)[0] == 0
 
 

@@ -322,7 +322,7 @@ class Writer:
             return buf.view(c.offset + at, c.length)
 
         def digest(c: ChunkSlot) -> str:
-            core = buf.cpu_core  # releases the GIL; None for tiny chunks
+            core = buf.cpu_core  # its hash releases the GIL; None for chunks of 240 bytes or fewer
             h = core.xxh3_128(buf.address(c.offset + at), c.length) if core is not None else None
             return h if h is not None else chunk_hash(view(c))
 
