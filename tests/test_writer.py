@@ -219,3 +219,38 @@ def test_metrics_count_the_bytes_encoded_and_the_cpu_spent_on_them(io):
     j3 = job_for(snaps, 3, s, seq=2)
     w.write_part(j3, 0)
     assert j3.metrics.encoded_bytes == 0 and j3.metrics.encode_cpu_s == 0.0
+
+
+def test_a_writer_encodes_at_most_one_chunk_per_usable_core_at_once(monkeypatch):
+    """The pool has more threads than cores (fsync-bound writes overlap), but encoding is CPU work: more
+    encodes at once than cores only put off each chunk's end, and with it the first write."""
+    import threading
+
+    from ckpt import _cpus
+    from ckpt.save import writer as writer_module
+
+    real, lock = writer_module.encode_chunk, threading.Lock()
+    now, most, calls = [0], [0], [0]
+
+    def counting(*args, **kwargs):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+            calls[0] += 1
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(writer_module, "encode_chunk", counting)
+    pool = ThreadPoolExecutor(8)
+    try:
+        w = Writer(memory_storage(), CodecSpec("auto"), pool)
+        snaps = Snapshotter(LocalComm(), CHUNK, native=False)
+        s = {"noise": torch.randn(64 * CHUNK // 4, generator=torch.Generator().manual_seed(3))}
+        w.write_part(job_for(snaps, 1, s), 0)
+    finally:
+        pool.shutdown()
+    assert calls[0] == 64
+    assert 1 <= most[0] <= _cpus.usable()

@@ -18,6 +18,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _cpus
 from .._tasks import run_all
 from ..errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
 from ..flatten import tensor_of
@@ -73,6 +74,8 @@ class Writer:
         # (ckpt.save.encode._auto); pruned to the places of the last save's layout
         self._choices: dict[ChunkSlot, Choice] = {}
         self._lock = threading.Lock()
+        # One encoding per core at a time: the pool's other threads write (all encoding at once put off the first write)
+        self._encoders = threading.BoundedSemaphore(_cpus.usable())
 
     # -- per chunk, on the I/O pool -------------------------------------------------------------
     def _put_chunk(self, job: SaveJob, data: memoryview, h: str, base: _BaseRef | None, chunk: ChunkSlot,
@@ -151,10 +154,11 @@ class Writer:
         """Encode chunk ``h`` (``hint``: auto's trials on the chunk at its place in the last save) and create it
         (FileExistsError if a copy is there), or write it over one."""
         b = base.resolve(self) if base is not None and base.digest != h else None
-        cpu = time.thread_time()  # this thread's CPU time: the other writer threads' work is not counted
-        out = encode_chunk(data, h, self.codec, width=width, base=b, rotate=rotate, reuse=True, hint=hint)
+        with self._encoders:
+            cpu = time.thread_time()  # this thread's CPU time: the other writer threads' work is not counted
+            out = encode_chunk(data, h, self.codec, width=width, base=b, rotate=rotate, reuse=True, hint=hint)
+            cpu = time.thread_time() - cpu
         codec, buffers = out.codec, out.buffers
-        cpu = time.thread_time() - cpu
         storage, key = self.over(job), paths.chunk_key(h)
         stored = storage.create(key, buffers) if create else storage.write(key, buffers)
         label = parse_header(buffers[0], name=key).label
@@ -183,9 +187,7 @@ class Writer:
     def _known_chain(self, h: str) -> dict[str, mf.ChunkInfo] | None:
         """Chunk ``h``'s chain as the dedup table knows it, if it trusts ``h``; else None."""
         with self._lock:
-            if h not in self.known:
-                return None
-            return {x: self.known[x] for x in mf.chain(self.known, h) if x in self.known}
+            return {x: self.known[x] for x in mf.chain(self.known, h) if x in self.known} if h in self.known else None
 
     def _table(self, puts: list[_Put]) -> tuple[dict[str, mf.ChunkInfo], set[str]]:
         """The chunk table of a rank report: the chunks written or reused and every base their chains
