@@ -446,8 +446,8 @@ def overlap(med: dict) -> list[str]:
     return ["", f"- {'MET' if ok else 'NOT MET'}: coding overlaps I/O: ckpt durable {auto['durable']:.3f} s, "
                 f"{auto['durable'] / slower:.2f} × the slower of coding alone ({coding:.3f} s: "
                 f"{auto['encode_cpu']:.2f} CPU s over {cores} cores) and I/O alone (codec=raw's durable for the "
-                f"bytes it wrote, {io:.3f} s), {auto['durable'] / both:.2f} × their sum (met: within a quarter "
-                "of the faster one above the slower)"]
+                f"bytes it wrote, {io:.3f} s), {auto['durable'] / both:.2f} × their sum (the target: at most a "
+                "quarter of the faster one above the slower)"]
 
 
 def plot(med: dict, path: str, nbytes: int) -> None:
