@@ -16,8 +16,9 @@ training as benchmarks/bandwidth.py), and a sparse one (fp32, 90% zeros: a maske
   from ``save()`` to committed and ``load`` time from the page cache (``direct_io=False``: chunks written
   through it), ``auto`` and ``raw``, on a local directory; the ratio 1 thread / 2 threads (2.0 is perfect
   on 2 cores), and ``auto``'s page-cache load as a multiple of ``raw``'s. A load verifies every chunk.
-  Each load is timed after the save before it has finished its retention and the page cache has written
-  back (``os.sync``), untimed: ``raw``'s 0.5 GiB of writeback would otherwise slow its own load.
+  Each load is timed only once its save's retention has finished (``Checkpointer.wait()``) and after
+  ``os.sync()``, neither timed: retention deleting the save two back (a whole state's chunks with
+  ``raw``, little with ``auto``'s sparse deltas) would otherwise run during the load.
 
 Prints a table, writes benchmarks/results/per_core.{json,md}.
 """
