@@ -4,6 +4,7 @@ commit, with no Checkpointer, no commit thread and no process group around it.""
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt import _cpus
 from ckpt.flatten import flatten
 from ckpt.format import manifest as mf
 from ckpt.format import paths
@@ -18,6 +20,7 @@ from ckpt.format.chunk import decode
 from ckpt.handle import SaveMetrics
 from ckpt.lease import Leases
 from ckpt.ranks import LocalComm
+from ckpt.save import writer as writer_module
 from ckpt.save.commit import CommitProtocol
 from ckpt.save.committer import commit_step
 from ckpt.save.encode import CodecSpec
@@ -225,11 +228,6 @@ def test_a_writer_encodes_at_most_one_chunk_per_usable_core_at_once(monkeypatch)
     """The pool has more threads than cores (fsync-bound writes overlap), but encoding is CPU work: more
     encodes at once than cores only put off each chunk's end, and with it the first write. Two usable
     cores are made to be seen whatever the machine has, so eight threads could exceed them."""
-    import threading
-
-    from ckpt import _cpus
-    from ckpt.save import writer as writer_module
-
     real, lock = writer_module.encode_chunk, threading.Lock()
     now, most, calls = [0], [0], [0]
 

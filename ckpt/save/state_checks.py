@@ -5,11 +5,13 @@ optimizer settings that are NaN or infinite, and the CUDA tensors an optimizer's
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _ext
+from ..errors import NonFiniteStateError
 from ..flatten import Flat, key_component
 from ..tree import dtype_name
 from .cuda_snapshot import handed_over
@@ -96,3 +98,20 @@ def optimizer_guarded(flat: Flat) -> set[int]:
                     if isinstance(t, torch.Tensor) and t.is_cuda:
                         out.add(_local(t).data_ptr())
     return out
+
+
+def refuse_poison(step: int, rank: int, bad: list[str], committed: Callable[[], list[int]]) -> None:
+    """Refuse the save, before anything of it is written, if a checked tensor holds NaN or Inf
+    (``committed()`` lists the committed steps, asked only then)."""
+    if not bad:
+        return
+    names = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    steps = committed()
+    resume = (f"the newest committed step ({steps[-1]}) is the last healthy one: resume from it "
+              "(load('latest', state))" if steps else
+              "there is no committed step yet to resume from: the state went bad before the first save")
+    raise NonFiniteStateError(
+        f"step {step} was not saved: rank {rank}'s state holds NaN or Inf in {names}. Nothing was committed; "
+        f"{resume}, and find what "
+        "diverged (learning rate, loss scale, bad data, a faulty GPU). check_finite=False saves such a state anyway.",
+        tensors=bad, ranks=[rank])

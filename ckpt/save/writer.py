@@ -13,14 +13,14 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _cpus
 from .._tasks import run_all
-from ..errors import CheckpointError, CorruptCheckpointError, NonFiniteStateError, StepExistsError
+from ..errors import CheckpointError, CorruptCheckpointError, StepExistsError
 from ..flatten import tensor_of
 from ..format import manifest as mf
 from ..format import paths, spans
@@ -33,6 +33,7 @@ from .buffer_layout import ChunkSlot
 from .encode import Choice, CodecSpec, encode_chunk
 from .job import SaveJob
 from .snapshot import HostBuffer, Snapshot
+from .state_checks import refuse_poison
 
 log = logging.getLogger("ckpt")
 
@@ -154,7 +155,7 @@ class Writer:
         """Encode chunk ``h`` (``hint``: auto's trials on the chunk at its place in the last save) and create it
         (FileExistsError if a copy is there), or write it over one."""
         b = base.resolve(self) if base is not None and base.digest != h else None
-        with self._encoders:
+        with self._encoders if self.codec.name != "raw" else nullcontext():  # raw: a header, no coding
             cpu = time.thread_time()  # this thread's CPU time: the other writer threads' work is not counted
             out = encode_chunk(data, h, self.codec, width=width, base=b, rotate=rotate, reuse=True, hint=hint)
             cpu = time.thread_time() - cpu
@@ -187,7 +188,9 @@ class Writer:
     def _known_chain(self, h: str) -> dict[str, mf.ChunkInfo] | None:
         """Chunk ``h``'s chain as the dedup table knows it, if it trusts ``h``; else None."""
         with self._lock:
-            return {x: self.known[x] for x in mf.chain(self.known, h) if x in self.known} if h in self.known else None
+            if h not in self.known:
+                return None
+            return {x: self.known[x] for x in mf.chain(self.known, h) if x in self.known}
 
     def _table(self, puts: list[_Put]) -> tuple[dict[str, mf.ChunkInfo], set[str]]:
         """The chunk table of a rank report: the chunks written or reused and every base their chains
@@ -281,7 +284,7 @@ class Writer:
                 self._check_not_committed(job)
                 if snap.cuda is not None:
                     snap.cuda.synchronize()
-                _refuse_poison(job.step, rank, snap.poisoned(), lambda: mf.committed_steps(self.over(job)))
+                refuse_poison(job.step, rank, snap.poisoned(), lambda: mf.committed_steps(self.over(job)))
                 job.created = []
                 if snap.rest is not None:  # a ring (ckpt.save.ring): piece by piece, as save() copies them
                     puts = self._write_pieces(job, buf, rank)
@@ -349,7 +352,7 @@ class Writer:
             puts += got
             ring.written(k)
         ring.wait_copied()
-        _refuse_poison(job.step, rank, snap.poisoned(), lambda: mf.committed_steps(self.over(job)))
+        refuse_poison(job.step, rank, snap.poisoned(), lambda: mf.committed_steps(self.over(job)))
         return puts
 
     def _bases(self, snap: Snapshot) -> list[_BaseRef | None]:
@@ -480,20 +483,3 @@ class _BaseRef:
 # `ckpt gc` removes only what failed saves left, never a committed step: it cannot make room for a save.
 STEP_EXISTS_ADVICE = ("Save under a new step number, or delete that step's directory (or prefix) by hand first; "
                        "retention (keep_last) drops old steps as new ones commit.")
-
-
-def _refuse_poison(step: int, rank: int, bad: list[str], committed: Callable[[], list[int]]) -> None:
-    """Refuse the save, before anything of it is written, if a checked tensor holds NaN or Inf
-    (``committed()`` lists the committed steps, asked only then)."""
-    if not bad:
-        return
-    names = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-    steps = committed()
-    resume = (f"the newest committed step ({steps[-1]}) is the last healthy one: resume from it "
-              "(load('latest', state))" if steps else
-              "there is no committed step yet to resume from: the state went bad before the first save")
-    raise NonFiniteStateError(
-        f"step {step} was not saved: rank {rank}'s state holds NaN or Inf in {names}. Nothing was committed; "
-        f"{resume}, and find what "
-        "diverged (learning rate, loss scale, bad data, a faulty GPU). check_finite=False saves such a state anyway.",
-        tensors=bad, ranks=[rank])
