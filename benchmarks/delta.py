@@ -18,7 +18,7 @@ and ``codec="raw"``:
 
 For every save after the first, on the same tensors in the same run: the bytes ckpt stored with
 ``smallest`` (what the save wrote: new chunks, headers included) against the raw bytes, zstd level 1
-alone, byte grouping + zstd alone (ckpt's ``planes`` codec on every 4 MiB piece) and ZipNN (``pip install zipnn``; per
+alone, byte grouping + zstd alone (ckpt's ``planes`` codec on every 4 MiB piece) and ZipNN (in the ``bench`` extra; per
 tensor, one thread, zstd level 3 as it comes); the encode speed per thread: raw bytes per CPU second,
 ckpt's from its saves (``metrics.encoded_bytes`` / ``metrics.encode_cpu_s``: the chunks each save
 encoded, trials included), ZipNN's from the process's CPU time around its compress (ZipNN 0.5.4
@@ -241,11 +241,17 @@ def ckpt_encode(tensors: dict, prev: dict | None) -> int:
     return size
 
 
+_said_no_zipnn: list[bool] = []  # the note is printed once
+
+
 def zipnn_encode(tensors: dict) -> tuple[int | None, float | None, float | None]:
     """ZipNN's bytes, CPU seconds and wall seconds for ``tensors``."""
     try:
         from zipnn import ZipNN
     except ImportError:
+        if not _said_no_zipnn:
+            _said_no_zipnn.append(True)
+            print("(zipnn is not installed: the table has no ZipNN columns; pip install -e '.[bench]')", flush=True)
         return None, None, None
     size, seconds, wall = 0, 0.0, 0.0
     for t in tensors.values():
