@@ -370,6 +370,7 @@ class Checkpointer:
                                      self._chooser.hosts)
         if done is None:
             return None
+        done.stats.seconds = time.perf_counter() - began
         self.last_load = done.stats
         self._engine.loaded(done)  # retention keeps the step; the next save reuses its chunks (wait() waits for a heal)
         return done.manifest.step

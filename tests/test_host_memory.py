@@ -193,6 +193,19 @@ def test_a_damaged_chunk_found_in_the_first_pass_leaves_every_tensor_unchanged(t
         c.save(2, _state(6)).wait()  # nothing changed: saves go on
 
 
+@pytest.mark.parametrize("budget", [None, MiB])
+def test_last_load_says_where_its_time_went(tmp_path, budget):
+    """Planning, reads and the copy out of staging are timed apart (over every window and pass), and
+    together they are part of the load's whole time."""
+    with ckpt.Checkpointer(tmp_path, host_memory=budget, chunk_size=256 * 1024, codec="raw", check_finite=False) as c:
+        c.save(1, _state(6)).wait()
+        c.load(1, _state(6, fill=-1.0))
+        s = c.last_load
+        assert s is not None and s.passes == (1 if budget is None else 2)
+        assert min(s.plan_s, s.read_s, s.copy_s) > 0
+        assert s.plan_s + s.read_s + s.copy_s <= s.seconds
+
+
 @pytest.mark.parametrize("where", ["last window, damaged", "first window, deleted"])
 def test_a_chunk_that_changes_between_the_passes_fails_the_load_naming_it(tmp_path, where):
     with ckpt.Checkpointer(tmp_path, chunk_size=256 * 1024, codec="raw", check_finite=False) as c:

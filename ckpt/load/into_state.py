@@ -16,6 +16,7 @@ read, copy back), apply (:mod:`ckpt.load.apply`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -51,9 +52,11 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     and returns what the loading ranks took together (their notes' :func:`ckpt.load.held.union`), so
     that ``strict`` refuses a key no rank holds. Alone (``world`` 1) that is checked before any read.
     ``budget``: the staging memory it may hold (``host_memory``; :mod:`ckpt.load.windows`)."""
+    t0 = time.perf_counter()
     if init_optimizers(state, m) and on_change is not None:
         on_change()
     plan = plan_load(m, state, rank, world, rank_map, strict=strict, allow_pickle=allow_pickle)
+    planned = time.perf_counter() - t0
     checked = strict and world > 1 and ready is not None
 
     def changing() -> None:
@@ -70,4 +73,5 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     stats = read_planned(storage, m, plan.boxes, plan.into, io, stand_in=(plan.own if staged else []) + plan.elsewhere,
                          staged=staged, lend=lend, before_read=before_read, before_write=changing, budget=budget)
     apply_values(state, plan, strict)
+    stats.plan_s += planned
     return stats

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, nullcontext
@@ -60,6 +61,14 @@ class LoadStats:
             chunk in a first pass before a second copied them out (:mod:`ckpt.load.windows`).
         windows: the windows of staging memory the reads went through (1: all at once).
         staging_bytes: the staging memory the load held (stand-ins and row stages).
+        seconds: ``Checkpointer.load``'s whole time on this rank (choosing the step, the rounds with the
+            other ranks, values put in place); 0.0 for reads of boxes alone (``Reader``, DCP).
+        plan_s: reading the manifest and planning the reads, every check before the first chunk is read
+            (``Checkpointer.load``).
+        read_s: reading and verifying the chunks on the I/O threads, every pass.
+        copy_s: copying the verified bytes from staging memory into the tensors.
+        What a load's time is spent on besides these three (``seconds`` less them) is the part that
+        more I/O threads do not shorten: rounds with the other ranks, putting values in place.
     """
 
     step: int
@@ -75,6 +84,10 @@ class LoadStats:
     passes: int = 1
     windows: int = 1
     staging_bytes: int = 0
+    seconds: float = 0.0
+    plan_s: float = 0.0
+    read_s: float = 0.0
+    copy_s: float = 0.0
 
 
 class BoxRequest(NamedTuple):
@@ -203,17 +216,21 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
             before_read(set(feeds))
         if not staged and before_write is not None:
             before_write()
+        t0 = time.perf_counter()
         reads = run_all(io, lambda item: read_chunk(storage, m, item[0], item[1]), list(feeds.items()),
                         width=storage.read_width)
+        stats.read_s = time.perf_counter() - t0
         stats.bytes_read = sum(reads)
         if staged and before_write is not None:  # every chunk checked out: from here on the tensors change
             before_write()
+        t0 = time.perf_counter()
         with torch.no_grad():
             for s, rows in zip(plan.stages, stages):
                 local = dest[s.request]
                 src = torch.from_numpy(rows).view(local.dtype).view(s.rows)
                 local[slices(s.in_dest)].copy_(src[slices(s.in_stage)])
             copy_back(pairs, threads_of(io))
+        stats.copy_s = time.perf_counter() - t0
     return stats
 
 

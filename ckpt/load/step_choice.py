@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -242,6 +243,7 @@ class StepChooser:
                    rank_map: RankMap | None, changed: list[bool], manifest: mf.Manifest | None = None,
                    before_read: Callable[[set[str]], None] | None = None,
                    ready: Callable[[dict], dict] | None = None) -> LoadResult:
+        t0 = time.perf_counter()
         got = manifest if manifest is not None else mf.read_committed(self.storage, step)
         if isinstance(got, mf.Manifest):
             m, whole = got, True
@@ -249,6 +251,7 @@ class StepChooser:
             if init_optimizers(state, got.skeleton()):  # their shards' boxes first (load_into would do it next)
                 changed[0] = True
             m, whole = step_for_load(self.storage, got, state, self.comm.rank, self.comm.world, rank_map), False
+        manifest_s = time.perf_counter() - t0
         read_counters(self.storage, reset=True)
         try:
             stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
@@ -257,6 +260,7 @@ class StepChooser:
                               staged=self.staged, lend=self.lend, ready=ready, budget=self.budget)
         finally:
             trim_scratch()  # reads and chains kept chunk-sized buffers per thread: loads are rare
+        stats.plan_s += manifest_s
         if whole:
             self.manifests.put(m)
         tiers = read_counters(self.storage)

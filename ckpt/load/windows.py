@@ -19,6 +19,7 @@ says what was held).
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import nullcontext
@@ -134,10 +135,13 @@ def read_in_windows(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[
             before_read(set(plan.reads))
         if staged:
             for w in cut:  # pass 1: every chunk checked, nothing kept
+                t0 = time.perf_counter()
                 stats.bytes_read += _read_window(storage, m, index, into, io, w, flat, in_place if w is cut[0] else ())
+                stats.read_s += time.perf_counter() - t0
         if before_write is not None:
             before_write()
         for w in cut:
+            t0 = time.perf_counter()
             try:
                 stats.bytes_read += _read_window(storage, m, index, into, io, w, flat,
                                                  () if staged or w is not cut[0] else in_place)
@@ -149,7 +153,10 @@ def read_in_windows(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[
                     f"{e} (it checked out in this load's first pass and not in its second: the stored object changed "
                     f"or went away while step {m.step} loaded; {done} written before this)",
                     object=e.object, chunk=e.chunk) from e
+            t1 = time.perf_counter()
+            stats.read_s += t1 - t0
             _copy_out(plan, into, w, space, threads_of(io))
+            stats.copy_s += time.perf_counter() - t1
 
 
 # Per target, its feeds sorted by where they land: (the positions, (position, chunk, feed) each).
