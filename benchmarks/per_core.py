@@ -19,6 +19,9 @@ training as benchmarks/bandwidth.py), and a sparse one (fp32, 90% zeros: a maske
   Each load is timed only once its save's retention has finished (``Checkpointer.wait()``) and after
   ``os.sync()``, neither timed: retention deleting the save two back (a whole state's chunks with
   ``raw``, little with ``auto``'s sparse deltas) would otherwise run during the load.
+* Where each load's time goes (``Checkpointer.last_load``): planning (the manifest read, every check),
+  reading and checking the chunks, the copy out of staging memory, and the rest (values put in place);
+  the one-thread load's serial share (planning and the rest) bounds what a second thread can give.
 
 Prints a table, writes benchmarks/results/per_core.{json,md}.
 """
@@ -178,7 +181,11 @@ def scaling(state: dict[str, Any], root: str, repeats: int) -> dict[str, dict[st
             os.sync()
             t1 = time.perf_counter()
             c.load(step[0], state)
-            return {"durable": took, "load": time.perf_counter() - t1}
+            done = time.perf_counter() - t1
+            s = c.last_load
+            assert s is not None
+            return {"durable": took, "load": done, "plan": s.plan_s, "read": s.read_s, "copy": s.copy_s,
+                    "rest": s.seconds - s.plan_s - s.read_s - s.copy_s}
         return go
 
     def before(r: int) -> None:
@@ -190,7 +197,7 @@ def scaling(state: dict[str, Any], root: str, repeats: int) -> dict[str, dict[st
     kept = rounds({f"{c} x{n}": method((c, n)) for c, n in cps}, repeats, warmup=1, before=before)
     for c in cps.values():
         c.close()
-    return {name: {k: median(r[k] for r in runs) for k in ("durable", "load")} for name, runs in kept.items()}
+    return {name: {k: median(r[k] for r in runs) for k in runs[0]} for name, runs in kept.items()}
 
 
 def main() -> None:
@@ -241,6 +248,21 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | {label} | {fmt(one['durable'])} | {fmt(two['durable'])} | "
                          f"{ratio(one['durable'], two['durable'])} | {fmt(one['load'])} | {fmt(two['load'])} | "
                          f"{ratio(one['load'], two['load'])} | {over_raw} |")
+    lines += ["", "Where a load's time goes (`Checkpointer.last_load`), milliseconds (medians), 1 → 2 threads; the "
+              "serial share is plan + rest of the one-thread load, and the bound is the most 2 threads could give "
+              "with it (Amdahl: 1 ÷ (serial + parallel ÷ 2)):", "",
+              "| state | codec | plan | read + check | copy back | rest | serial share | bound |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        s = r["scaling"]
+        for codec in ("auto", "raw"):
+            one, two = s.get(f"{codec} x1", {}), s.get(f"{codec} x2", {})
+            if "plan" not in one:
+                continue
+            whole = one["plan"] + one["read"] + one["copy"] + one["rest"]
+            serial = (one["plan"] + one["rest"]) / whole
+            cells = " | ".join(f"{one[k] * 1e3:.1f} → {two[k] * 1e3:.1f}" for k in ("plan", "read", "copy", "rest"))
+            lines.append(f"| {name} | {codec} | {cells} | {serial:.2f} | {1 / (serial + (1 - serial) / 2):.2f} |")
     return "\n".join(lines) + "\n"
 
 
