@@ -63,8 +63,8 @@ class LoadStats:
         staging_bytes: the staging memory the load held (stand-ins and row stages).
         seconds: ``Checkpointer.load``'s whole time on this rank (choosing the step, the rounds with the
             other ranks, values put in place); 0.0 for reads of boxes alone (``Reader``, DCP).
-        plan_s: reading the manifest and planning the reads, every check before the first chunk is read
-            (``Checkpointer.load``).
+        plan_s: reading the manifest and planning the reads (every check, and where each chunk's bytes
+            land) until the first chunk is read; for reads of boxes alone, only the last of these.
         read_s: reading and verifying the chunks on the I/O threads, every pass.
         copy_s: copying the verified bytes from staging memory into the tensors.
         What a load's time is spent on besides these three (``seconds`` less them) is the part that
@@ -173,6 +173,7 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
     there, nothing written. ``budget``: the bytes of staging memory it may hold (``host_memory``);
     where the reads need more they go in windows (:mod:`ckpt.load.windows`). Every read is finished or
     cancelled before this returns."""
+    began = time.perf_counter()  # from here to the first read: planning too (where each chunk's bytes land)
     places, need = _places([into[i] for i in stand_in])
     if budget is not None and need + sum(s.nbytes for s in plan.stages) > budget:
         stats = LoadStats(m.step, chunks_read=len(plan.reads), chunks=sorted(plan.reads))
@@ -212,6 +213,7 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
                  for h, fs in plan.reads.items()}
         stats = LoadStats(m.step, chunks_read=len(feeds), chunks=sorted(feeds),
                           staging_bytes=need + sum(s.nbytes for s in plan.stages))
+        stats.plan_s = time.perf_counter() - began
         if before_read is not None:
             before_read(set(feeds))
         if not staged and before_write is not None:
