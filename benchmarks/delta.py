@@ -251,7 +251,7 @@ def zipnn_encode(tensors: dict) -> tuple[int | None, float | None, float | None]
     except ImportError:
         if not _said_no_zipnn:
             _said_no_zipnn.append(True)
-            print("(zipnn is not installed: the table has no ZipNN columns; pip install -e '.[bench]')", flush=True)
+            print("(zipnn is not installed: the table has no ZipNN columns; pip install -e \".[bench]\")", flush=True)
         return None, None, None
     size, seconds, wall = 0, 0.0, 0.0
     for t in tensors.values():

@@ -165,7 +165,8 @@ def floor(state: dict[str, Any], root: str, repeats: int) -> dict[str, dict[str,
 
 
 def scaling(state: dict[str, Any], root: str, repeats: int) -> dict[str, dict[str, float]]:
-    """Medians of durable and load seconds for (codec, threads)."""
+    """Medians for (codec, threads) of the durable and load seconds and of the load's parts
+    (``last_load``: plan, read, copy, and the rest)."""
     cps = {(codec, n): ckpt.Checkpointer(os.path.join(root, f"{codec}-{n}"), codec=codec, io_threads=n,
                                          snapshot_threads=n, keep_last=2, direct_io=False)  # page-cache loads
            for codec in ("auto", "raw") for n in (1, 2)}

@@ -365,12 +365,12 @@ class Checkpointer:
                 e.args = (f"{e} (The state was partly overwritten before this failed: load a step before training "
                           "on; saves are refused until then.)", *e.args[1:])
             raise
+        took = time.perf_counter() - began
         if self._run_journal is not None:  # the first load of this start: the journal's start record
-            self._run_journal.loaded(None if done is None else done.manifest.step, time.perf_counter() - began,
-                                     self._chooser.hosts)
+            self._run_journal.loaded(None if done is None else done.manifest.step, took, self._chooser.hosts)
         if done is None:
             return None
-        done.stats.seconds = time.perf_counter() - began
+        done.stats.seconds = took
         self.last_load = done.stats
         self._engine.loaded(done)  # retention keeps the step; the next save reuses its chunks (wait() waits for a heal)
         return done.manifest.step

@@ -67,8 +67,10 @@ class LoadStats:
             land) until the first chunk is read; for reads of boxes alone, only the last of these.
         read_s: reading and verifying the chunks on the I/O threads, every pass.
         copy_s: copying the verified bytes from staging memory into the tensors.
-        What a load's time is spent on besides these three (``seconds`` less them) is the part that
-        more I/O threads do not shorten: rounds with the other ranks, putting values in place.
+        ``plan_s`` and the rest of ``seconds`` (less the three) are what more I/O threads do not
+        shorten. The rest: choosing the step (and any step tried before it), rounds with the other
+        ranks, chunks fetched for a local tier before the reads, values put in place, the run
+        journal's record; for a load from local tiers also the manifest, read before planning.
     """
 
     step: int
@@ -178,7 +180,7 @@ def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[tor
     if budget is not None and need + sum(s.nbytes for s in plan.stages) > budget:
         stats = LoadStats(m.step, chunks_read=len(plan.reads), chunks=sorted(plan.reads))
         read_in_windows(storage, m, plan, into, io, stand_in=stand_in, staged=staged, budget=budget, lend=lend,
-                        before_read=before_read, before_write=before_write, stats=stats)
+                        before_read=before_read, before_write=before_write, stats=stats, began=began)
         return stats
     dest = list(into)
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -1,6 +1,6 @@
 """What a snapshot finds in the state besides its bytes: the tensors a save checks for NaN and Inf, the
 optimizer settings that are NaN or infinite, and the CUDA tensors an optimizer's pre-step hook guards
-(whose copy may overlap compute)."""
+(whose copy may overlap compute); and the save's refusal of a state that holds NaN or Inf."""
 
 from __future__ import annotations
 
