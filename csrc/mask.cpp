@@ -201,21 +201,31 @@ template <int W, bool X>
 __attribute__((target("avx2"))) int64_t expand_avx2(const uint8_t* mask, const uint8_t* kept, uint64_t k, uint64_t m,
                                                     const uint8_t* base, uint8_t* out) {
   const Tables& t = tables();
-  const uint64_t bytes = (m + 7) / 8;
+  const uint64_t bytes = (m + 7) / 8, whole = m / 8;  // mask bytes; those whose eight elements all exist
   uint64_t j = 0;
   for (uint64_t q = 0; q < bytes;) {
-    if ((q + 8) * 8 <= m && j + 64 <= k) {  // 64 elements, and 64 kept ones to read from: no check per byte
+    if (q + 8 <= whole && j + 64 <= k) {  // 64 elements, and 64 kept ones to read from: no check per byte
       uint64_t word;
       std::memcpy(&word, mask + q, 8);
       const uint64_t i = q * 8;
-      if (word == 0) {
-        fill<W, X>(base, out, i, i + 64);
-      } else {
-        for (int b = 0; b < 8; ++b) {  // no branch on a byte's bits: a sparse mask's are random
-          const unsigned bits = static_cast<unsigned>(word >> (8 * b)) & 255u;
-          place8<W, X>(t, bits, kept + j * W, X ? base + (i + 8 * b) * W : nullptr, out + (i + 8 * b) * W);
-          j += static_cast<uint64_t>(__builtin_popcount(bits));
+      if (word == 0) {  // a run of zero elements (most of a sparse update's delta): 32 mask bytes a test, one fill
+        uint64_t r = q + 8;
+        while (r + 32 <= whole &&
+               _mm256_testz_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mask + r)),
+                                  _mm256_set1_epi8(-1)))
+          r += 32;
+        for (; r + 8 <= whole; r += 8) {
+          std::memcpy(&word, mask + r, 8);
+          if (word) break;
         }
+        fill<W, X>(base, out, i, r * 8);
+        q = r;
+        continue;
+      }
+      for (int b = 0; b < 8; ++b) {  // no branch on a byte's bits: a sparse mask's are random
+        const unsigned bits = static_cast<unsigned>(word >> (8 * b)) & 255u;
+        place8<W, X>(t, bits, kept + j * W, X ? base + (i + 8 * b) * W : nullptr, out + (i + 8 * b) * W);
+        j += static_cast<uint64_t>(__builtin_popcount(bits));
       }
       q += 8;
       continue;
