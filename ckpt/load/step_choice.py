@@ -267,8 +267,9 @@ class StepChooser:
         if tiers is not None:  # which tier each chunk came from; damaged local copies are named
             stats.local_chunks, stats.remote_chunks = tiers.local_hits, tiers.remote_reads
             stats.local_rejected = list(tiers.local_rejected)
-        log.info("resumed from step %d of %s (%.1f MiB read and verified, %d chunk(s)%s; saved on %d rank(s), "
-                 "loaded as %s)", step, self.storage.describe(), stats.bytes_read / MiB, stats.chunks_read,
+        log.info("resumed from step %d of %s (%.1f MiB read and verified in %.2f s after %.2f s of planning, "
+                 "%d chunk(s)%s; saved on %d rank(s), loaded as %s)", step, self.storage.describe(),
+                 stats.bytes_read / MiB, stats.read_s, stats.plan_s, stats.chunks_read,
                  f", {stats.passes} passes through {stats.windows} windows of host_memory" if stats.passes > 1 else "",
                  m.world_size, self.comm.describe())
         events.emit("resume", self.comm.rank, step=step)
