@@ -162,6 +162,15 @@ const Tables& tables() {
   return t;
 }
 
+// zero_run() 32 mask bytes a test: a sparse update's delta keeps an element every ~512 mask bytes.
+__attribute__((target("avx2"))) uint64_t zero_run_avx2(const uint8_t* mask, uint64_t q, uint64_t bytes) {
+  uint64_t r = q + 1;
+  while (r + 32 <= bytes &&
+         _mm256_testz_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mask + r)), _mm256_set1_epi8(-1)))
+    r += 32;
+  return r < bytes && mask[r] == 0 ? zero_run(mask, r - 1, bytes) : r;
+}
+
 // Eight elements from the kept ones at `from` into place by the mask byte `bits`, XOR `under` (X).
 // Reads eight kept elements (four, twice, for W = 8): the caller makes sure they are there.
 template <int W, bool X>
@@ -208,17 +217,9 @@ __attribute__((target("avx2"))) int64_t expand_avx2(const uint8_t* mask, const u
       uint64_t word;
       std::memcpy(&word, mask + q, 8);
       const uint64_t i = q * 8;
-      if (word == 0) {  // a run of zero elements (most of a sparse update's delta): 32 mask bytes a test, one fill
-        uint64_t r = q + 8;
-        while (r + 32 <= whole &&
-               _mm256_testz_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mask + r)),
-                                  _mm256_set1_epi8(-1)))
-          r += 32;
-        for (; r + 8 <= whole; r += 8) {
-          std::memcpy(&word, mask + r, 8);
-          if (word) break;
-        }
-        fill<W, X>(base, out, i, r * 8);
+      if (word == 0) {  // a run of zero elements (most of a sparse update's delta): one fill
+        const uint64_t r = zero_run_avx2(mask, q, bytes);
+        fill<W, X>(base, out, i, r * 8 < m ? r * 8 : m);
         q = r;
         continue;
       }
@@ -233,7 +234,7 @@ __attribute__((target("avx2"))) int64_t expand_avx2(const uint8_t* mask, const u
     unsigned bits = mask[q];
     const uint64_t i = q * 8, e = m - i < 8 ? m - i : 8;
     if (bits == 0) {
-      const uint64_t r = zero_run(mask, q, bytes);
+      const uint64_t r = zero_run_avx2(mask, q, bytes);
       fill<W, X>(base, out, i, r * 8 < m ? r * 8 : m);
       q = r;
       continue;

@@ -37,7 +37,8 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
               on_change: Callable[[], None] | None = None,
               before_read: Callable[[set[str]], None] | None = None,
               staged: bool = True, lend: Lend | None = None,
-              ready: Callable[[dict], dict] | None = None, budget: int | None = None) -> LoadStats:
+              ready: Callable[[dict], dict] | None = None, budget: int | None = None,
+              began: float | None = None) -> LoadStats:
     """Load manifest ``m`` into ``state`` as rank ``rank`` of ``world``; returns what was read.
 
     Every check comes before the first byte lands in the state (keys, shapes, dtypes, devices, the
@@ -51,12 +52,12 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     reads): it may raise to stop the load there (other ranks failed), the state still unchanged,
     and returns what the loading ranks took together (their notes' :func:`ckpt.load.held.union`), so
     that ``strict`` refuses a key no rank holds. Alone (``world`` 1) that is checked before any read.
-    ``budget``: the staging memory it may hold (``host_memory``; :mod:`ckpt.load.windows`)."""
-    t0 = time.perf_counter()
+    ``budget``: the staging memory it may hold (``host_memory``; :mod:`ckpt.load.windows`). ``began``
+    (``time.perf_counter()``): when the load began, for ``LoadStats.plan_s`` (default: now)."""
+    began = time.perf_counter() if began is None else began
     if init_optimizers(state, m) and on_change is not None:
         on_change()
     plan = plan_load(m, state, rank, world, rank_map, strict=strict, allow_pickle=allow_pickle)
-    planned = time.perf_counter() - t0
     checked = strict and world > 1 and ready is not None
 
     def changing() -> None:
@@ -71,7 +72,7 @@ def load_into(storage: Storage, m: mf.Manifest, state: dict[str, Any], *, strict
     # checked out; for every destination on a device (or strided), and with ``staged`` for the
     # caller's own CPU tensors too. One allocation for all, or memory ``lend`` gives.
     stats = read_planned(storage, m, plan.boxes, plan.into, io, stand_in=(plan.own if staged else []) + plan.elsewhere,
-                         staged=staged, lend=lend, before_read=before_read, before_write=changing, budget=budget)
+                         staged=staged, lend=lend, before_read=before_read, before_write=changing, budget=budget,
+                         began=began)
     apply_values(state, plan, strict)
-    stats.plan_s += planned
     return stats

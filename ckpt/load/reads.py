@@ -166,16 +166,18 @@ def _checked(m: mf.Manifest, entries: dict[tuple[str, int | None], mf.TensorEntr
 def read_planned(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[torch.Tensor], io: Executor, *,
                  stand_in: Sequence[int] = (), staged: bool = True, lend: Lend | None = None,
                  before_read: Callable[[set[str]], None] | None = None,
-                 before_write: Callable[[], None] | None = None, budget: int | None = None) -> LoadStats:
+                 before_write: Callable[[], None] | None = None, budget: int | None = None,
+                 began: float | None = None) -> LoadStats:
     """Do ``plan``'s reads: request ``i`` lands in ``into[i]`` (its box's shape, the saved dtype; a
     CPU contiguous tensor unless it is in ``stand_in``, the requests read into CPU stand-ins and
     copied to their tensors at the end). ``before_read(chunks)`` runs just before the first read with
     every chunk the reads need; ``before_write()`` just before the reads first write into ``into``
     (``staged``: once every chunk has checked out; else before the first read): it may raise to stop
     there, nothing written. ``budget``: the bytes of staging memory it may hold (``host_memory``);
-    where the reads need more they go in windows (:mod:`ckpt.load.windows`). Every read is finished or
-    cancelled before this returns."""
-    began = time.perf_counter()  # from here to the first read: planning too (where each chunk's bytes land)
+    where the reads need more they go in windows (:mod:`ckpt.load.windows`). ``began``
+    (``time.perf_counter()``): when planning began, for ``plan_s`` (default: now). Every read is
+    finished or cancelled before this returns."""
+    began = time.perf_counter() if began is None else began  # until the first read: plan_s
     places, need = _places([into[i] for i in stand_in])
     if budget is not None and need + sum(s.nbytes for s in plan.stages) > budget:
         stats = LoadStats(m.step, chunks_read=len(plan.reads), chunks=sorted(plan.reads))

@@ -251,16 +251,14 @@ class StepChooser:
             if init_optimizers(state, got.skeleton()):  # their shards' boxes first (load_into would do it next)
                 changed[0] = True
             m, whole = step_for_load(self.storage, got, state, self.comm.rank, self.comm.world, rank_map), False
-        manifest_s = time.perf_counter() - t0
         read_counters(self.storage, reset=True)
         try:
             stats = load_into(self.storage, m, state, strict=strict, allow_pickle=allow_pickle, io=self.io,
                               rank=self.comm.rank, world=self.comm.world, rank_map=rank_map,
                               on_change=lambda: changed.__setitem__(0, True), before_read=before_read,
-                              staged=self.staged, lend=self.lend, ready=ready, budget=self.budget)
+                              staged=self.staged, lend=self.lend, ready=ready, budget=self.budget, began=t0)
         finally:
             trim_scratch()  # reads and chains kept chunk-sized buffers per thread: loads are rare
-        stats.plan_s += manifest_s
         if whole:
             self.manifests.put(m)
         tiers = read_counters(self.storage)

@@ -117,7 +117,7 @@ def windows(plan: BoxPlan, into: Sequence[torch.Tensor], stand_in: Sequence[int]
 def read_in_windows(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[torch.Tensor], io: Executor, *,
                     stand_in: Sequence[int], staged: bool, budget: int, lend: Lend | None,
                     before_read: Callable[[set[str]], None] | None,
-                    before_write: Callable[[], None] | None, stats: LoadStats, began: float | None = None) -> None:
+                    before_write: Callable[[], None] | None, stats: LoadStats, began: float) -> None:
     """:func:`ckpt.load.reads.read_planned` within ``budget`` bytes of staging: see the module's
     docstring. Fills ``stats`` (a :class:`~.reads.LoadStats`): bytes read over every pass, the
     passes, the windows, the staging held, and the times (planning from ``began``, a
@@ -132,8 +132,7 @@ def read_in_windows(storage: Storage, m: mf.Manifest, plan: BoxPlan, into: list[
     with (lend(held) if lend is not None else nullcontext()) as lent:
         space = lent if lent is not None else staging_memory(held)
         flat = space[:held].numpy()
-        if began is not None:
-            stats.plan_s = time.perf_counter() - began
+        stats.plan_s = time.perf_counter() - began
         if before_read is not None:
             before_read(set(plan.reads))
         if staged:
